@@ -1,0 +1,216 @@
+"""Shared helpers for the benchmark scripts: timing, inputs, peers, CSV and RESULTS.md.
+
+Nothing here touches CUDA at import time, so ``--help`` works on a machine without a GPU.
+"""
+
+import csv
+import datetime
+import math
+import os
+import re
+import sys
+import traceback
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:  # run as `python benchmarks/x.py` without installing
+    sys.path.insert(0, REPO_ROOT)
+
+RESULTS_MD = os.path.join(REPO_ROOT, "benchmarks", "RESULTS.md")
+UNAVAILABLE = "unavailable"
+DEVICE = "cuda"
+
+
+# ------------------------------------------------------------------------------ timing
+
+def bench(fn, warmup_ms=25, rep_ms=150):
+    """Median time of ``fn()`` in ms. One untimed call first, so JIT compiles and
+    lazy allocations are excluded; then triton's do_bench (which flushes L2 between
+    runs), or CUDA events if triton is missing."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        return _bench_cuda_events(fn, warmup_ms, rep_ms)
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def _bench_cuda_events(fn, warmup_ms, rep_ms):
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    est_ms = max(start.elapsed_time(end) / 5, 1e-3)
+    for _ in range(max(1, int(warmup_ms / est_ms))):
+        fn()
+    times = []
+    for _ in range(max(5, int(rep_ms / est_ms))):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+# ------------------------------------------------------------------------------ inputs
+
+def randn(*shape, dtype):
+    """Random normal inputs (never zeros: a kernel that skips work must not look fast)."""
+    import torch
+
+    return torch.randn(*shape, dtype=dtype, device=DEVICE)
+
+
+def parse_dtype(name):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def check_correct(out, out_ref, out_torch):
+    """True/False from testing.is_close; never raises (a benchmark keeps going)."""
+    from flash_attn_cute.testing import is_close
+
+    try:
+        return bool(is_close(out, out_ref, out_torch)[0])
+    except Exception:
+        return False
+
+
+def error_text(exc):
+    """One short line for a failed implementation, printed next to its row."""
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {msg}"[:160]
+
+
+def print_exception(label, exc):
+    print(f"[{label}] {error_text(exc)}", file=sys.stderr)
+    if os.environ.get("BENCH_VERBOSE"):
+        traceback.print_exc()
+
+
+# ------------------------------------------------------------------------------- peers
+
+def load_fa4():
+    """FlashAttention-4's CuTe module (``flash_attn.cute``) or (None, reason)."""
+    try:
+        import flash_attn.cute as fa4
+
+        return fa4, ""
+    except Exception as e:  # ImportError, or a broken install failing at import
+        return None, error_text(e)
+
+
+def sdpa(q, k, v, *, backend, causal=False, scale=None):
+    """torch SDPA with a single backend forced; q (b, sq, h, d), k/v (b, sk, hkv, d).
+
+    Returns (fn, note): ``fn()`` runs the attention and returns the output in
+    (b, sq, h, dv). GQA uses ``enable_gqa=True`` where the backend takes it, else K/V
+    repeated to all heads once, outside the timed function (note says which).
+    Raises if the backend refuses the problem.
+    """
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    sdp_backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (b, h, s, d) views
+    group = q.shape[2] // k.shape[2]
+
+    def make(kt, vt, enable_gqa):
+        def fn():
+            with sdpa_kernel(sdp_backend):
+                o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale,
+                                                   enable_gqa=enable_gqa)
+            return o.transpose(1, 2)
+
+        return fn
+
+    if group == 1:
+        fn, note = make(kt, vt, False), ""
+    else:
+        try:
+            fn, note = make(kt, vt, True), "enable_gqa"
+            fn()
+        except RuntimeError:
+            kt, vt = kt.repeat_interleave(group, 1), vt.repeat_interleave(group, 1)
+            fn, note = make(kt, vt, False), "repeat_kv"
+    fn()  # raises here if the backend cannot run this problem
+    return fn, note
+
+
+# ----------------------------------------------------------------------------- output
+
+def write_csv(path, columns, rows):
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({c: _fmt(r.get(c, "")) for c in columns})
+    print(f"wrote {path}")
+
+
+def _fmt(x):
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "nan"
+        return f"{x:.4g}" if abs(x) < 1e4 else f"{x:.0f}"
+    return str(x)
+
+
+def format_table(rows, columns):
+    cells = [[_fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def print_table(rows, columns):
+    print(format_table(rows, columns))
+
+
+def device_name():
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
+
+
+def append_results_md(title, rows, columns=None, notes="", path=RESULTS_MD):
+    """Write or replace the section ``title`` of benchmarks/RESULTS.md: a heading, the
+    UTC date and the GPU name, optional notes, and the rows as a markdown table.
+    Other sections are kept as they are."""
+    if columns is None:
+        columns = list(rows[0].keys()) if rows else []
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"<!-- section: {title} -->", f"## {title}", "",
+             f"{stamp} on {device_name()}", ""]
+    if notes:
+        lines += [notes, ""]
+    lines.append("| " + " | ".join(columns) + " |")
+    lines.append("|" + "|".join("---" for _ in columns) + "|")
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(r.get(c, "")).replace("|", "/") for c in columns) + " |")
+    lines += [f"<!-- end section: {title} -->", ""]
+    section = "\n".join(lines)
+
+    text = open(path).read() if os.path.exists(path) else "# Benchmark results\n\n"
+    pattern = re.compile(rf"<!-- section: {re.escape(title)} -->.*?<!-- end section: {re.escape(title)} -->\n?",
+                         re.S)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section, text)
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    with open(path, "w") as f:
+        f.write(text)
+    print(f"updated {path} ({title})")

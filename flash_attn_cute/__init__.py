@@ -1,0 +1,35 @@
+"""FlashAttention forward kernels in the CUTLASS CuTe Python DSL, compiled at first call.
+
+Public API (inference forward, no autograd): ``flash_attn_func``, ``flash_attn_varlen_func``,
+``flash_attn_with_kvcache``, ``flash_attn_combine``. See ``flash_attn_cute.interface``.
+"""
+
+from importlib.metadata import PackageNotFoundError, version as _version
+
+from .interface import (
+    BACKENDS,
+    MAX_SPLITS,
+    SUPPORTED_DTYPES,
+    SUPPORTED_HEAD_DIMS,
+    flash_attn_combine,
+    flash_attn_func,
+    flash_attn_varlen_func,
+    flash_attn_with_kvcache,
+)
+
+try:
+    __version__ = _version("flash_attn_cute")
+except PackageNotFoundError:  # running from a source tree that is not installed
+    __version__ = "0.1.0"
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
+    "flash_attn_combine",
+    "SUPPORTED_HEAD_DIMS",
+    "SUPPORTED_DTYPES",
+    "MAX_SPLITS",
+    "BACKENDS",
+    "__version__",
+]

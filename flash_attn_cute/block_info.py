@@ -1,0 +1,61 @@
+"""Which KV blocks one CTA visits, and which of them need a per-element mask.
+
+Shared by every architecture: the tile sizes are static, the sequence lengths and
+the variant's window are runtime values.
+"""
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+from flash_attn_cute.variants import AttentionVariant, AttnCtx
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    tile_m: cutlass.Constexpr[int]
+    tile_n: cutlass.Constexpr[int]
+    qhead_per_kvhead_packed: cutlass.Constexpr[int]  # rows per query position in the M tile
+    variant: cutlass.Constexpr[AttentionVariant]
+
+    def query_range(self, m_block: Int32, ctx: AttnCtx):
+        """First and last query position held by the rows of this M tile."""
+        pack = self.qhead_per_kvhead_packed
+        row_lo = m_block * self.tile_m
+        row_hi = cutlass.min((m_block + 1) * self.tile_m, ctx.seqlen_q * pack) - 1
+        return row_lo // pack, row_hi // pack
+
+    @cute.jit
+    def get_n_block_min_max(
+        self, m_block: Int32, ctx: AttnCtx, split_idx: Int32, num_splits: Int32, is_split: cutlass.Constexpr
+    ):
+        """[n_block_min, n_block_max) for this CTA; empty (min >= max) when nothing is visible.
+        With splits, the visible range is cut into num_splits near-equal chunks."""
+        n_block_max = cute.ceil_div(ctx.seqlen_k, self.tile_n)
+        n_block_min = Int32(0)
+        q_lo, q_hi = self.query_range(m_block, ctx)
+        lo, hi = self.variant.key_range(q_lo, q_hi, ctx)
+        if cutlass.const_expr(hi is not None):
+            n_block_max = cutlass.min(n_block_max, cute.ceil_div(cutlass.max(hi, 0), self.tile_n))
+        if cutlass.const_expr(lo is not None):
+            n_block_min = cutlass.max(lo, 0) // self.tile_n
+        if cutlass.const_expr(is_split):
+            per_split = cute.ceil_div(cutlass.max(n_block_max - n_block_min, 0), num_splits)
+            n_block_min = n_block_min + split_idx * per_split
+            n_block_max = cutlass.min(n_block_max, n_block_min + per_split)
+        return n_block_min, n_block_max
+
+    @cute.jit
+    def get_unmasked_n_block_range(self, m_block: Int32, ctx: AttnCtx):
+        """[lo, hi): blocks needing neither the sequence-end nor the variant's mask."""
+        q_lo, q_hi = self.query_range(m_block, ctx)
+        key_lo, key_hi = self.variant.unmasked_key_range(q_lo, q_hi, ctx)
+        n_lo = Int32(0)
+        n_hi = ctx.seqlen_k // self.tile_n
+        if cutlass.const_expr(key_hi is not None):
+            n_hi = cutlass.min(n_hi, cutlass.max(key_hi, 0) // self.tile_n)
+        if cutlass.const_expr(key_lo is not None):
+            n_lo = cute.ceil_div(cutlass.max(key_lo, 0), self.tile_n)
+        return n_lo, n_hi

@@ -1,0 +1,345 @@
+"""Split-KV combine: merge per-split partial outputs into the final O (and its LSE).
+
+    lse = logsumexp_s lse_s            O = sum_s exp(lse_s - lse) * O_s
+
+Arch-neutral (SM80 and up): cp.async and 128-bit global stores, no TMA, no tensor cores.
+The kernel is memory bound: every O partial element is read exactly once, with coalesced
+128-bit cp.async copies, several splits in flight per thread.
+
+A "row" is one (batch, seqlen, head) triple. A CTA owns ``tile_m`` rows of one batch and one
+``k_block`` wide column slice of d_v:
+  1. ``load_lse``: the LSE of every split for its rows goes to smem (coalesced along seqlen),
+  2. ``reduce``: a lane group per row reduces max / sum over splits and rewrites smem in
+     place with the normalised per-split scales exp(lse_s - lse),
+  3. ``accumulate``: each thread streams its 128-bit column chunk of every split with a
+     nonzero scale through a private ``stages``-deep smem ring into fp32 registers,
+  4. ``store``: convert and write that chunk of O with one 128-bit store.
+"""
+
+import math
+import os
+from typing import Optional, Type
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+MAX_SPLITS = 256
+
+
+class FlashAttnCombine:
+    def __init__(
+        self,
+        dtype: Type[cutlass.Numeric],
+        head_dim_v: int,
+        max_splits: int = MAX_SPLITS,
+        stages: int = 8,
+    ):
+        assert dtype in (cutlass.Float16, cutlass.BFloat16, Float32), dtype
+        assert head_dim_v % 8 == 0 and 8 <= head_dim_v <= 512, head_dim_v
+        assert stages & (stages - 1) == 0, "the ring slot is split % stages"
+        self.dtype = dtype
+        self.head_dim_v = head_dim_v
+        self.max_splits = max_splits
+        self.stages = stages
+        # A thread owns 128 bits of its output row (8 halves or 4 floats), so the store is
+        # one 128-bit STG; the fp32 partials behind it are vec / 4 128-bit cp.async per split.
+        self.vec = 128 // dtype.width
+        self.chunks = self.vec // 4
+        # Column slice: a power of two so that a row's threads are an aligned lane group of
+        # one warp (shuffle reductions, warp-level sync); capped at 128 so that large head
+        # dims spread over grid.y and small (decode) problems still spread over more SMs.
+        self.k_block = min(128, max(self.vec, 1 << (head_dim_v - 1).bit_length()))
+        self.threads_per_row = self.k_block // self.vec  # 1..32, divides 32
+        # Few rows per CTA, so that small (decode) problems still make many CTAs; at least a
+        # full warp, since the shuffles and warp syncs use a full lane mask.
+        self.tile_m = max(8, 32 // self.threads_per_row)
+        self.num_threads = self.tile_m * self.threads_per_row
+        self.is_even_k = head_dim_v % self.k_block == 0
+        # smem: LSEs, max_splits x tile_m fp32 (8 KB), and the ring, stages x tile_m x k_block
+        # fp32 (32 KB at k_block 128). The ring keeps stages - 1 splits, 28 KB per CTA, in
+        # flight: about what one SM needs to cover DRAM latency, so that even a grid of one
+        # CTA per SM streams near full speed.
+        smem_bytes = 4 * self.tile_m * (max_splits + stages * self.k_block)
+        assert smem_bytes <= 48 * 1024, "static smem limit"
+
+    @cute.jit
+    def __call__(
+        self,
+        mOPartial: cute.Tensor,  # (num_splits, batch, seqlen, nheads, d_v) fp32, d_v contiguous
+        mLSEPartial: cute.Tensor,  # (num_splits, batch, nheads, seqlen) fp32, natural log
+        mO: cute.Tensor,  # (batch, seqlen, nheads, d_v), d_v contiguous
+        mLSE: Optional[cute.Tensor],  # (batch, nheads, seqlen) fp32, or None
+        stream,
+    ):
+        # num_splits <= max_splits is the caller's to check: the LSE smem is sized for it.
+        if const_expr(mOPartial.element_type != Float32 or mLSEPartial.element_type != Float32):
+            raise TypeError("O partial and LSE partial must be fp32")
+        if const_expr(mO.element_type != self.dtype):
+            raise TypeError(f"O must be {self.dtype}")
+        # Every tensor gets one row mode of shape (seqlen, nheads), indexed by the coordinate
+        # (r % seqlen, r // seqlen) of a flat row r: seqlen fastest, the contiguous direction
+        # of the LSEs, so that a CTA's rows are mostly one contiguous run of LSEs.
+        mOPartial = cute.group_modes(mOPartial, 2, 4)  # (num_splits, batch, row, d_v)
+        mO = cute.group_modes(mO, 1, 3)  # (batch, row, d_v)
+        mLSEPartial = cute.make_tensor(
+            mLSEPartial.iterator, cute.group_modes(cute.select(mLSEPartial.layout, mode=[0, 1, 3, 2]), 2, 4)
+        )  # (num_splits, batch, row)
+        if const_expr(mLSE is not None):
+            mLSE = cute.make_tensor(
+                mLSE.iterator, cute.group_modes(cute.select(mLSE.layout, mode=[0, 2, 1]), 1, 3)
+            )  # (batch, row)
+        # Split-major: a split's tile_m LSEs are one contiguous smem row, so the cp.async that
+        # land them and the scale reads of the streaming threads are bank-conflict free.
+        sLSE_layout = cute.make_ordered_layout((self.max_splits, self.tile_m), order=(1, 0))
+        # (4, chunks, num_threads, stages): a 16 B chunk per (chunk, thread, stage) with the
+        # thread index fastest, so the 128-bit smem writes and reads of a quarter warp hit
+        # 8 distinct 16 B bank groups.
+        sO_layout = cute.make_ordered_layout(
+            (4, self.chunks, self.num_threads, self.stages), order=(0, 2, 1, 3)
+        )
+        num_rows = cute.size(mO.shape[1])
+        grid = [
+            cute.ceil_div(num_rows, self.tile_m),
+            cute.ceil_div(self.head_dim_v, self.k_block),
+            cute.size(mO.shape[0]),
+        ]
+        self.kernel(mOPartial, mLSEPartial, mO, mLSE, sLSE_layout, sO_layout).launch(
+            grid=grid, block=[self.num_threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mOPartial: cute.Tensor,  # (num_splits, batch, row, d_v)
+        mLSEPartial: cute.Tensor,  # (num_splits, batch, row)
+        mO: cute.Tensor,  # (batch, row, d_v)
+        mLSE: Optional[cute.Tensor],  # (batch, row)
+        sLSE_layout: cute.Layout,
+        sO_layout: cute.Layout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, k_block_idx, batch_idx = cute.arch.block_idx()
+        num_splits = mOPartial.shape[0]
+        seqlen = mO.shape[1][0]
+        num_rows = cute.size(mO.shape[1])
+
+        smem = cutlass.utils.SmemAllocator()
+        sLSE = smem.allocate_tensor(Float32, sLSE_layout, byte_alignment=16)  # (max_splits, tile_m)
+        sO = smem.allocate_tensor(Float32, sO_layout, byte_alignment=16)  # (4, chunks, threads, stages)
+
+        self.load_lse(mLSEPartial[None, batch_idx, None], sLSE, m_block, num_splits, seqlen, num_rows, tidx)
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+
+        # Reduction and streaming share one mapping: lane group m (threads_per_row lanes of
+        # one warp) owns row m, lane j of the group owns columns [j * vec, (j + 1) * vec).
+        m = tidx // self.threads_per_row
+        j = tidx % self.threads_per_row
+        row = m_block * self.tile_m + m
+        row_crd = (row % seqlen, row // seqlen)  # (seqlen idx, head idx)
+        lse = self.reduce(sLSE, m, j, num_splits)
+        if const_expr(mLSE is not None):
+            if k_block_idx == 0 and j == 0 and row < num_rows:
+                mLSE[batch_idx, row_crd] = lse
+        # The scales of row m were written by lanes of this same warp.
+        cute.arch.sync_warp()
+
+        col = k_block_idx * self.k_block + j * self.vec
+        if row < num_rows and (const_expr(self.is_even_k) or col < self.head_dim_v):
+            # (4, chunks, num_splits): this thread's vec columns of its row, per split
+            gOPartial = cute.flat_divide(mOPartial[None, batch_idx, row_crd, None], (1, self.vec))
+            tOgOPartial = cute.flat_divide(gOPartial[0, None, None, col // self.vec], (4,))
+            tOsOPartial = sO[None, None, tidx, None]  # (4, chunks, stages)
+            tOrO = self.accumulate(tOgOPartial, tOsOPartial, sLSE, m, num_splits)
+            tOgO = cute.flat_divide(mO[batch_idx, row_crd, None], (self.vec,))[None, col // self.vec]
+            self.store(tOrO, tOgO)
+
+    @cute.jit
+    def load_lse(
+        self,
+        gLSEPartial: cute.Tensor,  # (num_splits, row) of this batch
+        sLSE: cute.Tensor,  # (max_splits, tile_m)
+        m_block: Int32,
+        num_splits: Int32,
+        seqlen: Int32,
+        num_rows: Int32,
+        tidx: Int32,
+    ):
+        # Consecutive threads take consecutive rows: along seqlen the LSEs are contiguous, so
+        # a warp reads whole sectors. cp.async rather than loads: nothing waits on any single
+        # one of them, so a thread's whole column of splits is in flight at once.
+        atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), Float32, num_bits_per_copy=32
+        )
+        m = tidx % self.tile_m
+        split_start = tidx // self.tile_m
+        split_step = self.num_threads // self.tile_m
+        row = m_block * self.tile_m + m
+        tLsLSE = cute.flat_divide(sLSE, (1,))  # (1, max_splits, tile_m)
+        if row < num_rows:
+            tLgLSE = cute.flat_divide(gLSEPartial[None, (row % seqlen, row // seqlen)], (1,))  # (1, num_splits)
+            for s in cutlass.range(split_start, num_splits, split_step):
+                cute.copy(atom, tLgLSE[None, s], tLsLSE[None, s, m])
+        else:  # rows past the end: -inf, i.e. all scales 0 (they are never stored)
+            for s in cutlass.range(split_start, num_splits, split_step):
+                sLSE[s, m] = -Float32.inf
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def reduce(self, sLSE: cute.Tensor, m: Int32, j: Int32, num_splits: Int32) -> Float32:
+        """Turn row m of sLSE into scales exp(lse_s - lse) in place; return lse (-inf if the
+        row has no valid split, in which case every scale is exactly 0, never NaN)."""
+        group = const_expr(self.threads_per_row)
+        lse_max = -Float32.inf
+        for s in cutlass.range(j, num_splits, group, unroll=4):
+            lse_max = cute.arch.fmax(lse_max, sLSE[s, m])
+        lse_max = cute.arch.warp_reduction_max(lse_max, threads_in_group=group)
+        # exp2(-inf - (-inf)) would be NaN: an all -inf row is shifted by 0 instead.
+        max_log2 = Float32(0.0) if lse_max == -Float32.inf else lse_max * LOG2_E
+        lse_sum = Float32(0.0)
+        for s in cutlass.range(j, num_splits, group, unroll=4):
+            scale = cute.math.exp2(sLSE[s, m] * LOG2_E - max_log2, approx=True)
+            sLSE[s, m] = scale
+            lse_sum += scale
+        lse_sum = cute.arch.warp_reduction_sum(lse_sum, threads_in_group=group)
+        inv_sum = Float32(0.0) if lse_sum == 0.0 else cute.arch.rcp_approx(lse_sum)
+        # Only this lane wrote these entries: no barrier between the two passes.
+        for s in cutlass.range(j, num_splits, group, unroll=4):
+            sLSE[s, m] = sLSE[s, m] * inv_sum
+        # log2(0) = -inf: lse = -inf for a row with no valid split.
+        return (cute.math.log2(lse_sum, approx=True) + max_log2) * LN_2
+
+    @cute.jit
+    def accumulate(
+        self,
+        tOgOPartial: cute.Tensor,  # (4, chunks, num_splits) gmem
+        tOsOPartial: cute.Tensor,  # (4, chunks, stages) smem, private to this thread
+        sLSE: cute.Tensor,  # (max_splits, tile_m) scales
+        m: Int32,
+        num_splits: Int32,
+    ) -> cute.Tensor:
+        # .cg: each partial is read exactly once, keep it out of L1.
+        atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Float32, num_bits_per_copy=128
+        )
+        stages = const_expr(self.stages)
+        for split in cutlass.range_constexpr(stages - 1):
+            self.load_split(atom, tOgOPartial, tOsOPartial, sLSE, m, num_splits, split, split)
+            cute.arch.cp_async_commit_group()
+        tOrO = cute.make_rmem_tensor((4, self.chunks), Float32)
+        tOrO.fill(0.0)
+        tOrOPartial = cute.make_rmem_tensor((4, self.chunks), Float32)
+        for split in cutlass.range(num_splits):
+            nxt = split + (stages - 1)
+            # Refills the slot read in the previous iteration: only this thread uses it.
+            self.load_split(atom, tOgOPartial, tOsOPartial, sLSE, m, num_splits, nxt, nxt % stages)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(stages - 1)
+            scale = sLSE[split, m]
+            # A slot whose copy was skipped holds stale bytes (maybe NaN): never touch it.
+            if scale > 0.0:
+                cute.autovec_copy(tOsOPartial[None, None, split % stages], tOrOPartial)
+                tOrO.store(tOrO.load() + scale * tOrOPartial.load())
+        return tOrO
+
+    @cute.jit
+    def load_split(
+        self,
+        atom: cute.CopyAtom,
+        tOgOPartial: cute.Tensor,  # (4, chunks, num_splits) gmem
+        tOsOPartial: cute.Tensor,  # (4, chunks, stages) smem
+        sLSE: cute.Tensor,  # (max_splits, tile_m) scales
+        m: Int32,
+        num_splits: Int32,
+        split: Int32,
+        stage: Int32,
+    ):
+        # A split with scale 0 (lse -inf, or underflow) is not read at all: its partial may
+        # be garbage or NaN, and it costs no bandwidth.
+        if split < num_splits:
+            if sLSE[split, m] > 0.0:
+                cute.copy(atom, tOgOPartial[None, None, split], tOsOPartial[None, None, stage])
+
+    @cute.jit
+    def store(
+        self,
+        tOrO: cute.Tensor,  # (4, chunks) fp32 accumulator
+        tOgO: cute.Tensor,  # (vec,) gmem, 16 B aligned
+    ):
+        rO = cute.make_rmem_tensor((self.vec,), self.dtype)
+        rO.store(tOrO.load().to(self.dtype))
+        cute.autovec_copy(rO, tOgO)
+
+
+# ---------------------------------------------------------------------------------------
+# Host side: compile key, compilation against fake tensors, launch
+# ---------------------------------------------------------------------------------------
+
+
+def target_arch() -> str:
+    """The arch kernels are compiled for: CUTE_DSL_ARCH, else the current GPU's (named the
+    way the DSL names it). Never touches the CUDA driver when the env var is set."""
+    arch = os.environ.get("CUTE_DSL_ARCH")
+    if arch:
+        return arch
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("no GPU: set CUTE_DSL_ARCH (e.g. sm_90a) to compile without one")
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+
+
+def combine_key(out_dtype_name: str, head_dim_v: int, has_lse: bool, arch: str) -> tuple:
+    return ("combine", out_dtype_name, head_dim_v, has_lse, arch)
+
+
+def compile_combine(key: tuple):
+    """Compile for ``key`` = combine_key(...). Pure function of the key: sizes and leading
+    strides are symbolic, so no shape ever recompiles; needs no GPU."""
+    from flash_attn_cute.cute_utils import COMPILE_OPTIONS, CUTE_DTYPE_BY_NAME, fake_stream, fake_tensor
+
+    name, out_dtype_name, head_dim_v, has_lse, arch = key
+    assert name == "combine"
+    dtype = CUTE_DTYPE_BY_NAME[out_dtype_name]
+    mOPartial = fake_tensor(Float32, 5, shape=(None, None, None, None, head_dim_v))
+    # LSEs: fp32 scalars read one at a time, any strides (e.g. a transposed view).
+    mLSEPartial = fake_tensor(Float32, 4, align=4, contiguous_last=False)
+    mO = fake_tensor(dtype, 4, shape=(None, None, None, head_dim_v))
+    mLSE = fake_tensor(Float32, 3, align=4, contiguous_last=False) if has_lse else None
+    kernel = FlashAttnCombine(dtype, head_dim_v)
+    # The arch is passed explicitly so that the artifact matches its key whatever the DSL
+    # read from the environment at import.
+    options = f"{COMPILE_OPTIONS} --gpu-arch {arch}"
+    return cute.compile(kernel, mOPartial, mLSEPartial, mO, mLSE, fake_stream(), options=options)
+
+
+_local_cache: dict = {}
+
+
+def _get_or_compile(name: str, key: tuple, compile_fn):
+    try:
+        from flash_attn_cute import jit_cache
+    except ImportError:  # jit_cache.py not there yet: same contract, process-local
+        jit_cache = None
+    if jit_cache is not None:
+        return jit_cache.get_or_compile(name, key, compile_fn)
+    if key not in _local_cache:
+        _local_cache[key] = compile_fn()
+    return _local_cache[key]
+
+
+def combine_fwd(out_partial, lse_partial, out, lse=None) -> None:
+    """out_partial (num_splits, b, s, h, d_v) fp32, lse_partial (num_splits, b, h, s) fp32,
+    out (b, s, h, d_v) fp16/bf16/fp32, lse (b, h, s) fp32 or None. Shapes are validated by
+    the public API. Runs on torch's current stream."""
+    from flash_attn_cute.cute_utils import DTYPE_NAMES
+
+    key = combine_key(DTYPE_NAMES[out.dtype], out.shape[-1], lse is not None, target_arch())
+    # compile_fn accepts (and ignores) the key so either calling convention of the cache works.
+    compiled = _get_or_compile("combine", key, lambda *_: compile_combine(key))
+    compiled(out_partial, lse_partial, out, lse)

@@ -1,0 +1,42 @@
+"""Small host-side helpers shared by every kernel: dtype mapping and fake tensors.
+
+Compilation is a pure function of a compile key: every kernel is compiled against
+fake tensors whose sizes and leading strides are symbolic (``cute.sym_int``), so a
+new sequence length, batch or page count never recompiles, and compiling needs no GPU.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import torch
+
+TORCH_TO_CUTE_DTYPE = {
+    torch.float16: cutlass.Float16,
+    torch.bfloat16: cutlass.BFloat16,
+    torch.float32: cutlass.Float32,
+    torch.int32: cutlass.Int32,
+}
+
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
+CUTE_DTYPE_BY_NAME = {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16, "fp32": cutlass.Float32, "i32": cutlass.Int32}
+
+
+def fake_tensor(dtype, rank: int, *, align: int = 16, shape=None, contiguous_last: bool = True):
+    """A fake gmem tensor of ``rank`` modes: sizes symbolic unless ``shape`` fixes some
+    (``None`` entries stay symbolic), the last mode of stride 1, other strides symbolic
+    (divisible by 16 bytes when ``align`` is 16, so 128-bit copies stay legal)."""
+    if shape is None:
+        shape = (None,) * rank
+    assert len(shape) == rank
+    sizes = tuple(cute.sym_int() if s is None else s for s in shape)
+    elems_per_align = max(1, align * 8 // dtype.width)
+    strides = tuple(cute.sym_int64(divisibility=elems_per_align) for _ in range(rank - 1))
+    strides = strides + ((1,) if contiguous_last else (cute.sym_int64(),))
+    return cute.runtime.make_fake_tensor(dtype, sizes, strides, assumed_align=align)
+
+
+def fake_stream():
+    """The stream is taken from the TVM-FFI environment (torch's current stream) at call time."""
+    return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+COMPILE_OPTIONS = "--enable-tvm-ffi"

@@ -1,0 +1,102 @@
+"""Launch heuristics: how many KV splits, whether to pack GQA heads, SM count.
+
+Everything here is host-side arithmetic on shapes. ``num_sms`` reads the device once per
+device and is only used when the caller asks for ``num_splits=0`` (auto); the compile
+path never calls it, so compiling needs no GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+__all__ = ["num_splits_heuristic", "num_sms", "should_pack_gqa", "ceildiv"]
+
+
+def ceildiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def num_splits_heuristic(total_mblocks: int, num_sms: int, num_n_blocks: int, max_splits: int = 128) -> int:
+    """Number of KV splits for split-KV ("flash-decoding"), FA2/FA3's wave-efficiency rule.
+
+    ``total_mblocks`` is the number of CTAs of the unsplit grid (batch x heads x m-blocks),
+    ``num_n_blocks`` the number of KV blocks one CTA walks. Splitting the KV loop ``s`` ways
+    multiplies the grid by ``s``; it pays off only when the unsplit grid leaves SMs idle.
+
+    - If the grid already fills >= 80% of one wave (``total_mblocks >= 0.8 * num_sms``),
+      do not split: 1.
+    - If there are at most 4 KV blocks (FA3's rule), the combine costs more than it
+      saves: 1.
+    - Otherwise, for each candidate ``s`` in ``1..min(max_splits, num_sms, num_n_blocks)``,
+      the wave efficiency is ``w / ceil(w)`` with ``w = total_mblocks * s / num_sms``
+      waves (1.0 = the last wave is full). Only ``s`` that actually change the number
+      of KV blocks per split, ``ceil(n / s) != ceil(n / (s - 1))``, are candidates (with
+      64 blocks, 12 splits are 11 splits of 6 blocks and one empty). Return the smallest
+      candidate whose efficiency is >= 85% of the best one: few splits (a cheap combine)
+      unless more buy a clearly fuller machine.
+    """
+    if total_mblocks <= 0 or num_sms <= 0 or num_n_blocks <= 0:
+        return 1
+    if total_mblocks >= 0.8 * num_sms:
+        return 1
+    if num_n_blocks <= 4:
+        return 1
+    max_splits = max(1, min(max_splits, num_sms, num_n_blocks))
+
+    def eligible(s: int) -> bool:
+        return s == 1 or ceildiv(num_n_blocks, s) != ceildiv(num_n_blocks, s - 1)
+
+    def efficiency(s: int) -> float:
+        waves = total_mblocks * s / num_sms
+        return waves / math.ceil(waves)
+
+    candidates = [s for s in range(1, max_splits + 1) if eligible(s)]
+    best = max(efficiency(s) for s in candidates)
+    for s in candidates:
+        if efficiency(s) >= 0.85 * best:
+            return s
+    return 1
+
+
+@lru_cache(maxsize=None)
+def _num_sms_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached per device index)."""
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _num_sms_of(index)
+
+
+def should_pack_gqa(seqlen_q: int, qhead_per_kvhead: int, tile_m: int = 128, *, varlen_q: bool = False) -> bool:
+    """Auto rule for ``pack_gqa=None``.
+
+    Packing GQA lays the ``qhead_per_kvhead`` query heads that share one KV head along the
+    M dimension, so one CTA handles ``seqlen_q * qhead_per_kvhead`` rows for one KV head:
+    K/V are loaded once for all of them, and short queries (decode: ``seqlen_q`` of 1)
+    still fill the ``tile_m``-row tile instead of wasting most of it.
+
+    Rule (FA3's): with GQA/MQA (``qhead_per_kvhead > 1``), pack when the useful fraction
+    of the M tiles without packing, ``seqlen_q / round_up(seqlen_q, tile_m)``, is below 90%
+    of that with packing, ``rows / round_up(rows, tile_m)`` with
+    ``rows = seqlen_q * qhead_per_kvhead``. Decode (``seqlen_q`` of 1..16) packs; a prefill
+    whose ``seqlen_q`` is a multiple of ``tile_m`` does not (nothing to gain, and the
+    packed index arithmetic costs a little). With variable-length queries only the
+    maximum length is known and short sequences are common, so ``varlen_q`` packs.
+    """
+    if qhead_per_kvhead <= 1:
+        return False
+    if varlen_q:
+        return True
+    if seqlen_q <= 0:
+        return False
+
+    def useful(rows: int) -> float:
+        return rows / (ceildiv(rows, tile_m) * tile_m)
+
+    return useful(seqlen_q) < 0.9 * useful(seqlen_q * qhead_per_kvhead)

@@ -1,0 +1,169 @@
+"""Reference attention for tests and benchmarks (plain PyTorch, any device).
+
+``attention_ref`` computes softmax(scale * q k^T [softcapped, masked]) v and the
+row log-sum-exp (natural log), by default in float32 on upcast copies of the inputs.
+With ``upcast=False`` it instead computes the way PyTorch would in the input dtype
+(matmuls in fp16/bf16, softmax in fp32, probabilities rounded to the input dtype):
+the distance of that result from the fp32 one is "PyTorch's own error", and
+``check_close`` bounds a kernel's error by a multiple of it.
+
+Conventions (those of FlashAttention):
+  * q (batch, seqlen_q, nheads, d), k (batch, seqlen_k, nheads_kv, d),
+    v (batch, seqlen_k, nheads_kv, d_v); nheads a multiple of nheads_kv (GQA/MQA).
+    GQA is expanded with repeat_interleave here only, never in a kernel.
+  * masks are aligned to the bottom-right corner: with sk keys visible to a batch row,
+    query i and key j are at the same position when j == i + sk - seqlen_q.
+    ``causal`` keeps j <= i + sk - sq; ``window_size=(left, right)`` keeps
+    i + sk - sq - left <= j <= i + sk - sq + right, -1 meaning unbounded on that side.
+  * a fully masked query row has output 0 and lse -inf.
+"""
+
+import contextlib
+import math
+
+import torch
+
+
+@contextlib.contextmanager
+def _exact_fp32_matmul():
+    """The fp32 reference must not silently use TF32."""
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(prev)
+
+
+def visible_mask(seqlen_q, seqlen_k, seqlens_k=None, *, causal=False, window_size=(-1, -1), device=None):
+    """Boolean (batch or 1, 1, seqlen_q, seqlen_k) mask, True where query i may attend key j.
+
+    ``seqlens_k`` (batch,) gives the number of valid keys of each batch row (the rest of
+    the seqlen_k columns are padding); the bottom-right alignment uses that count.
+    """
+    left, right = window_size
+    left = -1 if left is None else left
+    right = -1 if right is None else right
+    if causal:
+        right = 0
+    i = torch.arange(seqlen_q, device=device).view(1, 1, -1, 1)
+    j = torch.arange(seqlen_k, device=device).view(1, 1, 1, -1)
+    if seqlens_k is None:
+        sk = torch.full((1, 1, 1, 1), seqlen_k, device=device, dtype=torch.long)
+    else:
+        sk = seqlens_k.to(device=device, dtype=torch.long).view(-1, 1, 1, 1)
+    diag = i + sk - seqlen_q  # the key at query i's own position
+    mask = j < sk
+    if right >= 0:
+        mask = mask & (j <= diag + right)
+    if left >= 0:
+        mask = mask & (j >= diag - left)
+    return mask
+
+
+def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                  seqlens_k=None, upcast=True):
+    """Returns (out (b, sq, h, dv), lse (b, h, sq) float32).
+
+    ``out`` is float32 when ``upcast`` (the default), else in the input dtype.
+    ``seqlens_k`` (batch,) int: only the first seqlens_k[b] keys of row b exist.
+    """
+    batch, seqlen_q, nheads, d = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    assert nheads % nheads_kv == 0, "nheads must be a multiple of nheads_kv"
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(d)
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
+    group = nheads // nheads_kv
+    k = k.repeat_interleave(group, dim=2)
+    v = v.repeat_interleave(group, dim=2)
+    with _exact_fp32_matmul():
+        # (b, h, sq, sk); in low precision this matmul rounds its output to q's dtype
+        scores = torch.einsum("bqhd,bkhd->bhqk", q * softmax_scale, k).float()
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        mask = visible_mask(seqlen_q, seqlen_k, seqlens_k, causal=causal, window_size=window_size,
+                            device=q.device)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)  # -inf on fully masked rows
+        # exp(s - lse) is the softmax; on fully masked rows it is exp(-inf) = 0, not NaN
+        probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+        out = torch.einsum("bhqk,bkhd->bqhd", probs.to(v.dtype), v)
+    return out, lse
+
+
+def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
+    """q (total_q, h, d), k/v (total_k, hkv, d*), cu_seqlens int (batch+1,).
+
+    Returns (out (total_q, h, dv), lse (h, total_q)); each sequence is attended alone.
+    """
+    nheads, dv = q.shape[1], v.shape[2]
+    out_dtype = torch.float32 if kwargs.get("upcast", True) else q.dtype
+    out = torch.zeros(q.shape[0], nheads, dv, dtype=out_dtype, device=q.device)
+    lse = torch.full((nheads, q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(cq) - 1):
+        q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        if q1 == q0:
+            continue
+        o_b, lse_b = attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], **kwargs)
+        out[q0:q1] = o_b[0]
+        lse[:, q0:q1] = lse_b[0]
+    return out, lse
+
+
+def gather_paged_kv(cache, page_table):
+    """(num_pages, page_size, hkv, d) pages + (batch, pages_per_seq) table ->
+    contiguous (batch, pages_per_seq * page_size, hkv, d)."""
+    batch, pages_per_seq = page_table.shape
+    pages = cache[page_table.long()]  # (batch, pages_per_seq, page_size, hkv, d)
+    return pages.reshape(batch, pages_per_seq * cache.shape[1], *cache.shape[2:])
+
+
+def attention_kvcache_ref(q, k_cache, v_cache, cache_seqlens, page_table=None, **kwargs):
+    """Decode/append attention over the first cache_seqlens[b] keys of each cache row,
+    causal/windows aligned to the bottom-right of (seqlen_q, cache_seqlens[b])."""
+    if page_table is not None:
+        k_cache = gather_paged_kv(k_cache, page_table)
+        v_cache = gather_paged_kv(v_cache, page_table)
+    return attention_ref(q, k_cache, v_cache, seqlens_k=cache_seqlens, **kwargs)
+
+
+def _max_abs_err(x, ref):
+    """Max |x - ref| over finite reference entries; +inf if x has a NaN or a wrong inf."""
+    x, ref = x.float(), ref.float()
+    if x.shape != ref.shape:
+        raise AssertionError(f"shape {tuple(x.shape)} != reference shape {tuple(ref.shape)}")
+    if x.numel() == 0:
+        return 0.0
+    if torch.isnan(x).any():
+        return float("inf")
+    finite = torch.isfinite(ref)
+    # non-finite reference entries (lse = -inf on empty rows) must be matched exactly
+    if not torch.equal(x[~finite], ref[~finite]) or not torch.isfinite(x[finite]).all():
+        return float("inf")
+    return (x[finite] - ref[finite]).abs().max().item() if finite.any() else 0.0
+
+
+def is_close(out, out_ref, out_torch, mult=2.0, atol=1e-5):
+    """(ok, err, bound): err = max|out - ref| must be <= mult * max|out_torch - ref| + atol.
+    A NaN in ``out`` (or an inf where the reference is finite) is never close."""
+    err = _max_abs_err(out, out_ref)
+    torch_err = _max_abs_err(out_torch, out_ref)
+    bound = mult * torch_err + atol
+    return err <= bound, err, bound
+
+
+def check_close(out, out_ref, out_torch, mult=2.0, atol=1e-5, name="out"):
+    """Assert the kernel's error is at most ``mult`` times PyTorch's own (plus atol)."""
+    ok, err, bound = is_close(out, out_ref, out_torch, mult=mult, atol=atol)
+    assert ok, f"{name}: max abs error {err:.3e} > bound {bound:.3e} (mult={mult} x PyTorch error + {atol})"
+
+
+def check_lse(lse, lse_ref, lse_torch, mult=2.0, atol=1e-3, name="lse"):
+    """LSE check: same bound as ``check_close``; -inf (fully masked rows) must match exactly.
+    The default atol is looser because lse is O(log seqlen) and PyTorch's own lse error
+    can be tiny when few keys are visible, while the kernel works with exp2/log2."""
+    assert lse.dtype == torch.float32, f"{name}: dtype {lse.dtype}, expected float32"
+    check_close(lse, lse_ref, lse_torch, mult=mult, atol=atol, name=name)

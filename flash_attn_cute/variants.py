@@ -1,0 +1,183 @@
+"""Attention variants: what a kernel does to each score, and which scores it keeps.
+
+A variant is a score modifier and a mask predicate, each a DSL function of
+(batch, head, q index, k index) plus the per-launch runtime parameters. Kernels
+call them per element and know nothing else about the variant; the variant's
+``key`` is part of every compile key, so two variants never share a binary.
+
+The variant also tells the kernel which KV blocks it can skip (``key_range``) and
+which need no per-element predicate at all (``unmasked_key_range``): causal and
+local attention skip fully-masked blocks without a kernel-side special case.
+
+Index conventions: q and k are positions inside the sequence; causal and local
+windows are aligned to the bottom-right corner, so query i sees key j when
+``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right``.
+"""
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+
+@dataclass(frozen=True)
+class VariantParams:
+    """Runtime values a variant may read; passed to the kernel as scalars so that
+    changing a window size or a softcap never recompiles."""
+
+    window_left: Int32
+    window_right: Int32
+    softcap: Float32  # the cap itself; 0 when off
+    softcap_inv: Float32  # 1 / softcap, computed once per CTA instead of per score
+
+
+@dataclass(frozen=True)
+class AttnCtx:
+    """Per-CTA context handed to variant functions."""
+
+    batch: Int32
+    head: Int32
+    seqlen_q: Int32
+    seqlen_k: Int32
+    params: VariantParams
+
+
+class AttentionVariant:
+    """Plain softmax attention: no score modifier, no mask."""
+
+    has_score_mod = False
+    has_mask = False
+
+    def key(self) -> tuple:
+        return ("base",)
+
+    def score_mod(self, s, q_idx, k_idx, ctx: AttnCtx):
+        """``s`` is the scaled score (q.k * softmax_scale); returns the modified score."""
+        return s
+
+    def mask(self, q_idx, k_idx, ctx: AttnCtx):
+        """True where the score is kept."""
+        return True
+
+    def key_range(self, q_min, q_max, ctx: AttnCtx):
+        """Keys [lo, hi) that any query in [q_min, q_max] may see (None: no bound)."""
+        return None, None
+
+    def unmasked_key_range(self, q_min, q_max, ctx: AttnCtx):
+        """Keys [lo, hi) kept for every query in [q_min, q_max]: blocks inside it
+        skip the mask. (None, None): every block is masked (safe default for a
+        user mask whose shape the kernel cannot know)."""
+        if cutlass.const_expr(self.has_mask):
+            return Int32(0), Int32(0)
+        return None, None
+
+
+class Causal(AttentionVariant):
+    has_mask = True
+
+    def key(self):
+        return ("causal",)
+
+    @cute.jit
+    def mask(self, q_idx, k_idx, ctx: AttnCtx):
+        return k_idx <= q_idx + ctx.seqlen_k - ctx.seqlen_q
+
+    def key_range(self, q_min, q_max, ctx: AttnCtx):
+        return None, q_max + ctx.seqlen_k - ctx.seqlen_q + 1
+
+    def unmasked_key_range(self, q_min, q_max, ctx: AttnCtx):
+        return Int32(0), q_min + ctx.seqlen_k - ctx.seqlen_q + 1
+
+
+class Local(AttentionVariant):
+    """Sliding window; a negative side is unbounded (the host passes -1)."""
+
+    has_mask = True
+
+    def key(self):
+        return ("local",)
+
+    @cute.jit
+    def mask(self, q_idx, k_idx, ctx: AttnCtx):
+        diag = q_idx + ctx.seqlen_k - ctx.seqlen_q
+        p = ctx.params
+        keep_right = k_idx <= diag + p.window_right
+        keep_left = k_idx >= diag - p.window_left
+        keep_right = keep_right or p.window_right < 0
+        keep_left = keep_left or p.window_left < 0
+        return keep_right and keep_left
+
+    @cute.jit
+    def key_range(self, q_min, q_max, ctx: AttnCtx):
+        p = ctx.params
+        off = ctx.seqlen_k - ctx.seqlen_q
+        lo = q_min + off - p.window_left
+        hi = q_max + off + p.window_right + 1
+        if p.window_left < 0:
+            lo = Int32(0)
+        if p.window_right < 0:
+            hi = ctx.seqlen_k
+        return lo, hi
+
+    @cute.jit
+    def unmasked_key_range(self, q_min, q_max, ctx: AttnCtx):
+        p = ctx.params
+        off = ctx.seqlen_k - ctx.seqlen_q
+        lo = q_max + off - p.window_left
+        hi = q_min + off + p.window_right + 1
+        if p.window_left < 0:
+            lo = Int32(0)
+        if p.window_right < 0:
+            hi = ctx.seqlen_k
+        return lo, hi
+
+
+class Softcap(AttentionVariant):
+    """s -> softcap * tanh(s / softcap) on the scaled score."""
+
+    has_score_mod = True
+
+    def key(self):
+        return ("softcap",)
+
+    @cute.jit
+    def score_mod(self, s, q_idx, k_idx, ctx: AttnCtx):
+        p = ctx.params
+        return p.softcap * cute.math.tanh(s * p.softcap_inv, fastmath=True)
+
+
+class Compose(AttentionVariant):
+    """A score modifier applied before a mask (softcap with causal, for instance)."""
+
+    def __init__(self, mod: AttentionVariant, mask: AttentionVariant):
+        assert mod.has_score_mod and not mod.has_mask
+        assert mask.has_mask and not mask.has_score_mod
+        self._mod, self._mask = mod, mask
+        self.has_score_mod = True
+        self.has_mask = True
+
+    def key(self):
+        return self._mod.key() + self._mask.key()
+
+    def score_mod(self, s, q_idx, k_idx, ctx):
+        return self._mod.score_mod(s, q_idx, k_idx, ctx)
+
+    def mask(self, q_idx, k_idx, ctx):
+        return self._mask.mask(q_idx, k_idx, ctx)
+
+    def key_range(self, q_min, q_max, ctx):
+        return self._mask.key_range(q_min, q_max, ctx)
+
+    def unmasked_key_range(self, q_min, q_max, ctx):
+        return self._mask.unmasked_key_range(q_min, q_max, ctx)
+
+
+def make_variant(causal: bool, local: bool, softcap: bool) -> AttentionVariant:
+    """The built-in variant for the public API's flags (local wins over causal: the
+    host folds causal into window_right = 0)."""
+    mask = Local() if local else (Causal() if causal else None)
+    mod = Softcap() if softcap else None
+    if mask is not None and mod is not None:
+        return Compose(mod, mask)
+    return mask or mod or AttentionVariant()

@@ -1,0 +1,55 @@
+"""Shared pytest set-up.
+
+- Tests marked ``gpu`` (the marker is registered in pyproject.toml) are skipped when
+  ``torch.cuda.is_available()`` is False, so ``python -m pytest -q tests`` passes on a
+  CPU-only machine and runs everything on a GPU one.
+- ``jit_cache_dir``: a fresh disk-cache folder for the JIT cache tests only, so they
+  neither read nor pollute the user's ~/.cache/flash_attn_cute. Other tests (the GPU
+  tests in particular) keep the normal cache so repeated runs stay fast.
+"""
+
+import os
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    _keep_shard(config, items)
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def _keep_shard(config, items):
+    """FLASH_ATTN_CUTE_TEST_SHARD="i/n" keeps the i-th of n contiguous slices of the
+    collected tests, so n processes can split a GPU run. Slices are contiguous because
+    neighbouring tests share a compiled kernel: each kernel then compiles in one shard."""
+    spec = os.environ.get("FLASH_ATTN_CUTE_TEST_SHARD")
+    if not spec:
+        return
+    i, n = (int(x) for x in spec.split("/"))
+    lo, hi = len(items) * i // n, len(items) * (i + 1) // n
+    deselected = items[:lo] + items[hi:]
+    items[:] = items[lo:hi]
+    config.hook.pytest_deselected(items=deselected)
+
+
+@pytest.fixture
+def jit_cache_dir(tmp_path, monkeypatch):
+    """Points FLASH_ATTN_CUTE_CACHE_DIR at an empty temporary folder (and enables the disk
+    cache) for this test and the subprocesses it starts; clears the in-memory cache and
+    the counters around it."""
+    from flash_attn_cute import jit_cache
+
+    cache = tmp_path / "jit_cache"
+    monkeypatch.setenv("FLASH_ATTN_CUTE_CACHE_DIR", str(cache))
+    monkeypatch.delenv("FLASH_ATTN_CUTE_CACHE", raising=False)
+    jit_cache.clear_memory_cache()
+    jit_cache.reset_stats()
+    yield cache
+    jit_cache.clear_memory_cache()
+    jit_cache.reset_stats()

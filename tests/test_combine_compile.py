@@ -1,0 +1,158 @@
+"""CPU compile tests of the split-KV combine kernel: no GPU, runs in CI.
+
+The DSL reads CUTE_DSL_ARCH / CUTE_DSL_KEEP / CUTE_DSL_DUMP_DIR once, when it is imported,
+so each arch compiles in its own subprocess (this file run as a script), with those variables
+set. The artifacts it keeps (PTX, cubin and, when nvdisasm is installed, SASS) are then
+checked here for the instructions the design relies on.
+"""
+
+import concurrent.futures
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# sm_80: the lowest supported arch (cp.async needs it); sm_90a: the main target. Each arch is
+# a separate compile target with its own SASS, so each is checked on its own.
+ARCHS = ["sm_80", "sm_90a"]
+# Every output dtype: 16-bit outputs pack with F2FP and give 8 elements (two 128-bit partial
+# copies) per thread, fp32 gives 4 (one copy): different thread counts and code paths.
+DTYPES = ["fp16", "bf16", "fp32"]
+# 64: one column block covers the row (64 threads for 16-bit outputs); 128: the common case;
+# 256: two column blocks along grid.y.
+HEAD_DIMS_V = [64, 128, 256]
+# The LSE output is a const_expr branch: both the kernel with it and the one without.
+WITH_LSE = [True, False]
+
+CONFIGS = [(d, v, lse) for d in DTYPES for v in HEAD_DIMS_V for lse in WITH_LSE]
+
+
+def config_name(dtype, head_dim_v, with_lse):
+    return f"{dtype}_d{head_dim_v}_{'lse' if with_lse else 'nolse'}"
+
+
+def find_nvdisasm():
+    """nvdisasm from the nvidia-cuda-nvdisasm wheel (the one the DSL itself prefers), else PATH."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution("nvidia-cuda-nvdisasm")
+        for f in dist.files or []:
+            if f.name == "nvdisasm" and Path(dist.locate_file(f)).is_file():
+                return str(dist.locate_file(f))
+    except metadata.PackageNotFoundError:
+        pass
+    return shutil.which("nvdisasm")
+
+
+def compile_worker(out_dir):
+    """Subprocess body: compile every config for $CUTE_DSL_ARCH, one artifact folder each."""
+    from time import perf_counter
+
+    from flash_attn_cute.combine import combine_key, compile_combine, target_arch
+
+    dump_dir = Path(os.environ["CUTE_DSL_DUMP_DIR"])
+    results = {}
+    for dtype, head_dim_v, with_lse in CONFIGS:
+        for f in dump_dir.iterdir():
+            f.unlink()
+        t0 = perf_counter()
+        compile_combine(combine_key(dtype, head_dim_v, with_lse, target_arch()))
+        seconds = perf_counter() - t0
+        dest = Path(out_dir) / config_name(dtype, head_dim_v, with_lse)
+        dest.mkdir(parents=True)
+        for f in dump_dir.iterdir():
+            shutil.move(str(f), dest / f.name)
+        results[dest.name] = seconds
+    print(json.dumps(results))
+
+
+def run_arch(arch, root, keep):
+    out_dir, dump_dir = root / arch, root / f"{arch}_dump"
+    out_dir.mkdir()
+    dump_dir.mkdir()
+    env = dict(os.environ, CUTE_DSL_ARCH=arch, CUTE_DSL_KEEP=keep, CUTE_DSL_DUMP_DIR=str(dump_dir))
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, __file__, str(out_dir)], env=env, cwd=REPO, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, f"{arch} compile failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return out_dir, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    """{arch: (artifact dir, {config: compile seconds})}. The archs compile concurrently
+    when there are cores for it (on 2 cores, one after the other is faster)."""
+    root = tmp_path_factory.mktemp("combine_artifacts")
+    keep = "ptx,cubin,sass" if find_nvdisasm() else "ptx,cubin"
+    workers = len(ARCHS) if (os.cpu_count() or 1) >= 4 else 1
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        futures = {arch: pool.submit(run_arch, arch, root, keep) for arch in ARCHS}
+        result = {arch: f.result() for arch, f in futures.items()}
+    for arch, (_, times) in result.items():
+        print(f"\n{arch} compile seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in times.items()))
+    return result
+
+
+def config_dir(artifacts, arch, dtype, head_dim_v, with_lse):
+    return artifacts[arch][0] / config_name(dtype, head_dim_v, with_lse)
+
+
+@pytest.mark.parametrize("with_lse", WITH_LSE)
+@pytest.mark.parametrize("head_dim_v", HEAD_DIMS_V)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cubin_and_ptx(artifacts, arch, dtype, head_dim_v, with_lse):
+    d = config_dir(artifacts, arch, dtype, head_dim_v, with_lse)
+    cubins = list(d.glob(f"*.{arch}.cubin"))
+    assert len(cubins) == 1, sorted(p.name for p in d.iterdir())
+    assert cubins[0].read_bytes()[:4] == b"\x7fELF"
+    ptx = next(d.glob("*.ptx")).read_text()
+    assert re.search(rf"^\.target\s+{arch}\b", ptx, re.M)
+    # O partial: 16-byte cp.async bypassing L1 (.cg); LSE partial: 4-byte cp.async.
+    assert re.search(r"cp\.async\.cg\.shared\.global(\.\w+)*\s+\[[^]]+\],\s*\[[^]]+\],\s*16", ptx)
+    assert re.search(r"cp\.async\.ca\.shared\.global(\.\w+)*\s+\[[^]]+\],\s*\[[^]]+\],\s*4", ptx)
+
+
+@pytest.mark.parametrize("with_lse", WITH_LSE)
+@pytest.mark.parametrize("head_dim_v", HEAD_DIMS_V)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sass(artifacts, arch, dtype, head_dim_v, with_lse):
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm): no SASS to check")
+    sass = next(config_dir(artifacts, arch, dtype, head_dim_v, with_lse).glob("*.sass")).read_text()
+    # Every O partial byte arrives through 128-bit LDGSTS (cp.async.cg), e.g.
+    # LDGSTS.E.BYPASS.LTC128B.128; there is no synchronous global load at all.
+    assert re.search(r"\bLDGSTS\.E\.BYPASS(\.\w+)*\.128\b", sass)
+    assert not re.search(r"\bLDG\.E", sass)
+    assert "DEPBAR" in sass  # cp.async.wait_group
+    # O is written with 128-bit stores only; the only other store is the 32-bit LSE.
+    assert re.search(r"\bSTG\.E\.128\b", sass)
+    assert not re.search(r"\bSTG\.E\.(64|U16|16|U8|8)\b", sass)
+    assert bool(re.search(r"\bSTG\.E\s", sass)) == with_lse
+    # Scales exp2 on the MUFU; the log of the sum (MUFU.LG2) only exists for the LSE output.
+    assert "MUFU.EX2" in sass
+    assert ("MUFU.LG2" in sass) == with_lse
+    # No register spills.
+    assert not re.search(r"\b(LDL|STL)\b", sass)
+
+
+def test_compile_is_keyed_by_arch_from_env(monkeypatch):
+    from flash_attn_cute.combine import combine_key, target_arch
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_80")
+    assert target_arch() == "sm_80"
+    assert combine_key("bf16", 128, True, target_arch()) == ("combine", "bf16", 128, True, "sm_80")
+
+
+if __name__ == "__main__":
+    compile_worker(sys.argv[1])
