@@ -10,9 +10,10 @@ A "row" is one (batch, seqlen, head) triple. A CTA owns ``tile_m`` rows of one b
 ``k_block`` wide column slice of d_v:
   1. ``load_lse``: the LSE of every split for its rows goes to smem (coalesced along seqlen),
   2. ``reduce``: a lane group per row reduces max / sum over splits and rewrites smem in
-     place with the normalised per-split scales exp(lse_s - lse),
+     place with the per-split weights exp(lse_s - max_s lse_s),
   3. ``accumulate``: each thread streams its 128-bit column chunk of every split with a
-     nonzero scale through a private ``stages``-deep smem ring into fp32 registers,
+     nonzero weight through a private ``stages``-deep smem ring into fp32 registers, and
+     normalises once by 1 / sum of the weights,
   4. ``store``: convert and write that chunk of O with one 128-bit store.
 """
 
@@ -24,6 +25,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
+
+from .cute_utils import COMPILE_OPTIONS, CUTE_DTYPE_BY_NAME, DTYPE_NAMES, fake_stream, fake_tensor
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -93,7 +96,7 @@ class FlashAttnCombine:
                 mLSE.iterator, cute.group_modes(cute.select(mLSE.layout, mode=[0, 2, 1]), 1, 3)
             )  # (batch, row)
         # Split-major: a split's tile_m LSEs are one contiguous smem row, so the cp.async that
-        # land them and the scale reads of the streaming threads are bank-conflict free.
+        # land them and the weight reads of the streaming threads are bank-conflict free.
         sLSE_layout = cute.make_ordered_layout((self.max_splits, self.tile_m), order=(1, 0))
         # (4, chunks, num_threads, stages): a 16 B chunk per (chunk, thread, stage) with the
         # thread index fastest, so the 128-bit smem writes and reads of a quarter warp hit
@@ -141,11 +144,11 @@ class FlashAttnCombine:
         j = tidx % self.threads_per_row
         row = m_block * self.tile_m + m
         row_crd = (row % seqlen, row // seqlen)  # (seqlen idx, head idx)
-        lse = self.reduce(sLSE, m, j, num_splits)
+        lse, inv_sum = self.reduce(sLSE, m, j, num_splits)
         if const_expr(mLSE is not None):
             if k_block_idx == 0 and j == 0 and row < num_rows:
                 mLSE[batch_idx, row_crd] = lse
-        # The scales of row m were written by lanes of this same warp.
+        # The weights of row m were written by lanes of this same warp.
         cute.arch.sync_warp()
 
         col = k_block_idx * self.k_block + j * self.vec
@@ -154,7 +157,7 @@ class FlashAttnCombine:
             gOPartial = cute.flat_divide(mOPartial[None, batch_idx, row_crd, None], (1, self.vec))
             tOgOPartial = cute.flat_divide(gOPartial[0, None, None, col // self.vec], (4,))
             tOsOPartial = sO[None, None, tidx, None]  # (4, chunks, stages)
-            tOrO = self.accumulate(tOgOPartial, tOsOPartial, sLSE, m, num_splits)
+            tOrO = self.accumulate(tOgOPartial, tOsOPartial, sLSE, m, num_splits, inv_sum)
             tOgO = cute.flat_divide(mO[batch_idx, row_crd, None], (self.vec,))[None, col // self.vec]
             self.store(tOrO, tOgO)
 
@@ -184,15 +187,16 @@ class FlashAttnCombine:
             tLgLSE = cute.flat_divide(gLSEPartial[None, (row % seqlen, row // seqlen)], (1,))  # (1, num_splits)
             for s in cutlass.range(split_start, num_splits, split_step):
                 cute.copy(atom, tLgLSE[None, s], tLsLSE[None, s, m])
-        else:  # rows past the end: -inf, i.e. all scales 0 (they are never stored)
+        else:  # rows past the end: -inf, i.e. all weights 0 (they are never stored)
             for s in cutlass.range(split_start, num_splits, split_step):
                 sLSE[s, m] = -Float32.inf
         cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def reduce(self, sLSE: cute.Tensor, m: Int32, j: Int32, num_splits: Int32) -> Float32:
-        """Turn row m of sLSE into scales exp(lse_s - lse) in place; return lse (-inf if the
-        row has no valid split, in which case every scale is exactly 0, never NaN)."""
+    def reduce(self, sLSE: cute.Tensor, m: Int32, j: Int32, num_splits: Int32):
+        """Turn row m of sLSE into weights exp(lse_s - max lse) in place; return (lse,
+        1 / sum of weights). A row with no valid split gets lse -inf, all weights exactly 0
+        and 1 / sum = 0: never NaN."""
         group = const_expr(self.threads_per_row)
         lse_max = -Float32.inf
         for s in cutlass.range(j, num_splits, group, unroll=4):
@@ -202,25 +206,23 @@ class FlashAttnCombine:
         max_log2 = Float32(0.0) if lse_max == -Float32.inf else lse_max * LOG2_E
         lse_sum = Float32(0.0)
         for s in cutlass.range(j, num_splits, group, unroll=4):
-            scale = cute.math.exp2(sLSE[s, m] * LOG2_E - max_log2, approx=True)
-            sLSE[s, m] = scale
-            lse_sum += scale
+            weight = cute.math.exp2(sLSE[s, m] * LOG2_E - max_log2, approx=True)
+            sLSE[s, m] = weight
+            lse_sum += weight
         lse_sum = cute.arch.warp_reduction_sum(lse_sum, threads_in_group=group)
         inv_sum = Float32(0.0) if lse_sum == 0.0 else cute.arch.rcp_approx(lse_sum)
-        # Only this lane wrote these entries: no barrier between the two passes.
-        for s in cutlass.range(j, num_splits, group, unroll=4):
-            sLSE[s, m] = sLSE[s, m] * inv_sum
         # log2(0) = -inf: lse = -inf for a row with no valid split.
-        return (cute.math.log2(lse_sum, approx=True) + max_log2) * LN_2
+        return (cute.math.log2(lse_sum, approx=True) + max_log2) * LN_2, inv_sum
 
     @cute.jit
     def accumulate(
         self,
         tOgOPartial: cute.Tensor,  # (4, chunks, num_splits) gmem
         tOsOPartial: cute.Tensor,  # (4, chunks, stages) smem, private to this thread
-        sLSE: cute.Tensor,  # (max_splits, tile_m) scales
+        sLSE: cute.Tensor,  # (max_splits, tile_m) weights
         m: Int32,
         num_splits: Int32,
+        inv_sum: Float32,
     ) -> cute.Tensor:
         # .cg: each partial is read exactly once, keep it out of L1.
         atom = cute.make_copy_atom(
@@ -239,11 +241,12 @@ class FlashAttnCombine:
             self.load_split(atom, tOgOPartial, tOsOPartial, sLSE, m, num_splits, nxt, nxt % stages)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(stages - 1)
-            scale = sLSE[split, m]
+            weight = sLSE[split, m]
             # A slot whose copy was skipped holds stale bytes (maybe NaN): never touch it.
-            if scale > 0.0:
+            if weight > 0.0:
                 cute.autovec_copy(tOsOPartial[None, None, split % stages], tOrOPartial)
-                tOrO.store(tOrO.load() + scale * tOrOPartial.load())
+                tOrO.store(tOrO.load() + weight * tOrOPartial.load())
+        tOrO.store(tOrO.load() * inv_sum)
         return tOrO
 
     @cute.jit
@@ -252,14 +255,14 @@ class FlashAttnCombine:
         atom: cute.CopyAtom,
         tOgOPartial: cute.Tensor,  # (4, chunks, num_splits) gmem
         tOsOPartial: cute.Tensor,  # (4, chunks, stages) smem
-        sLSE: cute.Tensor,  # (max_splits, tile_m) scales
+        sLSE: cute.Tensor,  # (max_splits, tile_m) weights
         m: Int32,
         num_splits: Int32,
         split: Int32,
         stage: Int32,
     ):
-        # A split with scale 0 (lse -inf, or underflow) is not read at all: its partial may
-        # be garbage or NaN, and it costs no bandwidth.
+        # A split of weight 0 (lse -inf, or underflow) is not read at all: its partial may be
+        # garbage or NaN, and it costs no bandwidth.
         if split < num_splits:
             if sLSE[split, m] > 0.0:
                 cute.copy(atom, tOgOPartial[None, None, split], tOsOPartial[None, None, stage])
@@ -301,8 +304,6 @@ def combine_key(out_dtype_name: str, head_dim_v: int, has_lse: bool, arch: str) 
 def compile_combine(key: tuple):
     """Compile for ``key`` = combine_key(...). Pure function of the key: sizes and leading
     strides are symbolic, so no shape ever recompiles; needs no GPU."""
-    from flash_attn_cute.cute_utils import COMPILE_OPTIONS, CUTE_DTYPE_BY_NAME, fake_stream, fake_tensor
-
     name, out_dtype_name, head_dim_v, has_lse, arch = key
     assert name == "combine"
     dtype = CUTE_DTYPE_BY_NAME[out_dtype_name]
@@ -324,7 +325,7 @@ _local_cache: dict = {}
 def _get_or_compile(name: str, key: tuple, compile_fn):
     try:
         from flash_attn_cute import jit_cache
-    except ImportError:  # jit_cache.py not there yet: same contract, process-local
+    except ImportError:  # a build without jit_cache.py: same contract, process-local only
         jit_cache = None
     if jit_cache is not None:
         return jit_cache.get_or_compile(name, key, compile_fn)
@@ -337,9 +338,6 @@ def combine_fwd(out_partial, lse_partial, out, lse=None) -> None:
     """out_partial (num_splits, b, s, h, d_v) fp32, lse_partial (num_splits, b, h, s) fp32,
     out (b, s, h, d_v) fp16/bf16/fp32, lse (b, h, s) fp32 or None. Shapes are validated by
     the public API. Runs on torch's current stream."""
-    from flash_attn_cute.cute_utils import DTYPE_NAMES
-
     key = combine_key(DTYPE_NAMES[out.dtype], out.shape[-1], lse is not None, target_arch())
-    # compile_fn accepts (and ignores) the key so either calling convention of the cache works.
-    compiled = _get_or_compile("combine", key, lambda *_: compile_combine(key))
+    compiled = _get_or_compile("combine", key, lambda: compile_combine(key))
     compiled(out_partial, lse_partial, out, lse)

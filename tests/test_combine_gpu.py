@@ -46,7 +46,7 @@ def make_inputs(num_splits, batch, seqlen, nheads, d_v, lse_layout="contiguous",
     out_partial = out_partial.masked_fill(dead.permute(0, 1, 3, 2).unsqueeze(-1), float("nan"))
     if lse_layout == "transposed":  # stored (splits, b, s, h): seqlen is not the unit stride
         lse = lse.permute(0, 1, 3, 2).contiguous().permute(0, 1, 3, 2)
-    elif lse_layout == "strided":  # every other element of a larger buffer, splits outermost-but-one
+    elif lse_layout == "strided":  # seqlen stride 2 in a (b, splits, h, 2 s) buffer: b outermost
         buf = torch.full((batch, num_splits, nheads, 2 * seqlen), 1e4, device="cuda")
         buf[..., ::2] = lse.permute(1, 0, 2, 3)
         lse = buf[..., ::2].permute(1, 0, 2, 3)

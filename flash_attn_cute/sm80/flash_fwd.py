@@ -13,7 +13,7 @@ batch tensors, packed (varlen) tensors, query heads packed into the M tile
 (pack_gqa) and paged KV caches (a page-table lookup per row).
 """
 
-import math
+import functools
 from typing import Optional
 
 import cutlass
@@ -223,7 +223,8 @@ class FlashAttnFwdSm80:
 
         # Row functions: global row index -> 1-D gmem tensor of that row.
         q_rows = self.rows_of_q_like(mQ, ctx.batch, seqlen.offset_q, head_kv if self.pack > 1 else ctx.head, varlen_q)
-        k_row, v_row = self.kv_row_fns(mK, mV, mPageTable, ctx.batch, seqlen.offset_k, head_kv, varlen_k, paged)
+        k_src, v_src = self.kv_sources(mK, mV, mPageTable, ctx.batch, seqlen.offset_k, head_kv, varlen_k, paged, tidx,
+                                       gmem_copy_QK, gmem_copy_V)
 
         block_info = BlockInfo(self.tile_m, self.tile_n, self.pack, self.variant)
         n_block_min, n_block_max = block_info.get_n_block_min_max(
@@ -268,22 +269,29 @@ class FlashAttnFwdSm80:
         # Prologue: Q, then the last K block (the only one the sequence end may cut).
         self.load_rows(gmem_copy_QK, tQsQ, tQcQ, q_rows, m_block * self.tile_m, rows_valid)
         if n_block_max > n_block_min:
-            self.load_rows(gmem_copy_QK, tKsK, tKcK, k_row, (n_block_max - 1) * self.tile_n,
-                           seqlen.seqlen_k - (n_block_max - 1) * self.tile_n)
+            self.load_kv(gmem_copy_QK, tKsK, tKcK, k_src, n_block_max - 1,
+                         seqlen.seqlen_k - (n_block_max - 1) * self.tile_n)
         cute.arch.cp_async_commit_group()
 
-        for i in cutlass.range(n_block_max - n_block_min, unroll=1):
-            n_block = n_block_max - 1 - i
-            step = (
-                ctx, seqlen, m_block, n_block, n_block_min, softmax, softmax_scale, acc_O,
-                tiled_mma, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt,
-                smem_thr_copy_Q, smem_thr_copy_K, smem_thr_copy_V,
-                gmem_copy_QK, gmem_copy_V, tKsK, tKcK, tVsV, tVcV, k_row, v_row, tScS_mn,
-            )
-            if n_block >= n_unmasked_hi or n_block < n_unmasked_lo:
-                self.one_block(*step, masked=True)
-            else:
-                self.one_block(*step, masked=False)
+        step = functools.partial(
+            self.one_block, ctx, seqlen, m_block, n_block_min, softmax, softmax_scale, acc_O,
+            tiled_mma, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt,
+            smem_thr_copy_Q, smem_thr_copy_K, smem_thr_copy_V,
+            gmem_copy_QK, gmem_copy_V, tKsK, tKcK, tVsV, tVcV, k_src, v_src, tScS_mn,
+        )
+        # Blocks are visited top-down in three runs: masked ones above the unmasked
+        # range (sequence end, causal diagonal), the unmasked range itself, and masked
+        # ones below it (a local window's left edge). Separate loops keep the hot
+        # middle loop free of mask state.
+        n_mid_hi = cutlass.max(cutlass.min(n_unmasked_hi, n_block_max), n_block_min)
+        n_mid_lo = cutlass.min(cutlass.max(n_unmasked_lo, n_block_min), n_mid_hi)
+        for i in cutlass.range(n_block_max - n_mid_hi, unroll=1):
+            step(n_block_max - 1 - i, masked=True)
+        for i in cutlass.range(n_mid_hi - n_mid_lo, unroll=1):
+            step(n_mid_hi - 1 - i, masked=False)
+        if cutlass.const_expr(self.variant.has_mask):
+            for i in cutlass.range(n_mid_lo - n_block_min, unroll=1):
+                step(n_mid_lo - 1 - i, masked=True)
 
         lse = cute.make_rmem_tensor((softmax.num_rows,), Float32)
         softmax.finalize(acc_O, lse)
@@ -292,20 +300,19 @@ class FlashAttnFwdSm80:
 
     @cute.jit
     def one_block(
-        self, ctx, seqlen, m_block, n_block, n_block_min, softmax, softmax_scale, acc_O,
+        self, ctx, seqlen, m_block, n_block_min, softmax, softmax_scale, acc_O,
         tiled_mma, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt,
         smem_thr_copy_Q, smem_thr_copy_K, smem_thr_copy_V,
-        gmem_copy_QK, gmem_copy_V, tKsK, tKcK, tVsV, tVcV, k_row, v_row, tScS_mn,
-        masked: cutlass.Constexpr,
+        gmem_copy_QK, gmem_copy_V, tKsK, tKcK, tVsV, tVcV, k_src, v_src, tScS_mn,
+        n_block, masked: cutlass.Constexpr,
     ):
         # K(n) has landed and every warp is done with V(n+1): V's buffer is free.
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
         if cutlass.const_expr(masked):
-            self.load_rows(gmem_copy_V, tVsV, tVcV, v_row, n_block * self.tile_n,
-                           seqlen.seqlen_k - n_block * self.tile_n)
+            self.load_kv(gmem_copy_V, tVsV, tVcV, v_src, n_block, seqlen.seqlen_k - n_block * self.tile_n)
         else:
-            self.load_rows(gmem_copy_V, tVsV, tVcV, v_row, n_block * self.tile_n, None)
+            self.load_kv(gmem_copy_V, tVsV, tVcV, v_src, n_block, None)
         cute.arch.cp_async_commit_group()
 
         acc_S = cute.make_rmem_tensor(tiled_mma.get_slice(0).partition_shape_C((self.tile_m, self.tile_n)), Float32)
@@ -317,7 +324,7 @@ class FlashAttnFwdSm80:
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
         if n_block > n_block_min:
-            self.load_rows(gmem_copy_QK, tKsK, tKcK, k_row, (n_block - 1) * self.tile_n, None)
+            self.load_kv(gmem_copy_QK, tKsK, tKcK, k_src, n_block - 1, None)
         cute.arch.cp_async_commit_group()
 
         softmax.step(acc_S, acc_O)
@@ -392,15 +399,19 @@ class FlashAttnFwdSm80:
             )
         return lambda r: mX_rows[r, None]
 
-    def kv_row_fns(self, mK, mV, mPageTable, batch, offset_k, head_kv, varlen_k: bool, paged: bool):
+    def kv_sources(self, mK, mV, mPageTable, batch, offset_k, head_kv, varlen_k: bool, paged: bool, tidx,
+                   gmem_copy_QK, gmem_copy_V):
+        """K and V as load sources: a row function through the page table for a paged
+        cache, else the thread's partition of the (tile_n, d, n_blocks) tiling, whose
+        per-block address is one multiply-add on a few hoisted offsets."""
         if cutlass.const_expr(paged):
             mK_p = mK[None, None, head_kv, None]  # (num_pages, page_size, d)
             mV_p = mV[None, None, head_kv, None]
             page_size = mK.shape[1]
 
             def page_of(t):
-                page = mPageTable[batch, t // page_size]
-                return page, t - (t // page_size) * page_size
+                page_idx = t // page_size
+                return mPageTable[batch, page_idx], t - page_idx * page_size
 
             def k_row(t):
                 page, r = page_of(t)
@@ -417,7 +428,24 @@ class FlashAttnFwdSm80:
         else:
             mK_h = mK[batch, None, head_kv, None]
             mV_h = mV[batch, None, head_kv, None]
-        return (lambda t: mK_h[t, None]), (lambda t: mV_h[t, None])
+        gK = cute.local_tile(mK_h, (self.tile_n, self.head_dim), (None, 0))
+        gV = cute.local_tile(mV_h, (self.tile_n, self.head_dim_v), (None, 0))
+        return gmem_copy_QK.get_slice(tidx).partition_S(gK), gmem_copy_V.get_slice(tidx).partition_S(gV)
+
+    @cute.jit
+    def load_kv(self, tiled_copy, tXsX, tXcX, src, n_block, rows_valid):
+        """Loads KV block n_block into smem from a tiled partition or a row function."""
+        if cutlass.const_expr(isinstance(src, cute.Tensor)):
+            for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+                if cutlass.const_expr(rows_valid is None):
+                    cute.copy(tiled_copy, src[None, m, None, n_block], tXsX[None, m, None])
+                else:
+                    if tXcX[0, m, 0][0] < rows_valid:
+                        cute.copy(tiled_copy, src[None, m, None, n_block], tXsX[None, m, None])
+                    else:
+                        tXsX[None, m, None].fill(0.0)
+        else:
+            self.load_rows(tiled_copy, tXsX, tXcX, src, n_block * self.tile_n, rows_valid)
 
     @cute.jit
     def epilogue(self, acc_O, lse, mO, mLSE, ctx, seqlen, m_block, head_kv, split_idx, rows_valid, thr_mma, varlen_q: cutlass.Constexpr):
