@@ -18,8 +18,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   wait
   echo "tests took $(( $(date +%s) - start )) s"
   for i in $(seq 0 $((n - 1))); do echo "--- shard $i"; grep -E "passed|failed|error" "$OUT/test_$i.log" | tail -2; done
-  cat "$OUT"/test_*.log | grep -E "^(FAILED|ERROR)" | head -40 > "$OUT/failures.txt"
-  cat "$OUT/failures.txt"
+  cat "$OUT"/test_*.log > "$OUT/tests.log" && rm -f "$OUT"/test_*.log  # the device tool returns 8 files at most
+  grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -40
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 200 python benchmarks/bench_decode_splits.py --csv "$OUT/decode_splits.csv" 2>&1 | tail -25

@@ -251,6 +251,9 @@ def _get_combine():
     return combine_fwd
 
 
+_CTAS_PER_SM = 2
+
+
 def _resolve_num_splits(num_splits: int, device, *, batch, heads_grid, rows, max_seqlen_k) -> int:
     """0 = auto: ``num_splits_heuristic`` on an approximate grid (``batch * heads_grid``
     CTAs per m-block of ``_TILE_M`` rows, ``_TILE_N``-key blocks; causal/local skipping
@@ -259,7 +262,10 @@ def _resolve_num_splits(num_splits: int, device, *, batch, heads_grid, rows, max
     if num_splits == 0:
         total_mblocks = batch * heads_grid * heuristics.ceildiv(rows, _TILE_M)
         n_blocks = heuristics.ceildiv(max_seqlen_k, _TILE_N)
-        num_splits = heuristics.num_splits_heuristic(total_mblocks, heuristics.num_sms(device), n_blocks)
+        # The SM80 kernel keeps two CTAs per SM resident (255 registers x 128 threads):
+        # a grid fills the machine at two CTAs per SM, not one.
+        slots = heuristics.num_sms(device) * _CTAS_PER_SM
+        num_splits = heuristics.num_splits_heuristic(total_mblocks, slots, n_blocks)
     return max(1, min(num_splits, heuristics.ceildiv(max_seqlen_k, _MIN_TILE_N), MAX_SPLITS))
 
 

@@ -21,12 +21,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # dim class (64: 128x128 tile, 128: 4 warps, 256: 8 warps), each variant, pack_gqa,
 # split-KV with LSE, varlen and the paged cache with seqused_k.
 CONFIGS = [
-    dict(dtype="fp16", d=64, dv=64, tile=(128, 128, 4), flags=(False, False, False)),
-    dict(dtype="bf16", d=128, dv=128, tile=(128, 64, 4), flags=(True, False, False), has_lse=True),
-    dict(dtype="bf16", d=256, dv=256, tile=(128, 64, 8), flags=(False, True, False)),
-    dict(dtype="bf16", d=128, dv=128, tile=(128, 64, 4), flags=(True, False, True), pack=4, is_split=True, has_lse=True),
-    dict(dtype="fp16", d=128, dv=128, tile=(128, 64, 4), flags=(False, False, False), varlen_q=True, varlen_k=True),
-    dict(dtype="bf16", d=128, dv=128, tile=(64, 128, 4), flags=(False, False, False), pack=8, is_split=True,
+    dict(dtype="fp16", d=64, dv=64, tile=(128, 64, 4, True), flags=(False, False, False)),
+    dict(dtype="bf16", d=128, dv=128, tile=(128, 64, 4, False), flags=(True, False, False), has_lse=True),
+    dict(dtype="bf16", d=256, dv=256, tile=(128, 64, 8, False), flags=(False, True, False)),
+    dict(dtype="bf16", d=128, dv=128, tile=(128, 64, 4, False), flags=(True, False, True), pack=4, is_split=True, has_lse=True),
+    dict(dtype="fp16", d=128, dv=128, tile=(128, 64, 4, False), flags=(False, False, False), varlen_q=True, varlen_k=True),
+    dict(dtype="bf16", d=128, dv=128, tile=(64, 128, 4, True), flags=(False, False, False), pack=8, is_split=True,
          has_lse=True, has_seqused_k=True, paged=True),
 ]
 

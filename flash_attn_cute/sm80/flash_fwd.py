@@ -70,6 +70,7 @@ class FlashAttnFwdSm80:
         variant: AttentionVariant,
         qhead_per_kvhead_packed: int = 1,
         is_split: bool = False,
+        q_in_regs: bool = False,
         out_dtype=None,
     ):
         self.dtype = dtype
@@ -82,6 +83,9 @@ class FlashAttnFwdSm80:
         self.variant = variant
         self.pack = qhead_per_kvhead_packed
         self.is_split = is_split
+        # Q in registers for the whole KV loop removes Q's ldmatrix traffic, a fifth of
+        # the shared-memory reads of each block, at the cost of its fragment's registers.
+        self.q_in_regs = q_in_regs
         assert head_dim % 32 == 0 and head_dim_v % 32 == 0
         assert tile_m % (16 * num_warps) == 0 and tile_n % 16 == 0
 
@@ -272,6 +276,10 @@ class FlashAttnFwdSm80:
             self.load_kv(gmem_copy_QK, tKsK, tKcK, k_src, n_block_max - 1,
                          seqlen.seqlen_k - (n_block_max - 1) * self.tile_n)
         cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(self.q_in_regs):
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.barrier()
+            cute.copy(smem_thr_copy_Q, tSsQ, smem_thr_copy_Q.retile(tSrQ))
 
         step = functools.partial(
             self.one_block, ctx, seqlen, m_block, n_block_min, softmax, softmax_scale, acc_O,
@@ -317,7 +325,10 @@ class FlashAttnFwdSm80:
 
         acc_S = cute.make_rmem_tensor(tiled_mma.get_slice(0).partition_shape_C((self.tile_m, self.tile_n)), Float32)
         acc_S.fill(0.0)
-        gemm_ss(tiled_mma, acc_S, tSrQ, tSrK, tSsQ, tSsK, smem_thr_copy_Q, smem_thr_copy_K)
+        if cutlass.const_expr(self.q_in_regs):
+            gemm_rs(tiled_mma, acc_S, tSrQ, tSrK, tSsK, smem_thr_copy_K)
+        else:
+            gemm_ss(tiled_mma, acc_S, tSrQ, tSrK, tSsQ, tSsK, smem_thr_copy_Q, smem_thr_copy_K)
         self.apply_variant(acc_S, tScS_mn, ctx, seqlen, m_block, n_block, softmax_scale, masked)
 
         # V(n) has landed and every warp is done reading K(n): prefetch K(n-1).
@@ -502,21 +513,27 @@ class FlashAttnFwdSm80:
 
 
 def select_tile(head_dim: int, head_dim_v: int, rows_per_kv_head: int):
-    """(tile_m, tile_n, num_warps). acc_O holds tile_m * d_v / threads fp32 values and
-    acc_S tile_m * tile_n / threads; these picks compile without register spills.
-    FLASH_ATTN_CUTE_SM80_TILE="m,n,warps" overrides (for tuning sweeps)."""
+    """(tile_m, tile_n, num_warps, q_in_regs). acc_O holds tile_m * d_v / threads fp32
+    values, acc_S tile_m * tile_n / threads, Q's fragment (when kept in registers)
+    tile_m * d / threads 16-bit values; all under 255 registers per thread.
+    FLASH_ATTN_CUTE_SM80_TILE="m,n,warps,q_in_regs" overrides (for tuning sweeps)."""
     import os
 
     override = os.environ.get("FLASH_ATTN_CUTE_SM80_TILE")
     if override:
-        return tuple(int(x) for x in override.split(","))
+        m, n, w, *q = (int(x) for x in override.split(","))
+        return m, n, w, bool(q and q[0])
     d = max(head_dim, head_dim_v)
     if rows_per_kv_head <= 64:
         # Decode-shaped: a 128-row tile would be mostly padding.
-        return (64, 128, 4) if d <= 128 else (64, 64, 4)
+        return (64, 128, 4, True) if d <= 128 else (64, 64, 4, False)
     if d <= 64:
-        return 128, 64, 4
-    return 128, 64, 8
+        return 128, 64, 4, True
+    if d <= 128:
+        # 4 warps beat 8 on the H200 (2026-11-29 sweep, benchmarks/bench_tiles.py): each
+        # warp re-reads K and V from smem, so more warps per tile cost smem bandwidth.
+        return 128, 64, 4, False
+    return 128, 64, 8, False
 
 
 def target_arch() -> str:
@@ -537,14 +554,14 @@ def compile_fwd_sm80(key: tuple):
     from flash_attn_cute.cute_utils import COMPILE_OPTIONS, CUTE_DTYPE_BY_NAME, fake_stream, fake_tensor
     from flash_attn_cute.variants import make_variant
 
-    (_, _arch, dtype_name, d, dv, tile_m, tile_n, num_warps, flags, pack, is_split, has_lse,
+    (_, _arch, dtype_name, d, dv, tile_m, tile_n, num_warps, q_in_regs, flags, pack, is_split, has_lse,
      varlen_q, varlen_k, has_seqused_k, paged) = key
     causal, local, softcap = flags
     dtype = CUTE_DTYPE_BY_NAME[dtype_name]
     out_dtype = Float32 if is_split else dtype
     kernel = FlashAttnFwdSm80(
         dtype, d, dv, tile_m, tile_n, num_warps, make_variant(causal, local, softcap),
-        qhead_per_kvhead_packed=pack, is_split=is_split,
+        qhead_per_kvhead_packed=pack, is_split=is_split, q_in_regs=q_in_regs,
     )
     q_rank = 3 if varlen_q else 4
     kv_rank = 3 if (varlen_k and not paged) else 4
@@ -569,7 +586,9 @@ def compile_fwd_sm80(key: tuple):
 
 
 def fwd_key(arch, dtype_name, d, dv, tile, flags, pack, is_split, has_lse, varlen_q, varlen_k, has_seqused_k, paged):
-    return ("fwd_sm80", arch, dtype_name, d, dv, *tile, tuple(bool(f) for f in flags), int(pack),
+    tile_m, tile_n, num_warps, q_in_regs = tile
+    return ("fwd_sm80", arch, dtype_name, d, dv, tile_m, tile_n, num_warps, bool(q_in_regs),
+            tuple(bool(f) for f in flags), int(pack),
             bool(is_split), bool(has_lse), bool(varlen_q), bool(varlen_k), bool(has_seqused_k), bool(paged))
 
 
