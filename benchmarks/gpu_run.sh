@@ -22,6 +22,9 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -40
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  timeout 200 python benchmarks/bench_decode_splits.py --csv "$OUT/decode_splits.csv" 2>&1 | tail -25
-  timeout 200 python benchmarks/bench_prefill.py --csv "$OUT/prefill.csv" 2>&1 | tail -25
+  timeout 120 python benchmarks/bench_decode_splits.py --csv "$OUT/decode_splits.csv" 2>&1 | tail -16
+  timeout 120 python benchmarks/bench_decode_splits.py --hkv 8 --csv "$OUT/decode_splits_gqa.csv" 2>&1 | tail -16
+  timeout 120 python benchmarks/bench_decode_splits.py --paged 64 --csv "$OUT/decode_splits_paged64.csv" 2>&1 | tail -16
+  timeout 240 python benchmarks/bench_prefill.py --csv "$OUT/prefill.csv" 2>&1 | tail -32
+  cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
 fi

@@ -19,7 +19,8 @@ def ceildiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def num_splits_heuristic(total_mblocks: int, num_sms: int, num_n_blocks: int, max_splits: int = 128) -> int:
+def num_splits_heuristic(total_mblocks: int, num_sms: int, num_n_blocks: int, max_splits: int = 128,
+                         tolerance: float = 0.85) -> int:
     """Number of KV splits for split-KV ("flash-decoding"), FA2/FA3's wave-efficiency rule.
 
     ``total_mblocks`` is the number of CTAs of the unsplit grid (batch x heads x m-blocks),
@@ -35,8 +36,8 @@ def num_splits_heuristic(total_mblocks: int, num_sms: int, num_n_blocks: int, ma
       waves (1.0 = the last wave is full). Only ``s`` that actually change the number
       of KV blocks per split, ``ceil(n / s) != ceil(n / (s - 1))``, are candidates (with
       64 blocks, 12 splits are 11 splits of 6 blocks and one empty). Return the smallest
-      candidate whose efficiency is >= 85% of the best one: few splits (a cheap combine)
-      unless more buy a clearly fuller machine.
+      candidate whose efficiency is >= ``tolerance`` (85%) of the best one: few splits (a
+      cheap combine) unless more buy a clearly fuller machine.
     """
     if total_mblocks <= 0 or num_sms <= 0 or num_n_blocks <= 0:
         return 1
@@ -56,7 +57,7 @@ def num_splits_heuristic(total_mblocks: int, num_sms: int, num_n_blocks: int, ma
     candidates = [s for s in range(1, max_splits + 1) if eligible(s)]
     best = max(efficiency(s) for s in candidates)
     for s in candidates:
-        if efficiency(s) >= 0.85 * best:
+        if efficiency(s) >= tolerance * best:
             return s
     return 1
 

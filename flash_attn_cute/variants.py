@@ -109,28 +109,25 @@ class Local(AttentionVariant):
         return keep_right and keep_left
 
     @cute.jit
-    def key_range(self, q_min, q_max, ctx: AttnCtx):
+    def _window(self, q_left, q_right, ctx: AttnCtx):
+        """Keys [lo, hi) inside the window of query q_left (left edge) and q_right (right edge)."""
         p = ctx.params
         off = ctx.seqlen_k - ctx.seqlen_q
-        lo = q_min + off - p.window_left
-        hi = q_max + off + p.window_right + 1
+        lo = q_left + off - p.window_left
+        hi = q_right + off + p.window_right + 1
         if p.window_left < 0:
             lo = Int32(0)
         if p.window_right < 0:
             hi = ctx.seqlen_k
         return lo, hi
 
-    @cute.jit
+    def key_range(self, q_min, q_max, ctx: AttnCtx):
+        return self._window(q_min, q_max, ctx)
+
     def unmasked_key_range(self, q_min, q_max, ctx: AttnCtx):
-        p = ctx.params
-        off = ctx.seqlen_k - ctx.seqlen_q
-        lo = q_max + off - p.window_left
-        hi = q_min + off + p.window_right + 1
-        if p.window_left < 0:
-            lo = Int32(0)
-        if p.window_right < 0:
-            hi = ctx.seqlen_k
-        return lo, hi
+        # Kept for every query: inside the window of the last query's left edge and
+        # of the first query's right edge.
+        return self._window(q_max, q_min, ctx)
 
 
 class Softcap(AttentionVariant):

@@ -527,11 +527,10 @@ def select_tile(head_dim: int, head_dim_v: int, rows_per_kv_head: int):
     if rows_per_kv_head <= 64:
         # Decode-shaped: a 128-row tile would be mostly padding.
         return (64, 128, 4, True) if d <= 128 else (64, 64, 4, False)
-    if d <= 64:
-        return 128, 64, 4, True
     if d <= 128:
         # 4 warps beat 8 on the H200 (2026-11-29 sweep, benchmarks/bench_tiles.py): each
         # warp re-reads K and V from smem, so more warps per tile cost smem bandwidth.
+        # Q in registers did not pay at d=64 (within noise, and it spills).
         return 128, 64, 4, False
     return 128, 64, 8, False
 
