@@ -56,6 +56,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=float, default=25, help="do_bench warmup, ms")
     p.add_argument("--rep", type=float, default=150, help="do_bench rep, ms")
     p.add_argument("--no-peers", action="store_true", help="skip FA4 and SDPA")
+    p.add_argument("--launch-only", action="store_true",
+                   help="also time the launch path alone (impl ours_launch): no argument validation and "
+                        "no device-to-host read of cache_seqlens, i.e. the kernels plus allocation")
     p.add_argument("--no-md", action="store_true", help="do not update benchmarks/RESULTS.md")
     p.add_argument("--csv", default=None, metavar="PATH", help="write the rows to this CSV file")
     return p.parse_args(argv)
@@ -74,6 +77,18 @@ def chosen_num_splits(B, Q, K, H, hkv, pack_gqa):
             0, "cuda", batch=B, heads_grid=hkv if pack else H, rows=Q * (ratio if pack else 1), max_seqlen_k=K)
     except Exception:
         return None
+
+
+def launch_only(q, k_cache, v_cache, cache_seqlens, page_table, num_splits, pack_gqa, max_seqlen_k):
+    """The API's launch path without its host-side checks: what the kernels cost."""
+    from flash_attn_cute import interface
+
+    b, sq, h, d = q.shape
+    opts = interface._options(d, None, False, (-1, -1), 0.0, num_splits, pack_gqa, "sm80")
+    return lambda: interface._flash_attn_fwd(
+        q, k_cache, v_cache, None, opts, batch=b, max_seqlen_q=sq, max_seqlen_k=max_seqlen_k, nheads=h,
+        nheads_kv=k_cache.shape[2], d_v=v_cache.shape[-1], return_lse=False, seqused_k=cache_seqlens,
+        page_table=page_table)
 
 
 def main(argv=None):
@@ -144,6 +159,9 @@ def main(argv=None):
             backend = "sm80 auto" + (f"->{chosen}" if chosen is not None else "")
         record("ours", num_splits, backend,
                lambda kw=kwargs: flash_attn_cute.flash_attn_with_kvcache(**kw))
+        if args.launch_only and num_splits != 0:
+            record("ours_launch", num_splits, "sm80", launch_only(q, k_cache, v_cache, cache_seqlens,
+                                                                   page_table, num_splits, pack_gqa, K))
 
     if not args.no_peers:
         # --- FA4 (its own heuristic picks num_splits)
