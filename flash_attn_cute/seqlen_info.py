@@ -29,7 +29,10 @@ class SeqlenInfo:
         mCuSeqlensQ: Optional[cute.Tensor],  # (batch + 1,) int32
         mCuSeqlensK: Optional[cute.Tensor],  # (batch + 1,) int32
         mSeqUsedK: Optional[cute.Tensor],  # (batch,) int32
+        seqlen_k_capacity: Optional[Int32] = None,
     ) -> "SeqlenInfo":
+        """``seqlen_k_capacity`` bounds a KV cache's used length (cache rows, or pages x
+        page size): whatever ``seqused_k`` says, no key past the cache is read."""
         offset_q, seqlen_q = Int32(0), seqlen_q_static
         if cutlass.const_expr(mCuSeqlensQ is not None):
             offset_q = mCuSeqlensQ[batch]
@@ -40,4 +43,6 @@ class SeqlenInfo:
             seqlen_k = mCuSeqlensK[batch + 1] - offset_k
         if cutlass.const_expr(mSeqUsedK is not None):
             seqlen_k = mSeqUsedK[batch]
+            if cutlass.const_expr(seqlen_k_capacity is not None):
+                seqlen_k = cutlass.max(cutlass.min(seqlen_k, seqlen_k_capacity), 0)
         return SeqlenInfo(offset_q, seqlen_q, offset_k, seqlen_k)

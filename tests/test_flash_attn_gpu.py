@@ -436,6 +436,23 @@ def test_kvcache_zero_length_row():
     _check_against_ref(out, lse, out_ref, lse_ref, out_pt, lse_pt, torch.bfloat16)
 
 
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged16"])  # both clamp paths
+def test_kvcache_unchecked_lengths_clamped(page_size):
+    # check_cache_bounds=False skips the host read: lengths over the capacity must be
+    # clamped by the kernel (same result as the capacity), never read past the cache.
+    fa = _api()
+    cfg = Cfg("clamp", nheads=4, nheads_kv=2, paged=page_size is not None)
+    k_cache, v_cache, page_table, capacity = _make_caches(cfg, 2, 300, page_size)
+    q = _randn(2, 1, cfg.nheads, cfg.d, dtype=cfg.dtype)
+    over = torch.tensor([capacity + 1000, 77], dtype=torch.int32, device=DEVICE)
+    clamped = torch.tensor([capacity, 77], dtype=torch.int32, device=DEVICE)
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, over, page_table=page_table, num_splits=3,
+                                     backend=BACKEND, check_cache_bounds=False)
+    out_ref, _ = attention_kvcache_ref(q, k_cache, v_cache, clamped, page_table)
+    out_pt, _ = attention_kvcache_ref(q, k_cache, v_cache, clamped, page_table, upcast=False)
+    check_close(out, out_ref, out_pt)
+
+
 def test_kvcache_no_lse_and_bad_out():
     # long enough that auto splits: kv_base's forward kernel, a combine without lse
     fa = _api()

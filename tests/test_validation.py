@@ -331,6 +331,18 @@ def test_kvcache_bounds_refused_without_launch(no_launch, paged, seqlens, table,
         flash_attn_with_kvcache(q, k, v, torch.tensor(seqlens, dtype=torch.int32), page_table=pt)
 
 
+def test_kvcache_bounds_check_opt_out(fake_gpu, monkeypatch):
+    # check_cache_bounds=False must not read cache_seqlens back (no sync); the kernel is
+    # then handed the capacity as max_seqlen_k and clamps lengths itself.
+    monkeypatch.setattr(interface, "_check_cache_bounds", _refuse)
+    q, _, _ = make_qkv(sq=1)
+    k, v = torch.randn(2, 9, 2, 64).to(F16), torch.randn(2, 9, 2, 64).to(F16)
+    flash_attn_with_kvcache(q, k, v, torch.tensor([4, 12], dtype=torch.int32), check_cache_bounds=False)
+    assert fake_kernel.calls and fake_kernel.calls[-1]["max_seqlen_q"] == 1
+    with pytest.raises(AssertionError):
+        flash_attn_with_kvcache(q, k, v, torch.tensor([4, 12], dtype=torch.int32))
+
+
 def test_kvcache_bounds_ignore_unused_pages():
     # Entries past ceil(cache_seqlens / page_size) are never read: garbage there is fine.
     table = torch.tensor([[0, 1, 99], [3, -5, 77]], dtype=torch.int32)

@@ -184,6 +184,11 @@ class FlashAttnFwdSm80:
         else:
             head_kv = head // (mQ.shape[cute.rank(mQ) - 2] // mK.shape[cute.rank(mK) - 2])
 
+        capacity = None
+        if cutlass.const_expr(paged):
+            capacity = mPageTable.shape[1] * mK.shape[1]
+        elif cutlass.const_expr(not varlen_k):
+            capacity = mK.shape[1]
         seqlen = SeqlenInfo.create(
             batch,
             mQ.shape[0] if varlen_q else mQ.shape[1],
@@ -191,6 +196,7 @@ class FlashAttnFwdSm80:
             mCuSeqlensQ,
             mCuSeqlensK,
             mSeqUsedK,
+            capacity,
         )
         rows_valid = seqlen.seqlen_q * self.pack - m_block * self.tile_m
         if rows_valid > 0:
@@ -420,9 +426,14 @@ class FlashAttnFwdSm80:
             mV_p = mV[None, None, head_kv, None]
             page_size = mK.shape[1]
 
+            last_page = mK.shape[0] - 1
+
             def page_of(t):
+                # A page id outside the pool is clamped into it: a bad table gives wrong
+                # keys, never a read outside the cache.
                 page_idx = t // page_size
-                return mPageTable[batch, page_idx], t - page_idx * page_size
+                page = cutlass.max(cutlass.min(mPageTable[batch, page_idx], last_page), 0)
+                return page, t - page_idx * page_size
 
             def k_row(t):
                 page, r = page_of(t)
