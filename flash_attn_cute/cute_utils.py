@@ -9,13 +9,6 @@ import cutlass
 import cutlass.cute as cute
 import torch
 
-TORCH_TO_CUTE_DTYPE = {
-    torch.float16: cutlass.Float16,
-    torch.bfloat16: cutlass.BFloat16,
-    torch.float32: cutlass.Float32,
-    torch.int32: cutlass.Int32,
-}
-
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
 CUTE_DTYPE_BY_NAME = {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16, "fp32": cutlass.Float32, "i32": cutlass.Int32}
 
