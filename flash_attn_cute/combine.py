@@ -18,7 +18,6 @@ A "row" is one (batch, seqlen, head) triple. A CTA owns ``tile_m`` rows of one b
 """
 
 import math
-import os
 from typing import Optional, Type
 
 import cutlass
@@ -26,7 +25,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
-from .cute_utils import COMPILE_OPTIONS, CUTE_DTYPE_BY_NAME, DTYPE_NAMES, fake_stream, fake_tensor
+from . import jit_cache
+from .cute_utils import COMPILE_OPTIONS, CUTE_DTYPE_BY_NAME, DTYPE_NAMES, fake_stream, fake_tensor, target_arch
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -283,20 +283,6 @@ class FlashAttnCombine:
 # ---------------------------------------------------------------------------------------
 
 
-def target_arch() -> str:
-    """The arch kernels are compiled for: CUTE_DSL_ARCH, else the current GPU's (named the
-    way the DSL names it). Never touches the CUDA driver when the env var is set."""
-    arch = os.environ.get("CUTE_DSL_ARCH")
-    if arch:
-        return arch
-    import torch
-
-    if not torch.cuda.is_available():
-        raise RuntimeError("no GPU: set CUTE_DSL_ARCH (e.g. sm_90a) to compile without one")
-    major, minor = torch.cuda.get_device_capability()
-    return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
-
-
 def combine_key(out_dtype_name: str, head_dim_v: int, has_lse: bool, arch: str) -> tuple:
     return ("combine", out_dtype_name, head_dim_v, has_lse, arch)
 
@@ -319,25 +305,10 @@ def compile_combine(key: tuple):
     return cute.compile(kernel, mOPartial, mLSEPartial, mO, mLSE, fake_stream(), options=options)
 
 
-_local_cache: dict = {}
-
-
-def _get_or_compile(name: str, key: tuple, compile_fn):
-    try:
-        from flash_attn_cute import jit_cache
-    except ImportError:  # a build without jit_cache.py: same contract, process-local only
-        jit_cache = None
-    if jit_cache is not None:
-        return jit_cache.get_or_compile(name, key, compile_fn)
-    if key not in _local_cache:
-        _local_cache[key] = compile_fn()
-    return _local_cache[key]
-
-
 def combine_fwd(out_partial, lse_partial, out, lse=None) -> None:
     """out_partial (num_splits, b, s, h, d_v) fp32, lse_partial (num_splits, b, h, s) fp32,
     out (b, s, h, d_v) fp16/bf16/fp32, lse (b, h, s) fp32 or None. Shapes are validated by
     the public API. Runs on torch's current stream."""
     key = combine_key(DTYPE_NAMES[out.dtype], out.shape[-1], lse is not None, target_arch())
-    compiled = _get_or_compile("combine", key, lambda: compile_combine(key))
+    compiled = jit_cache.get_or_compile("combine", key, lambda: compile_combine(key))
     compiled(out_partial, lse_partial, out, lse)

@@ -5,6 +5,8 @@ fake tensors whose sizes and leading strides are symbolic (``cute.sym_int``), so
 new sequence length, batch or page count never recompiles, and compiling needs no GPU.
 """
 
+import os
+
 import cutlass
 import cutlass.cute as cute
 import torch
@@ -33,3 +35,15 @@ def fake_stream():
 
 
 COMPILE_OPTIONS = "--enable-tvm-ffi"
+
+
+def target_arch() -> str:
+    """The arch kernels are compiled for: CUTE_DSL_ARCH, else the current GPU's (named the
+    way the DSL names it). Never touches the CUDA driver when the env var is set."""
+    arch = os.environ.get("CUTE_DSL_ARCH")
+    if arch:
+        return arch
+    if not torch.cuda.is_available():
+        raise RuntimeError("no GPU: set CUTE_DSL_ARCH (e.g. sm_90a) to compile without one")
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}{'a' if major >= 9 else ''}"

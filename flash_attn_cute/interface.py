@@ -41,6 +41,7 @@ MAX_SPLITS = 256  # split-KV partials the combine kernel accepts
 BACKENDS = ("sm80", "sm90", "sm100")  # names accepted by ``backend=`` / FLASH_ATTN_CUTE_BACKEND
 IMPLEMENTED_BACKENDS = ("sm80",)
 _TILE_M, _TILE_N, _MIN_TILE_N = 128, 128, 64  # tile sizes the split heuristic assumes
+_CTAS_PER_SM = 2  # SM80 kernel: 255 registers x 128 threads, two CTAs resident per SM
 _INT32_MAX = 2**31 - 1  # kernels take lengths and windows as int32
 
 
@@ -249,9 +250,6 @@ def _get_combine():
     from .combine import combine_fwd
 
     return combine_fwd
-
-
-_CTAS_PER_SM = 2
 
 
 def _resolve_num_splits(num_splits: int, device, *, batch, heads_grid, rows, max_seqlen_k) -> int:

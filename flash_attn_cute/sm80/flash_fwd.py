@@ -14,6 +14,7 @@ batch tensors, packed (varlen) tensors, query heads packed into the M tile
 """
 
 import functools
+import os
 from typing import Optional
 
 import cutlass
@@ -21,11 +22,15 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
 
+from flash_attn_cute import jit_cache
 from flash_attn_cute.block_info import BlockInfo
+from flash_attn_cute.cute_utils import (
+    COMPILE_OPTIONS, CUTE_DTYPE_BY_NAME, DTYPE_NAMES, fake_stream, fake_tensor, target_arch,
+)
 from flash_attn_cute.seqlen_info import SeqlenInfo
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax, acc_mn_view, acc_to_operand_a
 from flash_attn_cute.sm80.gemm import gemm_rs, gemm_ss
-from flash_attn_cute.variants import AttentionVariant, AttnCtx, VariantParams
+from flash_attn_cute.variants import AttentionVariant, AttnCtx, VariantParams, make_variant
 
 
 def _smem_layout(dtype, rows: int, cols: int):
@@ -528,8 +533,6 @@ def select_tile(head_dim: int, head_dim_v: int, rows_per_kv_head: int):
     values, acc_S tile_m * tile_n / threads, Q's fragment (when kept in registers)
     tile_m * d / threads 16-bit values; all under 255 registers per thread.
     FLASH_ATTN_CUTE_SM80_TILE="m,n,warps,q_in_regs" overrides (for tuning sweeps)."""
-    import os
-
     override = os.environ.get("FLASH_ATTN_CUTE_SM80_TILE")
     if override:
         m, n, w, *q = (int(x) for x in override.split(","))
@@ -546,24 +549,8 @@ def select_tile(head_dim: int, head_dim_v: int, rows_per_kv_head: int):
     return 128, 64, 8, False
 
 
-def target_arch() -> str:
-    """The compile target: CUTE_DSL_ARCH when set (CPU compilation), else the GPU's."""
-    import os
-
-    arch = os.environ.get("CUTE_DSL_ARCH")
-    if arch:
-        return arch
-    import torch
-
-    major, minor = torch.cuda.get_device_capability()
-    return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
-
-
 def compile_fwd_sm80(key: tuple):
     """Compiles the kernel for ``key`` (see ``fwd_key``) on fake tensors: no GPU needed."""
-    from flash_attn_cute.cute_utils import COMPILE_OPTIONS, CUTE_DTYPE_BY_NAME, fake_stream, fake_tensor
-    from flash_attn_cute.variants import make_variant
-
     (_, _arch, dtype_name, d, dv, tile_m, tile_n, num_warps, q_in_regs, flags, pack, is_split, has_lse,
      varlen_q, varlen_k, has_seqused_k, paged) = key
     causal, local, softcap = flags
@@ -608,9 +595,6 @@ def flash_attn_fwd_sm80(
     softcap: float, num_splits: int, pack_gqa: bool,
 ) -> None:
     """Launches the SM80 forward on validated tensors (see flash_attn_cute.interface)."""
-    from flash_attn_cute import jit_cache
-    from flash_attn_cute.cute_utils import DTYPE_NAMES
-
     varlen_q = cu_seqlens_q is not None
     heads, heads_kv = q.shape[-2], k.shape[-2]
     qhpk = heads // heads_kv
