@@ -57,38 +57,54 @@ def parse_args(argv=None):
     p.add_argument("--rep", type=float, default=150, help="do_bench rep, ms")
     p.add_argument("--no-peers", action="store_true", help="skip FA4 and SDPA")
     p.add_argument("--launch-only", action="store_true",
-                   help="also time the launch path alone (impl ours_launch): no argument validation and "
-                        "no device-to-host read of cache_seqlens, i.e. the kernels plus allocation")
+                   help="also time the seam's launch path alone (impl ours_launch): no argument validation, "
+                        "i.e. the kernels plus allocation")
+    p.add_argument("--backends", default="all", help="comma-separated backends to sweep (default: all registered)")
     p.add_argument("--no-md", action="store_true", help="do not update benchmarks/RESULTS.md")
     p.add_argument("--csv", default=None, metavar="PATH", help="write the rows to this CSV file")
     return p.parse_args(argv)
 
 
-def chosen_num_splits(B, Q, K, H, hkv, pack_gqa):
-    """The num_splits that auto (0) resolves to, computed with the interface's own
-    heuristics (private helpers, so None if they move)."""
-    try:
-        from flash_attn_cute import heuristics, interface
-
-        ratio = H // hkv
-        pack = pack_gqa if pack_gqa is not None else heuristics.should_pack_gqa(Q, ratio)
-        pack = bool(pack and ratio > 1)
-        return interface._resolve_num_splits(
-            0, "cuda", batch=B, heads_grid=hkv if pack else H, rows=Q * (ratio if pack else 1), max_seqlen_k=K)
-    except Exception:
-        return None
-
-
-def launch_only(q, k_cache, v_cache, cache_seqlens, page_table, num_splits, pack_gqa, max_seqlen_k):
-    """The API's launch path without its host-side checks: what the kernels cost."""
-    from flash_attn_cute import interface
+def decode_problem(q, k_cache, v_cache, page_table, max_seqlen_k):
+    """The FwdProblem flash_attn_with_kvcache builds for this call (default arguments)."""
+    from flash_attn_cute.fwd import FwdProblem
 
     b, sq, h, d = q.shape
-    opts = interface._options(d, None, False, (-1, -1), 0.0, num_splits, pack_gqa, "sm80")
-    return lambda: interface._flash_attn_fwd(
-        q, k_cache, v_cache, None, opts, batch=b, max_seqlen_q=sq, max_seqlen_k=max_seqlen_k, nheads=h,
-        nheads_kv=k_cache.shape[2], d_v=v_cache.shape[-1], return_lse=False, seqused_k=cache_seqlens,
-        page_table=page_table)
+    return FwdProblem(q.dtype, b, sq, max_seqlen_k, h, k_cache.shape[2], d, v_cache.shape[-1], d ** -0.5, False,
+                      -1, -1, 0.0, False, False, True, k_cache.shape[1] if page_table is not None else 0, False)
+
+
+def chosen_num_splits(backend, problem, pack_gqa):
+    """The num_splits that auto (0) resolves to: the backend's own plan."""
+    import torch
+
+    from flash_attn_cute import fwd, heuristics
+
+    sms = heuristics.num_sms(torch.device("cuda"))
+    return fwd.backend_module(backend).plan(problem, 0, pack_gqa, sms).num_splits
+
+
+def launch_only(backend, problem, q, k_cache, v_cache, cache_seqlens, page_table, num_splits, pack_gqa):
+    """The seam's launch path without the public API's argument validation: what the
+    kernels (and the output allocation) cost."""
+    import torch
+
+    from flash_attn_cute import fwd
+
+    def fn():
+        out = q.new_empty(*q.shape[:-1], v_cache.shape[-1])
+        fwd.run_fwd(problem, q, k_cache, v_cache, out, None, seqused_k=cache_seqlens, page_table=page_table,
+                    requested=backend, num_splits=num_splits, pack_gqa=pack_gqa)
+        return out
+
+    return fn
+
+
+def backends_to_run(arg):
+    """--backends: 'all' = every registered backend whose check accepts a Hopper-class GPU."""
+    from flash_attn_cute import fwd
+
+    return sorted(fwd.BACKENDS) if arg == "all" else [b.strip() for b in arg.split(",") if b.strip()]
 
 
 def main(argv=None):
@@ -148,20 +164,20 @@ def main(argv=None):
         rows.append(row)
         return row
 
-    # --- ours: the sweep, then auto
+    # --- ours: the sweep, then auto, per backend
+    problem = decode_problem(q, k_cache, v_cache, page_table, K)
     splits = [int(s) for s in args.splits.split(",") if s.strip() and int(s) != 0]
-    for num_splits in splits + [0]:
-        kwargs = dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
-                      page_table=page_table, num_splits=num_splits, pack_gqa=pack_gqa, backend="sm80")
-        backend = "sm80"
-        if num_splits == 0:
-            chosen = chosen_num_splits(B, Q, K, H, hkv, pack_gqa)
-            backend = "sm80 auto" + (f"->{chosen}" if chosen is not None else "")
-        record("ours", num_splits, backend,
-               lambda kw=kwargs: flash_attn_cute.flash_attn_with_kvcache(**kw))
-        if args.launch_only and num_splits != 0:
-            record("ours_launch", num_splits, "sm80", launch_only(q, k_cache, v_cache, cache_seqlens,
-                                                                   page_table, num_splits, pack_gqa, K))
+    for backend in backends_to_run(args.backends):
+        for num_splits in splits + [0]:
+            kwargs = dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
+                          page_table=page_table, num_splits=num_splits, pack_gqa=pack_gqa, backend=backend)
+            note = backend
+            if num_splits == 0:
+                note = f"{backend} auto->{chosen_num_splits(backend, problem, pack_gqa)}"
+            record("ours", num_splits, note, lambda kw=kwargs: flash_attn_cute.flash_attn_with_kvcache(**kw))
+            if args.launch_only and num_splits != 0:
+                record("ours_launch", num_splits, backend, launch_only(
+                    backend, problem, q, k_cache, v_cache, cache_seqlens, page_table, num_splits, pack_gqa))
 
     if not args.no_peers:
         # --- FA4 (its own heuristic picks num_splits)

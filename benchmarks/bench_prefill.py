@@ -2,7 +2,7 @@
 
 Default: B=4, S=8192, bf16, (D, H) in (64, 32), (128, 16), (256, 8), causal and not.
 Implementations:
-  ours                  flash_attn_cute.flash_attn_func(..., backend="sm80")
+  ours_<backend>         flash_attn_cute.flash_attn_func(..., backend=<backend>), per --backends
   sdpa_flash            torch SDPA, flash backend only
   sdpa_cudnn            torch SDPA, cuDNN backend only
   fa4                   flash_attn.cute.flash_attn_func (skipped if not importable)
@@ -51,6 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--causal", choices=["both", "true", "false"], default="both")
     p.add_argument("--quick", action="store_true", help="only D=128, non-causal")
     p.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join(IMPLS))
+    p.add_argument("--backends", default="all", help="our backends to run as impl 'ours' (default: all registered)")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--warmup", type=float, default=25, help="do_bench warmup, ms")
     p.add_argument("--rep", type=float, default=150, help="do_bench rep, ms")
@@ -113,6 +114,9 @@ def main(argv=None):
 
     dtype = parse_dtype(args.dtype)
     impls = [x for x in args.impls.split(",") if x]
+    from flash_attn_cute import fwd
+
+    backends = sorted(fwd.BACKENDS) if args.backends == "all" else args.backends.split(",")
     dims = [128] if args.quick else [int(x) for x in args.dims.split(",")]
     causals = [False] if args.quick else {"both": [False, True], "true": [True], "false": [False]}[args.causal]
     B, S = args.B, args.S
@@ -142,13 +146,15 @@ def main(argv=None):
             group = []
             where = f"D={D}{' causal' if causal else ''}"
 
-            for impl in impls:
+            ours = [f"ours_{b}" for b in backends] if "ours" in impls else []
+            for impl in ours + [i for i in impls if i != "ours"]:
                 row = dict(impl=impl, causal=causal, B=B, S=S, H=H, D=D, avg_ms=float("nan"),
                            tflops=float("nan"), ratio_vs_best_peer=float("nan"), correct=False)
                 group.append(row)
                 try:
-                    if impl == "ours":
-                        fn = lambda: flash_attn_cute.flash_attn_func(q, k, v, causal=causal, backend="sm80")
+                    if impl.startswith("ours_"):
+                        fn = lambda b=impl[len("ours_"):]: flash_attn_cute.flash_attn_func(
+                            q, k, v, causal=causal, backend=b)
                     elif impl in ("sdpa_flash", "sdpa_cudnn"):
                         fn, _ = sdpa(q, k, v, backend=impl.split("_")[1], causal=causal)
                     elif impl == "fa4":

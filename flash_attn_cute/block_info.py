@@ -59,3 +59,15 @@ class BlockInfo:
         if cutlass.const_expr(key_lo is not None):
             n_lo = cute.ceil_div(cutlass.max(key_lo, 0), self.tile_n)
         return n_lo, n_hi
+
+    @cute.jit
+    def get_n_block_runs(self, m_block: Int32, ctx: AttnCtx, n_block_min: Int32, n_block_max: Int32):
+        """(n_mid_hi, n_mid_lo): kernels walk [n_block_min, n_block_max) top-down in three
+        runs, [n_mid_hi, n_block_max) masked (sequence end, causal diagonal),
+        [n_mid_lo, n_mid_hi) unmasked, and [n_block_min, n_mid_lo) masked again (a local
+        window's left edge; empty without a mask). Separate loops keep the hot middle
+        loop free of mask state."""
+        n_lo, n_hi = self.get_unmasked_n_block_range(m_block, ctx)
+        n_mid_hi = cutlass.max(cutlass.min(n_hi, n_block_max), n_block_min)
+        n_mid_lo = cutlass.min(cutlass.max(n_lo, n_block_min), n_mid_hi)
+        return n_mid_hi, n_mid_lo

@@ -17,7 +17,6 @@ A "row" is one (batch, seqlen, head) triple. A CTA owns ``tile_m`` rows of one b
   4. ``store``: convert and write that chunk of O with one 128-bit store.
 """
 
-import math
 from typing import Optional, Type
 
 import cutlass
@@ -26,11 +25,10 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from . import jit_cache
-from .cute_utils import COMPILE_OPTIONS, CUTE_DTYPE_BY_NAME, DTYPE_NAMES, fake_stream, fake_tensor, target_arch
+from .heuristics import MAX_SPLITS
+from .softmax import LN_2, LOG2_E
+from .cute_utils import CUTE_DTYPE_BY_NAME, compile_options, DTYPE_NAMES, fake_stream, fake_tensor, target_arch
 
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
-MAX_SPLITS = 256
 
 
 class FlashAttnCombine:
@@ -299,16 +297,18 @@ def compile_combine(key: tuple):
     mO = fake_tensor(dtype, 4, shape=(None, None, None, head_dim_v))
     mLSE = fake_tensor(Float32, 3, align=4, contiguous_last=False) if has_lse else None
     kernel = FlashAttnCombine(dtype, head_dim_v)
-    # The arch is passed explicitly so that the artifact matches its key whatever the DSL
-    # read from the environment at import.
-    options = f"{COMPILE_OPTIONS} --gpu-arch {arch}"
-    return cute.compile(kernel, mOPartial, mLSEPartial, mO, mLSE, fake_stream(), options=options)
+    return cute.compile(kernel, mOPartial, mLSEPartial, mO, mLSE, fake_stream(), options=compile_options(arch))
+
+
+def combine_launcher(out_dtype, head_dim_v: int, has_lse: bool):
+    """The compiled combine for an output dtype (torch), d_v and LSE on/off: called as
+    ``fn(out_partial, lse_partial, out, lse)`` with out_partial (num_splits, b, s, h, d_v)
+    fp32, lse_partial (num_splits, b, h, s) fp32, out (b, s, h, d_v), lse (b, h, s) fp32
+    or None. Shapes are validated by the public API. Runs on torch's current stream."""
+    key = combine_key(DTYPE_NAMES[out_dtype], head_dim_v, has_lse, target_arch())
+    return jit_cache.get_or_compile("combine", key, lambda: compile_combine(key))
 
 
 def combine_fwd(out_partial, lse_partial, out, lse=None) -> None:
-    """out_partial (num_splits, b, s, h, d_v) fp32, lse_partial (num_splits, b, h, s) fp32,
-    out (b, s, h, d_v) fp16/bf16/fp32, lse (b, h, s) fp32 or None. Shapes are validated by
-    the public API. Runs on torch's current stream."""
-    key = combine_key(DTYPE_NAMES[out.dtype], out.shape[-1], lse is not None, target_arch())
-    compiled = jit_cache.get_or_compile("combine", key, lambda: compile_combine(key))
-    compiled(out_partial, lse_partial, out, lse)
+    """Merges split-KV partials into ``out`` (and ``lse``): see ``combine_launcher``."""
+    combine_launcher(out.dtype, out.shape[-1], lse is not None)(out_partial, lse_partial, out, lse)

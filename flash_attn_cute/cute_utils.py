@@ -37,6 +37,13 @@ def fake_stream():
 COMPILE_OPTIONS = "--enable-tvm-ffi"
 
 
+def compile_options(arch: str) -> str:
+    """Options for ``cute.compile``: TVM-FFI calling convention, and the arch named in the
+    compile key passed explicitly, so that the binary matches its key whatever the DSL
+    read from the environment at import."""
+    return f"{COMPILE_OPTIONS} --gpu-arch {arch}"
+
+
 def target_arch() -> str:
     """The arch kernels are compiled for: CUTE_DSL_ARCH, else the current GPU's (named the
     way the DSL names it). Never touches the CUDA driver when the env var is set."""

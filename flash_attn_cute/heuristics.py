@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from typing import Optional
 
 import torch
 
-__all__ = ["num_splits_heuristic", "num_sms", "should_pack_gqa", "ceildiv"]
+__all__ = ["num_splits_heuristic", "resolve_num_splits", "num_sms", "should_pack_gqa", "ceildiv", "MAX_SPLITS"]
+
+MAX_SPLITS = 256  # split-KV partials the combine kernel accepts
+_MIN_SPLIT_KEYS = 64  # a split holds at least this many keys (no split without keys)
 
 
 def ceildiv(a: int, b: int) -> int:
@@ -60,6 +64,21 @@ def num_splits_heuristic(total_mblocks: int, num_sms: int, num_n_blocks: int, ma
         if efficiency(s) >= tolerance * best:
             return s
     return 1
+
+
+def resolve_num_splits(num_splits: int, num_sms: Optional[int], *, ctas: int, rows: int, max_seqlen_k: int,
+                       tile_m: int, tile_n: int, ctas_per_sm: int, tolerance: float) -> int:
+    """``num_splits`` as a kernel runs it. 0 = auto: ``num_splits_heuristic`` on the unsplit
+    grid of ``ctas`` (batch x head groups) times ``ceil(rows / tile_m)`` m-blocks, each
+    walking ``ceil(max_seqlen_k / tile_n)`` KV blocks, on ``num_sms * ctas_per_sm``
+    resident CTAs (causal/local skipping and varlen per-sequence lengths are ignored).
+    Then clamped to ``ceil(max_seqlen_k / 64)`` and ``MAX_SPLITS``. The tile and
+    occupancy are the calling backend's."""
+    if num_splits == 0:
+        total_mblocks = ctas * ceildiv(rows, tile_m)
+        n_blocks = ceildiv(max_seqlen_k, tile_n)
+        num_splits = num_splits_heuristic(total_mblocks, num_sms * ctas_per_sm, n_blocks, tolerance=tolerance)
+    return max(1, min(num_splits, ceildiv(max_seqlen_k, _MIN_SPLIT_KEYS), MAX_SPLITS))
 
 
 @lru_cache(maxsize=None)

@@ -46,3 +46,54 @@ class SeqlenInfo:
             if cutlass.const_expr(seqlen_k_capacity is not None):
                 seqlen_k = cutlass.max(cutlass.min(seqlen_k, seqlen_k_capacity), 0)
         return SeqlenInfo(offset_q, seqlen_q, offset_k, seqlen_k)
+
+    @staticmethod
+    @cute.jit
+    def create_for(
+        batch: Int32,
+        mQ: cute.Tensor,  # (b, s_q, h, d) or (total_q, h, d)
+        mK: cute.Tensor,  # (b, s_k, h_kv, d), (total_k, h_kv, d) or (num_pages, page_size, h_kv, d)
+        mCuSeqlensQ: Optional[cute.Tensor],
+        mCuSeqlensK: Optional[cute.Tensor],
+        mSeqUsedK: Optional[cute.Tensor],
+        mPageTable: Optional[cute.Tensor],  # (b, max_pages) int32
+    ) -> "SeqlenInfo":
+        """``create`` from a kernel's tensors: static lengths from their modes, and the
+        cache capacity (pages x page size, or the cache's length mode) as the clamp."""
+        varlen_q = cutlass.const_expr(mCuSeqlensQ is not None)
+        varlen_k = cutlass.const_expr(mCuSeqlensK is not None)
+        capacity = None
+        if cutlass.const_expr(mPageTable is not None):
+            capacity = mPageTable.shape[1] * mK.shape[1]
+        elif cutlass.const_expr(not varlen_k):
+            capacity = mK.shape[1]
+        return SeqlenInfo.create(
+            batch,
+            mQ.shape[0] if varlen_q else mQ.shape[1],
+            mK.shape[0] if varlen_k else mK.shape[1],
+            mCuSeqlensQ,
+            mCuSeqlensK,
+            mSeqUsedK,
+            capacity,
+        )
+
+    def q_view(self, mX: cute.Tensor, batch: Int32, varlen: cutlass.Constexpr[bool]) -> cute.Tensor:
+        """(b, s, ...) or packed (total, ...) Q-like tensor -> (s, ...) of this batch entry."""
+        return _batch_view(mX, batch, self.offset_q, varlen)
+
+    def k_view(self, mX: cute.Tensor, batch: Int32, varlen: cutlass.Constexpr[bool]) -> cute.Tensor:
+        """(b, s, ...) or packed (total, ...) K-like tensor -> (s, ...) of this batch entry."""
+        return _batch_view(mX, batch, self.offset_k, varlen)
+
+    def lse_view(self, mLSE: cute.Tensor, batch: Int32, varlen: cutlass.Constexpr[bool]) -> cute.Tensor:
+        """(b, h, s_q) or packed (h, total_q) LSE -> (h, s_q) of this batch entry."""
+        if cutlass.const_expr(varlen):
+            return cute.domain_offset((0, self.offset_q), mLSE)
+        return mLSE[batch, None, None]
+
+
+def _batch_view(mX: cute.Tensor, batch: Int32, offset: Int32, varlen: bool) -> cute.Tensor:
+    rank = cute.rank(mX)
+    if cutlass.const_expr(varlen):
+        return cute.domain_offset((offset,) + (0,) * (rank - 1), mX)
+    return mX[(batch,) + (None,) * (rank - 1)]

@@ -170,6 +170,39 @@ class Compose(AttentionVariant):
         return self._mask.unmasked_key_range(q_min, q_max, ctx)
 
 
+@cute.jit
+def apply_to_scores(
+    variant: cutlass.Constexpr,
+    s_mn: cute.Tensor,  # (rows, cols) view of this thread's scores (layout_utils.acc_mn_view)
+    tScS_mn: cute.Tensor,  # the same view of the (row, col) tile coordinates
+    ctx: AttnCtx,
+    row0: Int32,  # first tile row (a packed row under pack_gqa)
+    col0: Int32,  # first key of the block
+    qhead_per_kvhead: cutlass.Constexpr[int],  # packed rows per query position (1: unpacked)
+    softmax_scale: Float32,
+    masked: cutlass.Constexpr[bool],
+):
+    """The variant over one block of scores, in place, for every kernel that holds S in
+    registers: the score modifier on every block (on the scaled score), and on a masked
+    block the sequence end and the variant's mask (-inf where a score is dropped)."""
+    has_mod = cutlass.const_expr(variant.has_score_mod)
+    if cutlass.const_expr(has_mod or masked):
+        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+            q_idx = (row0 + tScS_mn[r, 0][0]) // qhead_per_kvhead
+            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                k_idx = col0 + tScS_mn[0, c][1]
+                s = s_mn[r, c]
+                if cutlass.const_expr(has_mod):
+                    s = variant.score_mod(s * softmax_scale, q_idx, k_idx, ctx)
+                if cutlass.const_expr(masked):
+                    keep = k_idx < ctx.seqlen_k
+                    if cutlass.const_expr(variant.has_mask):
+                        keep = keep and variant.mask(q_idx, k_idx, ctx)
+                    if not keep:
+                        s = -Float32.inf
+                s_mn[r, c] = s
+
+
 def make_variant(causal: bool, local: bool, softcap: bool) -> AttentionVariant:
     """The built-in variant for the public API's flags (local wins over causal: the
     host folds causal into window_right = 0)."""

@@ -3,6 +3,7 @@
 - Tests marked ``gpu`` (the marker is registered in pyproject.toml) are skipped when
   ``torch.cuda.is_available()`` is False, so ``python -m pytest -q tests`` passes on a
   CPU-only machine and runs everything on a GPU one.
+- A GPU test whose call the backend under test refuses is skipped with the reason.
 - ``jit_cache_dir``: a fresh disk-cache folder for the JIT cache tests only, so they
   neither read nor pollute the user's ~/.cache/flash_attn_cute. Other tests (the GPU
   tests in particular) keep the normal cache so repeated runs stay fast.
@@ -36,6 +37,17 @@ def _keep_shard(config, items):
     deselected = items[:lo] + items[hi:]
     items[:] = items[lo:hi]
     config.hook.pytest_deselected(items=deselected)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """A GPU test whose call the requested backend refuses (its ``check`` names a reason:
+    a head dim or page size it does not compile) is reported as skipped, with the reason."""
+    outcome = yield
+    exc = outcome.excinfo
+    if exc and issubclass(exc[0], NotImplementedError) and "cannot run this call" in str(exc[1]):
+        if "gpu" in item.keywords:
+            outcome.force_exception(pytest.skip.Exception(str(exc[1]), _use_item_location=True))
 
 
 @pytest.fixture

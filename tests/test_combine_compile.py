@@ -1,23 +1,16 @@
 """CPU compile tests of the split-KV combine kernel: no GPU, runs in CI.
 
-The DSL reads CUTE_DSL_ARCH / CUTE_DSL_KEEP / CUTE_DSL_DUMP_DIR once, when it is imported,
-so each arch compiles in its own subprocess (this file run as a script), with those variables
-set. The artifacts it keeps (PTX, cubin and, when nvdisasm is installed, SASS) are then
-checked here for the instructions the design relies on.
+Each arch compiles in its own subprocess through tests/compile_harness.py; the artifacts
+it keeps (PTX, cubin and, when nvdisasm is installed, SASS) are then checked here for the
+instructions the design relies on.
 """
 
 import concurrent.futures
-import json
 import os
 import re
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+from compile_harness import compile_entries
 
 # sm_80: the lowest supported arch (cp.async needs it); sm_90a: the main target. Each arch is
 # a separate compile target with its own SASS, so each is checked on its own.
@@ -38,57 +31,10 @@ def config_name(dtype, head_dim_v, with_lse):
     return f"{dtype}_d{head_dim_v}_{'lse' if with_lse else 'nolse'}"
 
 
-def find_nvdisasm():
-    """nvdisasm from the nvidia-cuda-nvdisasm wheel (the one the DSL itself prefers), else PATH."""
-    from importlib import metadata
+def entries(arch):
+    from flash_attn_cute.combine import combine_key
 
-    try:
-        dist = metadata.distribution("nvidia-cuda-nvdisasm")
-        for f in dist.files or []:
-            if f.name == "nvdisasm" and Path(dist.locate_file(f)).is_file():
-                return str(dist.locate_file(f))
-    except metadata.PackageNotFoundError:
-        pass
-    return shutil.which("nvdisasm")
-
-
-def compile_worker(out_dir):
-    """Subprocess body: compile every config for $CUTE_DSL_ARCH, one artifact folder each."""
-    from time import perf_counter
-
-    from flash_attn_cute.combine import combine_key, compile_combine, target_arch
-
-    dump_dir = Path(os.environ["CUTE_DSL_DUMP_DIR"])
-    results = {}
-    for dtype, head_dim_v, with_lse in CONFIGS:
-        for f in dump_dir.iterdir():
-            f.unlink()
-        t0 = perf_counter()
-        compile_combine(combine_key(dtype, head_dim_v, with_lse, target_arch()))
-        seconds = perf_counter() - t0
-        dest = Path(out_dir) / config_name(dtype, head_dim_v, with_lse)
-        dest.mkdir(parents=True)
-        for f in dump_dir.iterdir():
-            shutil.move(str(f), dest / f.name)
-        results[dest.name] = seconds
-    print(json.dumps(results))
-
-
-def run_arch(arch, root, keep):
-    out_dir, dump_dir = root / arch, root / f"{arch}_dump"
-    env = dict(os.environ, CUTE_DSL_ARCH=arch, CUTE_DSL_KEEP=keep, CUTE_DSL_DUMP_DIR=str(dump_dir))
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    for d in (out_dir, dump_dir):
-        shutil.rmtree(d, ignore_errors=True)
-        d.mkdir()
-    proc = subprocess.run(
-        [sys.executable, __file__, str(out_dir)], env=env, cwd=REPO, capture_output=True, text=True, timeout=900
-    )
-    if proc.returncode != 0 and "sass" in keep and "nvdisasm" in proc.stderr:
-        # The DSL refuses SASS dumping with an nvdisasm older than its toolchain: no SASS then.
-        return run_arch(arch, root, "ptx,cubin")
-    assert proc.returncode == 0, f"{arch} compile failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    return out_dir, json.loads(proc.stdout.strip().splitlines()[-1])
+    return [(config_name(*c), "flash_attn_cute.combine:compile_combine", combine_key(*c, arch)) for c in CONFIGS]
 
 
 @pytest.fixture(scope="module")
@@ -96,10 +42,9 @@ def artifacts(tmp_path_factory):
     """{arch: (artifact dir, {config: compile seconds})}. The archs compile concurrently
     when there are cores for it (on 2 cores, one after the other is faster)."""
     root = tmp_path_factory.mktemp("combine_artifacts")
-    keep = "ptx,cubin,sass" if find_nvdisasm() else "ptx,cubin"
     workers = len(ARCHS) if (os.cpu_count() or 1) >= 4 else 1
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        futures = {arch: pool.submit(run_arch, arch, root, keep) for arch in ARCHS}
+        futures = {arch: pool.submit(compile_entries, arch, entries(arch), root) for arch in ARCHS}
         result = {arch: f.result() for arch, f in futures.items()}
     for arch, (_, times) in result.items():
         print(f"\n{arch} compile seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in times.items()))
@@ -178,6 +123,3 @@ def test_compile_is_keyed_by_arch_from_env(monkeypatch):
     assert target_arch() == "sm_80"
     assert combine_key("bf16", 128, True, target_arch()) == ("combine", "bf16", 128, True, "sm_80")
 
-
-if __name__ == "__main__":
-    compile_worker(sys.argv[1])

@@ -35,7 +35,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-BACKEND = "sm80"
+BACKEND = None  # the backend under test, set by the autouse ``backend`` fixture
 DEVICE = "cuda"
 # what a refused call may raise (validation happens in Python, before any launch)
 REFUSALS = (ValueError, TypeError, AssertionError, RuntimeError, NotImplementedError)
@@ -46,6 +46,22 @@ def _api():
     import flash_attn_cute
 
     return flash_attn_cute
+
+
+def _backend_names():
+    from flash_attn_cute import fwd
+
+    return sorted(fwd.BACKENDS)
+
+
+@pytest.fixture(params=_backend_names(), autouse=True)
+def backend(request):
+    """Every test runs once per registered backend (the ``backend=`` of each call); a
+    call the backend refuses (``check``) is reported as a skip with its reason."""
+    global BACKEND
+    BACKEND = request.param
+    yield request.param
+    BACKEND = None
 
 
 @dataclass(frozen=True)
@@ -474,37 +490,32 @@ def test_kvcache_no_lse_and_bad_out():
 # --------------------------------------------------------------------- compile count
 
 
-def compile_keys(num_sms=132):
-    """(forward keys, combine keys) this file compiles, mirroring the interface: windows
-    normalised, pack_gqa and num_splits=0 resolved by its heuristics on ``num_sms`` SMs,
-    the tile chosen from seqlen_q * packed ratio. Problems listed as the tests build them."""
-    from flash_attn_cute import heuristics, interface
-    from flash_attn_cute.sm80.flash_fwd import select_tile
+def compile_keys(backend="sm80", arch="sm_90a", num_sms=132):
+    """(forward keys, combine keys) this file compiles on ``backend`` for ``arch``, from
+    the backend's own ``plan`` and ``compile_key`` on ``num_sms`` SMs (the H200's 132):
+    the problems as the tests build them, calls the backend refuses left out. The CPU
+    compile tests compile a covering subset of these keys."""
+    from flash_attn_cute import fwd, interface
+    from flash_attn_cute.combine import combine_key
+    from flash_attn_cute.cute_utils import DTYPE_NAMES
 
-    fwd, comb = set(), set()
+    module = fwd.backend_module(backend)
+    keys, comb = set(), set()
 
-    def add(cfg, kind, batch, max_sq, max_sk, has_lse=True):
+    def add(cfg, kind, batch, max_sq, max_sk, has_lse=True, page_size=0):
         if max_sq == 0 or max_sk == 0:
             return
         causal, left, right = interface.normalize_window(cfg.causal, cfg.window)
-        local = left >= 0 or (right >= 0 and not causal)
-        ratio = cfg.nheads // cfg.nheads_kv
-        pack = cfg.pack_gqa
-        if pack is None:
-            pack = heuristics.should_pack_gqa(max_sq, ratio, 128, varlen_q=kind == "varlen")
-        pack = ratio if (pack and ratio > 1) else 1
-        rows = max_sq * pack
-        splits = cfg.num_splits
-        if splits == 0:
-            mblocks = batch * (cfg.nheads_kv if pack > 1 else cfg.nheads) * heuristics.ceildiv(rows, 128)
-            splits = heuristics.num_splits_heuristic(mblocks, num_sms, heuristics.ceildiv(max_sk, 128))
-        splits = max(1, min(splits, heuristics.ceildiv(max_sk, 64)))
-        flags = (causal and not local, local, cfg.softcap > 0)
-        # a split kernel always writes partial lse; has_lse then only reaches the combine
-        fwd.add((kind, cfg.dtype, cfg.d, cfg.dv, select_tile(cfg.d, cfg.dv, rows), flags, pack,
-                 splits > 1, has_lse or splits > 1))
-        if splits > 1:
-            comb.add((cfg.dtype, cfg.dv, has_lse))
+        problem = fwd.FwdProblem(
+            cfg.dtype, batch, max_sq, max_sk, cfg.nheads, cfg.nheads_kv, cfg.d, cfg.dv, cfg.d ** -0.5, causal,
+            left, right, cfg.softcap, kind == "varlen", kind == "varlen", kind in ("kvcache", "paged"), page_size,
+            has_lse)
+        if module.check(problem) is not None:
+            return
+        plan = module.plan(problem, cfg.num_splits, cfg.pack_gqa, num_sms)
+        keys.add(module.compile_key(problem, plan, arch))
+        if plan.num_splits > 1:
+            comb.add(combine_key(DTYPE_NAMES[cfg.dtype], cfg.dv, has_lse, arch))
 
     base = _BY_NAME["base"]
     for cfg in FUNC_CFGS:
@@ -525,18 +536,20 @@ def compile_keys(num_sms=132):
         for page_size in PAGE_SIZES if cfg.paged else [None]:
             cap = KV_CAPACITY if page_size is None else math.ceil(KV_CAPACITY / page_size) * page_size
             for sq in cfg.seqlen_qs:
-                add(cfg, "paged" if cfg.paged else "kvcache", len(KV_CACHE_SEQLENS), sq, cap)
+                add(cfg, "paged" if cfg.paged else "kvcache", len(KV_CACHE_SEQLENS), sq, cap,
+                    page_size=page_size or 0)
     for page_size in (None, 64):
         for ns in (0, 3):
             add(Cfg(**{**DECODE_CFG.__dict__, "num_splits": ns}), "paged" if page_size else "kvcache",
-                2, 1, 4224)
+                2, 1, 4224, page_size=page_size or 0)
     add(Cfg("kv_zero", num_splits=0), "kvcache", 2, 1, KV_CAPACITY)
     add(Cfg("kv_no_lse", num_splits=0), "kvcache", 2, 1, KV_CAPACITY, has_lse=False)
-    return fwd, comb
+    return keys, comb
 
 
 if __name__ == "__main__":
-    fwd, comb = compile_keys()
-    for kind in ("func", "varlen", "kvcache", "paged"):
-        print(f"{kind:8s} {sum(k[0] == kind for k in fwd)} forward kernels")
-    print(f"total: {len(fwd)} forward kernels + {len(comb)} combine kernels")
+    from flash_attn_cute import fwd as _fwd
+
+    for name in _fwd.BACKENDS:
+        keys, comb = compile_keys(name)
+        print(f"{name}: {len(keys)} forward kernels + {len(comb)} combine kernels")

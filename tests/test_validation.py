@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import flash_attn_cute
-from flash_attn_cute import heuristics, interface
+from flash_attn_cute import fwd, heuristics, interface, sm80
 from flash_attn_cute.heuristics import ceildiv, num_splits_heuristic, should_pack_gqa
 from flash_attn_cute.interface import (
     flash_attn_combine,
@@ -139,23 +139,41 @@ def _refuse(*args, **kwargs):
     raise AssertionError("a kernel was launched although there was nothing to compute")
 
 
+def _fake_backend(kernel):
+    """The SM80 backend's real check and plan, with ``kernel`` in place of its launcher:
+    the seam's launch contract translated to the keyword form fake_kernel asserts."""
+
+    def launcher(problem, plan):
+        def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table):
+            kernel(q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
+                   page_table=page_table, max_seqlen_q=problem.max_seqlen_q, softmax_scale=problem.softmax_scale,
+                   causal=problem.causal, window_left=problem.window_left, window_right=problem.window_right,
+                   softcap=problem.softcap, num_splits=plan.num_splits, pack_gqa=plan.pack_gqa)
+
+        return launch
+
+    return SimpleNamespace(HEAD_DIMS=sm80.HEAD_DIMS, check=sm80.check, plan=sm80.plan, launcher=launcher)
+
+
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """CPU tensors pass as a 132-SM Hopper GPU running the fake kernels."""
     fake_kernel.calls, fake_combine.calls = [], 0
+    interface.clear_call_cache()
     monkeypatch.setattr(interface, "_check_device", lambda tensors: None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(heuristics, "num_sms", lambda device: 132)
-    monkeypatch.setattr(interface, "_get_kernel", lambda backend: fake_kernel)
-    monkeypatch.setattr(interface, "_get_combine", lambda: fake_combine)
+    monkeypatch.setattr(fwd, "backend_module", lambda name: _fake_backend(fake_kernel))
+    monkeypatch.setattr(fwd, "combine_launcher", lambda out_dtype, d_v, has_lse: fake_combine)
     monkeypatch.delenv("FLASH_ATTN_CUTE_BACKEND", raising=False)
-    return SimpleNamespace(kernel=fake_kernel, combine=fake_combine)
+    yield SimpleNamespace(kernel=fake_kernel, combine=fake_combine)
+    interface.clear_call_cache()
 
 
 @pytest.fixture
 def no_launch(fake_gpu, monkeypatch):
-    monkeypatch.setattr(interface, "_get_kernel", lambda backend: _refuse)
-    monkeypatch.setattr(interface, "_get_combine", lambda: _refuse)
+    monkeypatch.setattr(fwd, "backend_module", lambda name: _fake_backend(_refuse))
+    monkeypatch.setattr(fwd, "combine_launcher", _refuse)
     monkeypatch.setattr(heuristics, "num_sms", _refuse)
 
 
@@ -221,7 +239,6 @@ FUNC_CASES = [
     ("out_strided", lambda a: a.update(out=torch.zeros(2, 5, 64, 4, dtype=F16).transpose(2, 3)), ValueError,
      "out must have a contiguous last dimension"),
     ("backend_unknown", lambda a: a.update(backend="sm75"), ValueError, "backend must be one of"),
-    ("backend_sm90", lambda a: a.update(backend="sm90"), NotImplementedError, "SM90 kernel is not implemented"),
     ("backend_sm100", lambda a: a.update(backend="sm100"), NotImplementedError, "SM100 kernel is not"),
     ("cpu_tensors", lambda a: None, ValueError, "q must be a CUDA tensor"),
 ]
@@ -328,19 +345,20 @@ def test_kvcache_bounds_refused_without_launch(no_launch, paged, seqlens, table,
     k, v = torch.randn(shape).to(F16), torch.randn(shape).to(F16)
     pt = None if table is None else torch.tensor(table, dtype=torch.int32)
     with pytest.raises(ValueError, match=match):
-        flash_attn_with_kvcache(q, k, v, torch.tensor(seqlens, dtype=torch.int32), page_table=pt)
+        flash_attn_with_kvcache(q, k, v, torch.tensor(seqlens, dtype=torch.int32), page_table=pt,
+                                check_cache_bounds=True)
 
 
-def test_kvcache_bounds_check_opt_out(fake_gpu, monkeypatch):
-    # check_cache_bounds=False must not read cache_seqlens back (no sync); the kernel is
-    # then handed the capacity as max_seqlen_k and clamps lengths itself.
+def test_kvcache_bounds_check_is_opt_in(fake_gpu, monkeypatch):
+    # By default cache_seqlens is never read back (no sync); the kernel is then handed the
+    # capacity as max_seqlen_k and clamps lengths itself. check_cache_bounds=True reads it.
     monkeypatch.setattr(interface, "_check_cache_bounds", _refuse)
     q, _, _ = make_qkv(sq=1)
     k, v = torch.randn(2, 9, 2, 64).to(F16), torch.randn(2, 9, 2, 64).to(F16)
-    flash_attn_with_kvcache(q, k, v, torch.tensor([4, 12], dtype=torch.int32), check_cache_bounds=False)
+    flash_attn_with_kvcache(q, k, v, torch.tensor([4, 12], dtype=torch.int32))
     assert fake_kernel.calls and fake_kernel.calls[-1]["max_seqlen_q"] == 1
     with pytest.raises(AssertionError):
-        flash_attn_with_kvcache(q, k, v, torch.tensor([4, 12], dtype=torch.int32))
+        flash_attn_with_kvcache(q, k, v, torch.tensor([4, 12], dtype=torch.int32), check_cache_bounds=True)
 
 
 def test_kvcache_bounds_ignore_unused_pages():
@@ -469,10 +487,10 @@ def test_num_splits_small_or_degenerate():
     assert num_splits_heuristic(1, 0, 100) == 1
 
 
-def test_resolve_num_splits_clamps(monkeypatch):
-    monkeypatch.setattr(heuristics, "num_sms", lambda device: 132)
-    r = lambda ns, sk, **kw: interface._resolve_num_splits(
-        ns, "cpu", batch=kw.get("b", 1), heads_grid=kw.get("h", 1), rows=1, max_seqlen_k=sk)
+def test_resolve_num_splits_clamps():
+    r = lambda ns, sk, **kw: heuristics.resolve_num_splits(
+        ns, 132, ctas=kw.get("b", 1) * kw.get("h", 1), rows=1, max_seqlen_k=sk, tile_m=128, tile_n=128,
+        ctas_per_sm=2, tolerance=0.95)
     assert r(100, 128) == 2  # explicit: at most ceil(seqlen_k / 64) splits
     assert r(256, 10**6) == 256
     assert r(0, 131072) > 1  # auto on a near-empty grid
@@ -519,42 +537,112 @@ def test_no_sm_query_without_auto_splits(fake_gpu, monkeypatch):
 # ---------------------------------------------------------------------------------------
 
 
+def _problem(**kw):
+    """A small valid FwdProblem; keywords override fields."""
+    base = dict(dtype=BF16, batch=1, max_seqlen_q=1, max_seqlen_k=128, nheads=4, nheads_kv=4, d=128, d_v=128,
+                softmax_scale=0.1, causal=False, window_left=-1, window_right=-1, softcap=0.0, varlen_q=False,
+                varlen_k=False, has_seqused_k=False, page_size=0, has_lse=False)
+    return fwd.FwdProblem(**{**base, **kw})
+
+
 # Capabilities: Ampere, Ada, Hopper, Blackwell DC, Blackwell consumer all run the SM80
 # kernel until their own land; Turing is refused.
 @pytest.mark.parametrize("cap,expected", [((8, 0), "sm80"), ((8, 9), "sm80"), ((9, 0), "sm80"), ((10, 0), "sm80"),
                                           ((12, 0), "sm80"), ((7, 5), RuntimeError)])
 def test_backend_by_capability(monkeypatch, cap, expected):
-    monkeypatch.delenv("FLASH_ATTN_CUTE_BACKEND", raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
     if expected is RuntimeError:
         with pytest.raises(RuntimeError, match="compute capability >= 8.0"):
-            interface.select_backend(None, "cuda:0")
+            fwd.select_backend(None, _problem(), "cuda:0")
     else:
-        assert interface.select_backend(None, "cuda:0") == expected
+        assert fwd.select_backend(None, _problem(), "cuda:0")[0] == expected
 
 
-def test_backend_explicit_and_env(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+def test_backend_names_explicit_and_env(monkeypatch):
     monkeypatch.delenv("FLASH_ATTN_CUTE_BACKEND", raising=False)
-    assert interface.select_backend("sm80", "cuda:0") == "sm80"  # SM80 kernel on a Hopper GPU
-    assert interface.select_backend(" SM80 ", "cuda:0") == "sm80"
+    assert interface._backend_name("sm80") == "sm80"
+    assert interface._backend_name(" SM80 ") == "sm80"
     for name in ("sm90", "sm100"):
-        with pytest.raises(NotImplementedError, match="not implemented yet"):
-            interface.select_backend(name, "cuda:0")
+        if name not in fwd.BACKENDS:
+            with pytest.raises(NotImplementedError, match="not implemented yet"):
+                interface._backend_name(name)
     with pytest.raises(ValueError, match="backend must be one of"):
-        interface.select_backend("hopper", "cuda:0")
+        interface._backend_name("hopper")
     with pytest.raises(TypeError, match="backend must be a str"):
-        interface.select_backend(90, "cuda:0")
-    monkeypatch.setenv("FLASH_ATTN_CUTE_BACKEND", "sm90")
-    with pytest.raises(NotImplementedError, match="FLASH_ATTN_CUTE_BACKEND"):
-        interface.select_backend(None, "cuda:0")
-    assert interface.select_backend("sm80", "cuda:0") == "sm80"  # the argument beats the env
+        interface._backend_name(90)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BACKEND", "sm100")
+    if "sm100" not in fwd.BACKENDS:
+        with pytest.raises(NotImplementedError, match="FLASH_ATTN_CUTE_BACKEND"):
+            interface._backend_name(None)
+    assert interface._backend_name("sm80") == "sm80"  # the argument beats the env
     monkeypatch.setenv("FLASH_ATTN_CUTE_BACKEND", "bogus")
     with pytest.raises(ValueError, match="FLASH_ATTN_CUTE_BACKEND must be one of"):
-        interface.select_backend(None, "cuda:0")
+        interface._backend_name(None)
     for auto in ("", "auto"):
         monkeypatch.setenv("FLASH_ATTN_CUTE_BACKEND", auto)
-        assert interface.select_backend(None, "cuda:0") == "sm80"
+        assert interface._backend_name(None) is None
+
+
+def test_explicit_backend_refusal_names_the_reason(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert fwd.select_backend("sm80", _problem(), "cuda:0")[0] == "sm80"  # SM80 kernel on a Hopper GPU
+    with pytest.raises(NotImplementedError, match="'sm80' cannot run this call: v head dimension 80"):
+        fwd.select_backend("sm80", _problem(d_v=80), "cuda:0")
+
+
+def test_auto_backend_falls_back_to_sm80_with_a_reason(monkeypatch, caplog):
+    # A Hopper backend that refuses paged caches: auto selection runs SM80 and logs why.
+    hopper = SimpleNamespace(HEAD_DIMS=(128,), check=lambda p: "paged KV not supported" if p.paged else None)
+    monkeypatch.setitem(fwd.BACKENDS, "sm90", "unused")
+    monkeypatch.setattr(fwd, "backend_module", lambda name: hopper if name == "sm90" else sm80)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert fwd.select_backend(None, _problem(), "cuda:0")[0] == "sm90"
+    with caplog.at_level("INFO", logger="flash_attn_cute"):
+        assert fwd.select_backend(None, _problem(page_size=16), "cuda:0")[0] == "sm80"
+    assert "paged KV not supported" in caplog.text
+    with pytest.raises(NotImplementedError, match="paged KV not supported"):
+        fwd.select_backend("sm90", _problem(page_size=16), "cuda:0")
+
+
+def test_call_cache_never_skips_a_refusal(fake_gpu):
+    # A cached call answers only for calls with the same argument types and tensor
+    # signatures: anything validation would refuse still reaches validation.
+    q, k, v = make_qkv()
+    flash_attn_func(q, k, v, causal=True)
+    flash_attn_func(q, k, v, causal=True)  # cached
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        flash_attn_func(q, k, v, causal=1)  # equal to True, but an int
+    with pytest.raises(TypeError, match="k must be torch.float16"):
+        flash_attn_func(q, k.to(BF16), v, causal=True)
+    with pytest.raises(ValueError, match="must be 16-byte aligned"):
+        buf = torch.zeros(k.numel() + 1, dtype=F16)[1:].view(k.shape)  # same shape/strides, misaligned
+        flash_attn_func(q, buf, v, causal=True)
+    with pytest.raises(ValueError, match="window_size"):
+        flash_attn_func(q, k, v, window_size=(-2, 0))
+    assert len(fake_kernel.calls) == 2
+
+
+def test_call_cache_replays_kvcache_with_int_lengths(fake_gpu):
+    q, k, v = make_qkv(b=2, sq=1, sk=300)
+    for _ in range(2):  # the second call is a replay: it must rebuild the lengths tensor
+        out = flash_attn_with_kvcache(q, k, v, 200, num_splits=3)
+        close(out, attention_kvcache_ref(q, k, v, torch.tensor([200, 200]))[0])
+        assert fake_gpu.kernel.calls[-1]["seqused_k"].tolist() == [200, 200]
+    assert len(fake_gpu.kernel.calls) == 2 and fake_gpu.combine.calls == 2
+
+
+def test_plan_cache_resolves_once(fake_gpu, monkeypatch):
+    # A repeated call reuses the resolved plan and launcher: no second planning.
+    plans = []
+    real = _fake_backend(fake_kernel)
+    counting = SimpleNamespace(**{**vars(real), "plan": lambda *a: plans.append(a) or sm80.plan(*a)})
+    monkeypatch.setattr(fwd, "backend_module", lambda name: counting)
+    q, k, v = make_qkv()
+    for _ in range(3):
+        flash_attn_func(q, k, v)
+    assert len(plans) == 1 and len(fake_kernel.calls) == 3
+    flash_attn_func(q, k, v, causal=True)  # another problem: planned again
+    assert len(plans) == 2
 
 
 # ---------------------------------------------------------------------------------------
@@ -585,6 +673,8 @@ def test_flash_attn_varlen_func_empty(no_launch, lens_q, lens_k):
 
 
 # (b, sq, cache_seqlens): empty batch, no queries, empty caches (tensor and int forms).
+# Lengths in a tensor are only known on the host with check_cache_bounds=True (by
+# default the kernel runs and finds them empty itself).
 @pytest.mark.parametrize("b,sq,seqlens", [(0, 1, "tensor"), (2, 0, "tensor"), (2, 3, [0, 0]), (2, 3, 0)])
 def test_flash_attn_with_kvcache_empty(no_launch, b, sq, seqlens):
     q, k, v = make_qkv(b=b, sq=sq, sk=9)
@@ -592,7 +682,7 @@ def test_flash_attn_with_kvcache_empty(no_launch, b, sq, seqlens):
         seqlens = torch.full((b,), 4, dtype=torch.int32)
     elif isinstance(seqlens, list):
         seqlens = torch.tensor(seqlens, dtype=torch.int32)
-    out, lse = flash_attn_with_kvcache(q, k, v, seqlens, return_lse=True)
+    out, lse = flash_attn_with_kvcache(q, k, v, seqlens, return_lse=True, check_cache_bounds=True)
     assert out.shape == (b, sq, 4, 64) and lse.shape == (b, 4, sq)
     assert (out == 0).all() and (lse == -math.inf).all()
 

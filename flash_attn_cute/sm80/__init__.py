@@ -1,0 +1,95 @@
+"""SM80 backend (mma.sync, cp.async): the seam's check / plan / compile / launcher.
+
+Runs on every GPU of compute capability >= 8.0. Host-side only: the DSL is imported
+when a kernel is first compiled, so planning (tests, benchmarks, AOT lists) is cheap.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from .. import heuristics, jit_cache
+from ..cute_utils import DTYPE_NAMES, target_arch
+from ..fwd import FwdPlan, FwdProblem
+
+NAME = "sm80"
+HEAD_DIMS = (64, 96, 128, 192, 256)  # for both d (q/k) and d_v (v)
+# The split heuristic counts the grid in 128 x 128 tiles and two resident CTAs per SM
+# (255 registers x 128 threads); a last wave 95% full (H200 sweep, 2026-11-29: 8 splits
+# beat 7, 32 beat 28, for B=1 K=131072 H=32 with 32 / 8 KV heads).
+_SPLIT_TILE_M, _SPLIT_TILE_N = 128, 128
+_CTAS_PER_SM = 2
+_SPLIT_TOLERANCE = 0.95
+
+
+def check(problem: FwdProblem) -> Optional[str]:
+    for what, d in (("q/k", problem.d), ("v", problem.d_v)):
+        if d not in HEAD_DIMS:
+            return f"{what} head dimension {d} is not one of {HEAD_DIMS}"
+    return None
+
+
+def select_tile(head_dim: int, head_dim_v: int, rows_per_kv_head: int) -> tuple:
+    """(tile_m, tile_n, num_warps, q_in_regs). acc_O holds tile_m * d_v / threads fp32
+    values, acc_S tile_m * tile_n / threads, Q's fragment (when kept in registers)
+    tile_m * d / threads 16-bit values; all under 255 registers per thread.
+    FLASH_ATTN_CUTE_SM80_TILE="m,n,warps,q_in_regs" overrides (for tuning sweeps)."""
+    override = os.environ.get("FLASH_ATTN_CUTE_SM80_TILE")
+    if override:
+        m, n, w, *q = (int(x) for x in override.split(","))
+        return m, n, w, bool(q and q[0])
+    d = max(head_dim, head_dim_v)
+    if rows_per_kv_head <= 64:
+        # Decode-shaped: a 128-row tile would be mostly padding.
+        return (64, 128, 4, True) if d <= 128 else (64, 64, 4, False)
+    if d <= 128:
+        # 4 warps beat 8 on the H200 (2026-11-29 sweep, benchmarks/bench_tiles.py): each
+        # warp re-reads K and V from smem, so more warps per tile cost smem bandwidth.
+        # Q in registers did not pay at d=64 (within noise, and it spills).
+        return 128, 64, 4, False
+    return 128, 64, 8, False
+
+
+def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms: Optional[int]) -> FwdPlan:
+    """Tile, GQA packing (None = FA3's rule) and KV splits (0 = heuristic on ``num_sms``)."""
+    ratio = problem.qhead_per_kvhead
+    if pack_gqa is None:
+        pack_gqa = heuristics.should_pack_gqa(problem.max_seqlen_q, ratio, _SPLIT_TILE_M, varlen_q=problem.varlen_q)
+    pack_gqa = bool(pack_gqa and ratio > 1)
+    rows = problem.max_seqlen_q * (ratio if pack_gqa else 1)
+    num_splits = heuristics.resolve_num_splits(
+        num_splits, num_sms, ctas=problem.batch * (problem.nheads_kv if pack_gqa else problem.nheads),
+        rows=rows, max_seqlen_k=problem.max_seqlen_k, tile_m=_SPLIT_TILE_M, tile_n=_SPLIT_TILE_N,
+        ctas_per_sm=_CTAS_PER_SM, tolerance=_SPLIT_TOLERANCE)
+    return FwdPlan(NAME, select_tile(problem.d, problem.d_v, rows), pack_gqa, num_splits)
+
+
+def compile_key(problem: FwdProblem, plan: FwdPlan, arch: Optional[str] = None) -> tuple:
+    """The kernel's compile key. A split kernel always writes partial LSEs."""
+    from .flash_fwd import fwd_key
+
+    return fwd_key(arch or target_arch(), DTYPE_NAMES[problem.dtype], problem.d, problem.d_v, plan.tile,
+                   problem.variant_flags, plan.qhead_per_kvhead_packed(problem), plan.num_splits > 1,
+                   problem.has_lse or plan.num_splits > 1, problem.varlen_q, problem.varlen_k,
+                   problem.has_seqused_k, problem.paged)
+
+
+def compile(key: tuple):
+    from .flash_fwd import compile_fwd_sm80
+
+    return compile_fwd_sm80(key)
+
+
+def launcher(problem: FwdProblem, plan: FwdPlan):
+    """``launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)`` with
+    the compiled kernel and the runtime scalars bound (out/lse are fp32 partials when split)."""
+    key = compile_key(problem, plan)
+    fn = jit_cache.get_or_compile("fwd_sm80", key, lambda: compile(key))
+    scalars = (float(problem.softmax_scale), int(problem.window_left), int(problem.window_right),
+               float(problem.softcap), int(plan.num_splits), int(problem.max_seqlen_q), int(problem.batch))
+
+    def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table):
+        fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, *scalars)
+
+    return launch

@@ -14,7 +14,7 @@ batch tensors, packed (varlen) tensors, query heads packed into the M tile
 """
 
 import functools
-import os
+from dataclasses import dataclass
 from typing import Optional
 
 import cutlass
@@ -22,15 +22,15 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
 
-from flash_attn_cute import jit_cache
 from flash_attn_cute.block_info import BlockInfo
-from flash_attn_cute.cute_utils import (
-    COMPILE_OPTIONS, CUTE_DTYPE_BY_NAME, DTYPE_NAMES, fake_stream, fake_tensor, target_arch,
-)
+from flash_attn_cute.cute_utils import CUTE_DTYPE_BY_NAME, compile_options, fake_stream, fake_tensor
+from flash_attn_cute.pack_gqa import packed_lse_rows, packed_rows
+from flash_attn_cute.paged_kv import paged_row_fns
 from flash_attn_cute.seqlen_info import SeqlenInfo
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax, acc_mn_view, acc_to_operand_a
 from flash_attn_cute.sm80.gemm import gemm_rs, gemm_ss
-from flash_attn_cute.variants import AttentionVariant, AttnCtx, VariantParams, make_variant
+from flash_attn_cute.tile_scheduler import SingleTileScheduler
+from flash_attn_cute.variants import AttentionVariant, AttnCtx, VariantParams, apply_to_scores, make_variant
 
 
 def _smem_layout(dtype, rows: int, cols: int):
@@ -132,7 +132,7 @@ class FlashAttnFwdSm80:
         )
         heads_q = mQ.shape[cute.rank(mQ) - 2]
         heads_kv = mK.shape[cute.rank(mK) - 2]
-        heads_eff = heads_kv if cutlass.const_expr(self.pack > 1) else heads_q
+        heads_rows = heads_kv if cutlass.const_expr(self.pack > 1) else heads_q
         num_m_blocks = cute.ceil_div(max_seqlen_q * self.pack, self.tile_m)
         self.kernel(
             mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable,
@@ -143,7 +143,7 @@ class FlashAttnFwdSm80:
             tiled_mma,
             SharedStorage,
         ).launch(
-            grid=(num_m_blocks, heads_eff * num_splits, batch_size),
+            grid=SingleTileScheduler.grid(num_m_blocks, heads_rows, num_splits, batch_size),
             block=(self.num_threads, 1, 1),
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -175,57 +175,38 @@ class FlashAttnFwdSm80:
         SharedStorage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, bidy, batch = cute.arch.block_idx()
-        num_m_blocks, _, _ = cute.arch.grid_dim()
-        # Heaviest (last, for causal) M blocks first: they finish last otherwise.
-        m_block = num_m_blocks - 1 - bidx
-        head = bidy // num_splits
-        split_idx = bidy - head * num_splits
+        work = SingleTileScheduler.get_work(num_splits)
         varlen_q = cutlass.const_expr(mCuSeqlensQ is not None)
         varlen_k = cutlass.const_expr(mCuSeqlensK is not None)
         paged = cutlass.const_expr(mPageTable is not None)
         if cutlass.const_expr(self.pack > 1):
-            head_kv = head
+            head_kv = work.head
         else:
-            head_kv = head // (mQ.shape[cute.rank(mQ) - 2] // mK.shape[cute.rank(mK) - 2])
-
-        capacity = None
-        if cutlass.const_expr(paged):
-            capacity = mPageTable.shape[1] * mK.shape[1]
-        elif cutlass.const_expr(not varlen_k):
-            capacity = mK.shape[1]
-        seqlen = SeqlenInfo.create(
-            batch,
-            mQ.shape[0] if varlen_q else mQ.shape[1],
-            mK.shape[0] if varlen_k else mK.shape[1],
-            mCuSeqlensQ,
-            mCuSeqlensK,
-            mSeqUsedK,
-            capacity,
-        )
-        rows_valid = seqlen.seqlen_q * self.pack - m_block * self.tile_m
+            head_kv = work.head // (mQ.shape[cute.rank(mQ) - 2] // mK.shape[cute.rank(mK) - 2])
+        seqlen = SeqlenInfo.create_for(work.batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable)
+        rows_valid = seqlen.seqlen_q * self.pack - work.m_block * self.tile_m
         if rows_valid > 0:
             cap_inv = Float32(0.0)
             if cutlass.const_expr(self.variant.has_score_mod):
                 cap_inv = cute.arch.rcp_approx(softcap)
             ctx = AttnCtx(
-                batch, head, seqlen.seqlen_q, seqlen.seqlen_k,
+                work.batch, work.head, seqlen.seqlen_q, seqlen.seqlen_k,
                 VariantParams(window_left, window_right, softcap, cap_inv),
             )
+            tile = _Tile(ctx, seqlen, work.m_block, head_kv, work.split_idx, rows_valid, softmax_scale)
             self.attend(
-                ctx, seqlen, m_block, head_kv, split_idx, num_splits, rows_valid,
-                mQ, mK, mV, mO, mLSE, mPageTable, softmax_scale,
+                tile, num_splits, mQ, mK, mV, mO, mLSE, mPageTable,
                 sQ_layout, sK_layout, sV_layout, gmem_copy_QK, gmem_copy_V, tiled_mma, SharedStorage,
                 varlen_q, varlen_k, paged, tidx,
             )
 
     @cute.jit
     def attend(
-        self, ctx, seqlen, m_block, head_kv, split_idx, num_splits, rows_valid,
-        mQ, mK, mV, mO, mLSE, mPageTable, softmax_scale,
+        self, tile, num_splits, mQ, mK, mV, mO, mLSE, mPageTable,
         sQ_layout, sK_layout, sV_layout, gmem_copy_QK, gmem_copy_V, tiled_mma, SharedStorage,
         varlen_q: cutlass.Constexpr, varlen_k: cutlass.Constexpr, paged: cutlass.Constexpr, tidx,
     ):
+        ctx, seqlen, m_block = tile.ctx, tile.seqlen, tile.m_block
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(sQ_layout)
@@ -236,74 +217,70 @@ class FlashAttnFwdSm80:
             sV, cute.make_layout((self.head_dim_v, self.tile_n), stride=(self.tile_n, 1))
         )
 
-        # Row functions: global row index -> 1-D gmem tensor of that row.
-        q_rows = self.rows_of_q_like(mQ, ctx.batch, seqlen.offset_q, head_kv if self.pack > 1 else ctx.head, varlen_q)
-        k_src, v_src = self.kv_sources(mK, mV, mPageTable, ctx.batch, seqlen.offset_k, head_kv, varlen_k, paged, tidx,
-                                       gmem_copy_QK, gmem_copy_V)
+        # Q rows of this head group (packed under pack_gqa): row index -> (d,) gmem row.
+        mQ_rows = packed_rows(seqlen.q_view(mQ, ctx.batch, varlen_q), tile.head_rows(self.pack), self.pack)
+        q_rows = lambda r: mQ_rows[r, None]
 
         block_info = BlockInfo(self.tile_m, self.tile_n, self.pack, self.variant)
         n_block_min, n_block_max = block_info.get_n_block_min_max(
-            m_block, ctx, split_idx, num_splits, self.is_split
+            m_block, ctx, tile.split_idx, num_splits, self.is_split
         )
-        n_unmasked_lo, n_unmasked_hi = block_info.get_unmasked_n_block_range(m_block, ctx)
+        n_mid_hi, n_mid_lo = block_info.get_n_block_runs(m_block, ctx, n_block_min, n_block_max)
 
         thr_copy_QK = gmem_copy_QK.get_slice(tidx)
         thr_copy_V = gmem_copy_V.get_slice(tidx)
         tQsQ = thr_copy_QK.partition_D(sQ)
         tQcQ = thr_copy_QK.partition_S(cute.make_identity_tensor((self.tile_m, self.head_dim)))
-        tKsK = thr_copy_QK.partition_D(sK)
-        tKcK = thr_copy_QK.partition_S(cute.make_identity_tensor((self.tile_n, self.head_dim)))
-        tVsV = thr_copy_V.partition_D(sV)
-        tVcV = thr_copy_V.partition_S(cute.make_identity_tensor((self.tile_n, self.head_dim_v)))
+        k_src, v_src = self.kv_sources(mK, mV, mPageTable, ctx.batch, seqlen, tile.head_kv, varlen_k, paged,
+                                       thr_copy_QK, thr_copy_V)
+        kv = _KVLoader(
+            gmem_copy_QK, gmem_copy_V,
+            thr_copy_QK.partition_D(sK),
+            thr_copy_QK.partition_S(cute.make_identity_tensor((self.tile_n, self.head_dim))),
+            thr_copy_V.partition_D(sV),
+            thr_copy_V.partition_S(cute.make_identity_tensor((self.tile_n, self.head_dim_v))),
+            k_src, v_src,
+        )
 
         thr_mma = tiled_mma.get_slice(tidx)
-        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
-        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK))
-        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
-        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.head_dim_v)), Float32)
-        acc_O.fill(0.0)
-
         ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
         smem_thr_copy_Q = cute.make_tiled_copy_A(ldsm, tiled_mma).get_slice(tidx)
         smem_thr_copy_K = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx)
         smem_thr_copy_V = cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(tidx)
-        tSsQ = smem_thr_copy_Q.partition_S(sQ)
-        tSsK = smem_thr_copy_K.partition_S(sK)
-        tOsVt = smem_thr_copy_V.partition_S(sVt)
-
-        # Identity coordinates of this thread's S elements, for masks and score mods.
-        tScS_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        mma = _MmaOperands(
+            tiled_mma,
+            thr_mma.make_fragment_A(thr_mma.partition_A(sQ)),
+            thr_mma.make_fragment_B(thr_mma.partition_B(sK)),
+            thr_mma.make_fragment_B(thr_mma.partition_B(sVt)),
+            smem_thr_copy_Q.partition_S(sQ),
+            smem_thr_copy_K.partition_S(sK),
+            smem_thr_copy_V.partition_S(sVt),
+            smem_thr_copy_Q, smem_thr_copy_K, smem_thr_copy_V,
+            # Identity coordinates of this thread's S elements, for masks and score mods.
+            acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))),
+        )
+        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.head_dim_v)), Float32)
+        acc_O.fill(0.0)
 
         has_mod = cutlass.const_expr(self.variant.has_score_mod)
         # With a score modifier the kernel scales S before calling it; otherwise the
         # scale folds into the exp2 argument (one FFMA per score).
-        scale_log2 = LOG2_E if has_mod else softmax_scale * LOG2_E
+        scale_log2 = LOG2_E if has_mod else tile.softmax_scale * LOG2_E
         softmax = OnlineSoftmax(acc_O.shape[0][0] * acc_O.shape[1], Float32(scale_log2))
 
         # Prologue: Q, then the last K block (the only one the sequence end may cut).
-        self.load_rows(gmem_copy_QK, tQsQ, tQcQ, q_rows, m_block * self.tile_m, rows_valid)
+        self.load_rows(gmem_copy_QK, tQsQ, tQcQ, q_rows, m_block * self.tile_m, tile.rows_valid)
         if n_block_max > n_block_min:
-            self.load_kv(gmem_copy_QK, tKsK, tKcK, k_src, n_block_max - 1,
+            self.load_kv(kv.copy_K, kv.tKsK, kv.tKcK, kv.k_src, n_block_max - 1,
                          seqlen.seqlen_k - (n_block_max - 1) * self.tile_n)
         cute.arch.cp_async_commit_group()
         if cutlass.const_expr(self.q_in_regs):
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
-            cute.copy(smem_thr_copy_Q, tSsQ, smem_thr_copy_Q.retile(tSrQ))
+            cute.copy(smem_thr_copy_Q, mma.tSsQ, smem_thr_copy_Q.retile(mma.tSrQ))
 
-        step = functools.partial(
-            self.one_block, ctx, seqlen, m_block, n_block_min, softmax, softmax_scale, acc_O,
-            tiled_mma, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt,
-            smem_thr_copy_Q, smem_thr_copy_K, smem_thr_copy_V,
-            gmem_copy_QK, gmem_copy_V, tKsK, tKcK, tVsV, tVcV, k_src, v_src, tScS_mn,
-        )
-        # Blocks are visited top-down in three runs: masked ones above the unmasked
-        # range (sequence end, causal diagonal), the unmasked range itself, and masked
-        # ones below it (a local window's left edge). Separate loops keep the hot
-        # middle loop free of mask state.
-        n_mid_hi = cutlass.max(cutlass.min(n_unmasked_hi, n_block_max), n_block_min)
-        n_mid_lo = cutlass.min(cutlass.max(n_unmasked_lo, n_block_min), n_mid_hi)
+        step = functools.partial(self.one_block, tile, mma, kv, softmax, acc_O, n_block_min)
         for i in cutlass.range(n_block_max - n_mid_hi, unroll=1):
             step(n_block_max - 1 - i, masked=True)
         for i in cutlass.range(n_mid_hi - n_mid_lo, unroll=1):
@@ -314,150 +291,86 @@ class FlashAttnFwdSm80:
 
         lse = cute.make_rmem_tensor((softmax.num_rows,), Float32)
         softmax.finalize(acc_O, lse)
-        self.epilogue(acc_O, lse, mO, mLSE, ctx, seqlen, m_block, head_kv, split_idx, rows_valid,
-                      thr_mma, varlen_q)
+        self.epilogue(acc_O, lse, mO, mLSE, tile, thr_mma, varlen_q)
 
     @cute.jit
-    def one_block(
-        self, ctx, seqlen, m_block, n_block_min, softmax, softmax_scale, acc_O,
-        tiled_mma, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt,
-        smem_thr_copy_Q, smem_thr_copy_K, smem_thr_copy_V,
-        gmem_copy_QK, gmem_copy_V, tKsK, tKcK, tVsV, tVcV, k_src, v_src, tScS_mn,
-        n_block, masked: cutlass.Constexpr,
-    ):
+    def one_block(self, tile, mma, kv, softmax, acc_O, n_block_min, n_block, masked: cutlass.Constexpr):
+        seqlen = tile.seqlen
         # K(n) has landed and every warp is done with V(n+1): V's buffer is free.
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
         if cutlass.const_expr(masked):
-            self.load_kv(gmem_copy_V, tVsV, tVcV, v_src, n_block, seqlen.seqlen_k - n_block * self.tile_n)
+            self.load_kv(kv.copy_V, kv.tVsV, kv.tVcV, kv.v_src, n_block, seqlen.seqlen_k - n_block * self.tile_n)
         else:
-            self.load_kv(gmem_copy_V, tVsV, tVcV, v_src, n_block, None)
+            self.load_kv(kv.copy_V, kv.tVsV, kv.tVcV, kv.v_src, n_block, None)
         cute.arch.cp_async_commit_group()
 
+        tiled_mma = mma.tiled_mma
         acc_S = cute.make_rmem_tensor(tiled_mma.get_slice(0).partition_shape_C((self.tile_m, self.tile_n)), Float32)
         acc_S.fill(0.0)
         if cutlass.const_expr(self.q_in_regs):
-            gemm_rs(tiled_mma, acc_S, tSrQ, tSrK, tSsK, smem_thr_copy_K)
+            gemm_rs(tiled_mma, acc_S, mma.tSrQ, mma.tSrK, mma.tSsK, mma.smem_thr_copy_K)
         else:
-            gemm_ss(tiled_mma, acc_S, tSrQ, tSrK, tSsQ, tSsK, smem_thr_copy_Q, smem_thr_copy_K)
-        self.apply_variant(acc_S, tScS_mn, ctx, seqlen, m_block, n_block, softmax_scale, masked)
+            gemm_ss(tiled_mma, acc_S, mma.tSrQ, mma.tSrK, mma.tSsQ, mma.tSsK, mma.smem_thr_copy_Q,
+                    mma.smem_thr_copy_K)
+        apply_to_scores(self.variant, acc_mn_view(acc_S), mma.tScS_mn, tile.ctx, tile.m_block * self.tile_m,
+                        n_block * self.tile_n, self.pack, tile.softmax_scale, masked)
 
         # V(n) has landed and every warp is done reading K(n): prefetch K(n-1).
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
         if n_block > n_block_min:
-            self.load_kv(gmem_copy_QK, tKsK, tKcK, k_src, n_block - 1, None)
+            self.load_kv(kv.copy_K, kv.tKsK, kv.tKcK, kv.k_src, n_block - 1, None)
         cute.arch.cp_async_commit_group()
 
         softmax.step(acc_S, acc_O)
         rP = cute.make_fragment_like(acc_S, self.dtype)
         rP.store(acc_S.load().to(self.dtype))
-        gemm_rs(tiled_mma, acc_O, acc_to_operand_a(rP), tOrVt, tOsVt, smem_thr_copy_V)
-
-    @cute.jit
-    def apply_variant(self, acc_S, tScS_mn, ctx, seqlen, m_block, n_block, softmax_scale, masked: cutlass.Constexpr):
-        """Score modifier on every block; sequence-end and variant mask on masked blocks."""
-        s_mn = acc_mn_view(acc_S)
-        has_mod = cutlass.const_expr(self.variant.has_score_mod)
-        if cutlass.const_expr(has_mod or masked):
-            row0 = m_block * self.tile_m
-            col0 = n_block * self.tile_n
-            for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-                q_idx = (row0 + tScS_mn[r, 0][0]) // self.pack
-                for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                    k_idx = col0 + tScS_mn[0, c][1]
-                    s = s_mn[r, c]
-                    if cutlass.const_expr(has_mod):
-                        s = self.variant.score_mod(s * softmax_scale, q_idx, k_idx, ctx)
-                    if cutlass.const_expr(masked):
-                        keep = k_idx < seqlen.seqlen_k
-                        if cutlass.const_expr(self.variant.has_mask):
-                            keep = keep and self.variant.mask(q_idx, k_idx, ctx)
-                        if not keep:
-                            s = -Float32.inf
-                    s_mn[r, c] = s
+        gemm_rs(tiled_mma, acc_O, acc_to_operand_a(rP), mma.tOrVt, mma.tOsVt, mma.smem_thr_copy_V)
 
     @cute.jit
     def load_rows(self, tiled_copy, tXsX, tXcX, row_fn, row_base, rows_valid):
         """cp.async rows [row_base, row_base + tile) of a gmem operand into smem; with
         ``rows_valid`` given, rows past it are zero-filled instead (a NaN left in V
         would survive a zero probability)."""
-        align = 16
-        elems = 128 // self.dtype.width
         for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
-            row = tXcX[0, m, 0][0]
             if cutlass.const_expr(rows_valid is None):
-                self._copy_row(tiled_copy, tXsX, tXcX, row_fn(row_base + row), m, align, elems)
+                self._copy_row(tiled_copy, tXsX, tXcX, row_fn(row_base + tXcX[0, m, 0][0]), m)
             else:
-                if row < rows_valid:
-                    self._copy_row(tiled_copy, tXsX, tXcX, row_fn(row_base + row), m, align, elems)
-                else:
-                    tXsX[None, m, None].fill(0.0)
+                self._copy_row_or_zero(tiled_copy, tXsX, tXcX, m, rows_valid,
+                                       lambda: row_fn(row_base + tXcX[0, m, 0][0]))
 
     @cute.jit
-    def _copy_row(self, tiled_copy, tXsX, tXcX, g_row, m, align, elems):
+    def _copy_row_or_zero(self, tiled_copy, tXsX, tXcX, m, rows_valid, src_fn):
+        """Row m of the partition from ``src_fn()`` if it is below ``rows_valid``, else zeros."""
+        if tXcX[0, m, 0][0] < rows_valid:
+            src = src_fn()
+            if cutlass.const_expr(isinstance(src, cute.Tensor) and cute.rank(src) > 1):
+                cute.copy(tiled_copy, src, tXsX[None, m, None])
+            else:
+                self._copy_row(tiled_copy, tXsX, tXcX, src, m)
+        else:
+            tXsX[None, m, None].fill(0.0)
+
+    @cute.jit
+    def _copy_row(self, tiled_copy, tXsX, tXcX, g_row, m):
         for k in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
-            ptr = _aligned_row_ptr(g_row, tXcX[0, m, k][1], align)
+            ptr = _aligned_row_ptr(g_row, tXcX[0, m, k][1], 16)
             src = cute.make_tensor(ptr, tXsX[None, m, k].layout)
             cute.copy(tiled_copy, src, tXsX[None, m, k])
 
-    def rows_of_q_like(self, mX, batch, offset, head, varlen: bool):
-        """Row function over a Q-shaped tensor (b, s, h, d) / (total, h, d): row r is
-        query r, or with pack_gqa query r // pack of query head head * pack + r % pack."""
-        if cutlass.const_expr(varlen):
-            mX_b = cute.domain_offset((offset, 0, 0), mX)
-        else:
-            mX_b = mX[batch, None, None, None]
-        if cutlass.const_expr(self.pack == 1):
-            mX_rows = mX_b[None, head, None]
-        else:
-            base = mX_b[None, head * self.pack, None]
-            mX_rows = cute.make_tensor(
-                base.iterator,
-                cute.make_layout(
-                    ((self.pack, mX_b.shape[0]), mX_b.shape[2]),
-                    stride=((mX_b.stride[1], mX_b.stride[0]), mX_b.stride[2]),
-                ),
-            )
-        return lambda r: mX_rows[r, None]
-
-    def kv_sources(self, mK, mV, mPageTable, batch, offset_k, head_kv, varlen_k: bool, paged: bool, tidx,
-                   gmem_copy_QK, gmem_copy_V):
+    def kv_sources(self, mK, mV, mPageTable, batch, seqlen, head_kv, varlen_k: bool, paged: bool,
+                   thr_copy_QK, thr_copy_V):
         """K and V as load sources: a row function through the page table for a paged
         cache, else the thread's partition of the (tile_n, d, n_blocks) tiling, whose
         per-block address is one multiply-add on a few hoisted offsets."""
         if cutlass.const_expr(paged):
-            mK_p = mK[None, None, head_kv, None]  # (num_pages, page_size, d)
-            mV_p = mV[None, None, head_kv, None]
-            page_size = mK.shape[1]
-
-            last_page = mK.shape[0] - 1
-
-            def page_of(t):
-                # A page id outside the pool is clamped into it: a bad table gives wrong
-                # keys, never a read outside the cache.
-                page_idx = t // page_size
-                page = cutlass.max(cutlass.min(mPageTable[batch, page_idx], last_page), 0)
-                return page, t - page_idx * page_size
-
-            def k_row(t):
-                page, r = page_of(t)
-                return mK_p[page, r, None]
-
-            def v_row(t):
-                page, r = page_of(t)
-                return mV_p[page, r, None]
-
-            return k_row, v_row
-        if cutlass.const_expr(varlen_k):
-            mK_h = cute.domain_offset((offset_k, 0), mK[None, head_kv, None])
-            mV_h = cute.domain_offset((offset_k, 0), mV[None, head_kv, None])
-        else:
-            mK_h = mK[batch, None, head_kv, None]
-            mV_h = mV[batch, None, head_kv, None]
+            return paged_row_fns(mK, mV, mPageTable, batch, head_kv)
+        mK_h = seqlen.k_view(mK, batch, varlen_k)[None, head_kv, None]
+        mV_h = seqlen.k_view(mV, batch, varlen_k)[None, head_kv, None]
         gK = cute.local_tile(mK_h, (self.tile_n, self.head_dim), (None, 0))
         gV = cute.local_tile(mV_h, (self.tile_n, self.head_dim_v), (None, 0))
-        return gmem_copy_QK.get_slice(tidx).partition_S(gK), gmem_copy_V.get_slice(tidx).partition_S(gV)
+        return thr_copy_QK.partition_S(gK), thr_copy_V.partition_S(gV)
 
     @cute.jit
     def load_kv(self, tiled_copy, tXsX, tXcX, src, n_block, rows_valid):
@@ -467,91 +380,103 @@ class FlashAttnFwdSm80:
                 if cutlass.const_expr(rows_valid is None):
                     cute.copy(tiled_copy, src[None, m, None, n_block], tXsX[None, m, None])
                 else:
-                    if tXcX[0, m, 0][0] < rows_valid:
-                        cute.copy(tiled_copy, src[None, m, None, n_block], tXsX[None, m, None])
-                    else:
-                        tXsX[None, m, None].fill(0.0)
+                    self._copy_row_or_zero(tiled_copy, tXsX, tXcX, m, rows_valid,
+                                           lambda: src[None, m, None, n_block])
         else:
             self.load_rows(tiled_copy, tXsX, tXcX, src, n_block * self.tile_n, rows_valid)
 
     @cute.jit
-    def epilogue(self, acc_O, lse, mO, mLSE, ctx, seqlen, m_block, head_kv, split_idx, rows_valid, thr_mma, varlen_q: cutlass.Constexpr):
+    def epilogue(self, acc_O, lse, mO, mLSE, tile, thr_mma, varlen_q: cutlass.Constexpr):
         """Stores O (two consecutive columns per store) and the LSE straight from registers."""
+        ctx, seqlen = tile.ctx, tile.seqlen
         if cutlass.const_expr(self.is_split):
-            mO = mO[split_idx, None, None, None, None] if cutlass.const_expr(not varlen_q) else mO[split_idx, None, None, None]
-        head = head_kv if cutlass.const_expr(self.pack > 1) else ctx.head
-        o_row = self.rows_of_q_like(mO, ctx.batch, seqlen.offset_q, head, varlen_q)
+            mO = mO[(tile.split_idx,) + (None,) * (cute.rank(mO) - 1)]
+        head = tile.head_rows(self.pack)
+        mO_rows = packed_rows(seqlen.q_view(mO, ctx.batch, varlen_q), head, self.pack)
         rO = cute.make_fragment_like(acc_O, self.out_dtype)
         rO.store(acc_O.load().to(self.out_dtype))
         rO_mn = acc_mn_view(rO)
         tOcO_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
         pair_bits = 2 * self.out_dtype.width
         store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype, num_bits_per_copy=pair_bits)
-        row0 = m_block * self.tile_m
+        row0 = tile.m_block * self.tile_m
         for r in cutlass.range_constexpr(cute.size(rO_mn, mode=[0])):
             row = tOcO_mn[r, 0][0]
-            if row < rows_valid:
-                g_row = o_row(row0 + row)
+            if row < tile.rows_valid:
+                g_row = mO_rows[row0 + row, None]
                 for j in cutlass.range_constexpr(cute.size(rO_mn.shape[1][1])):
                     col = tOcO_mn[r, (0, j)][1]
                     dst = cute.make_tensor(_aligned_row_ptr(g_row, col, pair_bits // 8), cute.make_layout(2))
                     cute.copy(store_atom, rO_mn[r, (None, j)], dst)
         if cutlass.const_expr(mLSE is not None):
             if cutlass.const_expr(self.is_split):
-                mLSE = mLSE[split_idx, None, None, None] if cutlass.const_expr(not varlen_q) else mLSE[split_idx, None, None]
-            mLSE_rows = self.lse_rows(mLSE, ctx.batch, seqlen.offset_q, head, varlen_q)
+                mLSE = mLSE[(tile.split_idx,) + (None,) * (cute.rank(mLSE) - 1)]
+            mLSE_rows = packed_lse_rows(seqlen.lse_view(mLSE, ctx.batch, varlen_q), head, self.pack)
             for r in cutlass.range_constexpr(cute.size(rO_mn, mode=[0])):
                 row = tOcO_mn[r, 0][0]
                 # The four lanes sharing a row hold the same LSE; the one at column 0 writes it.
-                if tOcO_mn[0, 0][1] == 0 and row < rows_valid:
+                if tOcO_mn[0, 0][1] == 0 and row < tile.rows_valid:
                     mLSE_rows[row0 + row] = lse[r]
 
-    def lse_rows(self, mLSE, batch, offset, head, varlen: bool):
-        """(b, h, s) / (h, total) LSE -> (rows,) view in the M tile's row order."""
-        if cutlass.const_expr(varlen):
-            mL = cute.domain_offset((0, offset), mLSE)
-        else:
-            mL = mLSE[batch, None, None]
-        if cutlass.const_expr(self.pack == 1):
-            mL_rows = mL[head, None]
-        else:
-            base = mL[head * self.pack, None]
-            mL_rows = cute.make_tensor(
-                base.iterator,
-                cute.make_layout((self.pack, mL.shape[1]), stride=(mL.stride[0], mL.stride[1])),
-            )
-        return mL_rows
+
+@dataclass(frozen=True)
+class _Tile:
+    """The output tile one CTA computes, with its sequence and variant context."""
+
+    ctx: AttnCtx
+    seqlen: SeqlenInfo
+    m_block: Int32
+    head_kv: Int32
+    split_idx: Int32
+    rows_valid: Int32  # rows of the tile inside the (packed) sequence
+    softmax_scale: Float32
+
+    def head_rows(self, pack: int):
+        """The head the tile's rows index: the KV head under pack_gqa, else the query head."""
+        return self.head_kv if pack > 1 else self.ctx.head
+
+
+@dataclass(frozen=True)
+class _KVLoader:
+    """cp.async copies of K and V blocks into their smem buffers: the tiled copies, this
+    thread's smem partitions and coordinates, and the gmem sources (a partition of the
+    block tiling, or a row function for paged caches)."""
+
+    copy_K: cute.TiledCopy
+    copy_V: cute.TiledCopy
+    tKsK: cute.Tensor
+    tKcK: cute.Tensor
+    tVsV: cute.Tensor
+    tVcV: cute.Tensor
+    k_src: object
+    v_src: object
+
+
+@dataclass(frozen=True)
+class _MmaOperands:
+    """Register fragments, smem partitions and ldmatrix copies of both GEMMs."""
+
+    tiled_mma: cute.TiledMma
+    tSrQ: cute.Tensor
+    tSrK: cute.Tensor
+    tOrVt: cute.Tensor
+    tSsQ: cute.Tensor
+    tSsK: cute.Tensor
+    tOsVt: cute.Tensor
+    smem_thr_copy_Q: object
+    smem_thr_copy_K: object
+    smem_thr_copy_V: object
+    tScS_mn: cute.Tensor
 
 
 # ---------------------------------------------------------------------------------------
-# Host side: tile choice, compile key, compilation on fake tensors, launch.
+# Host side: compile key and compilation on fake tensors (planning and launch: sm80/__init__.py).
 # ---------------------------------------------------------------------------------------
-
-
-def select_tile(head_dim: int, head_dim_v: int, rows_per_kv_head: int):
-    """(tile_m, tile_n, num_warps, q_in_regs). acc_O holds tile_m * d_v / threads fp32
-    values, acc_S tile_m * tile_n / threads, Q's fragment (when kept in registers)
-    tile_m * d / threads 16-bit values; all under 255 registers per thread.
-    FLASH_ATTN_CUTE_SM80_TILE="m,n,warps,q_in_regs" overrides (for tuning sweeps)."""
-    override = os.environ.get("FLASH_ATTN_CUTE_SM80_TILE")
-    if override:
-        m, n, w, *q = (int(x) for x in override.split(","))
-        return m, n, w, bool(q and q[0])
-    d = max(head_dim, head_dim_v)
-    if rows_per_kv_head <= 64:
-        # Decode-shaped: a 128-row tile would be mostly padding.
-        return (64, 128, 4, True) if d <= 128 else (64, 64, 4, False)
-    if d <= 128:
-        # 4 warps beat 8 on the H200 (2026-11-29 sweep, benchmarks/bench_tiles.py): each
-        # warp re-reads K and V from smem, so more warps per tile cost smem bandwidth.
-        # Q in registers did not pay at d=64 (within noise, and it spills).
-        return 128, 64, 4, False
-    return 128, 64, 8, False
 
 
 def compile_fwd_sm80(key: tuple):
     """Compiles the kernel for ``key`` (see ``fwd_key``) on fake tensors: no GPU needed."""
-    (_, _arch, dtype_name, d, dv, tile_m, tile_n, num_warps, q_in_regs, flags, pack, is_split, has_lse,
+    (_, arch, dtype_name, d, dv, tile_m, tile_n, num_warps, q_in_regs, flags, pack, is_split, has_lse,
      varlen_q, varlen_k, has_seqused_k, paged) = key
     causal, local, softcap = flags
     dtype = CUTE_DTYPE_BY_NAME[dtype_name]
@@ -578,7 +503,7 @@ def compile_fwd_sm80(key: tuple):
         int_vec(2) if paged else None,
         Float32(1.0), Int32(-1), Int32(-1), Float32(0.0), Int32(1), Int32(1), Int32(1),
         fake_stream(),
-        options=COMPILE_OPTIONS,
+        options=compile_options(arch),
     )
 
 
@@ -587,31 +512,3 @@ def fwd_key(arch, dtype_name, d, dv, tile, flags, pack, is_split, has_lse, varle
     return ("fwd_sm80", arch, dtype_name, d, dv, tile_m, tile_n, num_warps, bool(q_in_regs),
             tuple(bool(f) for f in flags), int(pack),
             bool(is_split), bool(has_lse), bool(varlen_q), bool(varlen_k), bool(has_seqused_k), bool(paged))
-
-
-def flash_attn_fwd_sm80(
-    q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, page_table=None,
-    max_seqlen_q: int, softmax_scale: float, causal: bool, window_left: int, window_right: int,
-    softcap: float, num_splits: int, pack_gqa: bool,
-) -> None:
-    """Launches the SM80 forward on validated tensors (see flash_attn_cute.interface)."""
-    varlen_q = cu_seqlens_q is not None
-    heads, heads_kv = q.shape[-2], k.shape[-2]
-    qhpk = heads // heads_kv
-    pack = qhpk if (pack_gqa and qhpk > 1) else 1
-    d, dv = q.shape[-1], v.shape[-1]
-    batch = (cu_seqlens_q.shape[0] - 1) if varlen_q else q.shape[0]
-    local = window_left >= 0 or (window_right >= 0 and not causal)
-    is_split = num_splits > 1
-    tile = select_tile(d, dv, max_seqlen_q * pack)
-    key = fwd_key(
-        target_arch(), DTYPE_NAMES[q.dtype], d, dv, tile, (causal and not local, local, softcap > 0),
-        pack, is_split, lse is not None, varlen_q, cu_seqlens_k is not None, seqused_k is not None,
-        page_table is not None,
-    )
-    fn = jit_cache.get_or_compile("fwd_sm80", key, lambda: compile_fwd_sm80(key))
-    if causal and local:
-        window_right = 0
-    fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
-       float(softmax_scale), int(window_left), int(window_right), float(softcap),
-       int(num_splits), int(max_seqlen_q), int(batch))

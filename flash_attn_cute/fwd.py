@@ -1,0 +1,219 @@
+"""The dispatch seam of the forward pass: problem -> plan -> launch (-> combine).
+
+``interface.py`` validates the user's arguments and describes the call once as a
+``FwdProblem`` (shapes, dtype, variant, layout flags; no tensors). A backend module
+(``sm80``, ``sm90``, ... registered in ``BACKENDS``) owns everything
+architecture-specific about it:
+
+- ``HEAD_DIMS``: the head dimensions it compiles;
+- ``check(problem) -> str | None``: why it cannot run the problem (None: it can);
+- ``plan(problem, num_splits, pack_gqa, num_sms) -> FwdPlan``: its tile, whether to pack
+  GQA heads, how many KV splits (0 = its own heuristic, on ``num_sms`` SMs);
+- ``compile_key(problem, plan)`` and ``compile(key)``: the binary, a pure function of a
+  short key (ahead-of-time builds and the compile tests use these two directly);
+- ``launcher(problem, plan)``: a callable ``(q, k, v, out, lse, cu_seqlens_q,
+  cu_seqlens_k, seqused_k, page_table)`` with the compiled kernel and every runtime
+  scalar already bound.
+
+``run_fwd`` resolves backend, plan, launcher and combine once per distinct problem and
+keeps them in a small cache, so a repeated call (a decode loop) costs one dict lookup
+before the launch: no planning, no key building, no device query.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+from .heuristics import MAX_SPLITS
+
+__all__ = ["FwdProblem", "FwdPlan", "BACKENDS", "backend_module", "select_backend", "resolve", "run_fwd",
+           "run_resolved", "clear_plan_cache", "MAX_SPLITS"]
+
+# One line per backend: name -> module exposing HEAD_DIMS, check, plan, compile_key,
+# compile, launcher. Imported on first use.
+BACKENDS = {
+    "sm80": "flash_attn_cute.sm80",
+}
+# Reserved names: accepted by ``backend=`` and refused with NotImplementedError until
+# their kernels land.
+RESERVED_BACKENDS = ("sm90", "sm100")
+_PLAN_CACHE_SIZE = 4096  # distinct problems remembered; a serving loop repeats a handful
+
+log = logging.getLogger("flash_attn_cute")
+
+
+class FwdProblem(NamedTuple):
+    """One forward call, described without its tensors (hashable: the plan cache key).
+
+    ``max_seqlen_k`` is the bound the planner may assume (the cache capacity when the
+    per-sequence lengths live on the device); ``page_size`` is 0 without a page table."""
+
+    dtype: torch.dtype
+    batch: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    nheads: int
+    nheads_kv: int
+    d: int
+    d_v: int
+    softmax_scale: float
+    causal: bool  # bottom-right causal; with a left window it is local with window_right 0
+    window_left: int  # -1: unbounded
+    window_right: int  # -1: unbounded (0 under causal)
+    softcap: float  # 0: off
+    varlen_q: bool
+    varlen_k: bool
+    has_seqused_k: bool
+    page_size: int  # 0: not paged
+    has_lse: bool
+
+    @property
+    def qhead_per_kvhead(self) -> int:
+        return self.nheads // self.nheads_kv
+
+    @property
+    def local(self) -> bool:
+        """A bounded window other than plain causal (kernels then take the Local variant)."""
+        return self.window_left >= 0 or (self.window_right >= 0 and not self.causal)
+
+    @property
+    def paged(self) -> bool:
+        return self.page_size > 0
+
+    @property
+    def variant_flags(self) -> tuple:
+        """(causal, local, softcap) as the kernels' variants take them: local wins over causal."""
+        return (self.causal and not self.local, self.local, self.softcap > 0)
+
+
+class FwdPlan(NamedTuple):
+    """What a backend decided for a problem."""
+
+    backend: str
+    tile: tuple  # backend-specific static tile configuration (part of the compile key)
+    pack_gqa: bool
+    num_splits: int
+    q_stage: int = 1  # SM100: tensor-core pipelines per Q tile
+
+    def qhead_per_kvhead_packed(self, problem: FwdProblem) -> int:
+        """Rows per query position in the M tile: the GQA ratio when packed, else 1."""
+        return problem.qhead_per_kvhead if self.pack_gqa else 1
+
+
+def backend_module(name: str):
+    """The module of a registered backend (imported on first use)."""
+    return importlib.import_module(BACKENDS[name])
+
+
+def _by_capability(major: int) -> str:
+    """The preferred backend for a GPU generation (compute capability major)."""
+    for cand, min_major in (("sm100", 10), ("sm90", 9)):
+        if major == min_major and cand in BACKENDS:
+            return cand
+    return "sm80"
+
+
+def select_backend(requested: Optional[str], problem: FwdProblem, device) -> tuple:
+    """(backend name, module) to run ``problem`` on ``device``.
+
+    ``requested`` (already validated, see ``interface._backend_name``) must accept the
+    problem or the call fails naming its reason. ``None`` takes the backend of the GPU's
+    generation and falls back to SM80, logging why, when that backend's ``check``
+    refuses the problem."""
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 0):
+        raise RuntimeError(f"flash_attn_cute needs a GPU of compute capability >= 8.0, "
+                           f"{device} has {major}.{minor}")
+    if requested is not None:
+        module = backend_module(requested)
+        reason = module.check(problem)
+        if reason is not None:
+            raise NotImplementedError(f"backend {requested!r} cannot run this call: {reason}")
+        return requested, module
+    name = _by_capability(major)
+    module = backend_module(name)
+    reason = module.check(problem)
+    if reason is not None and name != "sm80":
+        log.info("flash_attn_cute: %s kernel refused the call (%s); running the SM80 kernel", name, reason)
+        name, module = "sm80", backend_module("sm80")
+        reason = module.check(problem)
+    if reason is not None:
+        raise NotImplementedError(f"no kernel runs this call: {reason}")
+    return name, module
+
+
+def combine_launcher(out_dtype: torch.dtype, d_v: int, has_lse: bool) -> Callable:
+    """The compiled split-KV combine (see ``combine.combine_launcher``); imported lazily."""
+    from .combine import combine_launcher as launcher
+
+    return launcher(out_dtype, d_v, has_lse)
+
+
+class _Resolved(NamedTuple):
+    plan: FwdPlan
+    launch: Callable
+    combine: Optional[Callable]  # set when plan.num_splits > 1
+
+
+_plan_cache: dict = {}
+
+
+def clear_plan_cache() -> None:
+    """Forget every resolved plan (tests that fake the device call this)."""
+    _plan_cache.clear()
+
+
+def _resolve(problem: FwdProblem, requested: Optional[str], num_splits: int, pack_gqa: Optional[bool],
+             device) -> _Resolved:
+    name, module = select_backend(requested, problem, device)
+    num_sms = None
+    if num_splits == 0:
+        from . import heuristics
+
+        num_sms = heuristics.num_sms(device)
+    plan = module.plan(problem, num_splits, pack_gqa, num_sms)
+    combine = combine_launcher(problem.dtype, problem.d_v, problem.has_lse) if plan.num_splits > 1 else None
+    return _Resolved(plan, module.launcher(problem, plan), combine)
+
+
+def resolve(problem: FwdProblem, requested: Optional[str], num_splits: int, pack_gqa: Optional[bool],
+            device) -> _Resolved:
+    """Backend, plan, bound launcher and combine for a problem, cached per distinct call."""
+    cache_key = (problem, requested, num_splits, pack_gqa, device)
+    hit = _plan_cache.get(cache_key)
+    if hit is None:
+        hit = _resolve(problem, requested, num_splits, pack_gqa, device)
+        if len(_plan_cache) >= _PLAN_CACHE_SIZE:
+            _plan_cache.clear()
+        _plan_cache[cache_key] = hit
+    return hit
+
+
+def run_fwd(problem: FwdProblem, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None,
+            page_table=None, requested: Optional[str] = None, num_splits: int = 1,
+            pack_gqa: Optional[bool] = None) -> None:
+    """Plan, launch and (for split-KV) combine into ``out`` / ``lse`` (allocated by the caller)."""
+    run_resolved(resolve(problem, requested, num_splits, pack_gqa, q.device), problem, q, k, v, out, lse,
+                 cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)
+
+
+def run_resolved(resolved: _Resolved, problem: FwdProblem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                 seqused_k, page_table) -> None:
+    """``run_fwd`` with the resolution already done (the public API's per-call cache)."""
+    ns = resolved.plan.num_splits
+    if ns == 1:
+        resolved.launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)
+        return
+    lse_shape = (problem.nheads, q.shape[0]) if problem.varlen_q else (problem.batch, problem.nheads, q.shape[1])
+    out_partial = torch.empty((ns, *q.shape[:-1], problem.d_v), dtype=torch.float32, device=q.device)
+    lse_partial = torch.empty((ns, *lse_shape), dtype=torch.float32, device=q.device)
+    resolved.launch(q, k, v, out_partial, lse_partial, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)
+    if problem.varlen_q:  # the combine contract is batched: view packed rows as batch 1
+        resolved.combine(out_partial.unsqueeze(1), lse_partial.unsqueeze(1), out.unsqueeze(0),
+                         None if lse is None else lse.unsqueeze(0))
+    else:
+        resolved.combine(out_partial, lse_partial, out, lse)

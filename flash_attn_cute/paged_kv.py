@@ -1,0 +1,39 @@
+"""Paged KV caches: key position -> (page, row in page) through the page table.
+
+The cache is a pool ``(num_pages, page_size, h_kv, d)``; sequence ``b``'s key ``t`` lives
+in page ``page_table[b, t // page_size]``, row ``t % page_size``. A page id outside the
+pool is clamped into it: a corrupt table gives wrong keys, never a read outside the cache
+(the lengths themselves are clamped to the table's capacity by ``SeqlenInfo``). Any page
+size works, 1 included; one definition for every kernel that gathers rows.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+
+@cute.jit
+def page_and_row(mPageTable: cute.Tensor, batch: Int32, t: Int32, page_size: Int32, num_pages: Int32):
+    """(page id clamped into [0, num_pages), row inside the page) of key position ``t``."""
+    page_idx = t // page_size
+    page = cutlass.max(cutlass.min(mPageTable[batch, page_idx], num_pages - 1), 0)
+    return page, t - page_idx * page_size
+
+
+def paged_row_fns(mK: cute.Tensor, mV: cute.Tensor, mPageTable: cute.Tensor, batch: Int32, head_kv: Int32):
+    """Row functions over paged caches ``mK``/``mV`` (num_pages, page_size, h_kv, d*): key
+    position -> 1-D gmem tensor (d*,) of that key for ``head_kv``. Both take the page
+    geometry from K (the API checks that V agrees), so a K row and a V row of the same
+    key share one page lookup after common-subexpression elimination."""
+    page_size, num_pages = mK.shape[1], mK.shape[0]
+
+    def row_fn(mX):
+        mX_h = mX[None, None, head_kv, None]  # (num_pages, page_size, d*)
+
+        def row(t):
+            page, r = page_and_row(mPageTable, batch, t, page_size, num_pages)
+            return mX_h[page, r, None]
+
+        return row
+
+    return row_fn(mK), row_fn(mV)

@@ -1,0 +1,77 @@
+"""Compile-only tests of every forward backend, for each arch it targets: no GPU needed.
+
+The keys come from the GPU sweep itself (``test_flash_attn_gpu.compile_keys``: the
+backend's own plan on the sweep's problems); a covering subset of them, in which every
+value of every key field appears, is compiled through tests/compile_harness.py. The SASS
+is then checked for the instructions each kernel is built from, and for spills.
+"""
+
+import re
+
+import pytest
+from compile_harness import compile_entries, covering_subset
+from test_flash_attn_gpu import compile_keys
+
+from flash_attn_cute import fwd
+
+# The archs each backend is compiled for: its own, and the H200 it is tested on.
+ARCHS = {"sm80": ["sm_80", "sm_90a"], "sm90": ["sm_90a"], "sm100": ["sm_100a"]}
+# Instructions each backend's SASS must hold.
+SASS_EXPECT = {
+    "sm80": ["HMMA.16816.F32", "LDSM", "LDGSTS", "MUFU.EX2"],  # mma.sync from ldmatrix, cp.async loads
+    "sm90": ["HGMMA", "UTMALDG", "MUFU.EX2"],  # wgmma, TMA loads
+}
+CASES = [(b, a) for b in sorted(fwd.BACKENDS) for a in ARCHS[b]]
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    cache = {}
+
+    def get(backend, arch):
+        if (backend, arch) not in cache:
+            keys = covering_subset(compile_keys(backend, arch)[0])
+            entries = [(f"k{i}", f"flash_attn_cute.{backend}:compile", key) for i, key in enumerate(keys)]
+            root = tmp_path_factory.mktemp(f"{backend}_{arch}")
+            cache[backend, arch] = keys, *compile_entries(arch, entries, root)
+        return cache[backend, arch]
+
+    return get
+
+
+@pytest.mark.parametrize("backend,arch", CASES)
+def test_forward_compiles(artifacts, backend, arch):
+    keys, out_dir, seconds = artifacts(backend, arch)
+    assert len(keys) >= 4, keys  # the sweep's key fields take several values each
+    print(f"\n{backend} {arch}: {len(keys)} keys, " + ", ".join(f"{v:.1f}s" for v in seconds.values()))
+    for i, key in enumerate(keys):
+        cubins = list((out_dir / f"k{i}").glob(f"*.{arch}.cubin"))
+        assert len(cubins) == 1 and cubins[0].read_bytes()[:4] == b"\x7fELF", key
+
+
+@pytest.mark.parametrize("backend,arch", CASES)
+def test_forward_sass(artifacts, backend, arch):
+    keys, out_dir, _ = artifacts(backend, arch)
+    for i, key in enumerate(keys):
+        sass_files = list((out_dir / f"k{i}").glob("*.sass"))
+        if not sass_files:
+            pytest.skip("no usable nvdisasm (pip install nvidia-cuda-nvdisasm): no SASS to check")
+        sass = sass_files[0].read_text()
+        for op in SASS_EXPECT[backend]:
+            assert op in sass, (op, key)
+        if backend != "sm80":  # the SM80 d128 tile spills a little by design (RESULTS.md)
+            assert not re.search(r"\b(LDL|STL)\b", sass), ("local-memory spill", key)
+
+
+def test_plan_is_what_the_launcher_compiles():
+    # compile_key(problem, plan) is the whole identity of a binary: a different tile,
+    # pack or split decision yields a different key.
+    from test_validation import _problem
+
+    module = fwd.backend_module("sm80")
+    decode = _problem(nheads=32, nheads_kv=8, max_seqlen_k=131072, has_seqused_k=True)
+    plan = module.plan(decode, 0, None, 132)
+    assert plan.pack_gqa and plan.num_splits > 1 and plan.tile[0] == 64
+    key = module.compile_key(decode, plan, "sm_90a")
+    assert key[1] == "sm_90a" and module.compile_key(decode, plan._replace(num_splits=1), "sm_90a") != key
+    assert module.plan(decode, 1, False, None).num_splits == 1
