@@ -5,7 +5,10 @@
 set -u
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-source .gpu/setup.sh || exit 1
+# With the package installed normally (pip install -e ".[dev]") nothing is needed; the
+# .gpu/ bundle (../shared/gpu/bundle.sh) is an option for machines without a registry.
+if [ -f .gpu/setup.sh ]; then source .gpu/setup.sh || exit 1; fi
+python -c "import flash_attn_cute, cutlass" || { echo "flash_attn_cute or the CuTe DSL is not importable"; exit 1; }
 export FLASH_ATTN_CUTE_CACHE_DIR=${FLASH_ATTN_CUTE_CACHE_DIR:-/tmp/fac_cache}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
 if [ "$what" = tests ] || [ "$what" = all ]; then
@@ -13,7 +16,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   start=$(date +%s)
   for i in $(seq 0 $((n - 1))); do
     FLASH_ATTN_CUTE_TEST_SHARD=$i/$n timeout ${TEST_TIMEOUT:-420} python -m pytest -q -m gpu -p no:cacheprovider \
-      tests/test_flash_attn_gpu.py tests/test_combine_gpu.py "$@" > "$OUT/test_$i.log" 2>&1 &
+      tests/test_flash_attn_gpu.py tests/test_combine_gpu.py tests/test_torch_compile.py "$@" > "$OUT/test_$i.log" 2>&1 &
   done
   wait
   echo "tests took $(( $(date +%s) - start )) s"
@@ -22,9 +25,11 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -40
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  timeout 120 python benchmarks/bench_decode_splits.py --csv "$OUT/decode_splits.csv" 2>&1 | tail -16
-  timeout 120 python benchmarks/bench_decode_splits.py --hkv 8 --csv "$OUT/decode_splits_gqa.csv" 2>&1 | tail -16
-  timeout 120 python benchmarks/bench_decode_splits.py --paged 64 --csv "$OUT/decode_splits_paged64.csv" 2>&1 | tail -16
-  timeout 240 python benchmarks/bench_prefill.py --csv "$OUT/prefill.csv" 2>&1 | tail -32
+  timeout 240 python benchmarks/bench_prefill.py --csv "$OUT/prefill.csv" 2>&1 | tail -40
+  timeout 150 python benchmarks/bench_decode_splits.py --csv "$OUT/decode_splits.csv" 2>&1 | tail -28
+  timeout 150 python benchmarks/bench_decode_splits.py --hkv 8 --csv "$OUT/decode_splits_gqa.csv" 2>&1 | tail -28
+  timeout 200 python benchmarks/bench_paged_decode.py --csv "$OUT/paged_decode.csv" 2>&1 | tail -40
+  timeout 60 python benchmarks/bench_host.py --csv "$OUT/host.csv" 2>&1 | tail -16
+  python benchmarks/plot_splits.py "$OUT"/decode_splits*.csv --out "$OUT/decode_splits.png" 2>&1 | tail -2
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
 fi

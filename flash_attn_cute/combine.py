@@ -128,7 +128,7 @@ class FlashAttnCombine:
         seqlen = mO.shape[1][0]
         num_rows = cute.size(mO.shape[1])
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         sLSE = smem.allocate_tensor(Float32, sLSE_layout, byte_alignment=16)  # (max_splits, tile_m)
         sO = smem.allocate_tensor(Float32, sO_layout, byte_alignment=16)  # (4, chunks, threads, stages)
 

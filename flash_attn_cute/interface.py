@@ -29,7 +29,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import fwd
+from . import fwd, ops
 from .fwd import FwdProblem
 from .heuristics import MAX_SPLITS
 
@@ -354,6 +354,10 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     0 = heuristic, n = n splits (<= 256). ``pack_gqa``: None = heuristic. Returns out
     ``(batch, seqlen_q, nheads, d_v)`` in q's dtype, or ``(out, lse)`` with lse
     ``(batch, nheads, seqlen_q)`` fp32 when ``return_lse``. ``out`` may be preallocated."""
+    if torch.compiler.is_compiling():
+        return ops.traced_call("func", q, k, v, out, max_seqlen_q=q.shape[1], softmax_scale=softmax_scale,
+                               causal=causal, window_size=window_size, softcap=softcap, num_splits=num_splits,
+                               pack_gqa=pack_gqa, return_lse=return_lse, backend=backend)
     key = _call_key("func", (q, k, v, out), (softmax_scale, causal, window_size, softcap, num_splits, pack_gqa,
                                              return_lse, backend))
     hit = _fast_calls.get(key) if key is not None else None
@@ -386,6 +390,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     the grid and heuristics). Returns out ``(total_q, nheads, d_v)``, and lse
     ``(nheads, total_q)`` when ``return_lse``; causal/windows align each sequence's own
     bottom-right corner."""
+    if torch.compiler.is_compiling():
+        return ops.traced_call("varlen", q, k, v, out, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
+                               causal=causal, window_size=window_size, softcap=softcap, num_splits=num_splits,
+                               pack_gqa=pack_gqa, return_lse=return_lse, backend=backend)
     key = _call_key("varlen", (q, k, v, cu_seqlens_q, cu_seqlens_k, out),
                     (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap, num_splits, pack_gqa,
                      return_lse, backend))
@@ -437,6 +446,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=No
     and the referenced page-table entries back to the host, raises ValueError on any
     value out of range, and plans for the true maximum length: one device-to-host sync
     per call (0.15-0.3 ms on the H200), skipped under CUDA-graph capture."""
+    if torch.compiler.is_compiling():
+        return ops.traced_call("kvcache", q, k_cache, v_cache, out, cache_seqlens=cache_seqlens, page_table=page_table,
+                               max_seqlen_q=q.shape[1], softmax_scale=softmax_scale, causal=causal,
+                               window_size=window_size, softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa,
+                               return_lse=return_lse, backend=backend)
     key = None
     if not check_cache_bounds:
         int_seqlens = cache_seqlens if not isinstance(cache_seqlens, torch.Tensor) else None

@@ -86,7 +86,7 @@ class FlashAttnFwdSm80:
         self.tile_n = tile_n
         self.num_threads = num_warps * 32
         self.variant = variant
-        self.pack = qhead_per_kvhead_packed
+        self.qhead_per_kvhead_packed = qhead_per_kvhead_packed  # rows per query position in the M tile
         self.is_split = is_split
         # Q in registers for the whole KV loop removes Q's ldmatrix traffic, a fifth of
         # the shared-memory reads of each block, at the cost of its fragment's registers.
@@ -132,8 +132,8 @@ class FlashAttnFwdSm80:
         )
         heads_q = mQ.shape[cute.rank(mQ) - 2]
         heads_kv = mK.shape[cute.rank(mK) - 2]
-        heads_rows = heads_kv if cutlass.const_expr(self.pack > 1) else heads_q
-        num_m_blocks = cute.ceil_div(max_seqlen_q * self.pack, self.tile_m)
+        heads_rows = heads_kv if cutlass.const_expr(self.qhead_per_kvhead_packed > 1) else heads_q
+        num_m_blocks = cute.ceil_div(max_seqlen_q * self.qhead_per_kvhead_packed, self.tile_m)
         self.kernel(
             mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable,
             softmax_scale, window_left, window_right, softcap, num_splits,
@@ -179,12 +179,12 @@ class FlashAttnFwdSm80:
         varlen_q = cutlass.const_expr(mCuSeqlensQ is not None)
         varlen_k = cutlass.const_expr(mCuSeqlensK is not None)
         paged = cutlass.const_expr(mPageTable is not None)
-        if cutlass.const_expr(self.pack > 1):
+        if cutlass.const_expr(self.qhead_per_kvhead_packed > 1):
             head_kv = work.head
         else:
             head_kv = work.head // (mQ.shape[cute.rank(mQ) - 2] // mK.shape[cute.rank(mK) - 2])
         seqlen = SeqlenInfo.create_for(work.batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable)
-        rows_valid = seqlen.seqlen_q * self.pack - work.m_block * self.tile_m
+        rows_valid = seqlen.seqlen_q * self.qhead_per_kvhead_packed - work.m_block * self.tile_m
         if rows_valid > 0:
             cap_inv = Float32(0.0)
             if cutlass.const_expr(self.variant.has_score_mod):
@@ -207,7 +207,7 @@ class FlashAttnFwdSm80:
         varlen_q: cutlass.Constexpr, varlen_k: cutlass.Constexpr, paged: cutlass.Constexpr, tidx,
     ):
         ctx, seqlen, m_block = tile.ctx, tile.seqlen, tile.m_block
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(sQ_layout)
         sK = storage.sK.get_tensor(sK_layout)
@@ -218,10 +218,11 @@ class FlashAttnFwdSm80:
         )
 
         # Q rows of this head group (packed under pack_gqa): row index -> (d,) gmem row.
-        mQ_rows = packed_rows(seqlen.q_view(mQ, ctx.batch, varlen_q), tile.head_rows(self.pack), self.pack)
+        packed = self.qhead_per_kvhead_packed
+        mQ_rows = packed_rows(seqlen.q_view(mQ, ctx.batch, varlen_q), tile.head_rows(packed), packed)
         q_rows = lambda r: mQ_rows[r, None]
 
-        block_info = BlockInfo(self.tile_m, self.tile_n, self.pack, self.variant)
+        block_info = BlockInfo(self.tile_m, self.tile_n, self.qhead_per_kvhead_packed, self.variant)
         n_block_min, n_block_max = block_info.get_n_block_min_max(
             m_block, ctx, tile.split_idx, num_splits, self.is_split
         )
@@ -314,7 +315,7 @@ class FlashAttnFwdSm80:
             gemm_ss(tiled_mma, acc_S, mma.tSrQ, mma.tSrK, mma.tSsQ, mma.tSsK, mma.smem_thr_copy_Q,
                     mma.smem_thr_copy_K)
         apply_to_scores(self.variant, acc_mn_view(acc_S), mma.tScS_mn, tile.ctx, tile.m_block * self.tile_m,
-                        n_block * self.tile_n, self.pack, tile.softmax_scale, masked)
+                        n_block * self.tile_n, self.qhead_per_kvhead_packed, tile.softmax_scale, masked)
 
         # V(n) has landed and every warp is done reading K(n): prefetch K(n-1).
         cute.arch.cp_async_wait_group(0)
@@ -391,8 +392,8 @@ class FlashAttnFwdSm80:
         ctx, seqlen = tile.ctx, tile.seqlen
         if cutlass.const_expr(self.is_split):
             mO = mO[(tile.split_idx,) + (None,) * (cute.rank(mO) - 1)]
-        head = tile.head_rows(self.pack)
-        mO_rows = packed_rows(seqlen.q_view(mO, ctx.batch, varlen_q), head, self.pack)
+        head = tile.head_rows(self.qhead_per_kvhead_packed)
+        mO_rows = packed_rows(seqlen.q_view(mO, ctx.batch, varlen_q), head, self.qhead_per_kvhead_packed)
         rO = cute.make_fragment_like(acc_O, self.out_dtype)
         rO.store(acc_O.load().to(self.out_dtype))
         rO_mn = acc_mn_view(rO)
@@ -411,7 +412,8 @@ class FlashAttnFwdSm80:
         if cutlass.const_expr(mLSE is not None):
             if cutlass.const_expr(self.is_split):
                 mLSE = mLSE[(tile.split_idx,) + (None,) * (cute.rank(mLSE) - 1)]
-            mLSE_rows = packed_lse_rows(seqlen.lse_view(mLSE, ctx.batch, varlen_q), head, self.pack)
+            mLSE_rows = packed_lse_rows(seqlen.lse_view(mLSE, ctx.batch, varlen_q), head,
+                                        self.qhead_per_kvhead_packed)
             for r in cutlass.range_constexpr(cute.size(rO_mn, mode=[0])):
                 row = tOcO_mn[r, 0][0]
                 # The four lanes sharing a row hold the same LSE; the one at column 0 writes it.
@@ -431,9 +433,9 @@ class _Tile:
     rows_valid: Int32  # rows of the tile inside the (packed) sequence
     softmax_scale: Float32
 
-    def head_rows(self, pack: int):
+    def head_rows(self, qhead_per_kvhead_packed: int):
         """The head the tile's rows index: the KV head under pack_gqa, else the query head."""
-        return self.head_kv if pack > 1 else self.ctx.head
+        return self.head_kv if qhead_per_kvhead_packed > 1 else self.ctx.head
 
 
 @dataclass(frozen=True)
