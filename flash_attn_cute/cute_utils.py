@@ -29,6 +29,29 @@ def fake_tensor(dtype, rank: int, *, align: int = 16, shape=None, contiguous_las
     return cute.runtime.make_fake_tensor(dtype, sizes, strides, assumed_align=align)
 
 
+def fake_fwd_tensors(dtype, d: int, dv: int, *, is_split: bool, has_lse: bool, varlen_q: bool, varlen_k: bool,
+                     has_seqused_k: bool, paged: bool) -> tuple:
+    """The forward kernels' tensor arguments as fake tensors, in their order: mQ, mK, mV,
+    mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable (None where absent). A split
+    kernel writes fp32 partials with a leading split mode; head dims are static."""
+    q_rank = 3 if varlen_q else 4
+    kv_rank = 3 if (varlen_k and not paged) else 4
+    split_mode = (None,) if is_split else ()
+    out_dtype = cutlass.Float32 if is_split else dtype
+    int_vec = lambda rank: fake_tensor(cutlass.Int32, rank, align=4)
+    return (
+        fake_tensor(dtype, q_rank, shape=(None,) * (q_rank - 1) + (d,)),
+        fake_tensor(dtype, kv_rank, shape=(None,) * (kv_rank - 1) + (d,)),
+        fake_tensor(dtype, kv_rank, shape=(None,) * (kv_rank - 1) + (dv,)),
+        fake_tensor(out_dtype, len(split_mode) + q_rank, shape=split_mode + (None,) * (q_rank - 1) + (dv,)),
+        fake_tensor(cutlass.Float32, len(split_mode) + q_rank - 1, align=4) if has_lse else None,
+        int_vec(1) if varlen_q else None,
+        int_vec(1) if varlen_k else None,
+        int_vec(1) if has_seqused_k else None,
+        int_vec(2) if paged else None,
+    )
+
+
 def fake_stream():
     """The stream is taken from the TVM-FFI environment (torch's current stream) at call time."""
     return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)

@@ -23,7 +23,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
 
 from flash_attn_cute.block_info import BlockInfo
-from flash_attn_cute.cute_utils import CUTE_DTYPE_BY_NAME, compile_options, fake_stream, fake_tensor
+from flash_attn_cute.cute_utils import CUTE_DTYPE_BY_NAME, compile_options, fake_fwd_tensors, fake_stream
 from flash_attn_cute.pack_gqa import packed_lse_rows, packed_rows
 from flash_attn_cute.paged_kv import paged_row_fns
 from flash_attn_cute.seqlen_info import SeqlenInfo
@@ -482,27 +482,15 @@ def compile_fwd_sm80(key: tuple):
      varlen_q, varlen_k, has_seqused_k, paged) = key
     causal, local, softcap = flags
     dtype = CUTE_DTYPE_BY_NAME[dtype_name]
-    out_dtype = Float32 if is_split else dtype
     kernel = FlashAttnFwdSm80(
         dtype, d, dv, tile_m, tile_n, num_warps, make_variant(causal, local, softcap),
         qhead_per_kvhead_packed=pack, is_split=is_split, q_in_regs=q_in_regs,
     )
-    q_rank = 3 if varlen_q else 4
-    kv_rank = 3 if (varlen_k and not paged) else 4
-    split_mode = (None,) if is_split else ()
-    mQ = fake_tensor(dtype, q_rank, shape=(None,) * (q_rank - 1) + (d,))
-    mK = fake_tensor(dtype, kv_rank, shape=(None,) * (kv_rank - 1) + (d,))
-    mV = fake_tensor(dtype, kv_rank, shape=(None,) * (kv_rank - 1) + (dv,))
-    mO = fake_tensor(out_dtype, len(split_mode) + q_rank, shape=split_mode + (None,) * (q_rank - 1) + (dv,))
-    mLSE = fake_tensor(Float32, len(split_mode) + q_rank - 1, align=4) if has_lse else None
-    int_vec = lambda rank: fake_tensor(cutlass.Int32, rank, align=4)
+    tensors = fake_fwd_tensors(dtype, d, dv, is_split=is_split, has_lse=has_lse, varlen_q=varlen_q,
+                               varlen_k=varlen_k, has_seqused_k=has_seqused_k, paged=paged)
     return cute.compile(
         kernel,
-        mQ, mK, mV, mO, mLSE,
-        int_vec(1) if varlen_q else None,
-        int_vec(1) if varlen_k else None,
-        int_vec(1) if has_seqused_k else None,
-        int_vec(2) if paged else None,
+        *tensors,
         Float32(1.0), Int32(-1), Int32(-1), Float32(0.0), Int32(1), Int32(1), Int32(1),
         fake_stream(),
         options=compile_options(arch),
