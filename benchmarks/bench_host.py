@@ -98,6 +98,14 @@ def main(argv=None):
     except Exception as e:
         print_exception("sdpa", e)
 
+    # Warm every case first (JIT, allocator, CPU and GPU clocks), so the first case
+    # measured is not the one that pays for ramping up.
+    with torch.no_grad():
+        t_end = time.perf_counter() + 1.0
+        while time.perf_counter() < t_end:
+            for _, _, fn in cases:
+                fn()
+        torch.cuda.synchronize()
     rows = []
     for impl, call, fn in cases:
         row = dict(impl=impl, call=call, us_per_call=float("nan"), note="")
