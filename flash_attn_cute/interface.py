@@ -252,17 +252,13 @@ class _FastEntry(NamedTuple):
     seqlens_fill: Optional[int]  # flash_attn_with_kvcache with an int cache_seqlens
 
 
-def _typed(x):
-    if isinstance(x, (tuple, list)):
-        return (x.__class__, tuple(_typed(v) for v in x))
-    return (x.__class__, x)
-
-
-def _call_key(kind: str, tensors: tuple, scalars: tuple):
+def _call_key(kind: str, tensors: tuple, scalars: tuple, window):
     """The per-call cache key, or None when the call cannot use the cache (a non-tensor
-    argument, a misaligned pointer, an unhashable scalar: the full path then decides)."""
+    argument or a misaligned pointer: the full path then decides). Scalars travel with
+    their types (``causal=1`` never hits an entry made by ``causal=True``)."""
     try:
-        sig = [kind, _typed(scalars), os.environ.get("FLASH_ATTN_CUTE_BACKEND")]
+        sig = [kind, scalars, tuple(map(type, scalars)), window, tuple(map(type, window)),
+               os.environ.get("FLASH_ATTN_CUTE_BACKEND")]
         for t in tensors:
             if t is None:
                 sig.append(None)
@@ -270,11 +266,19 @@ def _call_key(kind: str, tensors: tuple, scalars: tuple):
             if t.data_ptr() % 16:
                 return None
             sig.append((t.__class__, t.shape, t.stride(), t.dtype, t.get_device()))
-        key = tuple(sig)
-        hash(key)
-        return key
+        return tuple(sig)
     except (AttributeError, TypeError):
         return None
+
+
+def _lookup(key):
+    """(cached entry or None, the key if it can be stored)."""
+    if key is None:
+        return None, None
+    try:
+        return _fast_calls.get(key), key
+    except TypeError:  # an unhashable argument (a list window, ...)
+        return None, None
 
 
 def _replay(entry: _FastEntry, q, k, v, out, return_lse, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None,
@@ -358,9 +362,8 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
         return ops.traced_call("func", q, k, v, out, max_seqlen_q=q.shape[1], softmax_scale=softmax_scale,
                                causal=causal, window_size=window_size, softcap=softcap, num_splits=num_splits,
                                pack_gqa=pack_gqa, return_lse=return_lse, backend=backend)
-    key = _call_key("func", (q, k, v, out), (softmax_scale, causal, window_size, softcap, num_splits, pack_gqa,
-                                             return_lse, backend))
-    hit = _fast_calls.get(key) if key is not None else None
+    hit, key = _lookup(_call_key("func", (q, k, v, out), (softmax_scale, causal, softcap, num_splits, pack_gqa,
+                                                          return_lse, backend), window_size))
     if hit is not None:
         return _replay(hit, q, k, v, out, return_lse)
     inputs = (q, k, v, out)
@@ -395,10 +398,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
                                causal=causal, window_size=window_size, softcap=softcap, num_splits=num_splits,
                                pack_gqa=pack_gqa, return_lse=return_lse, backend=backend)
-    key = _call_key("varlen", (q, k, v, cu_seqlens_q, cu_seqlens_k, out),
-                    (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap, num_splits, pack_gqa,
-                     return_lse, backend))
-    hit = _fast_calls.get(key) if key is not None else None
+    hit, key = _lookup(_call_key("varlen", (q, k, v, cu_seqlens_q, cu_seqlens_k, out),
+                                 (max_seqlen_q, max_seqlen_k, softmax_scale, causal, softcap, num_splits, pack_gqa,
+                                  return_lse, backend), window_size))
     if hit is not None:
         return _replay(hit, q, k, v, out, return_lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     inputs = (q, k, v, out)
@@ -454,11 +456,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=No
     key = None
     if not check_cache_bounds:
         int_seqlens = cache_seqlens if not isinstance(cache_seqlens, torch.Tensor) else None
-        key = _call_key("kvcache", (q, k_cache, v_cache, None if int_seqlens is not None else cache_seqlens,
-                                    page_table, out),
-                        (int_seqlens, softmax_scale, causal, window_size, softcap, num_splits, pack_gqa, return_lse,
-                         backend))
-        hit = _fast_calls.get(key) if key is not None else None
+        hit, key = _lookup(_call_key(
+            "kvcache", (q, k_cache, v_cache, None if int_seqlens is not None else cache_seqlens, page_table, out),
+            (int_seqlens, softmax_scale, causal, softcap, num_splits, pack_gqa, return_lse, backend), window_size))
         if hit is not None:
             return _replay(hit, q, k_cache, v_cache, out, return_lse, seqused_k=cache_seqlens, page_table=page_table)
     inputs = (q, k_cache, v_cache, out)
