@@ -32,6 +32,7 @@ def parse_args(argv=None):
     p.add_argument("--D", type=int, default=128)
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--profile", action="store_true", help="print a cProfile of each of our cases")
     p.add_argument("--no-md", action="store_true")
     p.add_argument("--csv", default=None)
     return p.parse_args(argv)
@@ -106,6 +107,18 @@ def main(argv=None):
             for _, _, fn in cases:
                 fn()
         torch.cuda.synchronize()
+    if args.profile:
+        import cProfile
+        import pstats
+
+        for impl, call, fn in cases:
+            if impl.startswith("ours") and "check_cache_bounds" not in call:
+                prof = cProfile.Profile()
+                with torch.no_grad():
+                    prof.runcall(lambda: [fn() for _ in range(2000)])
+                torch.cuda.synchronize()
+                print(f"--- {impl} {call}")
+                pstats.Stats(prof).sort_stats("tottime").print_stats(8)
     rows = []
     for impl, call, fn in cases:
         row = dict(impl=impl, call=call, us_per_call=float("nan"), note="")
