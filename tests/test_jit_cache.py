@@ -8,8 +8,11 @@ another process: exactly what happens to the attention kernels, without needing 
 """
 
 import json
+import logging
 import os
+import re
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -268,6 +271,7 @@ def test_corrupt_cache_file_is_recompiled_and_replaced(jit_cache_dir, monkeypatc
     with pytest.warns(RuntimeWarning, match="loading"):
         fn = jit_cache.get_or_compile("bad_o", (1,), lambda: FakeCompiled(payload=b"fresh"))
     assert fn() == "called" and jit_cache.stats()["compiles"] == 1
+    assert jit_cache.stats()["disk_errors"] == 1  # tried once, not again under the lock
     assert path.read_bytes() == b"fresh"
 
 
@@ -314,6 +318,114 @@ def test_fingerprint_tracks_sources_and_versions(tmp_path, monkeypatch):
 
     monkeypatch.setattr(cutlass, "__version__", "0.0.0-other")
     assert jit_cache.source_fingerprint(moved) != base
+
+
+def test_first_compile_logs_one_info_line(jit_cache_dir, monkeypatch, caplog):
+    monkeypatch.setenv("FLASH_ATTN_CUTE_CACHE", "0")
+    caplog.set_level(logging.INFO, logger="flash_attn_cute")
+    for _ in range(2):  # the second call is a memory hit: no new line
+        jit_cache.get_or_compile("logged", ("fwd", 64, True), FakeCompiled)
+    records = [r for r in caplog.records if r.name == "flash_attn_cute"]
+    assert len(records) == 1 and records[0].levelno == logging.INFO
+    assert re.search(r"compiled logged \('fwd', 64, True\) in \d+\.\d+ s", records[0].getMessage())
+
+
+def _make_unsafe(folder: Path, how: str) -> str:
+    """Makes ``folder`` unsafe to load from; returns the reason the warning should name."""
+    if how == "chown":
+        os.chown(folder, 12345, -1)
+        return "owned by uid 12345"
+    folder.chmod(folder.stat().st_mode | (stat.S_IWGRP if how == "g+w" else stat.S_IWOTH))
+    return "writable by group or others"
+
+
+needs_root = pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="chown needs root")
+UNSAFE = [("root", "g+w"), ("root", "o+w"), ("fingerprint", "g+w"), ("fingerprint", "o+w"),
+          pytest.param("root", "chown", marks=needs_root), pytest.param("fingerprint", "chown", marks=needs_root)]
+
+
+# The cache root or its fingerprint folder, writable by group / others or owned by
+# another user: the planted entry is neither loaded nor overwritten.
+@pytest.mark.parametrize("which,how", UNSAFE)
+def test_unsafe_cache_folder_is_not_loaded(jit_cache_dir, monkeypatch, which, how):
+    path = jit_cache.cache_path("unsafe", (1,))
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"planted")
+    reason = _make_unsafe(jit_cache_dir if which == "root" else path.parent, how)
+    monkeypatch.setattr(jit_cache, "_warned_unsafe", set())
+    with pytest.warns(RuntimeWarning, match=reason):
+        fn = jit_cache.get_or_compile("unsafe", (1,), lambda: FakeCompiled(payload=b"fresh"))
+    assert fn() == "called"
+    s = jit_cache.stats()
+    assert s["compiles"] == 1 and s["disk_loads"] == s["disk_writes"] == s["disk_errors"] == 0
+    assert path.read_bytes() == b"planted"
+    with warnings_as_errors():  # one warning per folder
+        jit_cache.get_or_compile("unsafe", (2,), FakeCompiled)
+
+
+@pytest.mark.parametrize("how", ["g+w", pytest.param("chown", marks=needs_root)])
+def test_unsafe_prebuilt_folder_is_skipped(jit_cache_dir, monkeypatch, tmp_path, how):
+    prebuilt = tmp_path / "prebuilt"
+    planted = jit_cache.cache_path("pre", (1,), root=prebuilt)
+    planted.parent.mkdir(parents=True)
+    planted.write_bytes(b"planted")
+    reason = _make_unsafe(prebuilt, how)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_PREBUILT", str(prebuilt))
+    monkeypatch.setattr(jit_cache, "_warned_unsafe", set())
+    with pytest.warns(RuntimeWarning, match=reason):
+        jit_cache.get_or_compile("pre", (1,), lambda: FakeCompiled(payload=b"fresh"))
+    s = jit_cache.stats()
+    assert s["compiles"] == 1 and s["disk_loads"] == s["disk_errors"] == 0 and s["disk_writes"] == 1
+    assert planted.read_bytes() == b"planted" and jit_cache.cache_path("pre", (1,)).read_bytes() == b"fresh"
+
+
+def test_group_writable_entry_is_recompiled_and_replaced(jit_cache_dir, monkeypatch):
+    path = jit_cache.cache_path("gw", (1,))
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"planted")
+    path.chmod(0o664)
+    monkeypatch.setattr(jit_cache, "_warned_unsafe", set())
+    with pytest.warns(RuntimeWarning, match="writable by group or others"):
+        jit_cache.get_or_compile("gw", (1,), lambda: FakeCompiled(payload=b"fresh"))
+    assert jit_cache.stats()["disk_errors"] == 0 and jit_cache.stats()["disk_writes"] == 1
+    assert path.read_bytes() == b"fresh" and stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
+def test_created_folders_and_files_are_not_group_writable(jit_cache_dir):
+    old = os.umask(0o002)  # a umask that would make them group-writable
+    try:
+        jit_cache.get_or_compile("modes", (1,), FakeCompiled)
+    finally:
+        os.umask(old)
+    path = jit_cache.cache_path("modes", (1,))
+    assert [stat.S_IMODE(p.stat().st_mode) for p in (jit_cache_dir, path.parent, path)] == [0o755, 0o755, 0o644]
+
+
+def test_prebuilt_dirs(monkeypatch, tmp_path):
+    monkeypatch.delenv("FLASH_ATTN_CUTE_PREBUILT", raising=False)
+    assert jit_cache.prebuilt_dirs() == []
+    monkeypatch.setenv("FLASH_ATTN_CUTE_PREBUILT", os.pathsep.join([str(tmp_path / "a"), "", str(tmp_path / "b")]))
+    assert jit_cache.prebuilt_dirs() == [tmp_path / "a", tmp_path / "b"]
+
+
+def test_entry_hash_ignores_where_the_arch_comes_from(monkeypatch):
+    """An entry built with CUTE_DSL_ARCH=sm_90a is the one a server that detects its
+    H200 (CUTE_DSL_ARCH unset) looks for: the DSL's arch setting and the install path
+    of its libraries are not in the entry hash (the key names the arch)."""
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    envar = CuTeDSL._get_dsl().envar
+    key = ("fwd_sm80", "sm_90a", "bf16", 128)
+    seen = set()
+    for arch in ("sm_90a", None, "sm_80"):
+        monkeypatch.setattr(envar, "_arch", arch)
+        settings = jit_cache._dsl_settings()
+        assert "arch" not in settings and "/" not in settings and "lineinfo=" in settings
+        seen.add((settings, jit_cache.cache_path("fwd_sm80", key)))
+        assert envar._arch == arch  # never detected (no GPU query)
+    assert len(seen) == 1
+    monkeypatch.setattr(envar, "lineinfo", not envar.lineinfo)  # a real compile setting still counts
+    assert jit_cache.cache_path("fwd_sm80", key) != seen.pop()[1]
 
 
 class warnings_as_errors:
