@@ -37,10 +37,11 @@ __all__ = ["FwdProblem", "FwdPlan", "BACKENDS", "backend_module", "select_backen
 # compile, launcher. Imported on first use.
 BACKENDS = {
     "sm80": "flash_attn_cute.sm80",
+    "sm90": "flash_attn_cute.sm90",
 }
 # Reserved names: accepted by ``backend=`` and refused with NotImplementedError until
 # their kernels land.
-RESERVED_BACKENDS = ("sm90", "sm100")
+RESERVED_BACKENDS = ("sm100",)
 _PLAN_CACHE_SIZE = 4096  # distinct problems remembered; a serving loop repeats a handful
 
 log = logging.getLogger("flash_attn_cute")

@@ -1,42 +1,77 @@
 """Online softmax over register tiles, shared by every kernel that holds S in registers.
 
-The accumulator is viewed as (rows, cols) per thread (``acc_mn_view``); a row is
+The accumulator is viewed as (rows, cols) per thread (``layout_utils.acc_mn_view``,
+for mma.sync and wgmma fragments alike); a row is
 spread over ``threads_per_row`` adjacent lanes (4 for mma.sync m16n8 and for wgmma),
 so the row max is reduced across them every block, while the row sum stays
 thread-local until ``finalize`` (one reduction per CTA instead of one per block).
 """
 
 import math
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from flash_attn_cute.layout_utils import acc_mn_view, acc_to_operand_a  # noqa: F401  (re-exported)
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
 
-def acc_mn_view(acc: cute.Tensor) -> cute.Tensor:
-    """((2, 2), MMA_M, MMA_N) accumulator -> ((2, MMA_M), (2, MMA_N)) rows x cols.
+# 2^f on [-0.5, 0.5], degree 3, least squares on Chebyshev nodes: relative error 1.0e-4,
+# far below the 16-bit rounding of P.
+_EX2_POLY = (0.9999244625475714, 0.6931210287571801, 0.24264038535997637, 0.05592207752216313)
+_ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: x + magic holds round(x) in its low mantissa bits
 
-    In the m16n8 C fragment the inner mode holds (col pair, row half)."""
-    lay = cute.make_layout(acc.layout.shape)
-    mn = cute.make_layout(
-        ((lay.shape[0][1], lay.shape[1]), (lay.shape[0][0], lay.shape[2])),
-        stride=((lay.stride[0][1], lay.stride[1]), (lay.stride[0][0], lay.stride[2])),
+
+@dsl_user_op
+def _ex2_scale_by_int(x_rounded: Float32, frac_ex2: Float32, *, loc=None, ip=None) -> Float32:
+    """frac_ex2 * 2^n, n the integer in the low bits of x_rounded: n << 23 added to the
+    exponent field (the magic's own bits shift out of the word)."""
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [Float32(x_rounded).ir_value(loc=loc, ip=ip), Float32(frac_ex2).ir_value(loc=loc, ip=ip)],
+            "{\n\t.reg .b32 n, p;\n\tmov.b32 n, $1;\n\tmov.b32 p, $2;\n\t"
+            "shl.b32 n, n, 23;\n\tadd.s32 p, p, n;\n\tmov.b32 $0, p;\n\t}",
+            "=f,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
     )
-    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
 
 
-def acc_to_operand_a(acc: cute.Tensor) -> cute.Tensor:
-    """C fragment (4, MMA_M, MMA_N) of an m16n8k16 product reused as the A fragment
-    ((4, 2), MMA_M, MMA_N / 2) of the next one: two n8 atoms make one k16 slice."""
-    div = cute.logical_divide(acc.layout, (None, None, 2))
-    lay = cute.make_layout(
-        ((div.shape[0], div.shape[2][0]), div.shape[1], div.shape[2][1]),
-        stride=((div.stride[0], div.stride[2][0]), div.stride[1], div.stride[2][1]),
-    )
-    return cute.make_tensor(acc.iterator, lay)
+def ex2_poly(x: Float32) -> Float32:
+    """2^x on the FMA pipe (x <= 0, finite): round, a cubic on the fraction, exponent add.
+
+    The MUFU unit does 16 exp2 per clock per SM, the FMA pipe 128 FFMA: at small head dims
+    the softmax is bound by MUFU, so a share of the exponentials moves here. Inputs below
+    -126 give 2^-126, not 0, so only blocks without -inf scores may use it."""
+    x = cute.arch.fmax(x, Float32(-126.0))
+    x_rounded = x + Float32(_ROUND_MAGIC)
+    f = x - (x_rounded - Float32(_ROUND_MAGIC))
+    c0, c1, c2, c3 = (Float32(c) for c in _EX2_POLY)
+    poly = ((c3 * f + c2) * f + c1) * f + c0
+    return _ex2_scale_by_int(x_rounded, poly)
+
+
+def _reduce_ilp(row: cute.Tensor, op):
+    """op over one thread's part of a row (rmem), as four interleaved partial chains
+    instead of one dependent chain: the softmax sits on the MMA warps' critical path."""
+    n = cute.size(row)
+    lanes = 4 if n % 4 == 0 else (2 if n % 2 == 0 else 1)
+    acc = [row[i] for i in range(lanes)]
+    for i in range(lanes, n, lanes):
+        for j in range(lanes):
+            acc[j] = op(acc[j], row[i + j])
+    while len(acc) > 1:
+        acc = [op(acc[2 * i], acc[2 * i + 1]) for i in range(len(acc) // 2)]
+    return acc[0]
 
 
 def _row_allreduce(val: Float32, op, threads_per_row: int):
@@ -61,27 +96,58 @@ class OnlineSoftmax:
         self.row_sum.fill(0.0)
 
     @cute.jit
-    def step(self, acc_S: cute.Tensor, acc_O: cute.Tensor):
+    def step(self, acc_S: cute.Tensor, acc_O: Optional[cute.Tensor] = None,
+             ex2_emulate_every: cutlass.Constexpr[int] = 0) -> cute.Tensor:
         """Folds one block of scores into the running stats: acc_S becomes P (unnormalised,
-        fp32) and acc_O is rescaled by exp2(scale_log2 * (old_max - new_max))."""
+        fp32). Returns the per-row correction exp2(scale_log2 * (old_max - new_max)) that
+        the output accumulated so far must be multiplied by (``rescale_o``); with acc_O
+        given, applies it at once (the SM80 kernel's combined form).
+
+        Split from the rescale so a wgmma kernel can compute P while the previous
+        block's P V is still in flight and rescale O only once that product landed.
+
+        ``ex2_emulate_every`` = k > 0 computes every k-th exponential with ``ex2_poly``
+        (FMA pipe) instead of MUFU; only for blocks whose scores are all finite."""
         s_mn = acc_mn_view(acc_S)
-        o_mn = acc_mn_view(acc_O)
+        row_scale = cute.make_rmem_tensor((self.num_rows,), Float32)
         for r in cutlass.range_constexpr(self.num_rows):
             row = s_mn[r, None].load()
             m_new = _row_allreduce(
-                row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0), cute.arch.fmax, self.threads_per_row
+                _reduce_ilp(s_mn[r, None], cute.arch.fmax), cute.arch.fmax, self.threads_per_row
             )
             m_new = cute.arch.fmax(m_new, self.row_max[r])
             # A row with nothing visible yet keeps max -inf; exp2 of (-inf) - (-inf) would be NaN.
             m_scaled = m_new * self.scale_log2
             if m_new == -Float32.inf:
                 m_scaled = Float32(0.0)
-            p = cute.math.exp2(row * self.scale_log2 - m_scaled, fastmath=True)
-            s_mn[r, None].store(p)
+            if cutlass.const_expr(ex2_emulate_every > 0):
+                s_mn[r, None].store(row * self.scale_log2 - m_scaled)
+                for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                    if cutlass.const_expr(c % ex2_emulate_every == ex2_emulate_every - 1):
+                        s_mn[r, c] = ex2_poly(s_mn[r, c])
+                    else:
+                        s_mn[r, c] = cute.math.exp2(s_mn[r, c], fastmath=True)
+            else:
+                s_mn[r, None].store(cute.math.exp2(row * self.scale_log2 - m_scaled, fastmath=True))
+            row_p = s_mn[r, None]
             correction = cute.math.exp2(self.row_max[r] * self.scale_log2 - m_scaled, fastmath=True)
             self.row_max[r] = m_new
-            self.row_sum[r] = self.row_sum[r] * correction + p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-            o_mn[r, None].store(o_mn[r, None].load() * correction)
+            self.row_sum[r] = self.row_sum[r] * correction + _reduce_ilp(row_p, _add)
+            row_scale[r] = correction
+        if cutlass.const_expr(acc_O is not None):
+            self.rescale_o(acc_O, row_scale)
+        return row_scale
+
+    @cute.jit
+    def rescale_o(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
+        """acc_O rows *= row_scale (the correction ``step`` returned)."""
+        o_mn = acc_mn_view(acc_O)
+        for r in cutlass.range_constexpr(self.num_rows):
+            o_mn[r, None].store(o_mn[r, None].load() * row_scale[r])
+
+    def step_and_rescale(self, acc_S: cute.Tensor, acc_O: cute.Tensor):
+        """``step`` then ``rescale_o``: one block when nothing overlaps the rescale."""
+        self.rescale_o(acc_O, self.step(acc_S))
 
     @cute.jit
     def finalize(self, acc_O: cute.Tensor, lse: cute.Tensor):

@@ -30,10 +30,11 @@ def _model(q, k, v, kp, vp, table, lens):
 
 
 def _inputs():
-    q, k, v = make_qkv(b=2, sq=3, sk=48, h=4, hk=2, d=64, dv=64)
-    kp, vp = k.reshape(12, 8, 2, 64).contiguous(), v.reshape(12, 8, 2, 64).contiguous()
-    table = torch.randperm(12).view(2, 6).to(torch.int32)
-    return q, k, v, kp, vp, table, torch.tensor([48, 30], dtype=torch.int32)
+    # 64-key pages: a size every backend loads (SM90 through TMA)
+    q, k, v = make_qkv(b=2, sq=3, sk=256, h=4, hk=2, d=64, dv=64)
+    kp, vp = k.reshape(8, 64, 2, 64).contiguous(), v.reshape(8, 64, 2, 64).contiguous()
+    table = torch.randperm(8).view(2, 4).to(torch.int32)
+    return q, k, v, kp, vp, table, torch.tensor([256, 130], dtype=torch.int32)
 
 
 def test_fullgraph_trace_equals_eager(fake_gpu):
@@ -102,10 +103,10 @@ def test_gpu_cuda_graph_replay_with_new_lengths_and_pages(paged):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fa.flash_attn_with_kvcache(q, kc, vc, lens, page_table=pt, out=out, num_splits=2)
-    for new_lens in ([5, 48], [48, 1], [17, 33]):
+    for new_lens in ([5, 256], [200, 1], [17, 130]):
         lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
         if paged:
-            pt.copy_(torch.randperm(12, device="cuda").view(2, 6).to(torch.int32))
+            pt.copy_(torch.randperm(8, device="cuda").view(2, 4).to(torch.int32))
         graph.replay()
         ref, _ = attention_kvcache_ref(q, kc, vc, lens, pt)
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)

@@ -545,9 +545,10 @@ def _problem(**kw):
     return fwd.FwdProblem(**{**base, **kw})
 
 
-# Capabilities: Ampere, Ada, Hopper, Blackwell DC, Blackwell consumer all run the SM80
-# kernel until their own land; Turing is refused.
-@pytest.mark.parametrize("cap,expected", [((8, 0), "sm80"), ((8, 9), "sm80"), ((9, 0), "sm80"), ((10, 0), "sm80"),
+# Capabilities: Ampere and Ada run the SM80 kernel, Hopper the SM90 one; Blackwell runs
+# the SM80 kernel until its own is registered; Turing is refused.
+@pytest.mark.parametrize("cap,expected", [((8, 0), "sm80"), ((8, 9), "sm80"), ((9, 0), "sm90"),
+                                          ((10, 0), "sm100" if "sm100" in fwd.BACKENDS else "sm80"),
                                           ((12, 0), "sm80"), ((7, 5), RuntimeError)])
 def test_backend_by_capability(monkeypatch, cap, expected):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)

@@ -1,0 +1,905 @@
+"""FlashAttention-3 style forward kernel for SM90 (Hopper): TMA + wgmma, warp-specialized.
+
+One CTA computes a (tile_m x d_v) block of O for one (batch, head[, split]). Its
+threads split into roles:
+
+* warpgroup 0, the producer: its first warp issues TMA loads of Q (once) and of K and
+  V (one tile_n block per pipeline stage) into shared memory, each stage guarded by
+  a pair of mbarriers (``PipelineTmaAsync``: "full" counts the TMA bytes in, "empty"
+  counts the consumer warps out). It needs few registers and gives them up.
+* warpgroups 1.., the consumers (tile_m / 64 of them): each owns 64 rows of the tile and
+  issues asynchronous wgmma: S = Q K^T from shared memory (SS), the online softmax in
+  registers, then O += P V with P straight from the S registers (RS).
+
+The consumer loop overlaps within a warpgroup: block n's Q K^T is issued before the
+softmax of block n+1 waits on it, so the tensor cores work on P V(n+1) and S(n) while
+the warpgroup computes exp2. With several consumer warpgroups (d <= 128), one named
+barrier per warpgroup makes them take turns issuing (ping-pong), so one's softmax hides
+the other's MMAs.
+
+O leaves through shared memory and a TMA store (batch tensors), or straight from
+registers (packed GQA rows, varlen, fp32 split partials). The grid is one CTA per tile,
+in longest-first, L2-aware order under causal/local masks (``LptScheduler``).
+
+KV blocks are visited from the last to the first (only the first visited can be cut by
+the sequence end), in the same three runs as the SM80 kernel: masked blocks above the
+unmasked range, the unmasked range, masked blocks below it. Per-score masking and score
+modification go through the variant (``variants.apply_to_scores``).
+"""
+
+import enum
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from flash_attn_cute import jit_cache
+from flash_attn_cute.block_info import BlockInfo
+from flash_attn_cute.cute_utils import (
+    CUTE_DTYPE_BY_NAME, DTYPE_NAMES, compile_options, fake_stream, fake_tensor, target_arch,
+)
+from flash_attn_cute.layout_utils import acc_mn_view, acc_to_operand_a, select, transpose_view
+from flash_attn_cute.pack_gqa import packed_lse_rows, packed_rows
+from flash_attn_cute.paged_kv import page_and_row
+from flash_attn_cute.seqlen_info import SeqlenInfo
+from flash_attn_cute.sm80.flash_fwd import _aligned_row_ptr, _gmem_tiled_copy
+from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
+from flash_attn_cute.tile_scheduler import SingleTileScheduler, WorkTile
+from flash_attn_cute.variants import AttentionVariant, AttnCtx, VariantParams, apply_to_scores, make_variant
+
+
+class NamedBarrier(enum.IntEnum):
+    """Hardware named barriers (0 is __syncthreads)."""
+
+    CONSUMERS = 1  # all consumer threads: Q loaded by cp.async, epilogue
+    SCHEDULER = 2  # 2 + i: consumer warpgroup i may issue its MMAs (ping-pong)
+
+
+@dataclass(frozen=True)
+class WarpRoles:
+    """Warp roles and their register budgets (setmaxnreg). The producer warpgroup only
+    issues TMA from one thread, so it gives its registers to the consumers, which hold
+    S, P and O in registers. Budgets sum to at most 64K registers per CTA."""
+
+    num_consumer_wgs: int
+    producer_regs: int
+    consumer_regs: int
+
+    @staticmethod
+    def for_consumers(num_consumer_wgs: int) -> "WarpRoles":
+        regs = {1: (56, 256), 2: (24, 240), 3: (32, 160)}[num_consumer_wgs]
+        return WarpRoles(num_consumer_wgs, *regs)
+
+    @property
+    def producer_warps(self):
+        return (0, 1, 2, 3)  # warpgroup 0; only warp 0 issues loads
+
+    @property
+    def num_consumer_threads(self) -> int:
+        return 128 * self.num_consumer_wgs
+
+    @property
+    def num_threads(self) -> int:
+        return 128 * (1 + self.num_consumer_wgs)
+
+
+class LptScheduler:
+    """Longest-processing-time first, L2-aware, for causal and local masks (one CTA per tile).
+
+    The grid is flat over (m_block, head, batch) [x num_splits]. Tiles are handed out in
+    sections of ``l2_heads`` (head, batch) pairs, as many as fit their K and V in L2;
+    inside a section the heaviest M blocks of every pair come first. The plain order
+    (``SingleTileScheduler``) runs all M blocks of one head together, so under causal
+    masking its last wave holds the light tiles of a few heads and idles most SMs."""
+
+    @staticmethod
+    def grid(num_m_blocks, heads, num_splits, batch):
+        return (num_m_blocks * heads * batch, num_splits, 1)
+
+    @staticmethod
+    @cute.jit
+    def get_work(num_m_blocks: Int32, heads: Int32, batch_size: Int32, l2_heads: Int32) -> WorkTile:
+        t, split_idx, _ = cute.arch.block_idx()
+        section_tiles = l2_heads * num_m_blocks
+        section = t // section_tiles
+        in_section = t - section * section_tiles
+        num_bh = heads * batch_size
+        full_sections = num_bh // l2_heads
+        # The last section holds the remainder of the (head, batch) pairs.
+        minor = l2_heads
+        if section >= full_sections:
+            minor = num_bh - full_sections * l2_heads
+        block = in_section // minor
+        bh = section * l2_heads + (in_section - block * minor)
+        batch = bh // heads
+        return WorkTile(num_m_blocks - 1 - block, bh - batch * heads, split_idx, batch)
+
+
+def l2_heads_for(seqlen_k: int, d: int, dv: int, elem_bytes: int = 2, l2_bytes: int = 50 * 1024 * 1024) -> int:
+    """(head, batch) pairs whose K and V fit in L2 together, rounded down to a power of 2."""
+    per_head = max(1, seqlen_k * (d + dv) * elem_bytes)
+    n = max(1, l2_bytes // per_head)
+    return 1 << (n.bit_length() - 1)
+
+
+def _smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None):
+    """Row-major (rows, cols[, stages]) tile in the widest wgmma swizzle its row allows."""
+    atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+
+
+def _convert_pairs(src: cute.Tensor, dst: cute.Tensor):
+    """dst = src in dst's dtype (same compact layout), in power-of-two chunks: the
+    conversion packs two values per instruction only on power-of-two vectors (a 64 x 96
+    S would otherwise convert one value at a time)."""
+    n = cute.size(src)
+    chunk = n & -n  # largest power of two dividing n
+    for i in range(n // chunk):
+        part = cute.make_tensor(src.iterator + i * chunk, cute.make_layout(chunk))
+        out = cute.make_tensor(dst.iterator + i * chunk, cute.make_layout(chunk))
+        out.store(part.load().to(dst.element_type))
+
+
+@cute.jit
+def wgmma_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
+               zero_init: cutlass.Constexpr[bool], wg_wait: cutlass.Constexpr[int]):
+    """acc (+)= A B over the K slices of one warpgroup's fragments, as one wgmma group.
+    ``wg_wait`` >= 0 waits until at most that many groups are in flight; -1 returns at once."""
+    warpgroup.fence()
+    # A fresh atom per call: its ACCUMULATE field is rewritten below.
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if cutlass.const_expr(wg_wait >= 0):
+        warpgroup.wait_group(wg_wait)
+
+
+class FlashAttnFwdSm90:
+    def __init__(
+        self,
+        dtype,
+        head_dim: int,
+        head_dim_v: int,
+        tile_m: int,
+        tile_n: int,
+        num_stages: int,
+        variant: AttentionVariant,
+        qhead_per_kvhead_packed: int = 1,
+        is_split: bool = False,
+        ex2_emulate_every: int = 0,
+    ):
+        self.dtype = dtype
+        self.out_dtype = Float32 if is_split else dtype
+        self.head_dim = head_dim
+        self.head_dim_v = head_dim_v
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        self.num_stages = num_stages
+        self.variant = variant
+        self.pack = qhead_per_kvhead_packed
+        self.is_split = is_split
+        # Every k-th exponential of an unmasked block on the FMA pipe (softmax.ex2_poly):
+        # at d=64 the MUFU unit, not the tensor cores, bounds the loop. Off by default:
+        # k = 4, 8, 16 measured no faster on the H200 (486 / 506 / 516 vs 513 TFLOP/s).
+        self.ex2_emulate_every = ex2_emulate_every
+        self.roles = WarpRoles.for_consumers(tile_m // 64)
+        # Ping-pong pays when the softmax of one warpgroup can hide the other's MMAs;
+        # at d=256 the MMAs dominate and the turn-taking only adds waits.
+        self.use_scheduler_barrier = self.roles.num_consumer_wgs >= 2 and max(head_dim, head_dim_v) <= 128
+        # Packed GQA rows do not form a TMA box; those Q tiles are gathered by cp.async.
+        self.use_tma_q = self.pack == 1
+        # With a large O (d_v > 128) the rescale of O by the new row max is moved off the
+        # critical path: it runs while Q K^T of the next block is in flight, just before
+        # the P V that needs it (the correction of block n is carried to iteration n-1).
+        self.rescale_o_before_pv = head_dim_v > 128
+        assert tile_m % 64 == 0 and tile_n % 16 == 0 and head_dim % 16 == 0 and head_dim_v % 16 == 0
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (b, s_q, h, d) or (total_q, h, d)
+        mK: cute.Tensor,  # (b, s_k, h_kv, d), (total_k, h_kv, d) or (num_pages, page_size, h_kv, d)
+        mV: cute.Tensor,  # as mK, with d_v
+        mO: cute.Tensor,  # (b, s_q, h, d_v) / (total_q, h, d_v); split: (num_splits, ...) fp32
+        mLSE: Optional[cute.Tensor],  # (b, h, s_q) / (h, total_q); split: (num_splits, ...)
+        mCuSeqlensQ: Optional[cute.Tensor],
+        mCuSeqlensK: Optional[cute.Tensor],
+        mSeqUsedK: Optional[cute.Tensor],
+        mPageTable: Optional[cute.Tensor],
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        softcap: Float32,
+        num_splits: Int32,
+        max_seqlen_q: Int32,
+        batch_size: Int32,
+        l2_heads: Int32,  # l2_heads_for(...): (head, batch) pairs per L2 section of the LPT order
+        stream,
+    ):
+        varlen_q = cutlass.const_expr(mCuSeqlensQ is not None)
+        varlen_k = cutlass.const_expr(mCuSeqlensK is not None and mPageTable is None)
+        sQ_layout = _smem_layout(self.dtype, self.tile_m, self.head_dim)
+        sO_layout = _smem_layout(self.dtype, self.tile_m, self.head_dim_v)
+        # O leaves through smem (Q's buffer, free by then) and one TMA store, for batch
+        # tensors in the input dtype; packed rows, varlen rows (a box would spill into the
+        # next sequence) and fp32 split partials are stored from registers.
+        self.use_tma_o = self.use_tma_q and not varlen_q and not self.is_split
+        self.use_lpt = self.variant.has_mask and not varlen_q
+        self.cache_tail_may_be_garbage = mSeqUsedK is not None or mPageTable is not None
+        sK_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim, self.num_stages)
+        sV_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim_v, self.num_stages)
+
+        @cute.struct
+        class SharedStorage:
+            mbar_Q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            sQ: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, max(cute.cosize(sQ_layout), cute.cosize(sO_layout))], 1024
+            ]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        # Each consumer warpgroup owns 64 rows: wgmma's M.
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            atom_layout_mnk=(self.tile_m // 64, 1, 1), tiler_mn=(64, self.tile_n),
+        )
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            atom_layout_mnk=(self.tile_m // 64, 1, 1), tiler_mn=(64, self.head_dim_v),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+
+        # TMA views: (rows, d, head[, batch]) so a tile is (tile, d) at fixed head/batch.
+        tma_op = cpasync.CopyBulkTensorTileG2SOp()
+        if cutlass.const_expr(mPageTable is not None):
+            kv_modes = [1, 3, 2, 0]  # (page_size, d, h_kv, num_pages)
+        elif cutlass.const_expr(varlen_k):
+            kv_modes = [0, 2, 1]  # (total_k, d, h_kv)
+        else:
+            kv_modes = [1, 3, 2, 0]  # (s_k, d, h_kv, b)
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+            tma_op, select(mK, kv_modes), cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.head_dim)
+        )
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
+            tma_op, select(mV, kv_modes), cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.head_dim_v)
+        )
+        tma_atom_Q, tma_Q = None, mQ
+        if cutlass.const_expr(self.use_tma_q):
+            q_modes = [0, 2, 1] if varlen_q else [1, 3, 2, 0]
+            tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
+                tma_op, select(mQ, q_modes), sQ_layout, (self.tile_m, self.head_dim)
+            )
+        tma_atom_O, tma_O = None, mO
+        if cutlass.const_expr(self.use_tma_o):
+            tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), select(mO, [1, 3, 2, 0]), sO_layout, (self.tile_m, self.head_dim_v)
+            )
+        tx_bytes = (
+            cute.size_in_bytes(self.dtype, sQ_layout),
+            cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1])),
+            cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1])),
+        )
+
+        heads_q = mQ.shape[cute.rank(mQ) - 2]
+        heads_kv = mK.shape[cute.rank(mK) - 2]
+        heads_eff = heads_kv if cutlass.const_expr(self.pack > 1) else heads_q
+        num_m_blocks = cute.ceil_div(max_seqlen_q * self.pack, self.tile_m)
+        self.kernel(
+            tma_Q, tma_K, tma_V, mQ, mK, tma_O, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable,
+            tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
+            softmax_scale, window_left, window_right, softcap, num_splits,
+            sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv,
+            _gmem_tiled_copy(self.dtype, self.head_dim, self.roles.num_consumer_threads),
+            tx_bytes, SharedStorage, num_m_blocks, heads_eff, batch_size, l2_heads,
+        ).launch(
+            grid=(LptScheduler if self.use_lpt else SingleTileScheduler).grid(num_m_blocks, heads_eff, num_splits, batch_size),
+            block=(self.roles.num_threads, 1, 1),
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=1,  # a register cap at entry, which setmaxnreg needs
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_Q: cute.Tensor,
+        tma_K: cute.Tensor,
+        tma_V: cute.Tensor,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,  # the caller's K, for its shape only (loads go through tma_K)
+        mO: cute.Tensor,
+        mLSE: Optional[cute.Tensor],
+        mCuSeqlensQ: Optional[cute.Tensor],
+        mCuSeqlensK: Optional[cute.Tensor],
+        mSeqUsedK: Optional[cute.Tensor],
+        mPageTable: Optional[cute.Tensor],
+        tma_atom_Q: Optional[cute.CopyAtom],
+        tma_atom_K: cute.CopyAtom,
+        tma_atom_V: cute.CopyAtom,
+        tma_atom_O: Optional[cute.CopyAtom],
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        softcap: Float32,
+        num_splits: Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        gmem_copy_Q: cute.TiledCopy,
+        tx_bytes: cutlass.Constexpr,
+        SharedStorage: cutlass.Constexpr,
+        num_m_blocks: Int32,
+        heads_eff: Int32,
+        batch_size: Int32,
+        l2_heads: Int32,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp_idx == 0:
+            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
+                if cutlass.const_expr(atom is not None):
+                    cpasync.prefetch_descriptor(atom)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        tma_warp = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # The TMA pipelines count one arrive per consumer warp (lane 0 signals).
+        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.roles.num_consumer_threads // 32)
+        pipeline_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_Q.data_ptr(), num_stages=1, producer_group=tma_warp,
+            consumer_group=consumer_warps, tx_count=tx_bytes[0], defer_sync=True,
+        )
+        pipeline_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_K.data_ptr(), num_stages=self.num_stages, producer_group=tma_warp,
+            consumer_group=consumer_warps, tx_count=tx_bytes[1], defer_sync=True,
+        )
+        pipeline_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_V.data_ptr(), num_stages=self.num_stages, producer_group=tma_warp,
+            consumer_group=consumer_warps, tx_count=tx_bytes[2], defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)  # Q's buffer, reused
+
+        if cutlass.const_expr(self.use_lpt):
+            work = LptScheduler.get_work(num_m_blocks, heads_eff, batch_size, l2_heads)
+        else:
+            work = SingleTileScheduler.get_work(num_splits)
+        m_block, head, split_idx, batch = work.m_block, work.head, work.split_idx, work.batch
+        varlen_q = cutlass.const_expr(mCuSeqlensQ is not None)
+        paged = cutlass.const_expr(mPageTable is not None)
+        varlen_k = cutlass.const_expr(mCuSeqlensK is not None and not paged)
+        heads_q = mQ.shape[cute.rank(mQ) - 2]
+        heads_kv = mK.shape[cute.rank(mK) - 2]
+        head_kv = head if cutlass.const_expr(self.pack > 1) else head // (heads_q // heads_kv)
+        seqlen = SeqlenInfo.create_for(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK if not paged else None, mSeqUsedK,
+                                       mPageTable)
+        cap_inv = Float32(0.0)
+        if cutlass.const_expr(self.variant.has_score_mod):
+            cap_inv = cute.arch.rcp_approx(softcap)
+        ctx = AttnCtx(batch, head, seqlen.seqlen_q, seqlen.seqlen_k,
+                      VariantParams(window_left, window_right, softcap, cap_inv))
+        block_info = BlockInfo(self.tile_m, self.tile_n, self.pack, self.variant)
+        n_block_min, n_block_max = block_info.get_n_block_min_max(m_block, ctx, split_idx, num_splits, self.is_split)
+        rows_valid = seqlen.seqlen_q * self.pack - m_block * self.tile_m
+
+        pipeline.pipeline_init_wait()
+
+        if rows_valid > 0:
+            if warp_idx < len(self.roles.producer_warps):
+                cute.arch.setmaxregister_decrease(self.roles.producer_regs)
+                if warp_idx == 0:
+                    if n_block_max > n_block_min:
+                        self.load(
+                            tma_Q, tma_K, tma_V, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                            pipeline_q, pipeline_k, pipeline_v, seqlen, m_block, head, head_kv, batch,
+                            n_block_min, n_block_max, varlen_q, varlen_k, paged,
+                        )
+            else:
+                cute.arch.setmaxregister_increase(self.roles.consumer_regs)
+                self.mma(
+                    mQ, mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv, gmem_copy_Q,
+                    pipeline_q, pipeline_k, pipeline_v, ctx, seqlen, block_info, m_block, head_kv, split_idx,
+                    n_block_min, n_block_max, rows_valid, softmax_scale, tidx - 128, varlen_q,
+                )
+
+    # -----------------------------------------------------------------------------------
+    # Producer
+    # -----------------------------------------------------------------------------------
+
+    @cute.jit
+    def load(
+        self, tma_Q, tma_K, tma_V, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+        pipeline_q, pipeline_k, pipeline_v, seqlen, m_block, head, head_kv, batch, n_block_min, n_block_max,
+        varlen_q: cutlass.Constexpr, varlen_k: cutlass.Constexpr, paged: cutlass.Constexpr,
+    ):
+        """One warp: Q once, then K one block ahead of V, so that the consumers' Q K^T of
+        block n can start while P V of block n+1 still waits for V."""
+        if cutlass.const_expr(paged):
+            mK_cur = tma_K[None, None, head_kv, None]  # (page_size, d, num_pages)
+            mV_cur = tma_V[None, None, head_kv, None]
+            gK = cute.local_tile(mK_cur, (self.tile_n, self.head_dim), (None, 0, None))
+            gV = cute.local_tile(mV_cur, (self.tile_n, self.head_dim_v), (None, 0, None))
+        else:
+            if cutlass.const_expr(varlen_k):
+                mK_cur = cute.domain_offset((seqlen.offset_k, 0), tma_K[None, None, head_kv])
+                mV_cur = cute.domain_offset((seqlen.offset_k, 0), tma_V[None, None, head_kv])
+            else:
+                mK_cur = tma_K[None, None, head_kv, batch]
+                mV_cur = tma_V[None, None, head_kv, batch]
+            gK = cute.local_tile(mK_cur, (self.tile_n, self.head_dim), (None, 0))
+            gV = cute.local_tile(mV_cur, (self.tile_n, self.head_dim_v), (None, 0))
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+        )
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        load_k = lambda n_block, st: self.load_kv(tma_atom_K, tKgK, tKsK, pipeline_k, n_block, st, mPageTable, batch)
+        load_v = lambda n_block, st: self.load_kv(tma_atom_V, tVgV, tVsV, pipeline_v, n_block, st, mPageTable, batch)
+        load_k(n_block_max - 1, state)
+        if cutlass.const_expr(self.use_tma_q):
+            if cutlass.const_expr(varlen_q):
+                mQ_cur = cute.domain_offset((seqlen.offset_q, 0), tma_Q[None, None, head])
+            else:
+                mQ_cur = tma_Q[None, None, head, batch]
+            gQ = cute.local_tile(mQ_cur, (self.tile_m, self.head_dim), (m_block, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+            )
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            pipeline_q.producer_acquire(q_state)
+            cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+        for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+            n_block = n_block_max - 2 - i
+            state_v = state.clone()
+            state.advance()
+            load_k(n_block, state)
+            load_v(n_block + 1, state_v)
+        load_v(n_block_min, state)
+        state.advance()
+        # Keep the CTA alive until the consumers released every stage it filled.
+        pipeline_v.producer_tail(state)
+
+    @cute.jit
+    def load_kv(self, tma_atom, tXgX, tXsX, pipe, n_block, state, mPageTable, batch):
+        """TMA of KV block n_block into the stage of ``state``, once the consumers freed it."""
+        pipe.producer_acquire(state)
+        if cutlass.const_expr(mPageTable is not None):
+            # Page size is a multiple of tile_n: block n is sub-block `sub` of one page (the
+            # page table maps blocks like keys, in units of page_size / tile_n blocks).
+            blocks_per_page = tXgX.shape[1]
+            page, sub = page_and_row(mPageTable, batch, n_block, blocks_per_page, tXgX.shape[2])
+            src = tXgX[None, sub, page]
+        else:
+            src = tXgX[None, n_block]
+        cute.copy(tma_atom, src, tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
+
+    # -----------------------------------------------------------------------------------
+    # Consumers
+    # -----------------------------------------------------------------------------------
+
+    @cute.jit
+    def mma(
+        self, mQ, mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv, gmem_copy_Q,
+        pipeline_q, pipeline_k, pipeline_v, ctx, seqlen, block_info, m_block, head_kv, split_idx,
+        n_block_min, n_block_max, rows_valid, softmax_scale, cidx, varlen_q: cutlass.Constexpr,
+    ):
+        """Consumer warpgroups: the KV loop (wgmma + softmax), then the epilogue."""
+        wg_idx = cute.arch.make_warp_uniform(cidx // 128)
+        wg_layout = cute.make_layout(self.roles.num_consumer_wgs, stride=128)
+        thr_mma_qk = tiled_mma_qk.get_slice(cidx)
+        # wgmma fragments are warpgroup-wide descriptors: partition by the warpgroup's first thread.
+        wg_mma_qk = tiled_mma_qk.get_slice(wg_layout(wg_idx))
+        wg_mma_pv = tiled_mma_pv.get_slice(wg_layout(wg_idx))
+        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
+        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(transpose_view(sV)))
+        # P in 16 bits, laid out like S (so the conversion packs adjacent columns pairwise),
+        # read by the RS wgmma through the A-operand view.
+        rP = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), self.dtype)
+        tOrP = acc_to_operand_a(rP)
+        acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((self.tile_m, self.head_dim_v)), Float32)
+        acc_O.fill(0.0)
+        # Identity coordinates of this thread's S elements, for masks and score mods.
+        tScS_mn = acc_mn_view(thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+
+        has_mod = cutlass.const_expr(self.variant.has_score_mod)
+        # With a score modifier the kernel scales S before calling it; otherwise the
+        # scale folds into the exp2 argument (one FFMA per score).
+        scale_log2 = LOG2_E if has_mod else softmax_scale * LOG2_E
+        softmax = OnlineSoftmax(cute.size(tScS_mn, mode=[0]), Float32(scale_log2))
+        # The correction O still owes when rescale_o_before_pv defers it (loop-carried).
+        scale_carry = None
+        if cutlass.const_expr(self.rescale_o_before_pv):
+            scale_carry = cute.make_rmem_tensor((softmax.num_rows,), Float32)
+
+        if n_block_max > n_block_min:
+            if cutlass.const_expr(self.use_tma_q):
+                pipeline_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+            else:
+                self.load_q_packed(mQ, sQ, gmem_copy_Q, ctx.batch, seqlen.offset_q, head_kv, m_block, rows_valid,
+                                   cidx, varlen_q)
+            if cutlass.const_expr(self.use_scheduler_barrier):
+                # The first warpgroup opens its own turn.
+                if wg_idx == 0:
+                    cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.SCHEDULER),
+                                             number_of_threads=2 * 128)
+            row0 = m_block * self.tile_m
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+
+            # First block: S only (its P V is issued with the next block's Q K^T).
+            pipeline_k.consumer_wait(state)
+            acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+            wgmma_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], True, 0)
+            pipeline_k.consumer_release(state)
+            apply_to_scores(self.variant, acc_mn_view(acc_S), tScS_mn, ctx, row0, (n_block_max - 1) * self.tile_n,
+                            self.pack, softmax_scale, True)
+            self.softmax(softmax, acc_S, acc_O, tOrP, None, scale_carry)
+            if cutlass.const_expr(self.cache_tail_may_be_garbage):
+                self.zero_v_tail(pipeline_v, state, sV, ctx.seqlen_k - (n_block_max - 1) * self.tile_n, cidx)
+
+            step = lambda st, n_block, masked: self.mma_one_block(
+                st, n_block, masked, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, softmax,
+                pipeline_k, pipeline_v, tScS_mn, ctx, row0, softmax_scale, wg_idx, scale_carry,
+            )
+            # The first block is done: the runs cover [n_block_min, n_block_max - 1).
+            n_hi = n_block_max - 1
+            n_mid_hi, n_mid_lo = block_info.get_n_block_runs(m_block, ctx, n_block_min, n_hi)
+            for i in cutlass.range(n_hi - n_mid_hi, unroll=1):
+                state = step(state, n_hi - 1 - i, True)
+            for i in cutlass.range(n_mid_hi - n_mid_lo, unroll=1):
+                state = step(state, n_mid_hi - 1 - i, False)
+            if cutlass.const_expr(self.variant.has_mask):
+                for i in cutlass.range(n_mid_lo - n_block_min, unroll=1):
+                    state = step(state, n_mid_lo - 1 - i, True)
+
+            # Last P V.
+            self.rescale_carried(softmax, acc_O, scale_carry)
+            pipeline_v.consumer_wait(state)
+            wgmma_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], False, 0)
+            pipeline_v.consumer_release(state)
+
+        lse = cute.make_rmem_tensor((softmax.num_rows,), Float32)
+        softmax.finalize(acc_O, lse)
+        self.epilogue(acc_O, lse, mO, mLSE, sO, tma_atom_O, ctx, seqlen, m_block, head_kv, split_idx, rows_valid,
+                      tiled_mma_pv, cidx, varlen_q)
+
+    @cute.jit
+    def mma_one_block(
+        self, state, n_block, masked: cutlass.Constexpr, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP,
+        acc_O, softmax, pipeline_k, pipeline_v, tScS_mn, ctx, row0, softmax_scale, wg_idx, scale_carry,
+    ):
+        """S(n) = Q K(n)^T and O += P(n+1) V(n+1) in flight together; the softmax of S(n)
+        starts once S lands, while P V still runs."""
+        state_v = state.clone()
+        state.advance()
+        pipeline_k.consumer_wait(state)
+        self.scheduler_sync(wg_idx)
+        acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        wgmma_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], True, -1)
+        self.rescale_carried(softmax, acc_O, scale_carry)  # while Q K^T runs
+        pipeline_v.consumer_wait(state_v)
+        wgmma_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state_v.index], False, -1)
+        self.scheduler_arrive(wg_idx)
+        warpgroup.wait_group(1)  # S landed; P V may still run
+        pipeline_k.consumer_release(state)
+        apply_to_scores(self.variant, acc_mn_view(acc_S), tScS_mn, ctx, row0, n_block * self.tile_n, self.pack,
+                        softmax_scale, masked)
+        row_scale = softmax.step(acc_S, ex2_emulate_every=0 if masked else self.ex2_emulate_every)
+        warpgroup.wait_group(0)  # P V landed: acc_O and tOrP are free
+        pipeline_v.consumer_release(state_v)
+        self.softmax(softmax, acc_S, acc_O, tOrP, row_scale, scale_carry)
+        return state
+
+    @cute.jit
+    def softmax(self, softmax: OnlineSoftmax, acc_S, acc_O, tOrP, row_scale, scale_carry):
+        """P in the RS operand registers, O rescaled (or its correction carried to the next
+        P V); without ``row_scale`` (first block) the softmax step runs here and O, still
+        zero, needs no rescale."""
+        first = cutlass.const_expr(row_scale is None)
+        if cutlass.const_expr(first):
+            row_scale = softmax.step(acc_S)
+        _convert_pairs(acc_S, cute.make_tensor(tOrP.iterator, acc_S.layout))
+        if cutlass.const_expr(scale_carry is not None):
+            scale_carry.store(row_scale.load())
+        elif cutlass.const_expr(not first):
+            softmax.rescale_o(acc_O, row_scale)
+
+    @cute.jit
+    def zero_v_tail(self, pipeline_v, state, sV, rows_valid, cidx):
+        """Zeroes the V rows of the first block past the sequence end. A KV cache holds
+        whatever was there past seqused_k (the TMA box reads it); P is 0 there, but 0 * NaN
+        is NaN. K needs nothing: its scores are masked to -inf."""
+        if rows_valid < self.tile_n:
+            pipeline_v.consumer_wait(state)
+            sV_s = sV[None, None, state.index]
+            chunks = self.head_dim_v // 8
+            per_pass = self.roles.num_consumer_threads
+            for i in cutlass.range_constexpr(cute.ceil_div(self.tile_n * chunks, per_pass)):
+                idx = i * per_pass + cidx
+                row = idx // chunks
+                if row >= rows_valid and row < self.tile_n:
+                    col = (idx - row * chunks) * 8
+                    for j in cutlass.range_constexpr(8):
+                        sV_s[row, col + j] = self.dtype(0.0)
+            # Generic-proxy stores, read next by wgmma (async proxy), by every warpgroup.
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=int(NamedBarrier.CONSUMERS), number_of_threads=self.roles.num_consumer_threads)
+
+    @cute.jit
+    def rescale_carried(self, softmax: OnlineSoftmax, acc_O, scale_carry):
+        """The deferred rescale of O (rescale_o_before_pv), just before its next P V."""
+        if cutlass.const_expr(scale_carry is not None):
+            softmax.rescale_o(acc_O, scale_carry)
+
+    def scheduler_sync(self, wg_idx):
+        if cutlass.const_expr(self.use_scheduler_barrier):
+            cute.arch.barrier(barrier_id=int(NamedBarrier.SCHEDULER) + wg_idx, number_of_threads=2 * 128)
+
+    def scheduler_arrive(self, wg_idx):
+        if cutlass.const_expr(self.use_scheduler_barrier):
+            nxt = wg_idx + 1
+            if cutlass.const_expr(self.roles.num_consumer_wgs == 2):
+                nxt = 1 - wg_idx
+            else:
+                nxt = nxt - self.roles.num_consumer_wgs * (nxt // self.roles.num_consumer_wgs)
+            cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.SCHEDULER) + nxt, number_of_threads=2 * 128)
+
+    @cute.jit
+    def load_q_packed(self, mQ, sQ, gmem_copy_Q, batch, offset_q, head_kv, m_block, rows_valid, cidx,
+                      varlen_q: cutlass.Constexpr):
+        """Packed-GQA Q tile gathered row by row with cp.async by the consumers themselves,
+        rows past the sequence zero-filled; then made visible to wgmma (async proxy)."""
+        mQ_b = cute.domain_offset((offset_q, 0, 0), mQ) if cutlass.const_expr(varlen_q) else mQ[batch, None, None, None]
+        q_rows = packed_rows(mQ_b, head_kv, self.pack)
+        thr_copy = gmem_copy_Q.get_slice(cidx)
+        tQsQ = thr_copy.partition_D(sQ)
+        tQcQ = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+        elems = 128 // self.dtype.width
+        row_base = m_block * self.tile_m
+        for m in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
+            row = tQcQ[0, m, 0][0]
+            if row < rows_valid:
+                g_row = q_rows[row_base + row, None]
+                for k in cutlass.range_constexpr(cute.size(tQsQ, mode=[2])):
+                    src = cute.make_tensor(_aligned_row_ptr(g_row, tQcQ[0, m, k][1], 16), tQsQ[None, m, k].layout)
+                    cute.copy(gmem_copy_Q, src, tQsQ[None, m, k])
+            else:
+                tQsQ[None, m, None].fill(0.0)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(NamedBarrier.CONSUMERS), number_of_threads=self.roles.num_consumer_threads)
+
+    # -----------------------------------------------------------------------------------
+    # Epilogue
+    # -----------------------------------------------------------------------------------
+
+    @cute.jit
+    def epilogue(self, acc_O, lse, mO, mLSE, sO, tma_atom_O, ctx, seqlen, m_block, head_kv, split_idx, rows_valid,
+                 tiled_mma_pv, cidx, varlen_q: cutlass.Constexpr):
+        """O through smem and one TMA store (``use_tma_o``), else straight from registers
+        two columns per store; the LSE from registers."""
+        thr_mma_pv = tiled_mma_pv.get_slice(cidx)
+        tOcO_mn = acc_mn_view(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
+        row0 = m_block * self.tile_m
+        head = head_kv if cutlass.const_expr(self.pack > 1) else ctx.head
+        if cutlass.const_expr(self.use_tma_o):
+            self.store_o_tma(acc_O, sO, tma_atom_O, mO, tiled_mma_pv, cidx, m_block, ctx.head, ctx.batch)
+        else:
+            self.store_o_direct(acc_O, mO, tOcO_mn, ctx, seqlen, row0, head, split_idx, rows_valid, varlen_q)
+        if cutlass.const_expr(mLSE is not None):
+            if cutlass.const_expr(self.is_split):
+                mLSE = mLSE[split_idx, None, None, None] if cutlass.const_expr(not varlen_q) else mLSE[split_idx, None, None]
+            mL_b = cute.domain_offset((0, seqlen.offset_q), mLSE) if cutlass.const_expr(varlen_q) else mLSE[ctx.batch, None, None]
+            lse_rows = packed_lse_rows(mL_b, head, self.pack)
+            for r in cutlass.range_constexpr(cute.size(tOcO_mn, mode=[0])):
+                row = tOcO_mn[r, 0][0]
+                # The four lanes sharing a row hold the same LSE; the one at column 0 writes it.
+                if tOcO_mn[0, 0][1] == 0 and row < rows_valid:
+                    lse_rows[row0 + row] = lse[r]
+
+    @cute.jit
+    def store_o_tma(self, acc_O, sO, tma_atom_O, tma_O, tiled_mma_pv, cidx, m_block, head, batch):
+        """registers -> smem (stmatrix) -> gmem (one TMA store; rows past the sequence are
+        outside the tensor and clipped by the copy engine)."""
+        rO = cute.make_fragment_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        # Every warpgroup is done with sQ (its last Q K^T completed) before O overwrites it.
+        cute.arch.barrier(barrier_id=int(NamedBarrier.CONSUMERS), number_of_threads=self.roles.num_consumer_threads)
+        stsm = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        thr_copy = cute.make_tiled_copy_C(stsm, tiled_mma_pv).get_slice(cidx)
+        cute.copy(thr_copy, thr_copy.retile(rO), thr_copy.partition_D(sO))
+        # Generic-proxy writes, read next by the copy engine (async proxy).
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(NamedBarrier.CONSUMERS), number_of_threads=self.roles.num_consumer_threads)
+        if cidx < 32:
+            gO = cute.local_tile(tma_O[None, None, head, batch], (self.tile_m, self.head_dim_v), (m_block, 0))
+            tOsO, tOgO = cpasync.tma_partition(
+                tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
+            )
+            cute.copy(tma_atom_O, tOsO, tOgO)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def store_o_direct(self, acc_O, mO, tOcO_mn, ctx, seqlen, row0, head, split_idx, rows_valid,
+                       varlen_q: cutlass.Constexpr):
+        """O straight from registers, two consecutive columns per store, through the
+        row function (packed rows, varlen offsets, split partials)."""
+        if cutlass.const_expr(self.is_split):
+            mO = mO[split_idx, None, None, None, None] if cutlass.const_expr(not varlen_q) else mO[split_idx, None, None, None]
+        mO_b = cute.domain_offset((seqlen.offset_q, 0, 0), mO) if cutlass.const_expr(varlen_q) else mO[ctx.batch, None, None, None]
+        o_rows = packed_rows(mO_b, head, self.pack)
+        rO = cute.make_fragment_like(acc_O, self.out_dtype)
+        rO.store(acc_O.load().to(self.out_dtype))
+        rO_mn = acc_mn_view(rO)
+        pair_bits = 2 * self.out_dtype.width
+        store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype, num_bits_per_copy=pair_bits)
+        for r in cutlass.range_constexpr(cute.size(rO_mn, mode=[0])):
+            row = tOcO_mn[r, 0][0]
+            if row < rows_valid:
+                g_row = o_rows[row0 + row, None]
+                # Columns 2j and 2j + 1 of the view are adjacent in the row: one store.
+                for j in cutlass.range_constexpr(cute.size(rO_mn, mode=[1]) // 2):
+                    col = tOcO_mn[r, 2 * j][1]
+                    dst = cute.make_tensor(_aligned_row_ptr(g_row, col, pair_bits // 8), cute.make_layout(2))
+                    pair = cute.make_rmem_tensor((2,), self.out_dtype)
+                    pair[0] = rO_mn[r, 2 * j]
+                    pair[1] = rO_mn[r, 2 * j + 1]
+                    cute.copy(store_atom, pair, dst)
+
+
+# ---------------------------------------------------------------------------------------
+# Host side: tile choice, compile key, compilation on fake tensors, launch.
+# ---------------------------------------------------------------------------------------
+
+_SMEM_LIMIT = 227 * 1024
+
+
+def _smem_bytes(d, dv, tile_m, tile_n, stages, elem=2):
+    return elem * (tile_m * d + stages * tile_n * (d + dv)) + 1024
+
+
+def select_tile(d: int, dv: int, rows_per_kv_head: int, *, causal: bool = False, local: bool = False,
+                page_size: Optional[int] = None):
+    """(tile_m, tile_n, num_stages, ex2_emulate_every). tile_m / 64 consumer warpgroups,
+    each holding a 64 x tile_n S, its P and a 64 x d_v O in registers; stages of K and V
+    in smem; every ex2_emulate_every-th exponential on the FMA pipe (0: none).
+    FLASH_ATTN_CUTE_SM90_TILE="m,n,stages[,ex2]" overrides (for tuning sweeps).
+    With a paged cache, tile_n divides the page size (TMA per block inside one page)."""
+    override = os.environ.get("FLASH_ATTN_CUTE_SM90_TILE")
+    if override:
+        m, n, s, *e = (int(x) for x in override.split(","))
+        return m, n, s, (e[0] if e else 0)
+    dmax = max(d, dv)
+    if rows_per_kv_head <= 64:
+        # Decode-shaped: one consumer warpgroup, deeper KV pipeline (more bytes in flight).
+        tile = (64, 128, 3) if dmax <= 128 else (64, 80, 2)
+    elif dmax <= 64:
+        tile = (192, 128, 2)
+    elif dmax <= 128:
+        tile = (128, 128, 2)
+    elif d <= 192 and dv <= 128:
+        tile = (128, 96 if local else 128, 2)
+    elif dmax <= 192:
+        tile = (128, 96 if local else 112, 2)
+    else:
+        tile = (128, 64, 2)  # 64 measured faster than 80 on the H200 (690 vs 675 TFLOP/s, b4 s8192)
+    if page_size is not None:
+        m, n, s = tile
+        n = next((t for t in range(n, 15, -16) if page_size % t == 0), None)
+        if n is None:
+            return None
+        tile = (m, n, s)
+    m, n, s = tile
+    while s > 2 and _smem_bytes(d, dv, m, n, s) > _SMEM_LIMIT:
+        s -= 1
+    return m, n, s, 0
+
+
+def unsupported_reason(d: int, dv: int, paged: bool, page_size: Optional[int]) -> Optional[str]:
+    """Why the SM90 kernel cannot run a problem (None when it can); the caller falls back."""
+    if d % 16 or dv % 16 or d > 256 or dv > 256 or d < 16 or dv < 16:
+        return f"SM90 kernel needs head dims that are multiples of 16 up to 256, got ({d}, {dv})"
+    if paged and page_size is not None:
+        tile = select_tile(d, dv, 128, page_size=page_size)
+        if tile is None or tile[1] < 64:
+            return (f"SM90 kernel loads paged KV by TMA one tile_n block per page: page size {page_size} "
+                    f"has no divisor >= 64 among its KV tile sizes (cp.async page gathers not implemented)")
+    return None
+
+
+def fwd_key(arch, dtype_name, d, dv, tile, flags, pack, is_split, has_lse, varlen_q, varlen_k, has_seqused_k, paged):
+    tile_m, tile_n, num_stages, ex2_emu = (*tile, 0) if len(tile) == 3 else tile
+    return ("fwd_sm90", arch, dtype_name, d, dv, tile_m, tile_n, num_stages, ex2_emu,
+            tuple(bool(f) for f in flags), int(pack),
+            bool(is_split), bool(has_lse), bool(varlen_q), bool(varlen_k), bool(has_seqused_k), bool(paged))
+
+
+def compile_fwd_sm90(key: tuple):
+    """Compiles the kernel for ``key`` (see ``fwd_key``) on fake tensors: no GPU needed."""
+    (_, _arch, dtype_name, d, dv, tile_m, tile_n, num_stages, ex2_emu, flags, pack, is_split, has_lse,
+     varlen_q, varlen_k, has_seqused_k, paged) = key
+    causal, local, softcap = flags
+    dtype = CUTE_DTYPE_BY_NAME[dtype_name]
+    out_dtype = Float32 if is_split else dtype
+    kernel = FlashAttnFwdSm90(
+        dtype, d, dv, tile_m, tile_n, num_stages, make_variant(causal, local, softcap),
+        qhead_per_kvhead_packed=pack, is_split=is_split, ex2_emulate_every=ex2_emu,
+    )
+    q_rank = 3 if varlen_q else 4
+    kv_rank = 3 if (varlen_k and not paged) else 4
+    split_mode = (None,) if is_split else ()
+    mQ = fake_tensor(dtype, q_rank, shape=(None,) * (q_rank - 1) + (d,))
+    mK = fake_tensor(dtype, kv_rank, shape=(None,) * (kv_rank - 1) + (d,))
+    mV = fake_tensor(dtype, kv_rank, shape=(None,) * (kv_rank - 1) + (dv,))
+    mO = fake_tensor(out_dtype, len(split_mode) + q_rank, shape=split_mode + (None,) * (q_rank - 1) + (dv,))
+    mLSE = fake_tensor(Float32, len(split_mode) + q_rank - 1, align=4) if has_lse else None
+    int_vec = lambda rank: fake_tensor(cutlass.Int32, rank, align=4)
+    return cute.compile(
+        kernel,
+        mQ, mK, mV, mO, mLSE,
+        int_vec(1) if varlen_q else None,
+        int_vec(1) if varlen_k else None,
+        int_vec(1) if has_seqused_k else None,
+        int_vec(2) if paged else None,
+        Float32(1.0), Int32(-1), Int32(-1), Float32(0.0), Int32(1), Int32(1), Int32(1), Int32(1),
+        fake_stream(),
+        options=compile_options(_arch),
+    )
+
+
+def flash_attn_fwd_sm90(
+    q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, page_table=None,
+    max_seqlen_q: int, softmax_scale: float, causal: bool, window_left: int, window_right: int,
+    softcap: float, num_splits: int, pack_gqa: bool, tile=None,
+) -> None:
+    """Launches the SM90 forward on validated tensors (same contract as flash_attn_fwd_sm80)."""
+    varlen_q = cu_seqlens_q is not None
+    heads, heads_kv = q.shape[-2], k.shape[-2]
+    qhpk = heads // heads_kv
+    pack = qhpk if (pack_gqa and qhpk > 1) else 1
+    d, dv = q.shape[-1], v.shape[-1]
+    batch = (cu_seqlens_q.shape[0] - 1) if varlen_q else q.shape[0]
+    local = window_left >= 0 or (window_right >= 0 and not causal)
+    is_split = num_splits > 1
+    paged = page_table is not None
+    if tile is None:
+        tile = select_tile(d, dv, max_seqlen_q * pack, causal=causal, local=local,
+                           page_size=k.shape[1] if paged else None)
+        if tile is None:
+            raise ValueError(unsupported_reason(d, dv, paged, k.shape[1]))
+    key = fwd_key(
+        target_arch(), DTYPE_NAMES[q.dtype], d, dv, tuple(tile), (causal and not local, local, softcap > 0),
+        pack, is_split, lse is not None, varlen_q, cu_seqlens_k is not None, seqused_k is not None, paged,
+    )
+    fn = jit_cache.get_or_compile("fwd_sm90", key, lambda: compile_fwd_sm90(key))
+    if causal and local:
+        window_right = 0
+    fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
+       float(softmax_scale), int(window_left), int(window_right), float(softcap),
+       int(num_splits), int(max_seqlen_q), int(batch), l2_heads_for(k.shape[-3], d, dv))
