@@ -12,7 +12,6 @@ possible because the C layout of one MMA and the A layout of the next coincide
 register for register once the column mode is regrouped into k slices.
 """
 
-import cutlass
 import cutlass.cute as cute
 
 

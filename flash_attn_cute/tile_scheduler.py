@@ -3,12 +3,14 @@
 ``SingleTileScheduler``: one CTA per (m_block, head[, split], batch), launched as a grid of
 ``(num_m_blocks, heads * num_splits, batch)``. The M blocks are handed out last-first:
 under causal masking the last rows see the most keys, and a CTA that starts last would
-otherwise finish last. Persistent schedulers (SM90, SM100) expose the same ``WorkTile``.
+otherwise finish last.
+
+``LptScheduler``: the same one CTA per tile, ordered longest-first across heads and
+batches in L2-sized sections (causal and local masks). Both hand out a ``WorkTile``.
 """
 
 from dataclasses import dataclass
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
@@ -34,3 +36,42 @@ class SingleTileScheduler:
         num_m_blocks, _, _ = cute.arch.grid_dim()
         head = bidy // num_splits
         return WorkTile(num_m_blocks - 1 - bidx, head, bidy - head * num_splits, batch)
+
+
+class LptScheduler:
+    """Longest-processing-time first, L2-aware, for causal and local masks (one CTA per tile).
+
+    The grid is flat over (m_block, head, batch) [x num_splits]. Tiles are handed out in
+    sections of ``l2_heads`` (head, batch) pairs, as many as fit their K and V in L2;
+    inside a section the heaviest M blocks of every pair come first. The plain order
+    (``SingleTileScheduler``) runs all M blocks of one head together, so under causal
+    masking its last wave holds the light tiles of a few heads and idles most SMs."""
+
+    @staticmethod
+    def grid(num_m_blocks, heads, num_splits, batch):
+        return (num_m_blocks * heads * batch, num_splits, 1)
+
+    @staticmethod
+    @cute.jit
+    def get_work(num_m_blocks: Int32, heads: Int32, batch_size: Int32, l2_heads: Int32) -> WorkTile:
+        t, split_idx, _ = cute.arch.block_idx()
+        section_tiles = l2_heads * num_m_blocks
+        section = t // section_tiles
+        in_section = t - section * section_tiles
+        num_bh = heads * batch_size
+        full_sections = num_bh // l2_heads
+        # The last section holds the remainder of the (head, batch) pairs.
+        minor = l2_heads
+        if section >= full_sections:
+            minor = num_bh - full_sections * l2_heads
+        block = in_section // minor
+        bh = section * l2_heads + (in_section - block * minor)
+        batch = bh // heads
+        return WorkTile(num_m_blocks - 1 - block, bh - batch * heads, split_idx, batch)
+
+
+def l2_heads_for(seqlen_k: int, d: int, dv: int, elem_bytes: int = 2, l2_bytes: int = 50 * 1024 * 1024) -> int:
+    """(head, batch) pairs whose K and V fit in L2 together, rounded down to a power of 2."""
+    per_head = max(1, seqlen_k * (d + dv) * elem_bytes)
+    n = max(1, l2_bytes // per_head)
+    return 1 << (n.bit_length() - 1)

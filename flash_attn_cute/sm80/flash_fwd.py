@@ -20,9 +20,10 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cute.nvgpu import warp
 
 from flash_attn_cute.block_info import BlockInfo
+from flash_attn_cute.copy_utils import aligned_row_ptr, gmem_tiled_copy
 from flash_attn_cute.cute_utils import CUTE_DTYPE_BY_NAME, compile_options, fake_fwd_tensors, fake_stream
 from flash_attn_cute.pack_gqa import packed_lse_rows, packed_rows
 from flash_attn_cute.paged_kv import paged_row_fns
@@ -43,24 +44,6 @@ def _smem_layout(dtype, rows: int, cols: int):
         cute.make_layout((8, atom_cols), stride=(atom_cols, 1)),
     )
     return cute.tile_to_shape(atom, (rows, cols), (0, 1))
-
-
-def _gmem_tiled_copy(dtype, cols: int, num_threads: int):
-    """128-bit cp.async, consecutive threads along a row of the smem atom."""
-    elems = 128 // dtype.width
-    threads_per_row = (64 if cols % 64 == 0 else 32) // elems
-    atom = cute.make_copy_atom(
-        cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype, num_bits_per_copy=128
-    )
-    thr = cute.make_layout((num_threads // threads_per_row, threads_per_row), stride=(threads_per_row, 1))
-    return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, elems)))
-
-
-def _aligned_row_ptr(row: cute.Tensor, col, align_bytes: int):
-    """Pointer to row[col] with the alignment the row layout guarantees (a dynamic
-    column offset would otherwise drop it to one element)."""
-    ptr = row.iterator + col
-    return cute.make_ptr(row.element_type, ptr.toint(), cute.AddressSpace.gmem, assumed_align=align_bytes)
 
 
 class FlashAttnFwdSm80:
@@ -138,8 +121,8 @@ class FlashAttnFwdSm80:
             mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable,
             softmax_scale, window_left, window_right, softcap, num_splits,
             sQ_layout, sK_layout, sV_layout,
-            _gmem_tiled_copy(self.dtype, self.head_dim, self.num_threads),
-            _gmem_tiled_copy(self.dtype, self.head_dim_v, self.num_threads),
+            gmem_tiled_copy(self.dtype, self.head_dim, self.num_threads),
+            gmem_tiled_copy(self.dtype, self.head_dim_v, self.num_threads),
             tiled_mma,
             SharedStorage,
         ).launch(
@@ -356,7 +339,7 @@ class FlashAttnFwdSm80:
     @cute.jit
     def _copy_row(self, tiled_copy, tXsX, tXcX, g_row, m):
         for k in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
-            ptr = _aligned_row_ptr(g_row, tXcX[0, m, k][1], 16)
+            ptr = aligned_row_ptr(g_row, tXcX[0, m, k][1], 16)
             src = cute.make_tensor(ptr, tXsX[None, m, k].layout)
             cute.copy(tiled_copy, src, tXsX[None, m, k])
 
@@ -407,7 +390,7 @@ class FlashAttnFwdSm80:
                 g_row = mO_rows[row0 + row, None]
                 for j in cutlass.range_constexpr(cute.size(rO_mn.shape[1][1])):
                     col = tOcO_mn[r, (0, j)][1]
-                    dst = cute.make_tensor(_aligned_row_ptr(g_row, col, pair_bits // 8), cute.make_layout(2))
+                    dst = cute.make_tensor(aligned_row_ptr(g_row, col, pair_bits // 8), cute.make_layout(2))
                     cute.copy(store_atom, rO_mn[r, (None, j)], dst)
         if cutlass.const_expr(mLSE is not None):
             if cutlass.const_expr(self.is_split):

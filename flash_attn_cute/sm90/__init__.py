@@ -11,6 +11,7 @@ from typing import Optional
 from .. import heuristics, jit_cache
 from ..cute_utils import DTYPE_NAMES, target_arch
 from ..fwd import FwdPlan, FwdProblem
+from ..tile_scheduler import l2_heads_for
 
 NAME = "sm90"
 HEAD_DIMS = (64, 96, 128, 192, 256)
@@ -75,7 +76,7 @@ def launcher(problem: FwdProblem, plan: FwdPlan):
     fn = jit_cache.get_or_compile("fwd_sm90", key, lambda: compile(key))
     scalars = (float(problem.softmax_scale), int(problem.window_left), int(problem.window_right),
                float(problem.softcap), int(plan.num_splits), int(problem.max_seqlen_q), int(problem.batch),
-               int(_host().l2_heads_for(problem.max_seqlen_k, problem.d, problem.d_v)))
+               int(l2_heads_for(problem.max_seqlen_k, problem.d, problem.d_v)))
 
     def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table):
         fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, *scalars)

@@ -40,18 +40,17 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from flash_attn_cute import jit_cache
 from flash_attn_cute.block_info import BlockInfo
+from flash_attn_cute.copy_utils import aligned_row_ptr, gmem_tiled_copy
 from flash_attn_cute.cute_utils import (
-    CUTE_DTYPE_BY_NAME, DTYPE_NAMES, compile_options, fake_stream, fake_tensor, target_arch,
+    CUTE_DTYPE_BY_NAME, compile_options, fake_fwd_tensors, fake_stream,
 )
 from flash_attn_cute.layout_utils import acc_mn_view, acc_to_operand_a, select, transpose_view
 from flash_attn_cute.pack_gqa import packed_lse_rows, packed_rows
 from flash_attn_cute.paged_kv import page_and_row
 from flash_attn_cute.seqlen_info import SeqlenInfo
-from flash_attn_cute.sm80.flash_fwd import _aligned_row_ptr, _gmem_tiled_copy
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
-from flash_attn_cute.tile_scheduler import SingleTileScheduler, WorkTile
+from flash_attn_cute.tile_scheduler import LptScheduler, SingleTileScheduler
 from flash_attn_cute.variants import AttentionVariant, AttnCtx, VariantParams, apply_to_scores, make_variant
 
 
@@ -90,51 +89,17 @@ class WarpRoles:
         return 128 * (1 + self.num_consumer_wgs)
 
 
-class LptScheduler:
-    """Longest-processing-time first, L2-aware, for causal and local masks (one CTA per tile).
-
-    The grid is flat over (m_block, head, batch) [x num_splits]. Tiles are handed out in
-    sections of ``l2_heads`` (head, batch) pairs, as many as fit their K and V in L2;
-    inside a section the heaviest M blocks of every pair come first. The plain order
-    (``SingleTileScheduler``) runs all M blocks of one head together, so under causal
-    masking its last wave holds the light tiles of a few heads and idles most SMs."""
-
-    @staticmethod
-    def grid(num_m_blocks, heads, num_splits, batch):
-        return (num_m_blocks * heads * batch, num_splits, 1)
-
-    @staticmethod
-    @cute.jit
-    def get_work(num_m_blocks: Int32, heads: Int32, batch_size: Int32, l2_heads: Int32) -> WorkTile:
-        t, split_idx, _ = cute.arch.block_idx()
-        section_tiles = l2_heads * num_m_blocks
-        section = t // section_tiles
-        in_section = t - section * section_tiles
-        num_bh = heads * batch_size
-        full_sections = num_bh // l2_heads
-        # The last section holds the remainder of the (head, batch) pairs.
-        minor = l2_heads
-        if section >= full_sections:
-            minor = num_bh - full_sections * l2_heads
-        block = in_section // minor
-        bh = section * l2_heads + (in_section - block * minor)
-        batch = bh // heads
-        return WorkTile(num_m_blocks - 1 - block, bh - batch * heads, split_idx, batch)
-
-
-def l2_heads_for(seqlen_k: int, d: int, dv: int, elem_bytes: int = 2, l2_bytes: int = 50 * 1024 * 1024) -> int:
-    """(head, batch) pairs whose K and V fit in L2 together, rounded down to a power of 2."""
-    per_head = max(1, seqlen_k * (d + dv) * elem_bytes)
-    n = max(1, l2_bytes // per_head)
-    return 1 << (n.bit_length() - 1)
-
-
 def _smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None):
     """Row-major (rows, cols[, stages]) tile in the widest wgmma swizzle its row allows."""
     atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
     if stages is None:
         return cute.tile_to_shape(atom, (rows, cols), (0, 1))
     return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+
+
+def _split_slice(mX: cute.Tensor, split_idx) -> cute.Tensor:
+    """Split partial ``split_idx`` of an (num_splits, ...) output tensor."""
+    return mX[(split_idx,) + (None,) * (cute.rank(mX) - 1)]
 
 
 def _convert_pairs(src: cute.Tensor, dst: cute.Tensor):
@@ -254,11 +219,11 @@ class FlashAttnFwdSm90:
 
         # Each consumer warpgroup owns 64 rows: wgmma's M.
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
             atom_layout_mnk=(self.tile_m // 64, 1, 1), tiler_mn=(64, self.tile_n),
         )
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN, Float32,
             atom_layout_mnk=(self.tile_m // 64, 1, 1), tiler_mn=(64, self.head_dim_v),
             a_source=warpgroup.OperandSource.RMEM,
         )
@@ -303,10 +268,12 @@ class FlashAttnFwdSm90:
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
             softmax_scale, window_left, window_right, softcap, num_splits,
             sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv,
-            _gmem_tiled_copy(self.dtype, self.head_dim, self.roles.num_consumer_threads),
+            gmem_tiled_copy(self.dtype, self.head_dim, self.roles.num_consumer_threads),
             tx_bytes, SharedStorage, num_m_blocks, heads_eff, batch_size, l2_heads,
         ).launch(
-            grid=(LptScheduler if self.use_lpt else SingleTileScheduler).grid(num_m_blocks, heads_eff, num_splits, batch_size),
+            grid=(LptScheduler if self.use_lpt else SingleTileScheduler).grid(
+                num_m_blocks, heads_eff, num_splits, batch_size
+            ),
             block=(self.roles.num_threads, 1, 1),
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -357,7 +324,7 @@ class FlashAttnFwdSm90:
                 if cutlass.const_expr(atom is not None):
                     cpasync.prefetch_descriptor(atom)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         tma_warp = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         # The TMA pipelines count one arrive per consumer warp (lane 0 signals).
@@ -540,7 +507,7 @@ class FlashAttnFwdSm90:
             if cutlass.const_expr(self.use_tma_q):
                 pipeline_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
             else:
-                self.load_q_packed(mQ, sQ, gmem_copy_Q, ctx.batch, seqlen.offset_q, head_kv, m_block, rows_valid,
+                self.load_q_packed(mQ, sQ, gmem_copy_Q, ctx.batch, seqlen, head_kv, m_block, rows_valid,
                                    cidx, varlen_q)
             if cutlass.const_expr(self.use_scheduler_barrier):
                 # The first warpgroup opens its own turn.
@@ -669,23 +636,21 @@ class FlashAttnFwdSm90:
             cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.SCHEDULER) + nxt, number_of_threads=2 * 128)
 
     @cute.jit
-    def load_q_packed(self, mQ, sQ, gmem_copy_Q, batch, offset_q, head_kv, m_block, rows_valid, cidx,
+    def load_q_packed(self, mQ, sQ, gmem_copy_Q, batch, seqlen, head_kv, m_block, rows_valid, cidx,
                       varlen_q: cutlass.Constexpr):
         """Packed-GQA Q tile gathered row by row with cp.async by the consumers themselves,
         rows past the sequence zero-filled; then made visible to wgmma (async proxy)."""
-        mQ_b = cute.domain_offset((offset_q, 0, 0), mQ) if cutlass.const_expr(varlen_q) else mQ[batch, None, None, None]
-        q_rows = packed_rows(mQ_b, head_kv, self.pack)
+        q_rows = packed_rows(seqlen.q_view(mQ, batch, varlen_q), head_kv, self.pack)
         thr_copy = gmem_copy_Q.get_slice(cidx)
         tQsQ = thr_copy.partition_D(sQ)
         tQcQ = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.head_dim)))
-        elems = 128 // self.dtype.width
         row_base = m_block * self.tile_m
         for m in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
             row = tQcQ[0, m, 0][0]
             if row < rows_valid:
                 g_row = q_rows[row_base + row, None]
                 for k in cutlass.range_constexpr(cute.size(tQsQ, mode=[2])):
-                    src = cute.make_tensor(_aligned_row_ptr(g_row, tQcQ[0, m, k][1], 16), tQsQ[None, m, k].layout)
+                    src = cute.make_tensor(aligned_row_ptr(g_row, tQcQ[0, m, k][1], 16), tQsQ[None, m, k].layout)
                     cute.copy(gmem_copy_Q, src, tQsQ[None, m, k])
             else:
                 tQsQ[None, m, None].fill(0.0)
@@ -713,9 +678,8 @@ class FlashAttnFwdSm90:
             self.store_o_direct(acc_O, mO, tOcO_mn, ctx, seqlen, row0, head, split_idx, rows_valid, varlen_q)
         if cutlass.const_expr(mLSE is not None):
             if cutlass.const_expr(self.is_split):
-                mLSE = mLSE[split_idx, None, None, None] if cutlass.const_expr(not varlen_q) else mLSE[split_idx, None, None]
-            mL_b = cute.domain_offset((0, seqlen.offset_q), mLSE) if cutlass.const_expr(varlen_q) else mLSE[ctx.batch, None, None]
-            lse_rows = packed_lse_rows(mL_b, head, self.pack)
+                mLSE = _split_slice(mLSE, split_idx)
+            lse_rows = packed_lse_rows(seqlen.lse_view(mLSE, ctx.batch, varlen_q), head, self.pack)
             for r in cutlass.range_constexpr(cute.size(tOcO_mn, mode=[0])):
                 row = tOcO_mn[r, 0][0]
                 # The four lanes sharing a row hold the same LSE; the one at column 0 writes it.
@@ -751,9 +715,8 @@ class FlashAttnFwdSm90:
         """O straight from registers, two consecutive columns per store, through the
         row function (packed rows, varlen offsets, split partials)."""
         if cutlass.const_expr(self.is_split):
-            mO = mO[split_idx, None, None, None, None] if cutlass.const_expr(not varlen_q) else mO[split_idx, None, None, None]
-        mO_b = cute.domain_offset((seqlen.offset_q, 0, 0), mO) if cutlass.const_expr(varlen_q) else mO[ctx.batch, None, None, None]
-        o_rows = packed_rows(mO_b, head, self.pack)
+            mO = _split_slice(mO, split_idx)
+        o_rows = packed_rows(seqlen.q_view(mO, ctx.batch, varlen_q), head, self.pack)
         rO = cute.make_fragment_like(acc_O, self.out_dtype)
         rO.store(acc_O.load().to(self.out_dtype))
         rO_mn = acc_mn_view(rO)
@@ -766,7 +729,7 @@ class FlashAttnFwdSm90:
                 # Columns 2j and 2j + 1 of the view are adjacent in the row: one store.
                 for j in cutlass.range_constexpr(cute.size(rO_mn, mode=[1]) // 2):
                     col = tOcO_mn[r, 2 * j][1]
-                    dst = cute.make_tensor(_aligned_row_ptr(g_row, col, pair_bits // 8), cute.make_layout(2))
+                    dst = cute.make_tensor(aligned_row_ptr(g_row, col, pair_bits // 8), cute.make_layout(2))
                     pair = cute.make_rmem_tensor((2,), self.out_dtype)
                     pair[0] = rO_mn[r, 2 * j]
                     pair[1] = rO_mn[r, 2 * j + 1]
@@ -846,60 +809,16 @@ def compile_fwd_sm90(key: tuple):
      varlen_q, varlen_k, has_seqused_k, paged) = key
     causal, local, softcap = flags
     dtype = CUTE_DTYPE_BY_NAME[dtype_name]
-    out_dtype = Float32 if is_split else dtype
     kernel = FlashAttnFwdSm90(
         dtype, d, dv, tile_m, tile_n, num_stages, make_variant(causal, local, softcap),
         qhead_per_kvhead_packed=pack, is_split=is_split, ex2_emulate_every=ex2_emu,
     )
-    q_rank = 3 if varlen_q else 4
-    kv_rank = 3 if (varlen_k and not paged) else 4
-    split_mode = (None,) if is_split else ()
-    mQ = fake_tensor(dtype, q_rank, shape=(None,) * (q_rank - 1) + (d,))
-    mK = fake_tensor(dtype, kv_rank, shape=(None,) * (kv_rank - 1) + (d,))
-    mV = fake_tensor(dtype, kv_rank, shape=(None,) * (kv_rank - 1) + (dv,))
-    mO = fake_tensor(out_dtype, len(split_mode) + q_rank, shape=split_mode + (None,) * (q_rank - 1) + (dv,))
-    mLSE = fake_tensor(Float32, len(split_mode) + q_rank - 1, align=4) if has_lse else None
-    int_vec = lambda rank: fake_tensor(cutlass.Int32, rank, align=4)
+    tensors = fake_fwd_tensors(dtype, d, dv, is_split=is_split, has_lse=has_lse, varlen_q=varlen_q,
+                               varlen_k=varlen_k, has_seqused_k=has_seqused_k, paged=paged)
     return cute.compile(
         kernel,
-        mQ, mK, mV, mO, mLSE,
-        int_vec(1) if varlen_q else None,
-        int_vec(1) if varlen_k else None,
-        int_vec(1) if has_seqused_k else None,
-        int_vec(2) if paged else None,
+        *tensors,
         Float32(1.0), Int32(-1), Int32(-1), Float32(0.0), Int32(1), Int32(1), Int32(1), Int32(1),
         fake_stream(),
         options=compile_options(_arch),
     )
-
-
-def flash_attn_fwd_sm90(
-    q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, page_table=None,
-    max_seqlen_q: int, softmax_scale: float, causal: bool, window_left: int, window_right: int,
-    softcap: float, num_splits: int, pack_gqa: bool, tile=None,
-) -> None:
-    """Launches the SM90 forward on validated tensors (same contract as flash_attn_fwd_sm80)."""
-    varlen_q = cu_seqlens_q is not None
-    heads, heads_kv = q.shape[-2], k.shape[-2]
-    qhpk = heads // heads_kv
-    pack = qhpk if (pack_gqa and qhpk > 1) else 1
-    d, dv = q.shape[-1], v.shape[-1]
-    batch = (cu_seqlens_q.shape[0] - 1) if varlen_q else q.shape[0]
-    local = window_left >= 0 or (window_right >= 0 and not causal)
-    is_split = num_splits > 1
-    paged = page_table is not None
-    if tile is None:
-        tile = select_tile(d, dv, max_seqlen_q * pack, causal=causal, local=local,
-                           page_size=k.shape[1] if paged else None)
-        if tile is None:
-            raise ValueError(unsupported_reason(d, dv, paged, k.shape[1]))
-    key = fwd_key(
-        target_arch(), DTYPE_NAMES[q.dtype], d, dv, tuple(tile), (causal and not local, local, softcap > 0),
-        pack, is_split, lse is not None, varlen_q, cu_seqlens_k is not None, seqused_k is not None, paged,
-    )
-    fn = jit_cache.get_or_compile("fwd_sm90", key, lambda: compile_fwd_sm90(key))
-    if causal and local:
-        window_right = 0
-    fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
-       float(softmax_scale), int(window_left), int(window_right), float(softcap),
-       int(num_splits), int(max_seqlen_q), int(batch), l2_heads_for(k.shape[-3], d, dv))
