@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -210,8 +211,12 @@ def run_resolved(resolved: _Resolved, problem: FwdProblem, q, k, v, out, lse, cu
         resolved.launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)
         return
     lse_shape = (problem.nheads, q.shape[0]) if problem.varlen_q else (problem.batch, problem.nheads, q.shape[1])
-    out_partial = torch.empty((ns, *q.shape[:-1], problem.d_v), dtype=torch.float32, device=q.device)
-    lse_partial = torch.empty((ns, *lse_shape), dtype=torch.float32, device=q.device)
+    o_shape = (ns, *q.shape[:-1], problem.d_v)
+    # One allocation for both partials (host time: one allocator call less per call).
+    o_numel = math.prod(o_shape)
+    partials = q.new_empty((o_numel + ns * math.prod(lse_shape),), dtype=torch.float32)
+    out_partial = partials[:o_numel].view(o_shape)
+    lse_partial = partials[o_numel:].view(ns, *lse_shape)
     resolved.launch(q, k, v, out_partial, lse_partial, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)
     if problem.varlen_q:  # the combine contract is batched: view packed rows as batch 1
         resolved.combine(out_partial.unsqueeze(1), lse_partial.unsqueeze(1), out.unsqueeze(0),

@@ -252,21 +252,21 @@ class _FastEntry(NamedTuple):
     seqlens_fill: Optional[int]  # flash_attn_with_kvcache with an int cache_seqlens
 
 
+def _tensor_sig(t):
+    """What validation reads of a tensor argument. The pointer's low bits stand in for its
+    alignment: a misaligned call never matches an entry made by an aligned one."""
+    if t is None:
+        return None
+    return t.__class__, t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15
+
+
 def _call_key(kind: str, tensors: tuple, scalars: tuple, window):
     """The per-call cache key, or None when the call cannot use the cache (a non-tensor
-    argument or a misaligned pointer: the full path then decides). Scalars travel with
-    their types (``causal=1`` never hits an entry made by ``causal=True``)."""
+    argument: the full path then decides). Scalars travel with their types (``causal=1``
+    never hits an entry made by ``causal=True``)."""
     try:
-        sig = [kind, scalars, tuple(map(type, scalars)), window, tuple(map(type, window)),
-               os.environ.get("FLASH_ATTN_CUTE_BACKEND")]
-        for t in tensors:
-            if t is None:
-                sig.append(None)
-                continue
-            if t.data_ptr() % 16:
-                return None
-            sig.append((t.__class__, t.shape, t.stride(), t.dtype, t.get_device()))
-        return tuple(sig)
+        return (kind, scalars, tuple(map(type, scalars)), window, tuple(map(type, window)),
+                os.environ.get("FLASH_ATTN_CUTE_BACKEND"), *map(_tensor_sig, tensors))
     except (AttributeError, TypeError):
         return None
 
