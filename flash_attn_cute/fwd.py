@@ -6,6 +6,8 @@
 architecture-specific about it:
 
 - ``HEAD_DIMS``: the head dimensions it compiles;
+- ``runs_on(capability) -> bool`` and ``AUTO``: the GPUs it runs on, and whether
+  ``backend=None`` picks it there (False for a kernel not yet run on its hardware);
 - ``check(problem) -> str | None``: why it cannot run the problem (None: it can);
 - ``plan(problem, num_splits, pack_gqa, num_sms) -> FwdPlan``: its tile, whether to pack
   GQA heads, how many KV splits (0 = its own heuristic, on ``num_sms`` SMs);
@@ -39,10 +41,8 @@ __all__ = ["FwdProblem", "FwdPlan", "BACKENDS", "backend_module", "select_backen
 BACKENDS = {
     "sm80": "flash_attn_cute.sm80",
     "sm90": "flash_attn_cute.sm90",
+    "sm100": "flash_attn_cute.sm100",
 }
-# Reserved names: accepted by ``backend=`` and refused with NotImplementedError until
-# their kernels land.
-RESERVED_BACKENDS = ("sm100",)
 _PLAN_CACHE_SIZE = 4096  # distinct problems remembered; a serving loop repeats a handful
 
 log = logging.getLogger("flash_attn_cute")
@@ -111,11 +111,14 @@ def backend_module(name: str):
     return importlib.import_module(BACKENDS[name])
 
 
-def _by_capability(major: int) -> str:
-    """The preferred backend for a GPU generation (compute capability major)."""
-    for cand, min_major in (("sm100", 10), ("sm90", 9)):
-        if major == min_major and cand in BACKENDS:
-            return cand
+def _by_capability(capability: tuple) -> str:
+    """The preferred backend for a GPU: the newest registered one that runs on it and is
+    chosen automatically (``AUTO``), else SM80."""
+    for cand in ("sm100", "sm90"):
+        if cand in BACKENDS:
+            module = backend_module(cand)
+            if module.AUTO and module.runs_on(capability):
+                return cand
     return "sm80"
 
 
@@ -133,10 +136,12 @@ def select_backend(requested: Optional[str], problem: FwdProblem, device) -> tup
     if requested is not None:
         module = backend_module(requested)
         reason = module.check(problem)
+        if reason is None and not module.runs_on((major, minor)):
+            reason = f"its kernels do not run on compute capability {major}.{minor} ({device})"
         if reason is not None:
             raise NotImplementedError(f"backend {requested!r} cannot run this call: {reason}")
         return requested, module
-    name = _by_capability(major)
+    name = _by_capability((major, minor))
     module = backend_module(name)
     reason = module.check(problem)
     if reason is not None and name != "sm80":

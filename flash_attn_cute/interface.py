@@ -40,7 +40,7 @@ __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache
 # the chosen backend cannot run falls back to SM80 or names the reason).
 SUPPORTED_HEAD_DIMS = tuple(sorted(set().union(*(fwd.backend_module(b).HEAD_DIMS for b in fwd.BACKENDS))))
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-BACKENDS = tuple(fwd.BACKENDS) + fwd.RESERVED_BACKENDS  # names accepted by ``backend=`` / FLASH_ATTN_CUTE_BACKEND
+BACKENDS = tuple(fwd.BACKENDS)  # names accepted by ``backend=`` / FLASH_ATTN_CUTE_BACKEND
 _INT32_MAX = 2**31 - 1  # kernels take lengths and windows as int32
 
 
@@ -176,10 +176,6 @@ def _backend_name(backend) -> Optional[str]:
     name = backend.strip().lower()
     if name not in BACKENDS:
         raise ValueError(f"{source} must be one of {BACKENDS} or None/'auto', got {backend!r}")
-    if name not in fwd.BACKENDS:
-        raise NotImplementedError(
-            f"{source}={backend!r}: the {name.upper()} kernel is not implemented yet; use 'sm80' "
-            f"(runs on SM80, SM90 and SM100 GPUs) or leave it unset")
     return name
 
 

@@ -20,7 +20,11 @@ ARCHS = {"sm80": ["sm_80", "sm_90a"], "sm90": ["sm_90a"], "sm100": ["sm_100a"]}
 SASS_EXPECT = {
     "sm80": ["HMMA.16816.F32", "LDSM", "LDGSTS", "MUFU.EX2"],  # mma.sync from ldmatrix, cp.async loads
     "sm90": ["HGMMA", "UTMALDG", "MUFU.EX2"],  # wgmma, TMA loads
+    # tcgen05.mma (f16 kind), tcgen05.ld/st of TMEM, TMA, tcgen05.commit
+    "sm100": ["UTCHMMA", "LDTM", "STTM", "UTMALDG", "UTCBAR", "MUFU.EX2"],
 }
+# Instructions a backend's SASS must not hold: the SM100 kernel's tensor-core work is all tcgen05.
+SASS_FORBID = {"sm100": [r"\bHMMA\b"]}
 
 
 def spill_bound(backend, key):
@@ -71,6 +75,8 @@ def test_forward_sass(artifacts, backend, arch):
         sass = sass_files[0].read_text()
         for op in SASS_EXPECT[backend]:
             assert op in sass, (op, key)
+        for pattern in SASS_FORBID.get(backend, []):
+            assert not re.search(pattern, sass), (pattern, key)
         bound = spill_bound(backend, key)
         spills = len(re.findall(r"\b(LDL|STL)\b", sass))
         assert bound is None or spills <= bound, ("local-memory spill", spills, key)

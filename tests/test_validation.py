@@ -152,7 +152,8 @@ def _fake_backend(kernel):
 
         return launch
 
-    return SimpleNamespace(HEAD_DIMS=sm80.HEAD_DIMS, check=sm80.check, plan=sm80.plan, launcher=launcher)
+    return SimpleNamespace(HEAD_DIMS=sm80.HEAD_DIMS, AUTO=True, runs_on=sm80.runs_on, check=sm80.check, plan=sm80.plan,
+                           launcher=launcher)
 
 
 @pytest.fixture
@@ -239,7 +240,6 @@ FUNC_CASES = [
     ("out_strided", lambda a: a.update(out=torch.zeros(2, 5, 64, 4, dtype=F16).transpose(2, 3)), ValueError,
      "out must have a contiguous last dimension"),
     ("backend_unknown", lambda a: a.update(backend="sm75"), ValueError, "backend must be one of"),
-    ("backend_sm100", lambda a: a.update(backend="sm100"), NotImplementedError, "SM100 kernel is not"),
     ("cpu_tensors", lambda a: None, ValueError, "q must be a CUDA tensor"),
 ]
 
@@ -546,9 +546,9 @@ def _problem(**kw):
 
 
 # Capabilities: Ampere and Ada run the SM80 kernel, Hopper the SM90 one; Blackwell runs
-# the SM80 kernel until its own is registered; Turing is refused.
+# the SM80 kernel until the SM100 one has run on Blackwell hardware (AUTO); Turing is refused.
 @pytest.mark.parametrize("cap,expected", [((8, 0), "sm80"), ((8, 9), "sm80"), ((9, 0), "sm90"),
-                                          ((10, 0), "sm100" if "sm100" in fwd.BACKENDS else "sm80"),
+                                          ((10, 0), "sm100" if fwd.backend_module("sm100").AUTO else "sm80"),
                                           ((12, 0), "sm80"), ((7, 5), RuntimeError)])
 def test_backend_by_capability(monkeypatch, cap, expected):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
@@ -563,18 +563,13 @@ def test_backend_names_explicit_and_env(monkeypatch):
     monkeypatch.delenv("FLASH_ATTN_CUTE_BACKEND", raising=False)
     assert interface._backend_name("sm80") == "sm80"
     assert interface._backend_name(" SM80 ") == "sm80"
-    for name in ("sm90", "sm100"):
-        if name not in fwd.BACKENDS:
-            with pytest.raises(NotImplementedError, match="not implemented yet"):
-                interface._backend_name(name)
+    assert interface._backend_name("sm100") == "sm100"
     with pytest.raises(ValueError, match="backend must be one of"):
         interface._backend_name("hopper")
     with pytest.raises(TypeError, match="backend must be a str"):
         interface._backend_name(90)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_BACKEND", "sm100")
-    if "sm100" not in fwd.BACKENDS:
-        with pytest.raises(NotImplementedError, match="FLASH_ATTN_CUTE_BACKEND"):
-            interface._backend_name(None)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BACKEND", "sm90")
+    assert interface._backend_name(None) == "sm90"
     assert interface._backend_name("sm80") == "sm80"  # the argument beats the env
     monkeypatch.setenv("FLASH_ATTN_CUTE_BACKEND", "bogus")
     with pytest.raises(ValueError, match="FLASH_ATTN_CUTE_BACKEND must be one of"):
@@ -589,13 +584,16 @@ def test_explicit_backend_refusal_names_the_reason(monkeypatch):
     assert fwd.select_backend("sm80", _problem(), "cuda:0")[0] == "sm80"  # SM80 kernel on a Hopper GPU
     with pytest.raises(NotImplementedError, match="'sm80' cannot run this call: v head dimension 80"):
         fwd.select_backend("sm80", _problem(d_v=80), "cuda:0")
+    with pytest.raises(NotImplementedError, match="'sm100' cannot run this call: .* compute capability 9.0"):
+        fwd.select_backend("sm100", _problem(), "cuda:0")  # tcgen05 kernels on a Hopper GPU
 
 
 def test_auto_backend_falls_back_to_sm80_with_a_reason(monkeypatch, caplog):
     # A Hopper backend that refuses paged caches: auto selection runs SM80 and logs why.
-    hopper = SimpleNamespace(HEAD_DIMS=(128,), check=lambda p: "paged KV not supported" if p.paged else None)
-    monkeypatch.setitem(fwd.BACKENDS, "sm90", "unused")
-    monkeypatch.setattr(fwd, "backend_module", lambda name: hopper if name == "sm90" else sm80)
+    hopper = SimpleNamespace(HEAD_DIMS=(128,), AUTO=True, runs_on=lambda cap: cap[0] == 9,
+                             check=lambda p: "paged KV not supported" if p.paged else None)
+    modules = {"sm90": hopper, "sm80": sm80, "sm100": fwd.backend_module("sm100")}
+    monkeypatch.setattr(fwd, "backend_module", lambda name: modules[name])
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert fwd.select_backend(None, _problem(), "cuda:0")[0] == "sm90"
     with caplog.at_level("INFO", logger="flash_attn_cute"):

@@ -22,6 +22,13 @@ _SPLIT_TILE_M, _SPLIT_TILE_N = 128, 128
 _CTAS_PER_SM = 2
 _SPLIT_TOLERANCE = 0.95
 
+# Every GPU of compute capability >= 8.0 runs mma.sync and cp.async.
+AUTO = True
+
+
+def runs_on(capability: tuple) -> bool:
+    return capability >= (8, 0)
+
 
 def check(problem: FwdProblem) -> Optional[str]:
     for what, d in (("q/k", problem.d), ("v", problem.d_v)):

@@ -27,6 +27,13 @@ def _host():
 
     return flash_fwd
 
+# wgmma and setmaxnreg exist on sm_90a only.
+AUTO = True
+
+
+def runs_on(capability: tuple) -> bool:
+    return capability[0] == 9
+
 
 def check(problem: FwdProblem) -> Optional[str]:
     for what, d in (("q/k", problem.d), ("v", problem.d_v)):

@@ -1,0 +1,834 @@
+"""FlashAttention forward kernel for SM100 (Blackwell): TMA, tcgen05 MMAs, tensor memory.
+
+One CTA computes a (q_stage * 128) x d_v block of O for one (batch, head[, split]). The
+M tile is cut into ``q_stage`` independent 128-row stages (one tcgen05 MMA tile each):
+2 for prefill, so that the softmax of one stage hides the MMAs of the other; 1 for
+decode-shaped problems (rows <= 128, and by default with split-KV), where a second stage
+would only compute padding.
+
+Warp roles (``WarpRoles``), all of one CTA:
+
+* load warp: TMA of the Q stages (once) and of K and V one ``tile_n`` block at a time
+  into ``kv_stages``-deep smem rings (``PipelineTmaUmma``: full = TMA bytes landed,
+  empty = the MMA warp's tcgen05.commit once its MMAs have read the stage). A paged
+  cache is read one page (= one block) per TMA through the page table.
+* MMA warp: one thread issues ``tcgen05.mma``: S_s = Q_s K^T into tensor memory (TMEM),
+  then O_s += P_s V with P_s read from TMEM (the "TS" form: P never touches smem).
+  Issue order per block: PV_s(n-1), then QK_s(n) into the same columns (tcgen05 MMAs of
+  one thread execute in order, so P_s is read before S_s is overwritten).
+* softmax warpgroup per stage: thread t owns row t of its stage: tcgen05.ld of its S row
+  (no cross-thread reduction at all), mask / score modifier through the variant,
+  ``OnlineSoftmax.step``, P converted to 16 bits and tcgen05.st back into the second half
+  of S's columns.
+* correction warpgroup: rescales O_s in TMEM by the softmax's per-row correction before
+  the MMA warp may issue the next PV_s (skipped per warp when no row max moved), then is
+  the epilogue: O_s normalised from TMEM to global memory and the LSE.
+
+TMEM (512 columns x 128 lanes of 32 bits): S_0 [0, n), S_1 [n, 2n), O_0, O_1 after them;
+P_s aliases the upper half of S_s. Handshakes are mbarriers (``_Barriers``); every role
+walks the same KV blocks, computed from the shared ``BlockInfo``.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.blackwell_helpers as sm100_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
+
+from flash_attn_cute.block_info import BlockInfo
+from flash_attn_cute.cute_utils import CUTE_DTYPE_BY_NAME, compile_options, fake_fwd_tensors, fake_stream
+from flash_attn_cute.layout_utils import select
+from flash_attn_cute.pack_gqa import packed_lse_rows, packed_rows, query_of_row
+from flash_attn_cute.paged_kv import page_and_row
+from flash_attn_cute.seqlen_info import SeqlenInfo
+from flash_attn_cute.copy_utils import aligned_row_ptr
+from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
+from flash_attn_cute.tile_scheduler import SingleTileScheduler
+from flash_attn_cute.variants import (
+    AttentionVariant, AttnCtx, Causal, Local, VariantParams, apply_to_scores, make_variant,
+)
+
+from flash_attn_cute.sm100.config import (  # noqa: F401  (re-exported)
+    SMEM_LIMIT, TILE_M, TMEM_COLUMNS, WarpRoles, kv_stages_for, smem_bytes, tmem_alloc_columns, tmem_columns,
+)
+
+
+# ---------------------------------------------------------------------------------------
+# mbarrier handshakes between the roles
+# ---------------------------------------------------------------------------------------
+
+
+class _Barriers:
+    """Per-stage mbarriers (one completion per KV block; the waiter's phase is the
+    block's parity, which is unambiguous because every producer waits, directly or
+    through another role, for its previous completion to be consumed):
+
+    * s_full[s]     MMA -> softmax: S_s of this block is in TMEM (tcgen05.commit; it also
+                    means every earlier MMA, the previous PV_s included, completed)
+    * p_full[s]     softmax -> MMA: P_s is in TMEM (128 arrivals)
+    * scale_ready[s] softmax -> correction: the row correction of this block is in smem,
+                    or (the last completion) the final 1/rowsum and LSE (128 arrivals)
+    * o_rescaled[s] correction -> MMA: O_s is rescaled, the next PV_s may accumulate (128)
+    * o_final[s]    MMA -> softmax, correction: the last PV_s completed (tcgen05.commit)
+    """
+
+    KINDS = ("s_full", "p_full", "scale_ready", "o_rescaled", "o_final")
+    COUNTS = (1, TILE_M, TILE_M, TILE_M, 1)
+
+    def __init__(self, base_ptr, q_stage: int):
+        self.base = base_ptr
+        self.q_stage = q_stage
+
+    # A runtime value for the DSL (it is carried through dynamic loops and branches).
+    def __extract_mlir_values__(self):
+        return extract_mlir_values(self.base)
+
+    def __new_from_mlir_values__(self, values):
+        return _Barriers(new_from_mlir_values(self.base, values), self.q_stage)
+
+    def ptr(self, kind: str, stage: int):
+        return self.base + self.KINDS.index(kind) * self.q_stage + stage
+
+    @staticmethod
+    def init(base_ptr, q_stage: int):
+        for k, count in enumerate(_Barriers.COUNTS):
+            for s in range(q_stage):
+                cute.arch.mbarrier_init(base_ptr + k * q_stage + s, count)
+
+    def wait(self, kind: str, stage: int, phase):
+        cute.arch.mbarrier_wait(self.ptr(kind, stage), phase)
+
+    def arrive(self, kind: str, stage: int):
+        cute.arch.mbarrier_arrive(self.ptr(kind, stage))
+
+    def commit(self, kind: str, stage: int):
+        """Arrives once every tcgen05 MMA issued so far by this thread completed."""
+        tcgen05.commit(self.ptr(kind, stage))
+
+
+# ---------------------------------------------------------------------------------------
+# The kernel
+# ---------------------------------------------------------------------------------------
+
+
+class FlashAttnFwdSm100:
+    def __init__(
+        self,
+        dtype,
+        head_dim: int,
+        head_dim_v: int,
+        q_stage: int,
+        tile_n: int,
+        kv_stages: int,
+        variant: AttentionVariant,
+        qhead_per_kvhead_packed: int = 1,
+        is_split: bool = False,
+    ):
+        assert q_stage in (1, 2) and tile_n == 128
+        assert head_dim % 16 == 0 and head_dim_v % 16 == 0
+        assert TILE_M % qhead_per_kvhead_packed == 0, "packed GQA rows must tile the 128-row TMA box"
+        self.dtype = dtype
+        self.out_dtype = Float32 if is_split else dtype
+        self.head_dim = head_dim
+        self.head_dim_v = head_dim_v
+        self.q_stage = q_stage
+        self.tile_m = TILE_M * q_stage
+        self.tile_n = tile_n
+        self.kv_stages = kv_stages
+        self.variant = variant
+        self.pack = qhead_per_kvhead_packed
+        self.is_split = is_split
+        self.roles = WarpRoles(q_stage)
+        self.tmem_s_offset = [s * tile_n for s in range(q_stage)]
+        self.tmem_o_offset = [q_stage * tile_n + s * head_dim_v for s in range(q_stage)]
+        self.tmem_p_offset = [off + tile_n // 2 for off in self.tmem_s_offset]  # P (16-bit) in S's upper half
+        self.tmem_cols = tmem_alloc_columns(tmem_columns(q_stage, tile_n, head_dim_v))
+        assert tmem_columns(q_stage, tile_n, head_dim_v) <= TMEM_COLUMNS
+        self.mma_tiler_qk = (TILE_M, tile_n, head_dim)
+        self.mma_tiler_pv = (TILE_M, head_dim_v, tile_n)
+        # The output is stored straight from the correction warps' registers, 128 bits at a time.
+        self.epi_cols = 32
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (b, s_q, h, d) or (total_q, h, d)
+        mK: cute.Tensor,  # (b, s_k, h_kv, d), (total_k, h_kv, d) or (num_pages, page_size, h_kv, d)
+        mV: cute.Tensor,  # as mK, with d_v
+        mO: cute.Tensor,  # (b, s_q, h, d_v) / (total_q, h, d_v); split: (num_splits, ...) fp32
+        mLSE: Optional[cute.Tensor],  # (b, h, s_q) / (h, total_q); split: (num_splits, ...)
+        mCuSeqlensQ: Optional[cute.Tensor],
+        mCuSeqlensK: Optional[cute.Tensor],
+        mSeqUsedK: Optional[cute.Tensor],
+        mPageTable: Optional[cute.Tensor],
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        softcap: Float32,
+        num_splits: Int32,
+        max_seqlen_q: Int32,
+        batch_size: Int32,
+        stream,
+    ):
+        varlen_q = cutlass.const_expr(mCuSeqlensQ is not None)
+        paged = cutlass.const_expr(mPageTable is not None)
+        varlen_k = cutlass.const_expr(mCuSeqlensK is not None and not paged)
+        cta_group = tcgen05.CtaGroup.ONE
+        tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32, cta_group,
+            self.mma_tiler_qk[:2],
+        )
+        # P comes from TMEM (K-major), V from smem with d_v contiguous (MN-major).
+        tiled_mma_pv = sm100_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN, Float32, cta_group,
+            self.mma_tiler_pv[:2], tcgen05.OperandSource.TMEM,
+        )
+        sQ_layout = sm100_utils.make_smem_layout_a(tiled_mma_qk, self.mma_tiler_qk, self.dtype, self.q_stage)
+        sK_layout = sm100_utils.make_smem_layout_b(tiled_mma_qk, self.mma_tiler_qk, self.dtype, self.kv_stages)
+        sV_layout = sm100_utils.make_smem_layout_b(tiled_mma_pv, self.mma_tiler_pv, self.dtype, self.kv_stages)
+        tP_layout = sm100_utils.make_smem_layout_a(tiled_mma_pv, self.mma_tiler_pv, self.dtype, 1)
+
+        # TMA views, the head (and batch / page) modes last:
+        #   Q: (rows, d, h[, b]); packed GQA rows are ((pack, s), d, h_kv[, b]): the qhead_per_kvhead
+        #      query heads of a KV head are one box mode, so the 128-row box is a 3-D TMA box.
+        #   K: (s_k, d, h_kv[, b | pages]);  V: (d_v, s_k, h_kv[, b | pages]) (the MN-major B of P V).
+        if cutlass.const_expr(varlen_q):
+            q_modes = [0, 2, 1]
+        else:
+            q_modes = [1, 3, 2, 0]
+        mQ_t = select(mQ, q_modes)
+        if cutlass.const_expr(self.pack > 1):
+            mQ_t = self._pack_q_view(mQ_t)
+        if cutlass.const_expr(varlen_k):
+            k_modes, v_modes = [0, 2, 1], [2, 0, 1]
+        else:
+            k_modes, v_modes = [1, 3, 2, 0], [3, 1, 2, 0]
+        tma_load = cpasync.CopyBulkTensorTileG2SOp(cta_group)
+        tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_A(
+            tma_load, mQ_t, cute.select(sQ_layout, mode=[0, 1, 2]), self.mma_tiler_qk, tiled_mma_qk,
+        )
+        tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_B(
+            tma_load, select(mK, k_modes), cute.select(sK_layout, mode=[0, 1, 2]), self.mma_tiler_qk, tiled_mma_qk,
+        )
+        tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_B(
+            tma_load, select(mV, v_modes), cute.select(sV_layout, mode=[0, 1, 2]), self.mma_tiler_pv, tiled_mma_pv,
+        )
+        tx_bytes = (
+            self.q_stage * cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1, 2])),
+            cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2])),
+            cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1, 2])),
+        )
+
+        @cute.struct
+        class SharedStorage:
+            mbar_Q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
+            mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
+            mbar_roles: cute.struct.MemRange[cutlass.Int64, 5 * self.q_stage]
+            tmem_holding_buf: Int32
+            # Per row: the correction of the current block, then 1 / rowsum and the LSE.
+            sStats: cute.struct.MemRange[Float32, 3 * self.q_stage * TILE_M]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        assert SharedStorage.size_in_bytes() <= SMEM_LIMIT, (SharedStorage.size_in_bytes(), SMEM_LIMIT)
+        heads_q = mQ.shape[cute.rank(mQ) - 2]
+        heads_kv = mK.shape[cute.rank(mK) - 2]
+        heads_rows = heads_kv if cutlass.const_expr(self.pack > 1) else heads_q
+        num_m_blocks = cute.ceil_div(max_seqlen_q * self.pack, self.tile_m)
+        self.kernel(
+            tma_Q, tma_K, tma_V, mQ, mK, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable,
+            tma_atom_Q, tma_atom_K, tma_atom_V,
+            softmax_scale, window_left, window_right, softcap, num_splits,
+            sQ_layout, sK_layout, sV_layout, tP_layout, tiled_mma_qk, tiled_mma_pv, tx_bytes, SharedStorage,
+        ).launch(
+            grid=SingleTileScheduler.grid(num_m_blocks, heads_rows, num_splits, batch_size),
+            block=(self.roles.num_threads, 1, 1),
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=1,  # a register count at entry, which setmaxnreg needs
+        )
+
+    def _pack_q_view(self, mQ_t: cute.Tensor) -> cute.Tensor:
+        """(s, d, h[, b]) -> ((pack, s), d, h_kv[, b]): row (j, i) is query i of head
+        h_kv * pack + j (the packed row order of ``pack_gqa.packed_rows``)."""
+        shape, stride = mQ_t.shape, mQ_t.stride
+        rows = ((self.pack, shape[0]), (stride[2], stride[0]))
+        heads = (shape[2] // self.pack, stride[2] * self.pack)
+        modes = [rows, (shape[1], stride[1]), heads] + ([(shape[3], stride[3])] if cute.rank(mQ_t) == 4 else [])
+        layout = cute.make_layout(tuple(m[0] for m in modes), stride=tuple(m[1] for m in modes))
+        return cute.make_tensor(mQ_t.iterator, layout)
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_Q: cute.Tensor,
+        tma_K: cute.Tensor,
+        tma_V: cute.Tensor,
+        mQ: cute.Tensor,  # the caller's tensors, for shapes only (loads go through TMA)
+        mK: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: Optional[cute.Tensor],
+        mCuSeqlensQ: Optional[cute.Tensor],
+        mCuSeqlensK: Optional[cute.Tensor],
+        mSeqUsedK: Optional[cute.Tensor],
+        mPageTable: Optional[cute.Tensor],
+        tma_atom_Q: cute.CopyAtom,
+        tma_atom_K: cute.CopyAtom,
+        tma_atom_V: cute.CopyAtom,
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        softcap: Float32,
+        num_splits: Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        tP_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        tx_bytes: cutlass.Constexpr,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        roles = self.roles
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp_idx == roles.load_warp:
+            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        pipeline_q = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.mbar_Q.data_ptr(), num_stages=1, producer_group=one_thread,
+            consumer_group=one_thread, tx_count=tx_bytes[0], defer_sync=True,
+        )
+        pipeline_k = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.mbar_K.data_ptr(), num_stages=self.kv_stages, producer_group=one_thread,
+            consumer_group=one_thread, tx_count=tx_bytes[1], defer_sync=True,
+        )
+        pipeline_v = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.mbar_V.data_ptr(), num_stages=self.kv_stages, producer_group=one_thread,
+            consumer_group=one_thread, tx_count=tx_bytes[2], defer_sync=True,
+        )
+        if warp_idx == roles.load_warp:
+            with cute.arch.elect_one():
+                _Barriers.init(storage.mbar_roles.data_ptr(), self.q_stage)
+        bars = _Barriers(storage.mbar_roles.data_ptr(), self.q_stage)
+        # Softmax, correction and MMA warps touch TMEM: they meet once the MMA warp allocated it.
+        tmem_users = 32 * (roles.num_softmax_warps + 4 + 1)
+        tmem_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=tmem_users)
+        tmem = cutlass.utils.TmemAllocator(
+            storage.tmem_holding_buf.ptr, barrier_for_retrieve=tmem_barrier, allocator_warp_id=roles.mma_warp,
+        )
+        pipeline.pipeline_init_arrive()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sStats = storage.sStats.get_tensor(cute.make_layout((TILE_M, 3, self.q_stage)))
+
+        varlen_q = cutlass.const_expr(mCuSeqlensQ is not None)
+        paged = cutlass.const_expr(mPageTable is not None)
+        varlen_k = cutlass.const_expr(mCuSeqlensK is not None and not paged)
+        tile_args = (mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, softmax_scale, window_left,
+                     window_right, softcap, num_splits)
+        pipeline.pipeline_init_wait()
+
+        # Each role derives the tile after its register reconfiguration, so that little
+        # stays live across setmaxnreg. A tile past the end of its sequence has no work.
+        if warp_idx >= roles.mma_warp:
+            cute.arch.setmaxregister_decrease(roles.other_regs)
+            tile = self._tile(*tile_args)
+            if tile.rows_valid > 0:
+                if warp_idx == roles.load_warp:
+                    if tile.n_block_max > tile.n_block_min:
+                        self.load(tma_Q, tma_K, tma_V, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                                  tiled_mma_qk, tiled_mma_pv, pipeline_q, pipeline_k, pipeline_v, tile,
+                                  varlen_q, varlen_k, paged)
+                if warp_idx == roles.mma_warp:
+                    tmem.allocate(self.tmem_cols)
+                    tmem.wait_for_alloc()
+                    tmem_ptr = tmem.retrieve_ptr(Float32)
+                    if tile.n_block_max > tile.n_block_min:
+                        self.mma(tmem_ptr, sQ, sK, sV, tP_layout, tiled_mma_qk, tiled_mma_pv,
+                                 pipeline_q, pipeline_k, pipeline_v, bars, tile)
+                    tmem.relinquish_alloc_permit()
+                    # Every TMEM reader is done: free it.
+                    tmem_barrier.arrive_and_wait()
+                    tmem.free(tmem_ptr, self.tmem_cols)
+        elif warp_idx < roles.num_softmax_warps:
+            cute.arch.setmaxregister_increase(roles.softmax_regs)
+            tile = self._tile(*tile_args)
+            if tile.rows_valid > 0:
+                tmem.wait_for_alloc()
+                tmem_ptr = tmem.retrieve_ptr(Float32)
+                if tile.n_block_max > tile.n_block_min:
+                    self.softmax_loop(tmem_ptr, tiled_mma_qk, sStats, bars, tile, warp_idx // 4, tidx % TILE_M)
+                tmem_barrier.arrive()
+        else:
+            cute.arch.setmaxregister_decrease(roles.correction_regs)
+            tile = self._tile(*tile_args)
+            if tile.rows_valid > 0:
+                tmem.wait_for_alloc()
+                tmem_ptr = tmem.retrieve_ptr(Float32)
+                self.correction_loop(tmem_ptr, tiled_mma_pv, sStats, bars, mO, mLSE, tile, tidx % TILE_M,
+                                     varlen_q)
+                tmem_barrier.arrive()
+
+    @cute.jit
+    def _tile(self, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, softmax_scale, window_left,
+              window_right, softcap, num_splits):
+        """The CTA's tile: sequence lengths, variant context and its KV block range."""
+        work = SingleTileScheduler.get_work(num_splits)
+        head_kv = work.head
+        if cutlass.const_expr(self.pack == 1):
+            head_kv = work.head // (mQ.shape[cute.rank(mQ) - 2] // mK.shape[cute.rank(mK) - 2])
+        # A paged cache has no offsets; its lengths come from seqused_k (or cu_seqlens_k).
+        seqlen = SeqlenInfo.create_for(work.batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable)
+        cap_inv = Float32(0.0)
+        if cutlass.const_expr(self.variant.has_score_mod):
+            cap_inv = cute.arch.rcp_approx(softcap)
+        ctx = AttnCtx(work.batch, work.head, seqlen.seqlen_q, seqlen.seqlen_k,
+                      VariantParams(window_left, window_right, softcap, cap_inv))
+        n_block_min, n_block_max = self.block_info().get_n_block_min_max(work.m_block, ctx, work.split_idx,
+                                                                         num_splits, self.is_split)
+        rows_valid = seqlen.seqlen_q * self.pack - work.m_block * self.tile_m
+        return _Tile(ctx, seqlen, work.m_block, head_kv, work.split_idx, rows_valid, softmax_scale,
+                     n_block_min, n_block_max)
+
+    def block_info(self) -> BlockInfo:
+        return BlockInfo(self.tile_m, self.tile_n, self.pack, self.variant)
+
+    # -----------------------------------------------------------------------------------
+    # Load warp
+    # -----------------------------------------------------------------------------------
+
+    @cute.jit
+    def load(self, tma_Q, tma_K, tma_V, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+             tiled_mma_qk, tiled_mma_pv, pipeline_q, pipeline_k, pipeline_v, tile,
+             varlen_q: cutlass.Constexpr, varlen_k: cutlass.Constexpr, paged: cutlass.Constexpr):
+        """Q once (every stage on one barrier), then K(n0), then K(n) with V(n+1), ...,
+        and V(n_min) last: the MMA warp consumes K one block ahead of V."""
+        ctx, seqlen = tile.ctx, tile.seqlen
+        thr_mma_qk = tiled_mma_qk.get_slice(0)
+        thr_mma_pv = tiled_mma_pv.get_slice(0)
+        head_q = tile.head_kv if cutlass.const_expr(self.pack > 1) else ctx.head
+        if cutlass.const_expr(varlen_q):
+            q_off = (seqlen.offset_q, 0) if cutlass.const_expr(self.pack == 1) else ((0, seqlen.offset_q), 0)
+            mQ_cur = cute.domain_offset(q_off, tma_Q[None, None, head_q])
+        else:
+            mQ_cur = tma_Q[None, None, head_q, ctx.batch]
+        gQ = cute.flat_divide(mQ_cur, cute.select(self.mma_tiler_qk, mode=[0, 2]))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3),
+            cute.group_modes(thr_mma_qk.partition_A(gQ), 0, 3),
+        )
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipeline_q.producer_acquire(q_state)
+        for s in cutlass.range_constexpr(self.q_stage):
+            cute.copy(tma_atom_Q, tQgQ[None, tile.m_block * self.q_stage + s, 0], tQsQ[None, s],
+                      tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+
+        k_src = self._kv_source(tma_K, tma_atom_K, sK, thr_mma_qk, tile, mPageTable, varlen_k, paged, is_v=False)
+        v_src = self._kv_source(tma_V, tma_atom_V, sV, thr_mma_pv, tile, mPageTable, varlen_k, paged, is_v=True)
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+        n_block_max, n_block_min = tile.n_block_max, tile.n_block_min
+        self._load_block(tma_atom_K, k_src, pipeline_k, k_state, n_block_max - 1, mPageTable, ctx.batch)
+        k_state.advance()
+        for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+            n_block = n_block_max - 2 - i
+            self._load_block(tma_atom_K, k_src, pipeline_k, k_state, n_block, mPageTable, ctx.batch)
+            k_state.advance()
+            self._load_block(tma_atom_V, v_src, pipeline_v, v_state, n_block + 1, mPageTable, ctx.batch)
+            v_state.advance()
+        self._load_block(tma_atom_V, v_src, pipeline_v, v_state, n_block_min, mPageTable, ctx.batch)
+
+    def _kv_source(self, tma_X, tma_atom, sX, thr_mma, tile, mPageTable, varlen_k, paged, is_v: bool):
+        """(smem stages, gmem blocks) of the TMA partition. Unpaged: the blocks of this
+        (batch, head); paged: the (tile_n, d) box of every page (page_size == tile_n)."""
+        tiler = cute.select(self.mma_tiler_pv, mode=[1, 2]) if is_v else cute.select(self.mma_tiler_qk, mode=[1, 2])
+        if cutlass.const_expr(paged):
+            mX_cur = tma_X[None, None, tile.head_kv, None]  # (tile_n | d_v, d | tile_n, num_pages)
+        elif cutlass.const_expr(varlen_k):
+            off = (0, tile.seqlen.offset_k) if is_v else (tile.seqlen.offset_k, 0)
+            mX_cur = cute.domain_offset(off, tma_X[None, None, tile.head_kv])
+        else:
+            mX_cur = tma_X[None, None, tile.head_kv, tile.ctx.batch]
+        gX = cute.flat_divide(mX_cur, tiler)
+        part = thr_mma.partition_B(gX)
+        tXsX, tXgX = cpasync.tma_partition(
+            tma_atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 3), cute.group_modes(part, 0, 3)
+        )
+        if cutlass.const_expr(paged):
+            # One block is one page: the page table maps block n like key n with page size 1.
+            batch, num_pages = tile.ctx.batch, tXgX.shape[3]
+            block = lambda n: tXgX[None, 0, 0, page_and_row(mPageTable, batch, n, 1, num_pages)[0]]
+        elif cutlass.const_expr(is_v):
+            block = lambda n: tXgX[None, 0, n]  # (TMA, 1, n_blocks)
+        else:
+            block = lambda n: tXgX[None, n, 0]  # (TMA, n_blocks, 1)
+        return tXsX, block
+
+    @cute.jit
+    def _load_block(self, tma_atom, src, pipe, state, n_block, mPageTable, batch):
+        tXsX, block = src
+        pipe.producer_acquire(state)
+        cute.copy(tma_atom, block(n_block), tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
+
+    # -----------------------------------------------------------------------------------
+    # MMA warp
+    # -----------------------------------------------------------------------------------
+
+    @cute.jit
+    def mma(self, tmem_ptr, sQ, sK, sV, tP_layout, tiled_mma_qk, tiled_mma_pv, pipeline_q, pipeline_k,
+            pipeline_v, bars, tile):
+        thr_mma_qk = tiled_mma_qk.get_slice(0)
+        thr_mma_pv = tiled_mma_pv.get_slice(0)
+        tSrQ = thr_mma_qk.make_fragment_A(sQ)
+        tSrK = thr_mma_qk.make_fragment_B(sK)
+        tOrV = thr_mma_pv.make_fragment_B(sV)
+        tStS = [self._tmem_S(tmem_ptr, thr_mma_qk, s) for s in range(self.q_stage)]
+        tOtO = [self._tmem_O(tmem_ptr, thr_mma_pv, s) for s in range(self.q_stage)]
+        tP = cute.make_tensor(tStS[0].iterator, tP_layout.outer)
+        tOrP_base = thr_mma_pv.make_fragment_A(tP)[None, None, None, 0]
+        tOrP = [
+            cute.make_tensor(cute.recast_ptr(tmem_ptr + self.tmem_p_offset[s], dtype=tOrP_base.element_type),
+                             tOrP_base.layout)
+            for s in range(self.q_stage)
+        ]
+        num_blocks = tile.n_block_max - tile.n_block_min
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        pipeline_q.consumer_wait(q_state)
+        pipeline_k.consumer_wait(k_state)
+        for s in cutlass.range_constexpr(self.q_stage):
+            self._gemm(tiled_mma_qk, tStS[s], tSrQ[None, None, None, s], tSrK[None, None, None, k_state.index],
+                       accumulate=False)
+            with cute.arch.elect_one():
+                bars.commit("s_full", s)
+        pipeline_k.consumer_release(k_state)
+        k_state.advance()
+        for i in cutlass.range(1, num_blocks, unroll=1):
+            pipeline_k.consumer_wait(k_state)
+            pipeline_v.consumer_wait(v_state)
+            for s in cutlass.range_constexpr(self.q_stage):
+                self._pv(tiled_mma_pv, tOtO[s], tOrP[s], tOrV[None, None, None, v_state.index], bars, s, i - 1)
+                self._gemm(tiled_mma_qk, tStS[s], tSrQ[None, None, None, s],
+                           tSrK[None, None, None, k_state.index], accumulate=False)
+                with cute.arch.elect_one():
+                    bars.commit("s_full", s)
+            pipeline_k.consumer_release(k_state)
+            pipeline_v.consumer_release(v_state)
+            k_state.advance()
+            v_state.advance()
+        pipeline_v.consumer_wait(v_state)
+        for s in cutlass.range_constexpr(self.q_stage):
+            self._pv(tiled_mma_pv, tOtO[s], tOrP[s], tOrV[None, None, None, v_state.index], bars, s, num_blocks - 1)
+            with cute.arch.elect_one():
+                bars.commit("o_final", s)
+        pipeline_v.consumer_release(v_state)
+        pipeline_q.consumer_release(q_state)
+
+    @cute.jit
+    def _pv(self, tiled_mma_pv, tOtO, tOrP, tOrV, bars, s: cutlass.Constexpr, j):
+        """O_s (+)= P_s(j) V(j) once P_s is in TMEM and O_s was rescaled for block j."""
+        bars.wait("p_full", s, j & 1)
+        if j > 0:
+            bars.wait("o_rescaled", s, (j - 1) & 1)
+        self._gemm(tiled_mma_pv, tOtO, tOrP, tOrV, accumulate=j > 0)
+
+    @cute.jit
+    def _gemm(self, tiled_mma, acc, tCrA, tCrB, accumulate):
+        """acc (+)= A B over the K slices, one tcgen05.mma each (issued by one thread)."""
+        # A fresh atom per call: its ACCUMULATE field is rewritten below.
+        atom = cute.make_mma_atom(tiled_mma.op)
+        for k in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+            atom.set(tcgen05.Field.ACCUMULATE, accumulate or k != 0)
+            cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+
+    def _tmem_S(self, tmem_ptr, thr_mma_qk, s: int):
+        layout = thr_mma_qk.make_fragment_C(thr_mma_qk.partition_shape_C(self.mma_tiler_qk[:2])).layout
+        return cute.make_tensor(tmem_ptr + self.tmem_s_offset[s], layout)
+
+    def _tmem_O(self, tmem_ptr, thr_mma_pv, s: int):
+        layout = thr_mma_pv.make_fragment_C(thr_mma_pv.partition_shape_C(self.mma_tiler_pv[:2])).layout
+        return cute.make_tensor(tmem_ptr + self.tmem_o_offset[s], layout)
+
+    # -----------------------------------------------------------------------------------
+    # Softmax warpgroups
+    # -----------------------------------------------------------------------------------
+
+    @cute.jit
+    def softmax_loop(self, tmem_ptr, tiled_mma_qk, sStats, bars, tile, stage, tidx):
+        """Stage ``stage`` (warp-uniform, 0 or 1); thread ``tidx`` owns row ``tidx`` of it."""
+        if cutlass.const_expr(self.q_stage == 1):
+            self._softmax_stage(tmem_ptr, tiled_mma_qk, sStats, bars, tile, 0, tidx)
+        else:
+            if stage == 0:
+                self._softmax_stage(tmem_ptr, tiled_mma_qk, sStats, bars, tile, 0, tidx)
+            else:
+                self._softmax_stage(tmem_ptr, tiled_mma_qk, sStats, bars, tile, 1, tidx)
+
+    @cute.jit
+    def _softmax_stage(self, tmem_ptr, tiled_mma_qk, sStats, bars, tile, s: cutlass.Constexpr, tidx):
+        thr_mma_qk = tiled_mma_qk.get_slice(0)
+        tSAcc = self._tmem_S(tmem_ptr, thr_mma_qk, s)[(None, None), 0, 0]  # (128, tile_n)
+        tScS = thr_mma_qk.partition_C(cute.make_identity_tensor(self.mma_tiler_qk[:2]))[(None, None), 0, 0]
+        load_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)), Float32)
+        thr_load = tcgen05.make_tmem_copy(load_atom, tSAcc).get_slice(tidx)
+        tStS_t2r = thr_load.partition_S(tSAcc)
+        tScS_t2r = thr_load.partition_D(tScS)
+        p_cols = self.tile_n * self.dtype.width // 32  # P's 16-bit row packed in 32-bit columns
+        tStP = cute.make_tensor(tSAcc.iterator + self.tile_n // 2,
+                                cute.composition(tSAcc.layout, cute.make_layout((TILE_M, p_cols))))
+        store_atom = cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(16)), Float32)
+        thr_store = tcgen05.make_tmem_copy(store_atom, tStP).get_slice(tidx)
+        tStP_r2t = thr_store.partition_D(tStP)
+        p_shape = thr_store.partition_S(cute.make_identity_tensor((TILE_M, p_cols))).shape
+
+        has_mod = cutlass.const_expr(self.variant.has_score_mod)
+        scale_log2 = LOG2_E if has_mod else tile.softmax_scale * LOG2_E
+        softmax = OnlineSoftmax(1, Float32(scale_log2), threads_per_row=1)
+        n_cols = cute.size(tScS_t2r)
+        # The thread's row as a 1 x n_cols view (the variant) and as a one-row accumulator (the softmax).
+        row_view = cute.make_layout((1, n_cols), stride=(0, 1))
+        acc_view = cute.make_layout(((n_cols, 1), 1, 1), stride=((1, 0), 0, 0))
+        tScS_mn = cute.make_tensor(tScS_t2r.iterator, cute.composition(tScS_t2r.layout, row_view))
+
+        ctx = tile.ctx
+        n_mid_hi, n_mid_lo = self.block_info().get_n_block_runs(tile.m_block, ctx, tile.n_block_min, tile.n_block_max)
+        row0 = tile.m_block * self.tile_m + s * TILE_M
+        step = lambda n_block, masked: self._softmax_step(
+            thr_load, tStS_t2r, thr_store, tStP_r2t, p_shape, tScS_mn, row_view, acc_view, softmax, sStats,
+            bars, tile, row0, s, tidx, n_block, masked)
+        for i in cutlass.range(tile.n_block_max - n_mid_hi, unroll=1):
+            step(tile.n_block_max - 1 - i, True)
+        for i in cutlass.range(n_mid_hi - n_mid_lo, unroll=1):
+            step(n_mid_hi - 1 - i, False)
+        if cutlass.const_expr(self.variant.has_mask):
+            for i in cutlass.range(n_mid_lo - tile.n_block_min, unroll=1):
+                step(n_mid_lo - 1 - i, True)
+
+        # The last PV_s completed, so the correction consumed the last row correction:
+        # hand it 1 / rowsum and the LSE in the same slots.
+        bars.wait("o_final", s, 0)
+        inv = cute.make_rmem_tensor(((1, 1), 1, 1), Float32)
+        inv.fill(1.0)
+        lse = cute.make_rmem_tensor((1,), Float32)
+        softmax.finalize(inv, lse)  # inv <- 1 / rowsum (0 for a row that saw no key)
+        sStats[tidx, 1, s] = inv[0]
+        sStats[tidx, 2, s] = lse[0]
+        bars.arrive("scale_ready", s)
+
+    @cute.jit
+    def _softmax_step(self, thr_load, tStS_t2r, thr_store, tStP_r2t, p_shape, tScS_mn, row_view, acc_view,
+                      softmax, sStats, bars, tile, row0, s: cutlass.Constexpr, tidx, n_block,
+                      masked: cutlass.Constexpr):
+        j = tile.n_block_max - 1 - n_block  # blocks visited before this one
+        bars.wait("s_full", s, j & 1)
+        tSrS = cute.make_rmem_tensor(thr_load.partition_D(cute.make_identity_tensor((TILE_M, self.tile_n))).shape,
+                                     Float32)
+        cute.copy(thr_load, tStS_t2r, tSrS)
+        s_mn = cute.make_tensor(tSrS.iterator, cute.composition(tSrS.layout, row_view))
+        col0 = n_block * self.tile_n
+        if cutlass.const_expr(masked and not _mask_is_key_interval(self.variant)):
+            apply_to_scores(self.variant, s_mn, tScS_mn, tile.ctx, row0, col0, self.pack, tile.softmax_scale, True)
+        else:
+            # The score modifier through the shared helper; the mask below, per row.
+            apply_to_scores(self.variant, s_mn, tScS_mn, tile.ctx, row0, col0, self.pack, tile.softmax_scale, False)
+            if cutlass.const_expr(masked):
+                self._mask_row(s_mn, tScS_mn, tile.ctx, row0, col0)
+        row_scale = softmax.step(cute.make_tensor(tSrS.iterator, cute.composition(tSrS.layout, acc_view)))
+        if j > 0:
+            sStats[tidx, 0, s] = row_scale[0]
+            bars.arrive("scale_ready", s)
+        # P (16-bit) packed two per 32-bit TMEM column, register i of S -> element i of P.
+        # Converted and stored one TMEM-copy chunk at a time, so that P's registers die early.
+        tSrP32 = cute.make_rmem_tensor(p_shape, Float32)
+        tSrP = cute.make_tensor(cute.recast_ptr(tSrP32.iterator, dtype=self.dtype), tSrS.layout)
+        for i in cutlass.range_constexpr(cute.size(tStP_r2t, mode=[2])):
+            tSrP[None, None, i].store(tSrS[None, None, i].load().to(self.dtype))
+            cute.copy(thr_store, tSrP32[None, None, i], tStP_r2t[None, None, i])
+        cute.arch.fence_view_async_tmem_store()
+        bars.arrive("p_full", s)
+
+    @cute.jit
+    def _mask_row(self, s_mn, tScS_mn, ctx, row0, col0):
+        """Sequence end and mask of one thread's row, for a variant whose kept keys are
+        the interval ``key_range(q, q)``: two bounds per row, then one compare of each
+        (static) column against them, with no per-element index arithmetic."""
+        q_idx = query_of_row(row0 + tScS_mn[0, 0][0], self.pack)
+        lo, hi = self.variant.key_range(q_idx, q_idx, ctx)
+        hi_rel = ctx.seqlen_k - col0
+        if cutlass.const_expr(hi is not None):
+            hi_rel = cutlass.min(hi_rel, hi - col0)
+        lo_rel = Int32(0)
+        if cutlass.const_expr(lo is not None):
+            lo_rel = lo - col0
+        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+            col = tScS_mn[0, c][1]
+            s = s_mn[0, c]
+            drop = col >= hi_rel
+            if cutlass.const_expr(lo is not None):
+                drop = drop or col < lo_rel
+            if drop:
+                s = -Float32.inf
+            s_mn[0, c] = s
+
+    # -----------------------------------------------------------------------------------
+    # Correction warpgroup (and epilogue)
+    # -----------------------------------------------------------------------------------
+
+    @cute.jit
+    def correction_loop(self, tmem_ptr, tiled_mma_pv, sStats, bars, mO, mLSE, tile, tidx,
+                        varlen_q: cutlass.Constexpr):
+        thr_mma_pv = tiled_mma_pv.get_slice(0)
+        num_blocks = tile.n_block_max - tile.n_block_min
+        for j in cutlass.range(1, num_blocks, unroll=1):
+            for s in cutlass.range_constexpr(self.q_stage):
+                bars.wait("scale_ready", s, (j - 1) & 1)
+                scale = sStats[tidx, 0, s]
+                # tcgen05.ld/st are warp-wide: a warp whose 32 rows kept their max skips the pass.
+                if not cute.arch.vote_all_sync(scale == 1.0):
+                    self._rescale_o(self._tmem_O(tmem_ptr, thr_mma_pv, s), tidx, scale)
+                cute.arch.fence_view_async_tmem_store()
+                bars.arrive("o_rescaled", s)
+        for s in cutlass.range_constexpr(self.q_stage):
+            inv = Float32(0.0)
+            lse = -Float32.inf
+            if num_blocks > 0:
+                bars.wait("scale_ready", s, (num_blocks - 1) & 1)
+                bars.wait("o_final", s, 0)
+                inv = sStats[tidx, 1, s]
+                lse = sStats[tidx, 2, s]
+            self._epilogue_stage(self._tmem_O(tmem_ptr, thr_mma_pv, s), mO, mLSE, tile, s, tidx, inv, lse,
+                                 num_blocks > 0, varlen_q)
+
+    @cute.jit
+    def _rescale_o(self, tOtO, tidx, scale):
+        """O row *= scale, 16 TMEM columns at a time."""
+        cols = 16
+        tOtO_i = cute.composition(tOtO, cute.make_layout((TILE_M, cols)))
+        load = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(cols)), Float32), tOtO_i
+        ).get_slice(tidx)
+        store = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(cols)), Float32), tOtO_i
+        ).get_slice(tidx)
+        t2r = load.partition_S(tOtO_i)
+        r2t = store.partition_D(tOtO_i)
+        frag_shape = load.partition_D(cute.make_identity_tensor((TILE_M, cols))).shape
+        for i in cutlass.range_constexpr(self.head_dim_v // cols):
+            frag = cute.make_rmem_tensor(frag_shape, Float32)
+            cute.copy(load, cute.make_tensor(t2r.iterator + i * cols, t2r.layout), frag)
+            frag.store(frag.load() * scale)
+            cute.copy(store, frag, cute.make_tensor(r2t.iterator + i * cols, r2t.layout))
+
+    @cute.jit
+    def _epilogue_stage(self, tOtO, mO, mLSE, tile, s: cutlass.Constexpr, tidx, inv, lse, has_blocks,
+                        varlen_q: cutlass.Constexpr):
+        """Row ``tidx`` of stage s: O * (1 / rowsum) from TMEM straight to global memory
+        (128-bit stores), and its LSE. A split with no key writes O = 0, LSE = -inf."""
+        ctx, seqlen = tile.ctx, tile.seqlen
+        row = s * TILE_M + tidx
+        if cutlass.const_expr(self.is_split):
+            mO = mO[(tile.split_idx,) + (None,) * (cute.rank(mO) - 1)]
+        head = tile.head_kv if cutlass.const_expr(self.pack > 1) else ctx.head
+        o_rows = packed_rows(seqlen.q_view(mO, ctx.batch, varlen_q), head, self.pack)
+        row_g = tile.m_block * self.tile_m + row
+        cols = self.epi_cols
+        tOtO_i = cute.composition(tOtO, cute.make_layout((TILE_M, cols)))
+        load = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(cols)), Float32), tOtO_i
+        ).get_slice(tidx)
+        t2r = load.partition_S(tOtO_i)
+        frag_shape = load.partition_D(cute.make_identity_tensor((TILE_M, cols))).shape
+        vec = 128 // self.out_dtype.width
+        store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype, num_bits_per_copy=128)
+        for i in cutlass.range_constexpr(self.head_dim_v // cols):
+            frag = cute.make_rmem_tensor(frag_shape, Float32)
+            if has_blocks:
+                cute.copy(load, cute.make_tensor(t2r.iterator + i * cols, t2r.layout), frag)
+            else:
+                frag.fill(0.0)
+            out = cute.make_rmem_tensor(frag_shape, self.out_dtype)
+            out.store((frag.load() * inv).to(self.out_dtype))
+            # Register c of the fragment is column c of the row: (vec, cols / vec) for 128-bit stores.
+            out = cute.make_tensor(out.iterator, cute.make_layout((vec, cols // vec)))
+            if row < tile.rows_valid:
+                g_row = o_rows[row_g, None]
+                for v in cutlass.range_constexpr(cols // vec):
+                    dst = cute.make_tensor(aligned_row_ptr(g_row, i * cols + v * vec, 16), cute.make_layout(vec))
+                    cute.copy(store_atom, out[None, v], dst)
+        if cutlass.const_expr(mLSE is not None):
+            if cutlass.const_expr(self.is_split):
+                mLSE = mLSE[(tile.split_idx,) + (None,) * (cute.rank(mLSE) - 1)]
+            lse_rows = packed_lse_rows(seqlen.lse_view(mLSE, ctx.batch, varlen_q), head, self.pack)
+            if row < tile.rows_valid:
+                lse_rows[row_g] = lse
+
+
+def _mask_is_key_interval(variant) -> bool:
+    """Whether the variant keeps exactly the keys ``key_range(q, q)`` of each query (causal
+    and sliding-window masks, alone or under a score modifier)."""
+    mask = getattr(variant, "_mask", variant)  # Compose(mod, mask) keeps its mask here
+    return isinstance(mask, (Causal, Local))
+
+
+@dataclass(frozen=True)
+class _Tile:
+    """The output tile one CTA computes, with its sequence, variant context and KV range."""
+
+    ctx: AttnCtx
+    seqlen: SeqlenInfo
+    m_block: Int32
+    head_kv: Int32
+    split_idx: Int32
+    rows_valid: Int32  # rows of the tile inside the (packed) sequence
+    softmax_scale: Float32
+    n_block_min: Int32
+    n_block_max: Int32
+
+
+# ---------------------------------------------------------------------------------------
+# Host side: compile key and compilation on fake tensors (planning and launch: sm100/__init__.py)
+# ---------------------------------------------------------------------------------------
+
+
+def fwd_key(arch, dtype_name, d, dv, tile, flags, pack, is_split, has_lse, varlen_q, varlen_k, has_seqused_k, paged):
+    q_stage, tile_n, kv_stages = tile
+    return ("fwd_sm100", arch, dtype_name, d, dv, int(q_stage), int(tile_n), int(kv_stages),
+            tuple(bool(f) for f in flags), int(pack),
+            bool(is_split), bool(has_lse), bool(varlen_q), bool(varlen_k), bool(has_seqused_k), bool(paged))
+
+
+def compile_fwd_sm100(key: tuple):
+    """Compiles the kernel for ``key`` (see ``fwd_key``) on fake tensors: no GPU needed."""
+    (_, arch, dtype_name, d, dv, q_stage, tile_n, kv_stages, flags, pack, is_split, has_lse,
+     varlen_q, varlen_k, has_seqused_k, paged) = key
+    causal, local, softcap = flags
+    dtype = CUTE_DTYPE_BY_NAME[dtype_name]
+    kernel = FlashAttnFwdSm100(
+        dtype, d, dv, q_stage, tile_n, kv_stages, make_variant(causal, local, softcap),
+        qhead_per_kvhead_packed=pack, is_split=is_split,
+    )
+    tensors = fake_fwd_tensors(dtype, d, dv, is_split=is_split, has_lse=has_lse, varlen_q=varlen_q,
+                               varlen_k=varlen_k, has_seqused_k=has_seqused_k, paged=paged)
+    return cute.compile(
+        kernel,
+        *tensors,
+        Float32(1.0), Int32(-1), Int32(-1), Float32(0.0), Int32(1), Int32(1), Int32(1),
+        fake_stream(),
+        options=compile_options(arch),
+    )

@@ -1,0 +1,206 @@
+"""CPU tests of the SM100 backend: planning (q_stage, splits, packing) and resource budgets
+(TMEM columns, shared memory, registers). No GPU. Its kernels are compiled for sm_100a and
+their SASS checked (tcgen05 MMAs, TMEM loads/stores, TMA) by tests/test_fwd_compile.py."""
+
+import pytest
+import torch
+
+from flash_attn_cute import fwd, heuristics
+from flash_attn_cute import sm100
+from flash_attn_cute.sm100.config import (
+    SMEM_LIMIT, TILE_M, TMEM_COLUMNS, WarpRoles, kv_stages_for, smem_bytes, tmem_alloc_columns, tmem_columns,
+)
+
+ARCH = "sm_100a"
+
+
+def _problem(**kw):
+    base = dict(dtype=torch.bfloat16, batch=2, max_seqlen_q=1024, max_seqlen_k=1024, nheads=8, nheads_kv=8, d=128,
+                d_v=128, softmax_scale=0.1, causal=False, window_left=-1, window_right=-1, softcap=0.0,
+                varlen_q=False, varlen_k=False, has_seqused_k=False, page_size=0, has_lse=True)
+    return fwd.FwdProblem(**{**base, **kw})
+
+
+# ---------------------------------------------------------------------------------------
+# The seam
+# ---------------------------------------------------------------------------------------
+
+
+def test_module_exposes_the_seam():
+    assert sm100.NAME == "sm100"
+    for name in ("HEAD_DIMS", "check", "plan", "compile_key", "compile", "launcher"):
+        assert hasattr(sm100, name), name
+
+
+@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (192, 128)])
+def test_check_accepts_supported_head_dims(d, dv):
+    assert sm100.check(_problem(d=d, d_v=dv)) is None
+
+
+@pytest.mark.parametrize("d,dv", [(96, 96), (256, 256), (192, 192), (128, 64)])
+def test_check_refuses_other_head_dims(d, dv):
+    reason = sm100.check(_problem(d=d, d_v=dv))
+    assert reason is not None and "(192, 128)" in reason
+
+
+@pytest.mark.parametrize("page_size", [16, 64, 256])
+def test_check_refuses_other_page_sizes(page_size):
+    reason = sm100.check(_problem(page_size=page_size, has_seqused_k=True))
+    assert reason is not None and "page_size" in reason and "128" in reason
+    assert sm100.check(_problem(page_size=128, has_seqused_k=True)) is None
+
+
+def test_check_refuses_fp32():
+    assert "dtype" in sm100.check(_problem(dtype=torch.float32))
+
+
+# ---------------------------------------------------------------------------------------
+# q_stage
+# ---------------------------------------------------------------------------------------
+
+
+def test_q_stage_prefill_is_2():
+    plan = sm100.plan(_problem(max_seqlen_q=4096, max_seqlen_k=4096), 1, None, 148)
+    assert plan.q_stage == 2 and plan.tile[0] == 2 and plan.num_splits == 1
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 64, 128])
+def test_q_stage_short_queries_is_1(seqlen_q):
+    assert sm100.plan(_problem(max_seqlen_q=seqlen_q), 1, None, 148).q_stage == 1
+
+
+def test_q_stage_counts_packed_rows():
+    # 16 query positions x 8 heads per KV head = 128 packed rows: one stage.
+    p = _problem(max_seqlen_q=16, nheads=32, nheads_kv=4)
+    plan = sm100.plan(p, 1, True, 148)
+    assert plan.pack_gqa and plan.q_stage == 1
+    # 32 x 8 = 256 rows: two stages.
+    assert sm100.plan(p._replace(max_seqlen_q=32), 1, True, 148).q_stage == 2
+    # Unpacked, 32 rows per head: one stage.
+    assert sm100.plan(p._replace(max_seqlen_q=32), 1, False, 148).q_stage == 1
+
+
+def test_q_stage_is_1_with_split_kv():
+    # Prefill-sized queries with an explicit split: one stage.
+    plan = sm100.plan(_problem(max_seqlen_q=1024, max_seqlen_k=65536), 4, None, 148)
+    assert plan.num_splits == 4 and plan.q_stage == 1
+    # Decode with the auto heuristic: splits, one stage.
+    decode = _problem(batch=1, max_seqlen_q=1, max_seqlen_k=131072, nheads=32, nheads_kv=8, has_seqused_k=True)
+    plan = sm100.plan(decode, 0, None, 148)
+    assert plan.pack_gqa and plan.num_splits > 1 and plan.q_stage == 1
+
+
+def test_pack_gqa_needs_a_ratio_dividing_128():
+    assert sm100.can_pack(8) and sm100.can_pack(2) and not sm100.can_pack(1)
+    assert not sm100.can_pack(6)  # 128 rows are not whole query positions
+    p = _problem(max_seqlen_q=1, nheads=12, nheads_kv=2)
+    assert not sm100.plan(p, 1, True, 148).pack_gqa
+
+
+def test_compile_key_tracks_the_plan():
+    p = _problem(batch=1, max_seqlen_q=1, max_seqlen_k=131072, nheads=32, nheads_kv=8, has_seqused_k=True)
+    plan = sm100.plan(p, 0, None, 148)
+    key = sm100.compile_key(p, plan, ARCH)
+    assert key[0] == "fwd_sm100" and key[1] == ARCH
+    assert key[5] == plan.q_stage == 1 and key[9] == 4  # q_stage, packed rows per position
+    assert sm100.compile_key(p, plan._replace(num_splits=1), ARCH) != key
+    assert sm100.compile_key(p, sm100.plan(p, 1, None, 148), ARCH)[10] is False  # not split
+
+
+# ---------------------------------------------------------------------------------------
+# Split-KV: the same resolution and the same per-split block ranges as the other backends
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 64, 300])
+def test_explicit_splits_match_the_sm80_backend(num_splits):
+    from flash_attn_cute import sm80
+
+    for p in (_problem(max_seqlen_k=8192), _problem(max_seqlen_q=1, max_seqlen_k=200),
+              _problem(batch=1, max_seqlen_q=1, max_seqlen_k=65536, nheads=32, nheads_kv=8)):
+        assert sm100.plan(p, num_splits, False, None).num_splits == sm80.plan(p, num_splits, False, None).num_splits
+
+
+@pytest.mark.parametrize("num_sms", [132, 148])
+def test_auto_splits_are_resolve_num_splits_on_the_sm100_tile(num_sms):
+    for batch, sk, h, hkv in ((1, 131072, 32, 8), (4, 8192, 16, 16), (2, 512, 8, 8), (1, 65536, 64, 8)):
+        p = _problem(batch=batch, max_seqlen_q=1, max_seqlen_k=sk, nheads=h, nheads_kv=hkv, has_seqused_k=True)
+        plan = sm100.plan(p, 0, None, num_sms)
+        ratio = h // hkv if plan.pack_gqa else 1
+        expect = heuristics.resolve_num_splits(
+            0, num_sms, ctas=batch * (hkv if plan.pack_gqa else h), rows=ratio, max_seqlen_k=sk, tile_m=TILE_M,
+            tile_n=sm100.TILE_N, ctas_per_sm=1, tolerance=0.95)
+        assert plan.num_splits == expect
+
+
+def _split_ranges(n_blocks: int, num_splits: int):
+    """The kernels' split of [0, n_blocks) (block_info.BlockInfo.get_n_block_min_max)."""
+    per = -(-n_blocks // num_splits)
+    return [(min(n_blocks, s * per), min(n_blocks, s * per + per)) for s in range(num_splits)]
+
+
+@pytest.mark.parametrize("seqlen_k,num_splits", [(131072, 8), (4224, 3), (200, 4), (128, 1), (1000, 7)])
+def test_split_ranges_partition_the_keys(seqlen_k, num_splits):
+    # Every backend walks the same BlockInfo split: contiguous, disjoint, covering ranges.
+    n_blocks = -(-seqlen_k // sm100.TILE_N)
+    ranges = _split_ranges(n_blocks, num_splits)
+    covered = [b for lo, hi in ranges for b in range(lo, hi)]
+    assert covered == list(range(n_blocks))
+
+
+def test_split_uses_the_shared_block_info():
+    import inspect
+
+    from flash_attn_cute.sm100 import flash_fwd
+
+    src = inspect.getsource(flash_fwd)
+    assert "get_n_block_min_max" in src and "get_n_block_runs" in src and "BlockInfo(" in src
+
+
+# ---------------------------------------------------------------------------------------
+# Resources
+# ---------------------------------------------------------------------------------------
+
+CONFIGS = [(d, dv, q) for d, dv in sm100.HEAD_DIM_PAIRS for q in (1, 2)]
+
+
+@pytest.mark.parametrize("d,dv,q_stage", CONFIGS)
+def test_tmem_columns_fit(d, dv, q_stage):
+    used = tmem_columns(q_stage, sm100.TILE_N, dv)
+    assert used <= TMEM_COLUMNS
+    alloc = tmem_alloc_columns(used)
+    assert alloc >= used and alloc <= TMEM_COLUMNS and alloc & (alloc - 1) == 0 and alloc >= 32
+
+
+@pytest.mark.parametrize("d,dv,q_stage", CONFIGS)
+def test_shared_memory_fits(d, dv, q_stage):
+    stages = kv_stages_for(d, dv, q_stage, sm100.TILE_N)
+    assert stages >= 1
+    assert smem_bytes(d, dv, q_stage, sm100.TILE_N, stages) <= SMEM_LIMIT == 232448
+    # The deepest ring that fits: one more stage would not.
+    if stages < 4:
+        assert smem_bytes(d, dv, q_stage, sm100.TILE_N, stages + 1) > SMEM_LIMIT
+    # The plan carries that ring depth.
+    p = _problem(d=d, d_v=dv, max_seqlen_q=4096 if q_stage == 2 else 64)
+    plan = sm100.plan(p, 1, False, None)
+    assert plan.tile == (q_stage, sm100.TILE_N, stages)
+
+
+@pytest.mark.parametrize("q_stage", [1, 2])
+def test_warp_roles(q_stage):
+    roles = WarpRoles(q_stage)
+    assert roles.num_warps % 4 == 0 and roles.num_threads == 32 * roles.num_warps
+    softmax = set(range(roles.num_softmax_warps))
+    others = {roles.mma_warp, roles.load_warp}
+    assert softmax.isdisjoint(roles.correction_warps) and others.isdisjoint(softmax | set(roles.correction_warps))
+    # setmaxnreg acts per warpgroup: the MMA and load warps share one, apart from the math.
+    assert roles.mma_warp // 4 == roles.load_warp // 4 == roles.num_warps // 4 - 1
+    # TMEM lanes: warp w reads lanes 32 (w % 4)..: every 128-thread role covers all 128 rows.
+    assert sorted(w % 4 for w in roles.correction_warps) == [0, 1, 2, 3]
+    assert roles.registers_per_sm() <= 65536
+    # setmaxnreg moves registers inside the CTA's pool: what the launch allocated (ptxas's
+    # entry count, 64K / threads rounded down to 8, x threads) must cover the budgets.
+    entry = 65536 // roles.num_threads // 8 * 8
+    assert entry * roles.num_threads >= roles.registers_per_sm()
+    for regs in (roles.softmax_regs, roles.correction_regs, roles.other_regs):
+        assert regs % 8 == 0 and 24 <= regs <= 256
