@@ -52,6 +52,19 @@ def fake_fwd_tensors(dtype, d: int, dv: int, *, is_split: bool, has_lse: bool, v
     )
 
 
+def compile_fwd(kernel, dtype, d: int, dv: int, arch: str, *, is_split: bool, has_lse: bool, varlen_q: bool,
+                varlen_k: bool, has_seqused_k: bool, paged: bool, extra_scalars: tuple = ()):
+    """``cute.compile`` of a forward kernel on its fake arguments: the tensors of
+    ``fake_fwd_tensors``, then softmax_scale, window_left, window_right, softcap,
+    num_splits, max_seqlen_q, batch (runtime values; placeholders here), then the
+    kernel's ``extra_scalars``, then the stream."""
+    tensors = fake_fwd_tensors(dtype, d, dv, is_split=is_split, has_lse=has_lse, varlen_q=varlen_q,
+                               varlen_k=varlen_k, has_seqused_k=has_seqused_k, paged=paged)
+    F32, I32 = cutlass.Float32, cutlass.Int32
+    scalars = (F32(1.0), I32(-1), I32(-1), F32(0.0), I32(1), I32(1), I32(1)) + tuple(extra_scalars)
+    return cute.compile(kernel, *tensors, *scalars, fake_stream(), options=compile_options(arch))
+
+
 def fake_stream():
     """The stream is taken from the TVM-FFI environment (torch's current stream) at call time."""
     return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)

@@ -153,6 +153,25 @@ def select_backend(requested: Optional[str], problem: FwdProblem, device) -> tup
     return name, module
 
 
+def bind_launcher(name: str, key: tuple, compile_fn: Callable, problem: FwdProblem, plan: FwdPlan,
+                  extra_scalars: tuple = ()) -> Callable:
+    """The backends' ``launcher``: the kernel compiled for ``key`` (``jit_cache``, under
+    ``fwd_<name>``) with the runtime scalars every forward kernel takes after its tensors
+    (softmax_scale, window_left, window_right, softcap, num_splits, max_seqlen_q, batch,
+    then ``extra_scalars``) bound. Split kernels get fp32 partials as out/lse."""
+    from . import jit_cache
+
+    fn = jit_cache.get_or_compile(f"fwd_{name}", key, lambda: compile_fn(key))
+    scalars = (float(problem.softmax_scale), int(problem.window_left), int(problem.window_right),
+               float(problem.softcap), int(plan.num_splits), int(problem.max_seqlen_q), int(problem.batch),
+               *extra_scalars)
+
+    def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table):
+        fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, *scalars)
+
+    return launch
+
+
 def combine_launcher(out_dtype: torch.dtype, d_v: int, has_lse: bool) -> Callable:
     """The compiled split-KV combine (see ``combine.combine_launcher``); imported lazily."""
     from .combine import combine_launcher as launcher

@@ -41,7 +41,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 
 from flash_attn_cute.block_info import BlockInfo
-from flash_attn_cute.cute_utils import CUTE_DTYPE_BY_NAME, compile_options, fake_fwd_tensors, fake_stream
+from flash_attn_cute.cute_utils import CUTE_DTYPE_BY_NAME, compile_fwd
 from flash_attn_cute.layout_utils import select
 from flash_attn_cute.pack_gqa import packed_lse_rows, packed_rows, query_of_row
 from flash_attn_cute.paged_kv import page_and_row
@@ -823,12 +823,5 @@ def compile_fwd_sm100(key: tuple):
         dtype, d, dv, q_stage, tile_n, kv_stages, make_variant(causal, local, softcap),
         qhead_per_kvhead_packed=pack, is_split=is_split,
     )
-    tensors = fake_fwd_tensors(dtype, d, dv, is_split=is_split, has_lse=has_lse, varlen_q=varlen_q,
-                               varlen_k=varlen_k, has_seqused_k=has_seqused_k, paged=paged)
-    return cute.compile(
-        kernel,
-        *tensors,
-        Float32(1.0), Int32(-1), Int32(-1), Float32(0.0), Int32(1), Int32(1), Int32(1),
-        fake_stream(),
-        options=compile_options(arch),
-    )
+    return compile_fwd(kernel, dtype, d, dv, arch, is_split=is_split, has_lse=has_lse, varlen_q=varlen_q,
+                       varlen_k=varlen_k, has_seqused_k=has_seqused_k, paged=paged)

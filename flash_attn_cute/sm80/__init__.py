@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from .. import heuristics, jit_cache
+from .. import heuristics
 from ..cute_utils import DTYPE_NAMES, target_arch
-from ..fwd import FwdPlan, FwdProblem
+from ..fwd import FwdPlan, FwdProblem, bind_launcher
 
 NAME = "sm80"
 HEAD_DIMS = (64, 96, 128, 192, 256)  # for both d (q/k) and d_v (v)
@@ -89,14 +89,6 @@ def compile(key: tuple):
 
 
 def launcher(problem: FwdProblem, plan: FwdPlan):
-    """``launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)`` with
-    the compiled kernel and the runtime scalars bound (out/lse are fp32 partials when split)."""
-    key = compile_key(problem, plan)
-    fn = jit_cache.get_or_compile("fwd_sm80", key, lambda: compile(key))
-    scalars = (float(problem.softmax_scale), int(problem.window_left), int(problem.window_right),
-               float(problem.softcap), int(plan.num_splits), int(problem.max_seqlen_q), int(problem.batch))
-
-    def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table):
-        fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, *scalars)
-
-    return launch
+    """``launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)``: see
+    ``fwd.bind_launcher``."""
+    return bind_launcher(NAME, compile_key(problem, plan), compile, problem, plan)

@@ -24,7 +24,7 @@ from cutlass.cute.nvgpu import warp
 
 from flash_attn_cute.block_info import BlockInfo
 from flash_attn_cute.copy_utils import aligned_row_ptr, gmem_tiled_copy
-from flash_attn_cute.cute_utils import CUTE_DTYPE_BY_NAME, compile_options, fake_fwd_tensors, fake_stream
+from flash_attn_cute.cute_utils import CUTE_DTYPE_BY_NAME, compile_fwd
 from flash_attn_cute.pack_gqa import packed_lse_rows, packed_rows
 from flash_attn_cute.paged_kv import paged_row_fns
 from flash_attn_cute.seqlen_info import SeqlenInfo
@@ -469,15 +469,8 @@ def compile_fwd_sm80(key: tuple):
         dtype, d, dv, tile_m, tile_n, num_warps, make_variant(causal, local, softcap),
         qhead_per_kvhead_packed=pack, is_split=is_split, q_in_regs=q_in_regs,
     )
-    tensors = fake_fwd_tensors(dtype, d, dv, is_split=is_split, has_lse=has_lse, varlen_q=varlen_q,
-                               varlen_k=varlen_k, has_seqused_k=has_seqused_k, paged=paged)
-    return cute.compile(
-        kernel,
-        *tensors,
-        Float32(1.0), Int32(-1), Int32(-1), Float32(0.0), Int32(1), Int32(1), Int32(1),
-        fake_stream(),
-        options=compile_options(arch),
-    )
+    return compile_fwd(kernel, dtype, d, dv, arch, is_split=is_split, has_lse=has_lse, varlen_q=varlen_q,
+                       varlen_k=varlen_k, has_seqused_k=has_seqused_k, paged=paged)
 
 
 def fwd_key(arch, dtype_name, d, dv, tile, flags, pack, is_split, has_lse, varlen_q, varlen_k, has_seqused_k, paged):

@@ -42,9 +42,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from flash_attn_cute.block_info import BlockInfo
 from flash_attn_cute.copy_utils import aligned_row_ptr, gmem_tiled_copy
-from flash_attn_cute.cute_utils import (
-    CUTE_DTYPE_BY_NAME, compile_options, fake_fwd_tensors, fake_stream,
-)
+from flash_attn_cute.cute_utils import CUTE_DTYPE_BY_NAME, compile_fwd
 from flash_attn_cute.layout_utils import acc_mn_view, acc_to_operand_a, select, transpose_view
 from flash_attn_cute.pack_gqa import packed_lse_rows, packed_rows
 from flash_attn_cute.paged_kv import page_and_row
@@ -805,7 +803,7 @@ def fwd_key(arch, dtype_name, d, dv, tile, flags, pack, is_split, has_lse, varle
 
 def compile_fwd_sm90(key: tuple):
     """Compiles the kernel for ``key`` (see ``fwd_key``) on fake tensors: no GPU needed."""
-    (_, _arch, dtype_name, d, dv, tile_m, tile_n, num_stages, ex2_emu, flags, pack, is_split, has_lse,
+    (_, arch, dtype_name, d, dv, tile_m, tile_n, num_stages, ex2_emu, flags, pack, is_split, has_lse,
      varlen_q, varlen_k, has_seqused_k, paged) = key
     causal, local, softcap = flags
     dtype = CUTE_DTYPE_BY_NAME[dtype_name]
@@ -813,12 +811,6 @@ def compile_fwd_sm90(key: tuple):
         dtype, d, dv, tile_m, tile_n, num_stages, make_variant(causal, local, softcap),
         qhead_per_kvhead_packed=pack, is_split=is_split, ex2_emulate_every=ex2_emu,
     )
-    tensors = fake_fwd_tensors(dtype, d, dv, is_split=is_split, has_lse=has_lse, varlen_q=varlen_q,
-                               varlen_k=varlen_k, has_seqused_k=has_seqused_k, paged=paged)
-    return cute.compile(
-        kernel,
-        *tensors,
-        Float32(1.0), Int32(-1), Int32(-1), Float32(0.0), Int32(1), Int32(1), Int32(1), Int32(1),
-        fake_stream(),
-        options=compile_options(_arch),
-    )
+    return compile_fwd(kernel, dtype, d, dv, arch, is_split=is_split, has_lse=has_lse, varlen_q=varlen_q,
+                       varlen_k=varlen_k, has_seqused_k=has_seqused_k, paged=paged,
+                       extra_scalars=(Int32(1),))  # l2_heads
