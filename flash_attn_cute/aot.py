@@ -182,11 +182,11 @@ def problem_of(one: dict):
                       varlen_q, varlen_k, seqused_k, one["page_size"], one["has_lse"])
 
 
-def _arch_major(arch: str) -> int:
-    m = re.fullmatch(r"sm_(\d+)\d[af]?", arch)
+def _arch_capability(arch: str) -> tuple:
+    m = re.fullmatch(r"sm_(\d+)(\d)[af]?", arch)
     if not m:
         raise ValueError(f"arch must look like sm_80, sm_86, sm_90a, sm_100a; got {arch!r}")
-    return int(m.group(1))
+    return int(m.group(1)), int(m.group(2))
 
 
 def _backend_for(arch: str, requested: Optional[str], problem):
@@ -197,7 +197,7 @@ def _backend_for(arch: str, requested: Optional[str], problem):
     if requested is not None:
         names = [requested]
     else:
-        preferred = fwd._by_capability(_arch_major(arch))
+        preferred = fwd._by_capability(_arch_capability(arch))
         names = [preferred] + (["sm80"] if preferred != "sm80" else [])
     reasons = []
     for name in names:
@@ -216,7 +216,7 @@ def entries_for(descriptions: list, arch: str, backend: Optional[str] = None) ->
     from .combine import combine_key
     from .cute_utils import DTYPE_NAMES
 
-    _arch_major(arch)
+    _arch_capability(arch)  # refuses a malformed arch before any work
     entries, skipped = {}, []
     for description in descriptions:
         for one in expand(description):
@@ -402,7 +402,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="list the entries, compile nothing")
     args = parser.parse_args(argv)
     try:
-        major = _arch_major(args.arch)
+        major = _arch_capability(args.arch)[0]
         entries, skipped = entries_for(load_descriptions(args.preset), args.arch, args.backend)
     except (ValueError, TypeError) as e:  # a bad preset or description: say which, no traceback
         parser.error(str(e))

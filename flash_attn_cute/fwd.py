@@ -106,6 +106,30 @@ class FwdPlan(NamedTuple):
         return problem.qhead_per_kvhead if self.pack_gqa else 1
 
 
+def plan_rows(problem: FwdProblem, pack_gqa: Optional[bool], tile_m: int = 128, packable: bool = True) -> tuple:
+    """(pack_gqa, rows per KV head group): ``pack_gqa`` None takes FA3's rule on a
+    ``tile_m``-row tile; packing needs GQA and a ratio the backend can pack."""
+    from . import heuristics
+
+    ratio = problem.qhead_per_kvhead
+    if pack_gqa is None:
+        pack_gqa = heuristics.should_pack_gqa(problem.max_seqlen_q, ratio, tile_m, varlen_q=problem.varlen_q)
+    pack_gqa = bool(pack_gqa and ratio > 1 and packable)
+    return pack_gqa, problem.max_seqlen_q * (ratio if pack_gqa else 1)
+
+
+def plan_splits(problem: FwdProblem, num_splits: int, num_sms: Optional[int], pack_gqa: bool, rows: int, *,
+                tile_m: int, tile_n: int, ctas_per_sm: int, tolerance: float = 0.95) -> int:
+    """``heuristics.resolve_num_splits`` on the grid a backend launches: one CTA per
+    (batch, head group, m-block) of its tile, ``ctas_per_sm`` resident per SM."""
+    from . import heuristics
+
+    return heuristics.resolve_num_splits(
+        num_splits, num_sms, ctas=problem.batch * (problem.nheads_kv if pack_gqa else problem.nheads), rows=rows,
+        max_seqlen_k=problem.max_seqlen_k, tile_m=tile_m, tile_n=tile_n, ctas_per_sm=ctas_per_sm,
+        tolerance=tolerance)
+
+
 def backend_module(name: str):
     """The module of a registered backend (imported on first use)."""
     return importlib.import_module(BACKENDS[name])

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .. import heuristics
 from ..cute_utils import DTYPE_NAMES, target_arch
-from ..fwd import FwdPlan, FwdProblem, bind_launcher
+from ..fwd import FwdPlan, FwdProblem, bind_launcher, plan_rows, plan_splits
 from .config import TILE_M, kv_stages_for
 
 NAME = "sm100"
@@ -68,16 +67,9 @@ def can_pack(ratio: int) -> bool:
 
 def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms: Optional[int]) -> FwdPlan:
     """q_stage, GQA packing (None = FA3's rule) and KV splits (0 = heuristic on ``num_sms``)."""
-    tile_m = TILE_M
-    ratio = problem.qhead_per_kvhead
-    if pack_gqa is None:
-        pack_gqa = heuristics.should_pack_gqa(problem.max_seqlen_q, ratio, tile_m, varlen_q=problem.varlen_q)
-    pack_gqa = bool(pack_gqa and can_pack(ratio))
-    rows = problem.max_seqlen_q * (ratio if pack_gqa else 1)
-    num_splits = heuristics.resolve_num_splits(
-        num_splits, num_sms, ctas=problem.batch * (problem.nheads_kv if pack_gqa else problem.nheads),
-        rows=rows, max_seqlen_k=problem.max_seqlen_k, tile_m=tile_m, tile_n=TILE_N,
-        ctas_per_sm=_CTAS_PER_SM, tolerance=_SPLIT_TOLERANCE)
+    pack_gqa, rows = plan_rows(problem, pack_gqa, TILE_M, packable=can_pack(problem.qhead_per_kvhead))
+    num_splits = plan_splits(problem, num_splits, num_sms, pack_gqa, rows, tile_m=TILE_M, tile_n=TILE_N,
+                             ctas_per_sm=_CTAS_PER_SM, tolerance=_SPLIT_TOLERANCE)
     q_stage = select_q_stage(rows, num_splits)
     return FwdPlan(NAME, select_tile(problem.d, problem.d_v, q_stage), pack_gqa, num_splits, q_stage)
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from .. import heuristics
 from ..cute_utils import DTYPE_NAMES, target_arch
-from ..fwd import FwdPlan, FwdProblem, bind_launcher
+from ..fwd import FwdPlan, FwdProblem, bind_launcher, plan_rows, plan_splits
 
 NAME = "sm80"
 HEAD_DIMS = (64, 96, 128, 192, 256)  # for both d (q/k) and d_v (v)
@@ -60,15 +59,9 @@ def select_tile(head_dim: int, head_dim_v: int, rows_per_kv_head: int) -> tuple:
 
 def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms: Optional[int]) -> FwdPlan:
     """Tile, GQA packing (None = FA3's rule) and KV splits (0 = heuristic on ``num_sms``)."""
-    ratio = problem.qhead_per_kvhead
-    if pack_gqa is None:
-        pack_gqa = heuristics.should_pack_gqa(problem.max_seqlen_q, ratio, _SPLIT_TILE_M, varlen_q=problem.varlen_q)
-    pack_gqa = bool(pack_gqa and ratio > 1)
-    rows = problem.max_seqlen_q * (ratio if pack_gqa else 1)
-    num_splits = heuristics.resolve_num_splits(
-        num_splits, num_sms, ctas=problem.batch * (problem.nheads_kv if pack_gqa else problem.nheads),
-        rows=rows, max_seqlen_k=problem.max_seqlen_k, tile_m=_SPLIT_TILE_M, tile_n=_SPLIT_TILE_N,
-        ctas_per_sm=_CTAS_PER_SM, tolerance=_SPLIT_TOLERANCE)
+    pack_gqa, rows = plan_rows(problem, pack_gqa, _SPLIT_TILE_M)
+    num_splits = plan_splits(problem, num_splits, num_sms, pack_gqa, rows, tile_m=_SPLIT_TILE_M,
+                             tile_n=_SPLIT_TILE_N, ctas_per_sm=_CTAS_PER_SM, tolerance=_SPLIT_TOLERANCE)
     return FwdPlan(NAME, select_tile(problem.d, problem.d_v, rows), pack_gqa, num_splits)
 
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .. import heuristics
 from ..cute_utils import DTYPE_NAMES, target_arch
-from ..fwd import FwdPlan, FwdProblem, bind_launcher
+from ..fwd import FwdPlan, FwdProblem, bind_launcher, plan_rows, plan_splits
 from ..tile_scheduler import l2_heads_for
 
 NAME = "sm90"
@@ -48,19 +47,12 @@ def select_tile(problem: FwdProblem, rows_per_kv_head: int) -> tuple:
 
 
 def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms: Optional[int]) -> FwdPlan:
-    """Tile from the SM90 tile table, GQA packing (None = FA3's rule), KV splits (0 = the
-    wave-efficiency heuristic with this kernel's tile and one CTA per SM)."""
-    ratio = problem.qhead_per_kvhead
-    tile_m_prefill = 128
-    if pack_gqa is None:
-        pack_gqa = heuristics.should_pack_gqa(problem.max_seqlen_q, ratio, tile_m_prefill, varlen_q=problem.varlen_q)
-    pack_gqa = bool(pack_gqa and ratio > 1)
-    rows = problem.max_seqlen_q * (ratio if pack_gqa else 1)
+    """Tile from the SM90 tile table, GQA packing (None = FA3's rule on a 128-row tile), KV
+    splits (0 = the wave-efficiency heuristic with this kernel's tile and one CTA per SM)."""
+    pack_gqa, rows = plan_rows(problem, pack_gqa)
     tile = select_tile(problem, rows)
-    num_splits = heuristics.resolve_num_splits(
-        num_splits, num_sms, ctas=problem.batch * (problem.nheads_kv if pack_gqa else problem.nheads), rows=rows,
-        max_seqlen_k=problem.max_seqlen_k, tile_m=tile[0], tile_n=tile[1], ctas_per_sm=_CTAS_PER_SM,
-        tolerance=_SPLIT_TOLERANCE)
+    num_splits = plan_splits(problem, num_splits, num_sms, pack_gqa, rows, tile_m=tile[0], tile_n=tile[1],
+                             ctas_per_sm=_CTAS_PER_SM, tolerance=_SPLIT_TOLERANCE)
     return FwdPlan(NAME, tuple(tile), pack_gqa, num_splits)
 
 
