@@ -17,6 +17,10 @@ __all__ = ["num_splits_heuristic", "resolve_num_splits", "num_sms", "should_pack
 
 MAX_SPLITS = 256  # split-KV partials the combine kernel accepts
 _MIN_SPLIT_KEYS = 64  # a split holds at least this many keys (no split without keys)
+# FA3's "4 KV blocks or fewer: the combine costs more than it saves", counted in keys so
+# that a backend with narrower KV tiles (SM90 paged-64 or d > 128) does not split a tiny
+# decode into two launches (H200, 2026-11-29: 33 us of host time against 17 unsplit).
+_NO_SPLIT_KEYS = 4 * 128
 
 
 def ceildiv(a: int, b: int) -> int:
@@ -73,8 +77,10 @@ def resolve_num_splits(num_splits: int, num_sms: Optional[int], *, ctas: int, ro
     walking ``ceil(max_seqlen_k / tile_n)`` KV blocks, on ``num_sms * ctas_per_sm``
     resident CTAs (causal/local skipping and varlen per-sequence lengths are ignored).
     Then clamped to ``ceil(max_seqlen_k / 64)`` and ``MAX_SPLITS``. The tile and
-    occupancy are the calling backend's."""
+    occupancy are the calling backend's. Auto never splits 512 keys or fewer."""
     if num_splits == 0:
+        if max_seqlen_k <= _NO_SPLIT_KEYS:
+            return 1
         total_mblocks = ctas * ceildiv(rows, tile_m)
         n_blocks = ceildiv(max_seqlen_k, tile_n)
         num_splits = num_splits_heuristic(total_mblocks, num_sms * ctas_per_sm, n_blocks, tolerance=tolerance)
