@@ -177,17 +177,6 @@ def select_backend(requested: Optional[str], problem: FwdProblem, device) -> tup
     return name, module
 
 
-def key_fields(problem: FwdProblem, plan: FwdPlan, arch: str) -> tuple:
-    """What every forward kernel's compile key holds, in order: arch, dtype name, d, d_v,
-    the backend's tile, the variant flags, the packed GQA ratio, split on/off, LSE out
-    (a split kernel always writes partial LSEs), varlen q/k, seqused_k, paged."""
-    from .cute_utils import DTYPE_NAMES
-
-    return (arch, DTYPE_NAMES[problem.dtype], problem.d, problem.d_v, plan.tile, problem.variant_flags,
-            plan.qhead_per_kvhead_packed(problem), plan.num_splits > 1, problem.has_lse or plan.num_splits > 1,
-            problem.varlen_q, problem.varlen_k, problem.has_seqused_k, problem.paged)
-
-
 def bind_launcher(name: str, key: tuple, compile_fn: Callable, problem: FwdProblem, plan: FwdPlan,
                   extra_scalars: tuple = ()) -> Callable:
     """The backends' ``launcher``: the kernel compiled for ``key`` (``jit_cache``, under

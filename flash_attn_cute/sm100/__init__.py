@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..cute_utils import DTYPE_NAMES, target_arch
-from ..fwd import FwdPlan, FwdProblem, bind_launcher, key_fields, plan_rows, plan_splits
+from ..fwd import FwdPlan, FwdProblem, bind_launcher, plan_rows, plan_splits
 from .config import TILE_M, kv_stages_for
 
 NAME = "sm100"
@@ -75,10 +75,13 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
 
 
 def compile_key(problem: FwdProblem, plan: FwdPlan, arch: Optional[str] = None) -> tuple:
-    """The kernel's compile key (``fwd.key_fields``)."""
+    """The kernel's compile key. A split kernel always writes partial LSEs."""
     from .flash_fwd import fwd_key
 
-    return fwd_key(*key_fields(problem, plan, arch or target_arch()))
+    return fwd_key(arch or target_arch(), DTYPE_NAMES[problem.dtype], problem.d, problem.d_v, plan.tile,
+                   problem.variant_flags, plan.qhead_per_kvhead_packed(problem), plan.num_splits > 1,
+                   problem.has_lse or plan.num_splits > 1, problem.varlen_q, problem.varlen_k,
+                   problem.has_seqused_k, problem.paged)
 
 
 def compile(key: tuple):

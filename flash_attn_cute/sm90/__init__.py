@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..cute_utils import target_arch
-from ..fwd import FwdPlan, FwdProblem, bind_launcher, key_fields, plan_rows, plan_splits
+from ..cute_utils import DTYPE_NAMES, target_arch
+from ..fwd import FwdPlan, FwdProblem, bind_launcher, plan_rows, plan_splits
 from ..tile_scheduler import l2_heads_for
 
 NAME = "sm90"
@@ -57,8 +57,11 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
 
 
 def compile_key(problem: FwdProblem, plan: FwdPlan, arch: Optional[str] = None) -> tuple:
-    """The kernel's compile key (``fwd.key_fields``)."""
-    return _host().fwd_key(*key_fields(problem, plan, arch or target_arch()))
+    """The kernel's compile key. A split kernel always writes partial LSEs."""
+    return _host().fwd_key(arch or target_arch(), DTYPE_NAMES[problem.dtype], problem.d, problem.d_v, plan.tile,
+                           problem.variant_flags, plan.qhead_per_kvhead_packed(problem), plan.num_splits > 1,
+                           problem.has_lse or plan.num_splits > 1, problem.varlen_q, problem.varlen_k,
+                           problem.has_seqused_k, problem.paged)
 
 
 def compile(key: tuple):
