@@ -368,7 +368,7 @@ KV_CFGS = [
     Cfg("paged_causal", paged=True, causal=True, num_splits=0, seqlen_qs=(1, 4, 133)),
     Cfg("paged_causal_gqa_pack_split3", paged=True, causal=True, **GQA, pack_gqa=True, num_splits=3),
 ]
-PAGE_SIZES = [1, 16, 64, 256]  # degenerate, smaller than a tile, half a tile, larger than a tile
+PAGE_SIZES = [1, 16, 64, 128, 256]  # degenerate, smaller than a tile, half a tile, one tile, larger
 KV_CAPACITY = 1000  # keys per cache row (rounded up to whole pages when paged)
 # ragged: a single key, the full capacity (None), and two in between (one under a tile)
 KV_CACHE_SEQLENS = [1, None, 517, 64]
