@@ -16,20 +16,8 @@ import math
 import sys
 
 import common
-from common import (
-    UNAVAILABLE,
-    append_results_md,
-    bench,
-    check_correct,
-    error_text,
-    load_fa4,
-    parse_dtype,
-    print_exception,
-    print_table,
-    randn,
-    sdpa,
-    write_csv,
-)
+from common import UNAVAILABLE, append_results_md, bench, check_correct, error_text, load_fa4, our_backends, \
+    parse_dtype, print_exception, print_table, randn, sdpa, write_csv
 
 COLUMNS = [
     "benchmark_type", "num_splits", "B", "Q", "K", "H", "D", "kvheads_per_group",
@@ -101,10 +89,7 @@ def launch_only(backend, problem, q, k_cache, v_cache, cache_seqlens, page_table
 
 
 def backends_to_run(arg):
-    """--backends: 'all' = every registered backend whose check accepts a Hopper-class GPU."""
-    from flash_attn_cute import fwd
-
-    return sorted(fwd.BACKENDS) if arg == "all" else [b.strip() for b in arg.split(",") if b.strip()]
+    return our_backends(arg)
 
 
 def main(argv=None):

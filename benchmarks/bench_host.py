@@ -18,8 +18,7 @@ import sys
 import time
 
 import common
-from common import UNAVAILABLE, append_results_md, error_text, load_fa4, print_exception, print_table, randn, sdpa, \
-    write_csv
+from common import UNAVAILABLE, error_text, load_fa4, our_backends, print_exception, randn, report, sdpa
 
 COLUMNS = ["impl", "call", "us_per_call", "ratio_vs_sdpa", "note"]
 
@@ -61,7 +60,6 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("bench_host.py needs a CUDA GPU")
     import flash_attn_cute as fa
-    from flash_attn_cute import fwd
 
     torch.manual_seed(0)
     dtype, K, H, hkv, D = torch.bfloat16, args.K, args.H, args.hkv, args.D
@@ -76,8 +74,7 @@ def main(argv=None):
     cu_k = torch.tensor([0, K], dtype=torch.int32, device=common.DEVICE)
 
     cases = []
-    cap = torch.cuda.get_device_capability()
-    for backend in [b for b in sorted(fwd.BACKENDS) if fwd.backend_module(b).runs_on(cap)]:
+    for backend in our_backends():
         cases += [
             (f"ours_{backend}", "flash_attn_func", lambda b=backend: fa.flash_attn_func(q, k, v, backend=b)),
             (f"ours_{backend}", "flash_attn_varlen_func", lambda b=backend: fa.flash_attn_varlen_func(
@@ -137,13 +134,10 @@ def main(argv=None):
     for r in rows:
         r["ratio_vs_sdpa"] = sdpa_us / r["us_per_call"] if r["us_per_call"] == r["us_per_call"] else float("nan")
 
-    write_csv(args.csv, COLUMNS, rows)
-    print(f"\nhost time per call, b1 q1 k{K} h{H}/{hkv} d{D} bf16 (us; ratio = best SDPA time / this time)")
-    print_table(rows, COLUMNS)
-    if not args.no_md:
-        append_results_md(f"Host time per call: b1 q1 k{K} h{H}/{hkv} d{D}", rows, COLUMNS,
-                          notes="Median over loops of back-to-back calls, host clock, warm caches; "
-                                "ratio_vs_sdpa = best SDPA us / row us.")
+    report(args, f"host time per call, b1 q1 k{K} h{H}/{hkv} d{D} bf16 (us; ratio = best SDPA time / this time)",
+           f"Host time per call: b1 q1 k{K} h{H}/{hkv} d{D}", rows, COLUMNS,
+           notes="Median over loops of back-to-back calls, host clock, warm caches; "
+                 "ratio_vs_sdpa = best SDPA us / row us.")
     return rows
 
 

@@ -13,8 +13,8 @@ import math
 import sys
 
 import common
-from common import UNAVAILABLE, append_results_md, bench, check_correct, error_text, load_fa4, print_exception, \
-    print_table, randn, sdpa, write_csv
+from common import UNAVAILABLE, bench, check_correct, error_text, load_fa4, our_backends, print_exception, randn, \
+    report, sdpa
 
 COLUMNS = ["impl", "page_size", "B", "K", "H", "hkv", "D", "avg_time", "bw", "ratio_vs_fa4", "correctness", "note"]
 
@@ -40,10 +40,9 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("bench_paged_decode.py needs a CUDA GPU")
     import flash_attn_cute as fa
-    from flash_attn_cute import fwd
     from flash_attn_cute.testing import attention_kvcache_ref, gather_paged_kv
 
-    backends = sorted(fwd.BACKENDS) if args.backends == "all" else args.backends.split(",")
+    backends = our_backends(args.backends)
     fa4, fa4_why = load_fa4()
     B, K, H, D, dtype = args.B, args.K, args.H, args.D, torch.bfloat16
     rows = []
@@ -105,13 +104,10 @@ def main(argv=None):
             del k, v
             torch.cuda.empty_cache()
 
-    write_csv(args.csv, COLUMNS, rows)
-    print(f"\npaged decode B={B} K={K} H={H} D={D} bf16 (ms, TB/s of K+V; ratio = bw / FA4 bw)")
-    print_table(rows, COLUMNS)
-    if not args.no_md:
-        append_results_md(f"Paged decode: B={B} K={K} H={H} D={D} bf16", rows, COLUMNS,
-                          notes="flash_attn_with_kvcache with default arguments (num_splits=0, no host check); "
-                                "page_size 0 = contiguous cache.")
+    report(args, f"paged decode B={B} K={K} H={H} D={D} bf16 (ms, TB/s of K+V; ratio = bw / FA4 bw)",
+           f"Paged decode: B={B} K={K} H={H} D={D} bf16", rows, COLUMNS,
+           notes="flash_attn_with_kvcache with default arguments (num_splits=0, no host check); "
+                 "page_size 0 = contiguous cache.")
     return rows
 
 

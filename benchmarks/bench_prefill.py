@@ -22,20 +22,8 @@ import math
 import os
 import sys
 
-from common import (
-    UNAVAILABLE,
-    append_results_md,
-    bench,
-    check_correct,
-    error_text,
-    load_fa4,
-    parse_dtype,
-    print_exception,
-    print_table,
-    randn,
-    sdpa,
-    write_csv,
-)
+from common import UNAVAILABLE, append_results_md, bench, check_correct, error_text, load_fa4, our_backends, \
+    parse_dtype, print_exception, print_table, randn, sdpa, write_csv
 
 COLUMNS = ["impl", "causal", "B", "S", "H", "D", "avg_ms", "tflops", "ratio_vs_best_peer", "correct"]
 IMPLS = ["ours", "sdpa_flash", "sdpa_cudnn", "fa4", "cutlass_fa2_example"]
@@ -114,9 +102,8 @@ def main(argv=None):
 
     dtype = parse_dtype(args.dtype)
     impls = [x for x in args.impls.split(",") if x]
-    from flash_attn_cute import fwd
 
-    backends = sorted(fwd.BACKENDS) if args.backends == "all" else args.backends.split(",")
+    backends = our_backends(args.backends)
     dims = [128] if args.quick else [int(x) for x in args.dims.split(",")]
     causals = [False] if args.quick else {"both": [False, True], "true": [True], "false": [False]}[args.causal]
     B, S = args.B, args.S

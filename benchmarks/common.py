@@ -99,6 +99,18 @@ def print_exception(label, exc):
 
 # ------------------------------------------------------------------------------- peers
 
+def our_backends(arg="all"):
+    """--backends: "all" = every registered backend that runs on this GPU (an SM100 kernel
+    is not listed on a Hopper), else the comma list as given."""
+    import torch
+    from flash_attn_cute import fwd
+
+    if arg != "all":
+        return [b.strip() for b in arg.split(",") if b.strip()]
+    cap = torch.cuda.get_device_capability()
+    return [b for b in sorted(fwd.BACKENDS) if fwd.backend_module(b).runs_on(cap)]
+
+
 def load_fa4():
     """FlashAttention-4's CuTe module (``flash_attn.cute``) or (None, reason)."""
     try:
@@ -214,3 +226,13 @@ def append_results_md(title, rows, columns=None, notes="", path=RESULTS_MD):
     with open(path, "w") as f:
         f.write(text)
     print(f"updated {path} ({title})")
+
+
+def report(args, header, title, rows, columns, notes=""):
+    """A benchmark's output: the CSV (``--csv``), the table on stdout under ``header``, and
+    the section ``title`` of RESULTS.md (unless ``--no-md``)."""
+    write_csv(args.csv, columns, rows)
+    print(f"\n{header}")
+    print_table(rows, columns)
+    if not args.no_md:
+        append_results_md(title, rows, columns, notes=notes)

@@ -16,7 +16,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   start=$(date +%s)
   for i in $(seq 0 $((n - 1))); do
     FLASH_ATTN_CUTE_TEST_SHARD=$i/$n timeout ${TEST_TIMEOUT:-420} python -m pytest -q -m gpu -p no:cacheprovider \
-      tests/test_flash_attn_gpu.py tests/test_combine_gpu.py tests/test_torch_compile.py "$@" > "$OUT/test_$i.log" 2>&1 &
+      tests/test_flash_attn_gpu.py tests/test_combine_gpu.py tests/test_torch_compile.py tests/test_mla_gpu.py "$@" > "$OUT/test_$i.log" 2>&1 &
   done
   wait
   echo "tests took $(( $(date +%s) - start )) s"
@@ -30,6 +30,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 150 python benchmarks/bench_decode_splits.py --hkv 8 --csv "$OUT/decode_splits_gqa.csv" 2>&1 | tail -28
   timeout 200 python benchmarks/bench_paged_decode.py --csv "$OUT/paged_decode.csv" 2>&1 | tail -40
   timeout 60 python benchmarks/bench_host.py --csv "$OUT/host.csv" 2>&1 | tail -16
+  timeout 240 python benchmarks/bench_mla.py --csv "$OUT/mla.csv" 2>&1 | tail -12
   python benchmarks/plot_splits.py "$OUT"/decode_splits*.csv --out "$OUT/decode_splits.png" 2>&1 | tail -2
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
 fi

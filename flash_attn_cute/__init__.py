@@ -1,7 +1,8 @@
 """FlashAttention forward kernels in the CUTLASS CuTe Python DSL, compiled at first call.
 
 Public API (inference forward, no autograd): ``flash_attn_func``, ``flash_attn_varlen_func``,
-``flash_attn_with_kvcache``, ``flash_attn_combine``. See ``flash_attn_cute.interface``.
+``flash_attn_with_kvcache``, ``flash_attn_combine``, ``flash_mla_decode`` (MLA decode over a
+paged latent cache). See ``flash_attn_cute.interface`` and ``flash_attn_cute.mla``.
 """
 
 from importlib.metadata import PackageNotFoundError, version as _version
@@ -16,6 +17,7 @@ from .interface import (
     flash_attn_varlen_func,
     flash_attn_with_kvcache,
 )
+from .mla import flash_mla_decode
 
 try:
     __version__ = _version("flash_attn_cute")
@@ -27,6 +29,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_with_kvcache",
     "flash_attn_combine",
+    "flash_mla_decode",
     "SUPPORTED_HEAD_DIMS",
     "SUPPORTED_DTYPES",
     "MAX_SPLITS",

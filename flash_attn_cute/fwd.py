@@ -7,7 +7,8 @@ architecture-specific about it:
 
 - ``HEAD_DIMS``: the head dimensions it compiles;
 - ``runs_on(capability) -> bool`` and ``AUTO``: the GPUs it runs on, and whether
-  ``backend=None`` picks it there (False for a kernel not yet run on its hardware);
+  ``backend=None`` picks it there (every registered backend does today; the README
+  marks SM100 as compile-verified);
 - ``check(problem) -> str | None``: why it cannot run the problem (None: it can);
 - ``plan(problem, num_splits, pack_gqa, num_sms) -> FwdPlan``: its tile, whether to pack
   GQA heads, how many KV splits (0 = its own heuristic, on ``num_sms`` SMs);
@@ -177,6 +178,61 @@ def select_backend(requested: Optional[str], problem: FwdProblem, device) -> tup
     return name, module
 
 
+def key_fields(problem: FwdProblem, plan: FwdPlan) -> tuple:
+    """What every forward kernel's compile key holds after its backend's tile, in order:
+    the variant flags, the packed GQA ratio, split on/off, LSE out (a split kernel always
+    writes partial LSEs), varlen q/k, seqused_k, paged."""
+    return (problem.variant_flags, plan.qhead_per_kvhead_packed(problem), plan.num_splits > 1,
+            problem.has_lse or plan.num_splits > 1, problem.varlen_q, problem.varlen_k, problem.has_seqused_k,
+            problem.paged)
+
+
+def make_key(name: str, arch: str, dtype_name: str, d: int, d_v: int, tile: tuple, flags, pack, is_split, has_lse,
+             varlen_q, varlen_k, has_seqused_k, paged, extra: tuple = ()) -> tuple:
+    """A forward compile key: ``("fwd_<name>", arch, dtype, d, d_v, *tile, flags, pack, is_split,
+    has_lse, varlen_q, varlen_k, has_seqused_k, paged, *extra)``, the tile already in the
+    backend's canonical form (its fields spread into the key); ``extra``: static choices of
+    the backend's own, last."""
+    return (f"fwd_{name}", arch, dtype_name, d, d_v, *tile, tuple(bool(f) for f in flags), int(pack),
+            bool(is_split), bool(has_lse), bool(varlen_q), bool(varlen_k), bool(has_seqused_k), bool(paged),
+            *extra)
+
+
+class KeyFields(NamedTuple):
+    """A forward compile key read back (``parse_key``)."""
+
+    arch: str
+    dtype_name: str
+    d: int
+    d_v: int
+    tile: tuple
+    flags: tuple  # (causal, local, softcap)
+    pack: int
+    is_split: bool
+    has_lse: bool
+    varlen_q: bool
+    varlen_k: bool
+    has_seqused_k: bool
+    paged: bool
+    extra: tuple  # the backend's own fields after the common ones
+
+
+def parse_key(key: tuple, tile_len: int) -> KeyFields:
+    """``make_key``'s inverse, for a backend whose tile has ``tile_len`` fields."""
+    rest = 5 + tile_len
+    return KeyFields(*key[1:5], tuple(key[5:rest]), *key[rest:rest + 8], tuple(key[rest + 8:]))
+
+
+def backend_key(name: str, problem: FwdProblem, plan: FwdPlan, arch: str, tile: Optional[tuple] = None,
+                extra: tuple = ()) -> tuple:
+    """A backend's ``compile_key``: ``make_key`` on the problem and plan (``tile``: the plan's
+    tile in the backend's canonical form, default the plan's own)."""
+    from .cute_utils import DTYPE_NAMES
+
+    return make_key(name, arch, DTYPE_NAMES[problem.dtype], problem.d, problem.d_v,
+                    plan.tile if tile is None else tile, *key_fields(problem, plan), extra)
+
+
 def bind_launcher(name: str, key: tuple, compile_fn: Callable, problem: FwdProblem, plan: FwdPlan,
                   extra_scalars: tuple = ()) -> Callable:
     """The backends' ``launcher``: the kernel compiled for ``key`` (``jit_cache``, under
@@ -194,6 +250,31 @@ def bind_launcher(name: str, key: tuple, compile_fn: Callable, problem: FwdProbl
         fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, *scalars)
 
     return launch
+
+
+def backend_entry_points(name: str, kernel_module: str, compile_fn: str,
+                         tile: Callable = lambda plan: plan.tile, key_extra: Callable = lambda problem, plan: (),
+                         extra_scalars: Callable = lambda problem: ()):
+    """A backend's ``compile_key``, ``compile`` and ``launcher`` (the seam's last three
+    functions), the same for every forward kernel: ``compile_fn`` of ``kernel_module``
+    (imported on first compile: it imports the DSL) compiles a key; ``tile(plan)`` is the
+    plan's tile in the key's canonical form; ``key_extra(problem, plan)``, the backend's own
+    key fields (``make_key``); ``extra_scalars(problem)``, the runtime scalars the kernel
+    takes after the common ones (``bind_launcher``)."""
+
+    def compile_key(problem: FwdProblem, plan: FwdPlan, arch: Optional[str] = None) -> tuple:
+        from .cute_utils import target_arch
+
+        return backend_key(name, problem, plan, arch or target_arch(), tile(plan), key_extra(problem, plan))
+
+    def compile(key: tuple):
+        return getattr(importlib.import_module(kernel_module), compile_fn)(key)
+
+    def launcher(problem: FwdProblem, plan: FwdPlan) -> Callable:
+        """``launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)``."""
+        return bind_launcher(name, compile_key(problem, plan), compile, problem, plan, extra_scalars(problem))
+
+    return compile_key, compile, launcher
 
 
 def combine_launcher(out_dtype: torch.dtype, d_v: int, has_lse: bool) -> Callable:

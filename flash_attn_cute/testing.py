@@ -167,3 +167,18 @@ def check_lse(lse, lse_ref, lse_torch, mult=2.0, atol=1e-3, name="lse"):
     can be tiny when few keys are visible, while the kernel works with exp2/log2."""
     assert lse.dtype == torch.float32, f"{name}: dtype {lse.dtype}, expected float32"
     check_close(lse, lse_ref, lse_torch, mult=mult, atol=atol, name=name)
+
+
+def mla_decode_ref(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, *, softmax_scale=None,
+                   causal=False, upcast=True):
+    """MLA decode as plain attention: the pages gathered, K = [ckv, kpe] and V = ckv
+    materialised (one shared KV head), then ``attention_ref``. Returns (out (b, sq, h, 512),
+    lse (b, h, sq)); ``upcast=False`` is PyTorch's own low-precision computation."""
+    q = torch.cat([q_nope, q_pe], dim=-1)
+    ckv = gather_paged_kv(ckv_cache.unsqueeze(2), page_table)  # (b, capacity, 1, 512)
+    kpe = gather_paged_kv(kpe_cache.unsqueeze(2), page_table)
+    k = torch.cat([ckv, kpe], dim=-1)
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    return attention_ref(q, k, ckv, softmax_scale=softmax_scale, causal=causal, seqlens_k=cache_seqlens,
+                         upcast=upcast)

@@ -97,6 +97,50 @@ def test_pack_gqa_needs_a_ratio_dividing_128():
     assert not sm100.plan(p, 1, True, 148).pack_gqa
 
 
+@pytest.mark.parametrize("ratio", [3, 5, 6, 7, 12, 24])
+def test_pack_gqa_refusal_names_its_reason_and_runs_unpacked(ratio, caplog):
+    # A ratio that does not divide the 128-row Q stage is refused with a reason, and the
+    # call runs unpacked: one query head per row block, every head's rows whole.
+    reason = sm100.pack_refusal(ratio)
+    assert reason is not None and f"GQA ratio {ratio}" in reason and "divide" in reason and "unpacked" in reason
+    p = _problem(max_seqlen_q=1, nheads=2 * ratio, nheads_kv=2, max_seqlen_k=8192)
+    with caplog.at_level("INFO", logger="flash_attn_cute"):
+        plan = sm100.plan(p, 1, True, 148)
+    assert not plan.pack_gqa and plan.qhead_per_kvhead_packed(p) == 1 and plan.q_stage == 1
+    assert reason in caplog.text
+    assert sm100.compile_key(p, plan, ARCH)[9] == 1  # the unpacked kernel
+    # pack_gqa=None (the heuristic's choice) falls back silently.
+    caplog.clear()
+    with caplog.at_level("INFO", logger="flash_attn_cute"):
+        assert not sm100.plan(p, 1, None, 148).pack_gqa
+    assert reason not in caplog.text
+
+
+@pytest.mark.parametrize("ratio", [2, 4, 8, 16, 32, 64, 128])
+def test_pack_gqa_ratios_dividing_128_pack(ratio):
+    assert sm100.pack_refusal(ratio) is None
+    p = _problem(max_seqlen_q=1, nheads=2 * ratio, nheads_kv=2)
+    plan = sm100.plan(p, 1, True, 148)
+    assert plan.pack_gqa and sm100.compile_key(p, plan, ARCH)[9] == ratio
+
+
+def test_backend_is_automatic_on_blackwell():
+    # backend=None picks this kernel on compute capability 10.x (fwd.select_backend), not elsewhere.
+    assert sm100.AUTO and sm100.runs_on((10, 0)) and sm100.runs_on((10, 3))
+    assert not sm100.runs_on((9, 0)) and not sm100.runs_on((12, 0))
+
+
+def test_compile_key_layout_is_the_shared_one():
+    # fwd.make_key / fwd.parse_key: the key is the plan's tile spread between d_v and the flags.
+    p = _problem(causal=True, window_right=0, has_seqused_k=True, page_size=128)
+    plan = sm100.plan(p, 3, None, 148)
+    key = sm100.compile_key(p, plan, ARCH)
+    assert key == ("fwd_sm100", ARCH, "bf16", 128, 128, *plan.tile, (True, False, False), 1, True, True, False,
+                   False, True, True)
+    f = fwd.parse_key(key, 3)
+    assert f.tile == plan.tile and f.flags == (True, False, False) and f.paged and f.has_seqused_k and f.is_split
+
+
 def test_compile_key_tracks_the_plan():
     p = _problem(batch=1, max_seqlen_q=1, max_seqlen_k=131072, nheads=32, nheads_kv=8, has_seqused_k=True)
     plan = sm100.plan(p, 0, None, 148)
@@ -151,10 +195,13 @@ def test_split_ranges_partition_the_keys(seqlen_k, num_splits):
 def test_split_uses_the_shared_block_info():
     import inspect
 
+    from flash_attn_cute import fwd_kernel
     from flash_attn_cute.sm100 import flash_fwd
 
+    # The tile (split bounds included) comes from the shared FwdTile.create, on BlockInfo.
     src = inspect.getsource(flash_fwd)
-    assert "get_n_block_min_max" in src and "get_n_block_runs" in src and "BlockInfo(" in src
+    assert "FwdTile.create(" in src and "get_n_block_runs" in src and "BlockInfo(" in src
+    assert "get_n_block_min_max" in inspect.getsource(fwd_kernel.FwdTile.create)
 
 
 # ---------------------------------------------------------------------------------------

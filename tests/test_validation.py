@@ -545,10 +545,10 @@ def _problem(**kw):
     return fwd.FwdProblem(**{**base, **kw})
 
 
-# Capabilities: Ampere and Ada run the SM80 kernel, Hopper the SM90 one; Blackwell runs
-# the SM80 kernel until the SM100 one has run on Blackwell hardware (AUTO); Turing is refused.
+# Capabilities: Ampere and Ada run the SM80 kernel, Hopper the SM90 one, Blackwell (10.x)
+# the SM100 one; other generations (12.x) the SM80 kernel; Turing is refused.
 @pytest.mark.parametrize("cap,expected", [((8, 0), "sm80"), ((8, 9), "sm80"), ((9, 0), "sm90"),
-                                          ((10, 0), "sm100" if fwd.backend_module("sm100").AUTO else "sm80"),
+                                          ((10, 0), "sm100"), ((10, 3), "sm100"),
                                           ((12, 0), "sm80"), ((7, 5), RuntimeError)])
 def test_backend_by_capability(monkeypatch, cap, expected):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
@@ -601,6 +601,39 @@ def test_auto_backend_falls_back_to_sm80_with_a_reason(monkeypatch, caplog):
     assert "paged KV not supported" in caplog.text
     with pytest.raises(NotImplementedError, match="paged KV not supported"):
         fwd.select_backend("sm90", _problem(page_size=16), "cuda:0")
+
+
+def test_blackwell_runs_sm100_and_falls_back_to_sm80(fake_gpu, monkeypatch, caplog):
+    # Capability 10.0 with backend=None: the SM100 backend (its real check and plan) runs
+    # the calls it accepts; a call its check refuses (head dim 96) runs the SM80 backend,
+    # with the reason on the flash_attn_cute logger.
+    from flash_attn_cute import sm100
+
+    launched = []
+
+    def backend(name):
+        def kernel(*args, **kwargs):
+            launched.append(name)
+            fake_kernel(*args, **kwargs)
+
+        fake = _fake_backend(kernel)
+        if name == "sm100":
+            return SimpleNamespace(**{**vars(fake), "HEAD_DIMS": sm100.HEAD_DIMS, "AUTO": sm100.AUTO,
+                                      "runs_on": sm100.runs_on, "check": sm100.check, "plan": sm100.plan})
+        return fake
+
+    monkeypatch.setattr(fwd, "backend_module", backend)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    q, k, v = make_qkv(d=128, dv=128)
+    close(flash_attn_func(q, k, v, causal=True), attention_ref(q, k, v, causal=True)[0])
+    assert launched == ["sm100"]
+    q, k, v = make_qkv(d=96, dv=96)
+    with caplog.at_level("INFO", logger="flash_attn_cute"):
+        close(flash_attn_func(q, k, v), attention_ref(q, k, v)[0])
+    assert launched == ["sm100", "sm80"]
+    assert "sm100 kernel refused the call" in caplog.text and "(96, 96)" in caplog.text
+    with pytest.raises(NotImplementedError, match="'sm100' cannot run this call: head dims"):
+        flash_attn_func(q, k, v, backend="sm100")
 
 
 def test_call_cache_never_skips_a_refusal(fake_gpu):

@@ -11,10 +11,11 @@ problems and by default with split-KV) and the K/V ring depth that fits shared m
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
-from ..cute_utils import DTYPE_NAMES, target_arch
-from ..fwd import FwdPlan, FwdProblem, bind_launcher, plan_rows, plan_splits
+from ..cute_utils import DTYPE_NAMES
+from ..fwd import FwdPlan, FwdProblem, backend_entry_points, plan_rows, plan_splits
 from .config import TILE_M, kv_stages_for
 
 NAME = "sm100"
@@ -27,9 +28,12 @@ PAGE_SIZES = (TILE_N,)  # a paged cache is read one page (= one KV block) per TM
 _CTAS_PER_SM = 1
 _SPLIT_TOLERANCE = 0.95
 
-# tcgen05 and tensor memory: B200/GB200 (sm_100a). Compiled and SASS-checked on CPU only: never run
-# on Blackwell hardware yet, so backend=None keeps SM80 there until it has been.
-AUTO = False
+# tcgen05 and tensor memory: B200/GB200 (sm_100a). backend=None picks it on 10.x; a call its
+# check refuses runs the SM80 kernel (fwd.select_backend logs why). Compiled and SASS-checked
+# for sm_100a on CPU, not yet run on Blackwell hardware.
+AUTO = True
+
+log = logging.getLogger("flash_attn_cute")
 
 
 def runs_on(capability: tuple) -> bool:
@@ -60,37 +64,35 @@ def select_tile(d: int, d_v: int, q_stage: int) -> tuple:
     return q_stage, TILE_N, kv_stages_for(d, d_v, q_stage, TILE_N)
 
 
+def pack_refusal(ratio: int) -> Optional[str]:
+    """Why query heads cannot be packed at this GQA ratio (None: they can). Packed Q rows
+    are one 3-D TMA box (pack, 128 / pack) per 128-row stage, so the ratio must divide 128;
+    other ratios run unpacked (one query head per CTA row block), which is correct, only
+    K/V are read once per query head instead of once per KV head."""
+    if ratio <= 1:
+        return "no GQA (one query head per KV head)"
+    if TILE_M % ratio:
+        return (f"GQA ratio {ratio} does not divide the {TILE_M}-row Q stage (packed rows are loaded by one "
+                f"TMA box of whole query positions); running unpacked")
+    return None
+
+
 def can_pack(ratio: int) -> bool:
-    """Packed GQA rows go through one TMA box per stage: the ratio must divide 128."""
-    return ratio > 1 and TILE_M % ratio == 0
+    return pack_refusal(ratio) is None
 
 
 def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms: Optional[int]) -> FwdPlan:
     """q_stage, GQA packing (None = FA3's rule) and KV splits (0 = heuristic on ``num_sms``)."""
-    pack_gqa, rows = plan_rows(problem, pack_gqa, TILE_M, packable=can_pack(problem.qhead_per_kvhead))
+    refusal = pack_refusal(problem.qhead_per_kvhead)
+    if pack_gqa and refusal is not None and problem.qhead_per_kvhead > 1:
+        log.info("flash_attn_cute: sm100 cannot pack GQA heads: %s", refusal)
+    pack_gqa, rows = plan_rows(problem, pack_gqa, TILE_M, packable=refusal is None)
     num_splits = plan_splits(problem, num_splits, num_sms, pack_gqa, rows, tile_m=TILE_M, tile_n=TILE_N,
                              ctas_per_sm=_CTAS_PER_SM, tolerance=_SPLIT_TOLERANCE)
     q_stage = select_q_stage(rows, num_splits)
     return FwdPlan(NAME, select_tile(problem.d, problem.d_v, q_stage), pack_gqa, num_splits, q_stage)
 
 
-def compile_key(problem: FwdProblem, plan: FwdPlan, arch: Optional[str] = None) -> tuple:
-    """The kernel's compile key. A split kernel always writes partial LSEs."""
-    from .flash_fwd import fwd_key
-
-    return fwd_key(arch or target_arch(), DTYPE_NAMES[problem.dtype], problem.d, problem.d_v, plan.tile,
-                   problem.variant_flags, plan.qhead_per_kvhead_packed(problem), plan.num_splits > 1,
-                   problem.has_lse or plan.num_splits > 1, problem.varlen_q, problem.varlen_k,
-                   problem.has_seqused_k, problem.paged)
-
-
-def compile(key: tuple):
-    from .flash_fwd import compile_fwd_sm100
-
-    return compile_fwd_sm100(key)
-
-
-def launcher(problem: FwdProblem, plan: FwdPlan):
-    """``launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)``: see
-    ``fwd.bind_launcher``."""
-    return bind_launcher(NAME, compile_key(problem, plan), compile, problem, plan)
+# compile_key(problem, plan, arch=None), compile(key), launcher(problem, plan): the seam's
+# shared entry points over ``flash_fwd.compile_fwd_sm100``.
+compile_key, compile, launcher = backend_entry_points(NAME, "flash_attn_cute.sm100.flash_fwd", "compile_fwd_sm100")

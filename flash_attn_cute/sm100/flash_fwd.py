@@ -29,9 +29,6 @@ P_s aliases the upper half of S_s. Handshakes are mbarriers (``_Barriers``); eve
 walks the same KV blocks, computed from the shared ``BlockInfo``.
 """
 
-from dataclasses import dataclass
-from typing import Optional
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -41,17 +38,14 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 
 from flash_attn_cute.block_info import BlockInfo
-from flash_attn_cute.cute_utils import CUTE_DTYPE_BY_NAME, compile_fwd
-from flash_attn_cute.layout_utils import select
-from flash_attn_cute.pack_gqa import packed_lse_rows, packed_rows, query_of_row
-from flash_attn_cute.paged_kv import page_and_row
-from flash_attn_cute.seqlen_info import SeqlenInfo
 from flash_attn_cute.copy_utils import aligned_row_ptr
+from flash_attn_cute.fwd_kernel import FwdArgs, FwdTile, compile_from_key, fwd_call, set_fwd_config, zero_rows_from
+from flash_attn_cute.layout_utils import select
+from flash_attn_cute.pack_gqa import query_of_row
+from flash_attn_cute.paged_kv import page_and_row
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
 from flash_attn_cute.tile_scheduler import SingleTileScheduler
-from flash_attn_cute.variants import (
-    AttentionVariant, AttnCtx, Causal, Local, VariantParams, apply_to_scores, make_variant,
-)
+from flash_attn_cute.variants import AttentionVariant, Causal, Local, apply_to_scores
 
 from flash_attn_cute.sm100.config import (  # noqa: F401  (re-exported)
     SMEM_LIMIT, TILE_M, TMEM_COLUMNS, WarpRoles, kv_stages_for, smem_bytes, tmem_alloc_columns, tmem_columns,
@@ -117,32 +111,20 @@ class _Barriers:
 
 
 class FlashAttnFwdSm100:
-    def __init__(
-        self,
-        dtype,
-        head_dim: int,
-        head_dim_v: int,
-        q_stage: int,
-        tile_n: int,
-        kv_stages: int,
-        variant: AttentionVariant,
-        qhead_per_kvhead_packed: int = 1,
-        is_split: bool = False,
-    ):
+    __call__ = fwd_call  # the forward kernels' shared entry point: FwdArgs -> launch
+
+    def __init__(self, dtype, head_dim: int, head_dim_v: int, tile: tuple, variant: AttentionVariant,
+                 qhead_per_kvhead_packed: int = 1, is_split: bool = False):
+        """``tile`` = (q_stage, tile_n, kv_stages), as ``sm100.select_tile`` plans it."""
+        set_fwd_config(self, dtype, head_dim, head_dim_v, variant, qhead_per_kvhead_packed, is_split)
+        q_stage, tile_n, kv_stages = tile
         assert q_stage in (1, 2) and tile_n == 128
         assert head_dim % 16 == 0 and head_dim_v % 16 == 0
         assert TILE_M % qhead_per_kvhead_packed == 0, "packed GQA rows must tile the 128-row TMA box"
-        self.dtype = dtype
-        self.out_dtype = Float32 if is_split else dtype
-        self.head_dim = head_dim
-        self.head_dim_v = head_dim_v
         self.q_stage = q_stage
         self.tile_m = TILE_M * q_stage
         self.tile_n = tile_n
         self.kv_stages = kv_stages
-        self.variant = variant
-        self.pack = qhead_per_kvhead_packed
-        self.is_split = is_split
         self.roles = WarpRoles(q_stage)
         self.tmem_s_offset = [s * tile_n for s in range(q_stage)]
         self.tmem_o_offset = [q_stage * tile_n + s * head_dim_v for s in range(q_stage)]
@@ -155,29 +137,7 @@ class FlashAttnFwdSm100:
         self.epi_cols = 32
 
     @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,  # (b, s_q, h, d) or (total_q, h, d)
-        mK: cute.Tensor,  # (b, s_k, h_kv, d), (total_k, h_kv, d) or (num_pages, page_size, h_kv, d)
-        mV: cute.Tensor,  # as mK, with d_v
-        mO: cute.Tensor,  # (b, s_q, h, d_v) / (total_q, h, d_v); split: (num_splits, ...) fp32
-        mLSE: Optional[cute.Tensor],  # (b, h, s_q) / (h, total_q); split: (num_splits, ...)
-        mCuSeqlensQ: Optional[cute.Tensor],
-        mCuSeqlensK: Optional[cute.Tensor],
-        mSeqUsedK: Optional[cute.Tensor],
-        mPageTable: Optional[cute.Tensor],
-        softmax_scale: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        softcap: Float32,
-        num_splits: Int32,
-        max_seqlen_q: Int32,
-        batch_size: Int32,
-        stream,
-    ):
-        varlen_q = cutlass.const_expr(mCuSeqlensQ is not None)
-        paged = cutlass.const_expr(mPageTable is not None)
-        varlen_k = cutlass.const_expr(mCuSeqlensK is not None and not paged)
+    def launch(self, args: FwdArgs, stream):
         cta_group = tcgen05.CtaGroup.ONE
         tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32, cta_group,
@@ -197,14 +157,14 @@ class FlashAttnFwdSm100:
         #   Q: (rows, d, h[, b]); packed GQA rows are ((pack, s), d, h_kv[, b]): the qhead_per_kvhead
         #      query heads of a KV head are one box mode, so the 128-row box is a 3-D TMA box.
         #   K: (s_k, d, h_kv[, b | pages]);  V: (d_v, s_k, h_kv[, b | pages]) (the MN-major B of P V).
-        if cutlass.const_expr(varlen_q):
+        if cutlass.const_expr(args.varlen_q):
             q_modes = [0, 2, 1]
         else:
             q_modes = [1, 3, 2, 0]
-        mQ_t = select(mQ, q_modes)
+        mQ_t = select(args.mQ, q_modes)
         if cutlass.const_expr(self.pack > 1):
             mQ_t = self._pack_q_view(mQ_t)
-        if cutlass.const_expr(varlen_k):
+        if cutlass.const_expr(args.varlen_k):
             k_modes, v_modes = [0, 2, 1], [2, 0, 1]
         else:
             k_modes, v_modes = [1, 3, 2, 0], [3, 1, 2, 0]
@@ -213,10 +173,10 @@ class FlashAttnFwdSm100:
             tma_load, mQ_t, cute.select(sQ_layout, mode=[0, 1, 2]), self.mma_tiler_qk, tiled_mma_qk,
         )
         tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_B(
-            tma_load, select(mK, k_modes), cute.select(sK_layout, mode=[0, 1, 2]), self.mma_tiler_qk, tiled_mma_qk,
+            tma_load, select(args.mK, k_modes), cute.select(sK_layout, mode=[0, 1, 2]), self.mma_tiler_qk, tiled_mma_qk,
         )
         tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_B(
-            tma_load, select(mV, v_modes), cute.select(sV_layout, mode=[0, 1, 2]), self.mma_tiler_pv, tiled_mma_pv,
+            tma_load, select(args.mV, v_modes), cute.select(sV_layout, mode=[0, 1, 2]), self.mma_tiler_pv, tiled_mma_pv,
         )
         tx_bytes = (
             self.q_stage * cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1, 2])),
@@ -238,17 +198,14 @@ class FlashAttnFwdSm100:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
 
         assert SharedStorage.size_in_bytes() <= SMEM_LIMIT, (SharedStorage.size_in_bytes(), SMEM_LIMIT)
-        heads_q = mQ.shape[cute.rank(mQ) - 2]
-        heads_kv = mK.shape[cute.rank(mK) - 2]
+        heads_q, heads_kv = args.heads()
         heads_rows = heads_kv if cutlass.const_expr(self.pack > 1) else heads_q
-        num_m_blocks = cute.ceil_div(max_seqlen_q * self.pack, self.tile_m)
+        num_m_blocks = cute.ceil_div(args.max_seqlen_q * self.pack, self.tile_m)
         self.kernel(
-            tma_Q, tma_K, tma_V, mQ, mK, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable,
-            tma_atom_Q, tma_atom_K, tma_atom_V,
-            softmax_scale, window_left, window_right, softcap, num_splits,
-            sQ_layout, sK_layout, sV_layout, tP_layout, tiled_mma_qk, tiled_mma_pv, tx_bytes, SharedStorage,
+            args, (tma_Q, tma_K, tma_V), (tma_atom_Q, tma_atom_K, tma_atom_V),
+            (sQ_layout, sK_layout, sV_layout, tP_layout), tiled_mma_qk, tiled_mma_pv, tx_bytes, SharedStorage,
         ).launch(
-            grid=SingleTileScheduler.grid(num_m_blocks, heads_rows, num_splits, batch_size),
+            grid=SingleTileScheduler.grid(num_m_blocks, heads_rows, args.num_splits, args.batch_size),
             block=(self.roles.num_threads, 1, 1),
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -266,36 +223,14 @@ class FlashAttnFwdSm100:
         return cute.make_tensor(mQ_t.iterator, layout)
 
     @cute.kernel
-    def kernel(
-        self,
-        tma_Q: cute.Tensor,
-        tma_K: cute.Tensor,
-        tma_V: cute.Tensor,
-        mQ: cute.Tensor,  # the caller's tensors, for shapes only (loads go through TMA)
-        mK: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: Optional[cute.Tensor],
-        mCuSeqlensQ: Optional[cute.Tensor],
-        mCuSeqlensK: Optional[cute.Tensor],
-        mSeqUsedK: Optional[cute.Tensor],
-        mPageTable: Optional[cute.Tensor],
-        tma_atom_Q: cute.CopyAtom,
-        tma_atom_K: cute.CopyAtom,
-        tma_atom_V: cute.CopyAtom,
-        softmax_scale: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        softcap: Float32,
-        num_splits: Int32,
-        sQ_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout,
-        sV_layout: cute.ComposedLayout,
-        tP_layout: cute.ComposedLayout,
-        tiled_mma_qk: cute.TiledMma,
-        tiled_mma_pv: cute.TiledMma,
-        tx_bytes: cutlass.Constexpr,
-        SharedStorage: cutlass.Constexpr,
-    ):
+    def kernel(self, args: FwdArgs, tma_views: tuple, tma_atoms: tuple, smem_layouts: tuple,
+               tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tx_bytes: cutlass.Constexpr,
+               SharedStorage: cutlass.Constexpr):
+        """``args``: the caller's tensors (Q and K for shapes only: loads go through the TMA
+        views) and scalars; ``smem_layouts``: Q, K, V and P's (TMEM) operand layouts."""
+        tma_Q, tma_K, tma_V = tma_views
+        tma_atom_Q, tma_atom_K, tma_atom_V = tma_atoms
+        sQ_layout, sK_layout, sV_layout, tP_layout = smem_layouts
         roles = self.roles
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -335,38 +270,33 @@ class FlashAttnFwdSm100:
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sStats = storage.sStats.get_tensor(cute.make_layout((TILE_M, 3, self.q_stage)))
 
-        varlen_q = cutlass.const_expr(mCuSeqlensQ is not None)
-        paged = cutlass.const_expr(mPageTable is not None)
-        varlen_k = cutlass.const_expr(mCuSeqlensK is not None and not paged)
-        tile_args = (mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, softmax_scale, window_left,
-                     window_right, softcap, num_splits)
         pipeline.pipeline_init_wait()
 
         # Each role derives the tile after its register reconfiguration, so that little
         # stays live across setmaxnreg. A tile past the end of its sequence has no work.
         if warp_idx >= roles.mma_warp:
             cute.arch.setmaxregister_decrease(roles.other_regs)
-            tile = self._tile(*tile_args)
+            tile = FwdTile.create(args, SingleTileScheduler.get_work(args.num_splits), self.block_info(), self.is_split)
             if tile.rows_valid > 0:
                 if warp_idx == roles.load_warp:
                     if tile.n_block_max > tile.n_block_min:
-                        self.load(tma_Q, tma_K, tma_V, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                                  tiled_mma_qk, tiled_mma_pv, pipeline_q, pipeline_k, pipeline_v, tile,
-                                  varlen_q, varlen_k, paged)
+                        self.load(tma_Q, tma_K, tma_V, args.mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K,
+                                  tma_atom_V, tiled_mma_qk, tiled_mma_pv, pipeline_q, pipeline_k, pipeline_v, tile,
+                                  args.varlen_q, args.varlen_k, args.paged)
                 if warp_idx == roles.mma_warp:
                     tmem.allocate(self.tmem_cols)
                     tmem.wait_for_alloc()
                     tmem_ptr = tmem.retrieve_ptr(Float32)
                     if tile.n_block_max > tile.n_block_min:
                         self.mma(tmem_ptr, sQ, sK, sV, tP_layout, tiled_mma_qk, tiled_mma_pv,
-                                 pipeline_q, pipeline_k, pipeline_v, bars, tile)
+                                 pipeline_q, pipeline_k, pipeline_v, bars, tile, args.cache_tail_may_be_garbage)
                     tmem.relinquish_alloc_permit()
                     # Every TMEM reader is done: free it.
                     tmem_barrier.arrive_and_wait()
                     tmem.free(tmem_ptr, self.tmem_cols)
         elif warp_idx < roles.num_softmax_warps:
             cute.arch.setmaxregister_increase(roles.softmax_regs)
-            tile = self._tile(*tile_args)
+            tile = FwdTile.create(args, SingleTileScheduler.get_work(args.num_splits), self.block_info(), self.is_split)
             if tile.rows_valid > 0:
                 tmem.wait_for_alloc()
                 tmem_ptr = tmem.retrieve_ptr(Float32)
@@ -375,34 +305,13 @@ class FlashAttnFwdSm100:
                 tmem_barrier.arrive()
         else:
             cute.arch.setmaxregister_decrease(roles.correction_regs)
-            tile = self._tile(*tile_args)
+            tile = FwdTile.create(args, SingleTileScheduler.get_work(args.num_splits), self.block_info(), self.is_split)
             if tile.rows_valid > 0:
                 tmem.wait_for_alloc()
                 tmem_ptr = tmem.retrieve_ptr(Float32)
-                self.correction_loop(tmem_ptr, tiled_mma_pv, sStats, bars, mO, mLSE, tile, tidx % TILE_M,
-                                     varlen_q)
+                self.correction_loop(tmem_ptr, tiled_mma_pv, sStats, bars, args.mO, args.mLSE, tile, tidx % TILE_M,
+                                     args.varlen_q)
                 tmem_barrier.arrive()
-
-    @cute.jit
-    def _tile(self, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, softmax_scale, window_left,
-              window_right, softcap, num_splits):
-        """The CTA's tile: sequence lengths, variant context and its KV block range."""
-        work = SingleTileScheduler.get_work(num_splits)
-        head_kv = work.head
-        if cutlass.const_expr(self.pack == 1):
-            head_kv = work.head // (mQ.shape[cute.rank(mQ) - 2] // mK.shape[cute.rank(mK) - 2])
-        # A paged cache has no offsets; its lengths come from seqused_k (or cu_seqlens_k).
-        seqlen = SeqlenInfo.create_for(work.batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable)
-        cap_inv = Float32(0.0)
-        if cutlass.const_expr(self.variant.has_score_mod):
-            cap_inv = cute.arch.rcp_approx(softcap)
-        ctx = AttnCtx(work.batch, work.head, seqlen.seqlen_q, seqlen.seqlen_k,
-                      VariantParams(window_left, window_right, softcap, cap_inv))
-        n_block_min, n_block_max = self.block_info().get_n_block_min_max(work.m_block, ctx, work.split_idx,
-                                                                         num_splits, self.is_split)
-        rows_valid = seqlen.seqlen_q * self.pack - work.m_block * self.tile_m
-        return _Tile(ctx, seqlen, work.m_block, head_kv, work.split_idx, rows_valid, softmax_scale,
-                     n_block_min, n_block_max)
 
     def block_info(self) -> BlockInfo:
         return BlockInfo(self.tile_m, self.tile_n, self.pack, self.variant)
@@ -490,7 +399,7 @@ class FlashAttnFwdSm100:
 
     @cute.jit
     def mma(self, tmem_ptr, sQ, sK, sV, tP_layout, tiled_mma_qk, tiled_mma_pv, pipeline_q, pipeline_k,
-            pipeline_v, bars, tile):
+            pipeline_v, bars, tile, cache_tail_may_be_garbage: cutlass.Constexpr):
         thr_mma_qk = tiled_mma_qk.get_slice(0)
         thr_mma_pv = tiled_mma_pv.get_slice(0)
         tSrQ = thr_mma_qk.make_fragment_A(sQ)
@@ -519,6 +428,9 @@ class FlashAttnFwdSm100:
                 bars.commit("s_full", s)
         pipeline_k.consumer_release(k_state)
         k_state.advance()
+        if cutlass.const_expr(cache_tail_may_be_garbage):
+            # Before the first P V (which waits for the softmax of S(n_max - 1) anyway).
+            self._zero_v_tail(pipeline_v, v_state, sV, tile)
         for i in cutlass.range(1, num_blocks, unroll=1):
             pipeline_k.consumer_wait(k_state)
             pipeline_v.consumer_wait(v_state)
@@ -539,6 +451,23 @@ class FlashAttnFwdSm100:
                 bars.commit("o_final", s)
         pipeline_v.consumer_release(v_state)
         pipeline_q.consumer_release(q_state)
+
+    @cute.jit
+    def _zero_v_tail(self, pipeline_v, v_state, sV, tile):
+        """Zeroes the V rows of the first visited block past the sequence end. A KV cache
+        holds whatever was there past seqused_k (the TMA box reads it); P is 0 there, but
+        0 * NaN is NaN. K needs nothing: its scores are masked to -inf by a select. The
+        MMA warp writes the zeros (generic proxy) and fences them for tcgen05.mma (async
+        proxy) before any lane issues the P V that reads the stage."""
+        rows_valid = tile.ctx.seqlen_k - (tile.n_block_max - 1) * self.tile_n
+        if rows_valid < self.tile_n:
+            pipeline_v.consumer_wait(v_state)
+            # (tile_n, d_v) view of the stage: the MN-major B layout of P V is (d_v, tile_n) with d_v fastest.
+            sV_s = cute.composition(sV[None, None, None, v_state.index],
+                                    cute.make_layout((self.tile_n, self.head_dim_v), stride=(self.head_dim_v, 1)))
+            zero_rows_from(sV_s, rows_valid, cute.arch.lane_idx(), 32)
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_warp()
 
     @cute.jit
     def _pv(self, tiled_mma_pv, tOtO, tOrP, tOrV, bars, s: cutlass.Constexpr, j):
@@ -740,12 +669,8 @@ class FlashAttnFwdSm100:
                         varlen_q: cutlass.Constexpr):
         """Row ``tidx`` of stage s: O * (1 / rowsum) from TMEM straight to global memory
         (128-bit stores), and its LSE. A split with no key writes O = 0, LSE = -inf."""
-        ctx, seqlen = tile.ctx, tile.seqlen
         row = s * TILE_M + tidx
-        if cutlass.const_expr(self.is_split):
-            mO = mO[(tile.split_idx,) + (None,) * (cute.rank(mO) - 1)]
-        head = tile.head_kv if cutlass.const_expr(self.pack > 1) else ctx.head
-        o_rows = packed_rows(seqlen.q_view(mO, ctx.batch, varlen_q), head, self.pack)
+        o_rows = tile.out_rows(mO, self.pack, self.is_split, varlen_q)
         row_g = tile.m_block * self.tile_m + row
         cols = self.epi_cols
         tOtO_i = cute.composition(tOtO, cute.make_layout((TILE_M, cols)))
@@ -772,9 +697,7 @@ class FlashAttnFwdSm100:
                     dst = cute.make_tensor(aligned_row_ptr(g_row, i * cols + v * vec, 16), cute.make_layout(vec))
                     cute.copy(store_atom, out[None, v], dst)
         if cutlass.const_expr(mLSE is not None):
-            if cutlass.const_expr(self.is_split):
-                mLSE = mLSE[(tile.split_idx,) + (None,) * (cute.rank(mLSE) - 1)]
-            lse_rows = packed_lse_rows(seqlen.lse_view(mLSE, ctx.batch, varlen_q), head, self.pack)
+            lse_rows = tile.lse_rows(mLSE, self.pack, self.is_split, varlen_q)
             if row < tile.rows_valid:
                 lse_rows[row_g] = lse
 
@@ -786,42 +709,11 @@ def _mask_is_key_interval(variant) -> bool:
     return isinstance(mask, (Causal, Local))
 
 
-@dataclass(frozen=True)
-class _Tile:
-    """The output tile one CTA computes, with its sequence, variant context and KV range."""
-
-    ctx: AttnCtx
-    seqlen: SeqlenInfo
-    m_block: Int32
-    head_kv: Int32
-    split_idx: Int32
-    rows_valid: Int32  # rows of the tile inside the (packed) sequence
-    softmax_scale: Float32
-    n_block_min: Int32
-    n_block_max: Int32
-
-
 # ---------------------------------------------------------------------------------------
-# Host side: compile key and compilation on fake tensors (planning and launch: sm100/__init__.py)
+# Host side: compilation on fake tensors (key, planning and launch: sm100/__init__.py)
 # ---------------------------------------------------------------------------------------
-
-
-def fwd_key(arch, dtype_name, d, dv, tile, flags, pack, is_split, has_lse, varlen_q, varlen_k, has_seqused_k, paged):
-    q_stage, tile_n, kv_stages = tile
-    return ("fwd_sm100", arch, dtype_name, d, dv, int(q_stage), int(tile_n), int(kv_stages),
-            tuple(bool(f) for f in flags), int(pack),
-            bool(is_split), bool(has_lse), bool(varlen_q), bool(varlen_k), bool(has_seqused_k), bool(paged))
 
 
 def compile_fwd_sm100(key: tuple):
-    """Compiles the kernel for ``key`` (see ``fwd_key``) on fake tensors: no GPU needed."""
-    (_, arch, dtype_name, d, dv, q_stage, tile_n, kv_stages, flags, pack, is_split, has_lse,
-     varlen_q, varlen_k, has_seqused_k, paged) = key
-    causal, local, softcap = flags
-    dtype = CUTE_DTYPE_BY_NAME[dtype_name]
-    kernel = FlashAttnFwdSm100(
-        dtype, d, dv, q_stage, tile_n, kv_stages, make_variant(causal, local, softcap),
-        qhead_per_kvhead_packed=pack, is_split=is_split,
-    )
-    return compile_fwd(kernel, dtype, d, dv, arch, is_split=is_split, has_lse=has_lse, varlen_q=varlen_q,
-                       varlen_k=varlen_k, has_seqused_k=has_seqused_k, paged=paged)
+    """Compiles the kernel for ``key`` (``sm100.compile_key``) on fake tensors: no GPU needed."""
+    return compile_from_key(key, 3, FlashAttnFwdSm100)

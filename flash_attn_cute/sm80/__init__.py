@@ -9,8 +9,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from ..cute_utils import DTYPE_NAMES, target_arch
-from ..fwd import FwdPlan, FwdProblem, bind_launcher, plan_rows, plan_splits
+from ..fwd import FwdPlan, FwdProblem, backend_entry_points, plan_rows, plan_splits
 
 NAME = "sm80"
 HEAD_DIMS = (64, 96, 128, 192, 256)  # for both d (q/k) and d_v (v)
@@ -65,23 +64,6 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     return FwdPlan(NAME, select_tile(problem.d, problem.d_v, rows), pack_gqa, num_splits)
 
 
-def compile_key(problem: FwdProblem, plan: FwdPlan, arch: Optional[str] = None) -> tuple:
-    """The kernel's compile key. A split kernel always writes partial LSEs."""
-    from .flash_fwd import fwd_key
-
-    return fwd_key(arch or target_arch(), DTYPE_NAMES[problem.dtype], problem.d, problem.d_v, plan.tile,
-                   problem.variant_flags, plan.qhead_per_kvhead_packed(problem), plan.num_splits > 1,
-                   problem.has_lse or plan.num_splits > 1, problem.varlen_q, problem.varlen_k,
-                   problem.has_seqused_k, problem.paged)
-
-
-def compile(key: tuple):
-    from .flash_fwd import compile_fwd_sm80
-
-    return compile_fwd_sm80(key)
-
-
-def launcher(problem: FwdProblem, plan: FwdPlan):
-    """``launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)``: see
-    ``fwd.bind_launcher``."""
-    return bind_launcher(NAME, compile_key(problem, plan), compile, problem, plan)
+# compile_key, compile, launcher: the seam's shared entry points (q_in_regs a bool in the key).
+compile_key, compile, launcher = backend_entry_points(
+    NAME, "flash_attn_cute.sm80.flash_fwd", "compile_fwd_sm80", tile=lambda plan: (*plan.tile[:3], bool(plan.tile[3])))

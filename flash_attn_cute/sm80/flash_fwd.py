@@ -15,7 +15,6 @@ batch tensors, packed (varlen) tensors, query heads packed into the M tile
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -24,14 +23,14 @@ from cutlass.cute.nvgpu import warp
 
 from flash_attn_cute.block_info import BlockInfo
 from flash_attn_cute.copy_utils import aligned_row_ptr, gmem_tiled_copy
-from flash_attn_cute.cute_utils import CUTE_DTYPE_BY_NAME, compile_fwd
+from flash_attn_cute.fwd_kernel import FwdArgs, compile_from_key, fwd_call, set_fwd_config
 from flash_attn_cute.pack_gqa import packed_lse_rows, packed_rows
 from flash_attn_cute.paged_kv import paged_row_fns
 from flash_attn_cute.seqlen_info import SeqlenInfo
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax, acc_mn_view, acc_to_operand_a
 from flash_attn_cute.sm80.gemm import gemm_rs, gemm_ss
 from flash_attn_cute.tile_scheduler import SingleTileScheduler
-from flash_attn_cute.variants import AttentionVariant, AttnCtx, VariantParams, apply_to_scores, make_variant
+from flash_attn_cute.variants import AttentionVariant, AttnCtx, VariantParams, apply_to_scores
 
 
 def _smem_layout(dtype, rows: int, cols: int):
@@ -47,30 +46,15 @@ def _smem_layout(dtype, rows: int, cols: int):
 
 
 class FlashAttnFwdSm80:
-    def __init__(
-        self,
-        dtype,
-        head_dim: int,
-        head_dim_v: int,
-        tile_m: int,
-        tile_n: int,
-        num_warps: int,
-        variant: AttentionVariant,
-        qhead_per_kvhead_packed: int = 1,
-        is_split: bool = False,
-        q_in_regs: bool = False,
-        out_dtype=None,
-    ):
-        self.dtype = dtype
-        self.out_dtype = out_dtype if out_dtype is not None else (Float32 if is_split else dtype)
-        self.head_dim = head_dim
-        self.head_dim_v = head_dim_v
+    __call__ = fwd_call  # the forward kernels' shared entry point: FwdArgs -> launch
+
+    def __init__(self, dtype, head_dim: int, head_dim_v: int, tile_m: int, tile_n: int, num_warps: int,
+                 variant: AttentionVariant, qhead_per_kvhead_packed: int = 1, is_split: bool = False,
+                 q_in_regs: bool = False):
+        set_fwd_config(self, dtype, head_dim, head_dim_v, variant, qhead_per_kvhead_packed, is_split)
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.num_threads = num_warps * 32
-        self.variant = variant
-        self.qhead_per_kvhead_packed = qhead_per_kvhead_packed  # rows per query position in the M tile
-        self.is_split = is_split
         # Q in registers for the whole KV loop removes Q's ldmatrix traffic, a fifth of
         # the shared-memory reads of each block, at the cost of its fragment's registers.
         self.q_in_regs = q_in_regs
@@ -78,26 +62,7 @@ class FlashAttnFwdSm80:
         assert tile_m % (16 * num_warps) == 0 and tile_n % 16 == 0
 
     @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,  # (b, s_q, h, d) or (total_q, h, d)
-        mK: cute.Tensor,  # (b, s_k, h_kv, d), (total_k, h_kv, d) or (num_pages, page_size, h_kv, d)
-        mV: cute.Tensor,  # as mK, with d_v
-        mO: cute.Tensor,  # (b, s_q, h, d_v) / (total_q, h, d_v); split: (num_splits, ...) fp32
-        mLSE: Optional[cute.Tensor],  # (b, h, s_q) / (h, total_q); split: (num_splits, ...)
-        mCuSeqlensQ: Optional[cute.Tensor],  # (b + 1,) int32
-        mCuSeqlensK: Optional[cute.Tensor],  # (b + 1,) int32
-        mSeqUsedK: Optional[cute.Tensor],  # (b,) int32
-        mPageTable: Optional[cute.Tensor],  # (b, max_pages) int32
-        softmax_scale: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        softcap: Float32,
-        num_splits: Int32,
-        max_seqlen_q: Int32,
-        batch_size: Int32,
-        stream,
-    ):
+    def launch(self, args: FwdArgs, stream):
         sQ_layout = _smem_layout(self.dtype, self.tile_m, self.head_dim)
         sK_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim)
         sV_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim_v)
@@ -113,20 +78,17 @@ class FlashAttnFwdSm80:
             (self.num_threads // 32, 1, 1),
             permutation_mnk=(self.num_threads // 32 * 16, 16, 16),
         )
-        heads_q = mQ.shape[cute.rank(mQ) - 2]
-        heads_kv = mK.shape[cute.rank(mK) - 2]
-        heads_rows = heads_kv if cutlass.const_expr(self.qhead_per_kvhead_packed > 1) else heads_q
-        num_m_blocks = cute.ceil_div(max_seqlen_q * self.qhead_per_kvhead_packed, self.tile_m)
+        heads_q, heads_kv = args.heads()
+        heads_rows = heads_kv if cutlass.const_expr(self.pack > 1) else heads_q
+        num_m_blocks = cute.ceil_div(args.max_seqlen_q * self.pack, self.tile_m)
         self.kernel(
-            mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable,
-            softmax_scale, window_left, window_right, softcap, num_splits,
-            sQ_layout, sK_layout, sV_layout,
+            args, (sQ_layout, sK_layout, sV_layout),
             gmem_tiled_copy(self.dtype, self.head_dim, self.num_threads),
             gmem_tiled_copy(self.dtype, self.head_dim_v, self.num_threads),
             tiled_mma,
             SharedStorage,
         ).launch(
-            grid=SingleTileScheduler.grid(num_m_blocks, heads_rows, num_splits, batch_size),
+            grid=SingleTileScheduler.grid(num_m_blocks, heads_rows, args.num_splits, args.batch_size),
             block=(self.num_threads, 1, 1),
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -135,39 +97,27 @@ class FlashAttnFwdSm80:
     @cute.kernel
     def kernel(
         self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: Optional[cute.Tensor],
-        mCuSeqlensQ: Optional[cute.Tensor],
-        mCuSeqlensK: Optional[cute.Tensor],
-        mSeqUsedK: Optional[cute.Tensor],
-        mPageTable: Optional[cute.Tensor],
-        softmax_scale: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        softcap: Float32,
-        num_splits: Int32,
-        sQ_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout,
-        sV_layout: cute.ComposedLayout,
+        args: FwdArgs,
+        smem_layouts: tuple,  # Q, K, V
         gmem_copy_QK: cute.TiledCopy,
         gmem_copy_V: cute.TiledCopy,
         tiled_mma: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
     ):
+        sQ_layout, sK_layout, sV_layout = smem_layouts
+        mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable = args[:9]
+        softmax_scale, window_left, window_right, softcap, num_splits = args[9:14]
         tidx, _, _ = cute.arch.thread_idx()
         work = SingleTileScheduler.get_work(num_splits)
         varlen_q = cutlass.const_expr(mCuSeqlensQ is not None)
         varlen_k = cutlass.const_expr(mCuSeqlensK is not None)
         paged = cutlass.const_expr(mPageTable is not None)
-        if cutlass.const_expr(self.qhead_per_kvhead_packed > 1):
+        if cutlass.const_expr(self.pack > 1):
             head_kv = work.head
         else:
             head_kv = work.head // (mQ.shape[cute.rank(mQ) - 2] // mK.shape[cute.rank(mK) - 2])
         seqlen = SeqlenInfo.create_for(work.batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable)
-        rows_valid = seqlen.seqlen_q * self.qhead_per_kvhead_packed - work.m_block * self.tile_m
+        rows_valid = seqlen.seqlen_q * self.pack - work.m_block * self.tile_m
         if rows_valid > 0:
             cap_inv = Float32(0.0)
             if cutlass.const_expr(self.variant.has_score_mod):
@@ -201,11 +151,11 @@ class FlashAttnFwdSm80:
         )
 
         # Q rows of this head group (packed under pack_gqa): row index -> (d,) gmem row.
-        packed = self.qhead_per_kvhead_packed
+        packed = self.pack
         mQ_rows = packed_rows(seqlen.q_view(mQ, ctx.batch, varlen_q), tile.head_rows(packed), packed)
         q_rows = lambda r: mQ_rows[r, None]
 
-        block_info = BlockInfo(self.tile_m, self.tile_n, self.qhead_per_kvhead_packed, self.variant)
+        block_info = BlockInfo(self.tile_m, self.tile_n, self.pack, self.variant)
         n_block_min, n_block_max = block_info.get_n_block_min_max(
             m_block, ctx, tile.split_idx, num_splits, self.is_split
         )
@@ -298,7 +248,7 @@ class FlashAttnFwdSm80:
             gemm_ss(tiled_mma, acc_S, mma.tSrQ, mma.tSrK, mma.tSsQ, mma.tSsK, mma.smem_thr_copy_Q,
                     mma.smem_thr_copy_K)
         apply_to_scores(self.variant, acc_mn_view(acc_S), mma.tScS_mn, tile.ctx, tile.m_block * self.tile_m,
-                        n_block * self.tile_n, self.qhead_per_kvhead_packed, tile.softmax_scale, masked)
+                        n_block * self.tile_n, self.pack, tile.softmax_scale, masked)
 
         # V(n) has landed and every warp is done reading K(n): prefetch K(n-1).
         cute.arch.cp_async_wait_group(0)
@@ -375,8 +325,8 @@ class FlashAttnFwdSm80:
         ctx, seqlen = tile.ctx, tile.seqlen
         if cutlass.const_expr(self.is_split):
             mO = mO[(tile.split_idx,) + (None,) * (cute.rank(mO) - 1)]
-        head = tile.head_rows(self.qhead_per_kvhead_packed)
-        mO_rows = packed_rows(seqlen.q_view(mO, ctx.batch, varlen_q), head, self.qhead_per_kvhead_packed)
+        head = tile.head_rows(self.pack)
+        mO_rows = packed_rows(seqlen.q_view(mO, ctx.batch, varlen_q), head, self.pack)
         rO = cute.make_fragment_like(acc_O, self.out_dtype)
         rO.store(acc_O.load().to(self.out_dtype))
         rO_mn = acc_mn_view(rO)
@@ -396,7 +346,7 @@ class FlashAttnFwdSm80:
             if cutlass.const_expr(self.is_split):
                 mLSE = mLSE[(tile.split_idx,) + (None,) * (cute.rank(mLSE) - 1)]
             mLSE_rows = packed_lse_rows(seqlen.lse_view(mLSE, ctx.batch, varlen_q), head,
-                                        self.qhead_per_kvhead_packed)
+                                        self.pack)
             for r in cutlass.range_constexpr(cute.size(rO_mn, mode=[0])):
                 row = tOcO_mn[r, 0][0]
                 # The four lanes sharing a row hold the same LSE; the one at column 0 writes it.
@@ -460,21 +410,6 @@ class _MmaOperands:
 
 
 def compile_fwd_sm80(key: tuple):
-    """Compiles the kernel for ``key`` (see ``fwd_key``) on fake tensors: no GPU needed."""
-    (_, arch, dtype_name, d, dv, tile_m, tile_n, num_warps, q_in_regs, flags, pack, is_split, has_lse,
-     varlen_q, varlen_k, has_seqused_k, paged) = key
-    causal, local, softcap = flags
-    dtype = CUTE_DTYPE_BY_NAME[dtype_name]
-    kernel = FlashAttnFwdSm80(
-        dtype, d, dv, tile_m, tile_n, num_warps, make_variant(causal, local, softcap),
-        qhead_per_kvhead_packed=pack, is_split=is_split, q_in_regs=q_in_regs,
-    )
-    return compile_fwd(kernel, dtype, d, dv, arch, is_split=is_split, has_lse=has_lse, varlen_q=varlen_q,
-                       varlen_k=varlen_k, has_seqused_k=has_seqused_k, paged=paged)
-
-
-def fwd_key(arch, dtype_name, d, dv, tile, flags, pack, is_split, has_lse, varlen_q, varlen_k, has_seqused_k, paged):
-    tile_m, tile_n, num_warps, q_in_regs = tile
-    return ("fwd_sm80", arch, dtype_name, d, dv, tile_m, tile_n, num_warps, bool(q_in_regs),
-            tuple(bool(f) for f in flags), int(pack),
-            bool(is_split), bool(has_lse), bool(varlen_q), bool(varlen_k), bool(has_seqused_k), bool(paged))
+    """Compiles the kernel for ``key`` (``sm80.compile_key``) on fake tensors: no GPU needed."""
+    return compile_from_key(key, 4, lambda dtype, d, dv, tile, variant, pack, is_split: FlashAttnFwdSm80(
+        dtype, d, dv, *tile[:3], variant, qhead_per_kvhead_packed=pack, is_split=is_split, q_in_regs=tile[3]))

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..cute_utils import DTYPE_NAMES, target_arch
-from ..fwd import FwdPlan, FwdProblem, bind_launcher, plan_rows, plan_splits
+from ..fwd import FwdPlan, FwdProblem, backend_entry_points, plan_rows, plan_splits
 from ..tile_scheduler import l2_heads_for
 
 NAME = "sm90"
@@ -38,7 +37,7 @@ def check(problem: FwdProblem) -> Optional[str]:
     for what, d in (("q/k", problem.d), ("v", problem.d_v)):
         if d not in HEAD_DIMS:
             return f"{what} head dimension {d} is not one of {HEAD_DIMS}"
-    return _host().unsupported_reason(problem.d, problem.d_v, problem.paged, problem.page_size or None)
+    return _host().unsupported_reason(problem.d, problem.d_v)
 
 
 def select_tile(problem: FwdProblem, rows_per_kv_head: int) -> tuple:
@@ -56,20 +55,9 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     return FwdPlan(NAME, tuple(tile), pack_gqa, num_splits)
 
 
-def compile_key(problem: FwdProblem, plan: FwdPlan, arch: Optional[str] = None) -> tuple:
-    """The kernel's compile key. A split kernel always writes partial LSEs."""
-    return _host().fwd_key(arch or target_arch(), DTYPE_NAMES[problem.dtype], problem.d, problem.d_v, plan.tile,
-                           problem.variant_flags, plan.qhead_per_kvhead_packed(problem), plan.num_splits > 1,
-                           problem.has_lse or plan.num_splits > 1, problem.varlen_q, problem.varlen_k,
-                           problem.has_seqused_k, problem.paged)
-
-
-def compile(key: tuple):
-    return _host().compile_fwd_sm90(key)
-
-
-def launcher(problem: FwdProblem, plan: FwdPlan):
-    """``launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)``: see
-    ``fwd.bind_launcher``."""
-    return bind_launcher(NAME, compile_key(problem, plan), compile, problem, plan,
-                         extra_scalars=(int(l2_heads_for(problem.max_seqlen_k, problem.d, problem.d_v)),))
+# compile_key, compile, launcher: the seam's shared entry points. The key's tile always
+# carries ex2_emulate_every, then gather_kv; l2_heads is the kernel's extra runtime scalar.
+compile_key, compile, launcher = backend_entry_points(
+    NAME, "flash_attn_cute.sm90.flash_fwd", "compile_fwd_sm90", tile=lambda plan: (*plan.tile, 0)[:4],
+    key_extra=lambda problem, plan: (_host().gathers_kv(plan.tile[1], problem.page_size),),
+    extra_scalars=lambda problem: (int(l2_heads_for(problem.max_seqlen_k, problem.d, problem.d_v)),))

@@ -42,14 +42,14 @@ from cutlass.tensor_utils import LayoutEnum
 
 from flash_attn_cute.block_info import BlockInfo
 from flash_attn_cute.copy_utils import aligned_row_ptr, gmem_tiled_copy
-from flash_attn_cute.cute_utils import CUTE_DTYPE_BY_NAME, compile_fwd
+from flash_attn_cute.fwd_kernel import FwdArgs, compile_from_key, fwd_call, set_fwd_config, split_slice, zero_rows_from
 from flash_attn_cute.layout_utils import acc_mn_view, acc_to_operand_a, select, transpose_view
 from flash_attn_cute.pack_gqa import packed_lse_rows, packed_rows
 from flash_attn_cute.paged_kv import page_and_row
 from flash_attn_cute.seqlen_info import SeqlenInfo
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
 from flash_attn_cute.tile_scheduler import LptScheduler, SingleTileScheduler
-from flash_attn_cute.variants import AttentionVariant, AttnCtx, VariantParams, apply_to_scores, make_variant
+from flash_attn_cute.variants import AttentionVariant, AttnCtx, VariantParams, apply_to_scores
 
 
 class NamedBarrier(enum.IntEnum):
@@ -68,15 +68,26 @@ class WarpRoles:
     num_consumer_wgs: int
     producer_regs: int
     consumer_regs: int
+    gather_kv: bool  # every producer warp gathers KV rows by cp.async (else warp 0 issues TMA)
 
     @staticmethod
-    def for_consumers(num_consumer_wgs: int) -> "WarpRoles":
-        regs = {1: (56, 256), 2: (24, 240), 3: (32, 160)}[num_consumer_wgs]
-        return WarpRoles(num_consumer_wgs, *regs)
+    def for_consumers(num_consumer_wgs: int, gather_kv: bool = False) -> "WarpRoles":
+        # A gathering producer holds a page and a row per gathered row (8 of each at
+        # tile_n 128) to overlap their lookups: with one consumer warpgroup the register
+        # file has room for 96 (56 spilled); with two, 40, paid for by the consumers
+        # (240 -> 232). The launch gives every thread 65536 / threads registers, the pool
+        # setmaxnreg redistributes: producer + consumers <= 512, 504, 512 for 1, 2, 3.
+        regs = {1: (96 if gather_kv else 56, 256), 2: (40, 232) if gather_kv else (24, 240),
+                3: (32, 160)}[num_consumer_wgs]
+        return WarpRoles(num_consumer_wgs, *regs, gather_kv)
 
     @property
     def producer_warps(self):
-        return (0, 1, 2, 3)  # warpgroup 0; only warp 0 issues loads
+        return (0, 1, 2, 3)  # warpgroup 0
+
+    @property
+    def num_producer_threads(self) -> int:
+        return 128
 
     @property
     def num_consumer_threads(self) -> int:
@@ -93,11 +104,6 @@ def _smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None):
     if stages is None:
         return cute.tile_to_shape(atom, (rows, cols), (0, 1))
     return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
-
-
-def _split_slice(mX: cute.Tensor, split_idx) -> cute.Tensor:
-    """Split partial ``split_idx`` of an (num_splits, ...) output tensor."""
-    return mX[(split_idx,) + (None,) * (cute.rank(mX) - 1)]
 
 
 def _convert_pairs(src: cute.Tensor, dst: cute.Tensor):
@@ -130,34 +136,24 @@ def wgmma_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tC
 
 
 class FlashAttnFwdSm90:
-    def __init__(
-        self,
-        dtype,
-        head_dim: int,
-        head_dim_v: int,
-        tile_m: int,
-        tile_n: int,
-        num_stages: int,
-        variant: AttentionVariant,
-        qhead_per_kvhead_packed: int = 1,
-        is_split: bool = False,
-        ex2_emulate_every: int = 0,
-    ):
-        self.dtype = dtype
-        self.out_dtype = Float32 if is_split else dtype
-        self.head_dim = head_dim
-        self.head_dim_v = head_dim_v
+    __call__ = fwd_call  # the forward kernels' shared entry point: FwdArgs -> launch
+
+    def __init__(self, dtype, head_dim: int, head_dim_v: int, tile_m: int, tile_n: int, num_stages: int,
+                 variant: AttentionVariant, qhead_per_kvhead_packed: int = 1, is_split: bool = False,
+                 ex2_emulate_every: int = 0, gather_kv: bool = False):
+        set_fwd_config(self, dtype, head_dim, head_dim_v, variant, qhead_per_kvhead_packed, is_split)
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.num_stages = num_stages
-        self.variant = variant
-        self.pack = qhead_per_kvhead_packed
-        self.is_split = is_split
         # Every k-th exponential of an unmasked block on the FMA pipe (softmax.ex2_poly):
         # at d=64 the MUFU unit, not the tensor cores, bounds the loop. Off by default:
         # k = 4, 8, 16 measured no faster on the H200 (486 / 506 / 516 vs 513 TFLOP/s).
         self.ex2_emulate_every = ex2_emulate_every
-        self.roles = WarpRoles.for_consumers(tile_m // 64)
+        # Paged KV whose pages do not hold whole tile_n blocks (page size 1, 16, ...): no TMA
+        # box spans a block, so the producer warpgroup gathers rows with cp.async, one page
+        # lookup per row (``paged_kv``), and signals each stage with cp.async mbarrier arrives.
+        self.gather_kv = gather_kv
+        self.roles = WarpRoles.for_consumers(tile_m // 64, gather_kv)
         # Ping-pong pays when the softmax of one warpgroup can hide the other's MMAs;
         # at d=256 the MMAs dominate and the turn-taking only adds waits.
         self.use_scheduler_barrier = self.roles.num_consumer_wgs >= 2 and max(head_dim, head_dim_v) <= 128
@@ -170,29 +166,10 @@ class FlashAttnFwdSm90:
         assert tile_m % 64 == 0 and tile_n % 16 == 0 and head_dim % 16 == 0 and head_dim_v % 16 == 0
 
     @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,  # (b, s_q, h, d) or (total_q, h, d)
-        mK: cute.Tensor,  # (b, s_k, h_kv, d), (total_k, h_kv, d) or (num_pages, page_size, h_kv, d)
-        mV: cute.Tensor,  # as mK, with d_v
-        mO: cute.Tensor,  # (b, s_q, h, d_v) / (total_q, h, d_v); split: (num_splits, ...) fp32
-        mLSE: Optional[cute.Tensor],  # (b, h, s_q) / (h, total_q); split: (num_splits, ...)
-        mCuSeqlensQ: Optional[cute.Tensor],
-        mCuSeqlensK: Optional[cute.Tensor],
-        mSeqUsedK: Optional[cute.Tensor],
-        mPageTable: Optional[cute.Tensor],
-        softmax_scale: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        softcap: Float32,
-        num_splits: Int32,
-        max_seqlen_q: Int32,
-        batch_size: Int32,
-        l2_heads: Int32,  # l2_heads_for(...): (head, batch) pairs per L2 section of the LPT order
-        stream,
-    ):
-        varlen_q = cutlass.const_expr(mCuSeqlensQ is not None)
-        varlen_k = cutlass.const_expr(mCuSeqlensK is not None and mPageTable is None)
+    def launch(self, args: FwdArgs, l2_heads: Int32, stream):
+        """``l2_heads``: l2_heads_for(...), (head, batch) pairs per L2 section of the LPT order."""
+        mQ, mK, mV, mO = args.mQ, args.mK, args.mV, args.mO
+        varlen_q, varlen_k = cutlass.const_expr(args.varlen_q), cutlass.const_expr(args.varlen_k)
         sQ_layout = _smem_layout(self.dtype, self.tile_m, self.head_dim)
         sO_layout = _smem_layout(self.dtype, self.tile_m, self.head_dim_v)
         # O leaves through smem (Q's buffer, free by then) and one TMA store, for batch
@@ -200,7 +177,7 @@ class FlashAttnFwdSm90:
         # next sequence) and fp32 split partials are stored from registers.
         self.use_tma_o = self.use_tma_q and not varlen_q and not self.is_split
         self.use_lpt = self.variant.has_mask and not varlen_q
-        self.cache_tail_may_be_garbage = mSeqUsedK is not None or mPageTable is not None
+        self.cache_tail_may_be_garbage = args.cache_tail_may_be_garbage
         sK_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim, self.num_stages)
         sV_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim_v, self.num_stages)
 
@@ -228,18 +205,20 @@ class FlashAttnFwdSm90:
 
         # TMA views: (rows, d, head[, batch]) so a tile is (tile, d) at fixed head/batch.
         tma_op = cpasync.CopyBulkTensorTileG2SOp()
-        if cutlass.const_expr(mPageTable is not None):
+        if cutlass.const_expr(args.paged):
             kv_modes = [1, 3, 2, 0]  # (page_size, d, h_kv, num_pages)
         elif cutlass.const_expr(varlen_k):
             kv_modes = [0, 2, 1]  # (total_k, d, h_kv)
         else:
             kv_modes = [1, 3, 2, 0]  # (s_k, d, h_kv, b)
-        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
-            tma_op, select(mK, kv_modes), cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.head_dim)
-        )
-        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
-            tma_op, select(mV, kv_modes), cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.head_dim_v)
-        )
+        tma_atom_K, tma_K, tma_atom_V, tma_V = None, mK, None, mV
+        if cutlass.const_expr(not self.gather_kv):
+            tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+                tma_op, select(mK, kv_modes), cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.head_dim)
+            )
+            tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
+                tma_op, select(mV, kv_modes), cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.head_dim_v)
+            )
         tma_atom_Q, tma_Q = None, mQ
         if cutlass.const_expr(self.use_tma_q):
             q_modes = [0, 2, 1] if varlen_q else [1, 3, 2, 0]
@@ -257,20 +236,17 @@ class FlashAttnFwdSm90:
             cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1])),
         )
 
-        heads_q = mQ.shape[cute.rank(mQ) - 2]
-        heads_kv = mK.shape[cute.rank(mK) - 2]
+        heads_q, heads_kv = args.heads()
         heads_eff = heads_kv if cutlass.const_expr(self.pack > 1) else heads_q
-        num_m_blocks = cute.ceil_div(max_seqlen_q * self.pack, self.tile_m)
+        num_m_blocks = cute.ceil_div(args.max_seqlen_q * self.pack, self.tile_m)
         self.kernel(
-            tma_Q, tma_K, tma_V, mQ, mK, tma_O, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable,
-            tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
-            softmax_scale, window_left, window_right, softcap, num_splits,
-            sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv,
+            args, (tma_Q, tma_K, tma_V, tma_O), (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O),
+            (sQ_layout, sK_layout, sV_layout, sO_layout), tiled_mma_qk, tiled_mma_pv,
             gmem_tiled_copy(self.dtype, self.head_dim, self.roles.num_consumer_threads),
-            tx_bytes, SharedStorage, num_m_blocks, heads_eff, batch_size, l2_heads,
+            tx_bytes, SharedStorage, num_m_blocks, heads_eff, l2_heads,
         ).launch(
             grid=(LptScheduler if self.use_lpt else SingleTileScheduler).grid(
-                num_m_blocks, heads_eff, num_splits, batch_size
+                num_m_blocks, heads_eff, args.num_splits, args.batch_size
             ),
             block=(self.roles.num_threads, 1, 1),
             smem=SharedStorage.size_in_bytes(),
@@ -281,30 +257,10 @@ class FlashAttnFwdSm90:
     @cute.kernel
     def kernel(
         self,
-        tma_Q: cute.Tensor,
-        tma_K: cute.Tensor,
-        tma_V: cute.Tensor,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,  # the caller's K, for its shape only (loads go through tma_K)
-        mO: cute.Tensor,
-        mLSE: Optional[cute.Tensor],
-        mCuSeqlensQ: Optional[cute.Tensor],
-        mCuSeqlensK: Optional[cute.Tensor],
-        mSeqUsedK: Optional[cute.Tensor],
-        mPageTable: Optional[cute.Tensor],
-        tma_atom_Q: Optional[cute.CopyAtom],
-        tma_atom_K: cute.CopyAtom,
-        tma_atom_V: cute.CopyAtom,
-        tma_atom_O: Optional[cute.CopyAtom],
-        softmax_scale: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        softcap: Float32,
-        num_splits: Int32,
-        sQ_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout,
-        sV_layout: cute.ComposedLayout,
-        sO_layout: cute.ComposedLayout,
+        args: FwdArgs,  # the caller's tensors (Q and K for their shapes: loads go through the views) and scalars
+        tma_views: tuple,  # Q, K, V, O: TMA views, or the tensors themselves where no TMA applies
+        tma_atoms: tuple,  # Q, K, V, O: TMA atoms or None
+        smem_layouts: tuple,  # Q, K, V, O
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         gmem_copy_Q: cute.TiledCopy,
@@ -312,9 +268,13 @@ class FlashAttnFwdSm90:
         SharedStorage: cutlass.Constexpr,
         num_m_blocks: Int32,
         heads_eff: Int32,
-        batch_size: Int32,
         l2_heads: Int32,
     ):
+        tma_Q, tma_K, tma_V, mO = tma_views
+        tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O = tma_atoms
+        sQ_layout, sK_layout, sV_layout, sO_layout = smem_layouts
+        mQ, mK, _, _, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable = args[:9]
+        softmax_scale, window_left, window_right, softcap, num_splits, _, batch_size = args[9:]
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
@@ -331,14 +291,25 @@ class FlashAttnFwdSm90:
             barrier_storage=storage.mbar_Q.data_ptr(), num_stages=1, producer_group=tma_warp,
             consumer_group=consumer_warps, tx_count=tx_bytes[0], defer_sync=True,
         )
-        pipeline_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_K.data_ptr(), num_stages=self.num_stages, producer_group=tma_warp,
-            consumer_group=consumer_warps, tx_count=tx_bytes[1], defer_sync=True,
-        )
-        pipeline_v = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_V.data_ptr(), num_stages=self.num_stages, producer_group=tma_warp,
-            consumer_group=consumer_warps, tx_count=tx_bytes[2], defer_sync=True,
-        )
+        if cutlass.const_expr(self.gather_kv):
+            # Full: one cp.async arrive per producer thread, once its copies landed. Empty:
+            # one arrive per consumer warp (``kv_release``), as for TMA.
+            gatherers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.roles.num_producer_threads)
+            pipeline_k, pipeline_v = (
+                pipeline.PipelineCpAsync.create(
+                    barrier_storage=mbar.data_ptr(), num_stages=self.num_stages, producer_group=gatherers,
+                    consumer_group=consumer_warps, defer_sync=True,
+                )
+                for mbar in (storage.mbar_K, storage.mbar_V)
+            )
+        else:
+            pipeline_k, pipeline_v = (
+                pipeline.PipelineTmaAsync.create(
+                    barrier_storage=mbar.data_ptr(), num_stages=self.num_stages, producer_group=tma_warp,
+                    consumer_group=consumer_warps, tx_count=tx, defer_sync=True,
+                )
+                for mbar, tx in ((storage.mbar_K, tx_bytes[1]), (storage.mbar_V, tx_bytes[2]))
+            )
         pipeline.pipeline_init_arrive()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -373,12 +344,12 @@ class FlashAttnFwdSm90:
         if rows_valid > 0:
             if warp_idx < len(self.roles.producer_warps):
                 cute.arch.setmaxregister_decrease(self.roles.producer_regs)
-                if warp_idx == 0:
+                if warp_idx == 0 or cutlass.const_expr(self.gather_kv):
                     if n_block_max > n_block_min:
                         self.load(
                             tma_Q, tma_K, tma_V, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
                             pipeline_q, pipeline_k, pipeline_v, seqlen, m_block, head, head_kv, batch,
-                            n_block_min, n_block_max, varlen_q, varlen_k, paged,
+                            n_block_min, n_block_max, varlen_q, varlen_k, paged, warp_idx, tidx,
                         )
             else:
                 cute.arch.setmaxregister_increase(self.roles.consumer_regs)
@@ -396,10 +367,46 @@ class FlashAttnFwdSm90:
     def load(
         self, tma_Q, tma_K, tma_V, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
         pipeline_q, pipeline_k, pipeline_v, seqlen, m_block, head, head_kv, batch, n_block_min, n_block_max,
-        varlen_q: cutlass.Constexpr, varlen_k: cutlass.Constexpr, paged: cutlass.Constexpr,
+        varlen_q: cutlass.Constexpr, varlen_k: cutlass.Constexpr, paged: cutlass.Constexpr, warp_idx, tidx,
     ):
-        """One warp: Q once, then K one block ahead of V, so that the consumers' Q K^T of
-        block n can start while P V of block n+1 still waits for V."""
+        """Q once (warp 0), then K one block ahead of V, so that the consumers' Q K^T of
+        block n can start while P V of block n+1 still waits for V. KV blocks go by TMA from
+        warp 0, or are gathered row by row by the whole warpgroup (``gather_kv``)."""
+        if cutlass.const_expr(self.gather_kv):
+            load_k, load_v = self.kv_gatherers(tma_K, tma_V, mPageTable, sK, sV, pipeline_k, pipeline_v, seqlen,
+                                               head_kv, batch, tidx)
+        else:
+            load_k, load_v = self.kv_tma_loaders(tma_K, tma_V, mPageTable, sK, sV, tma_atom_K, tma_atom_V,
+                                                 pipeline_k, pipeline_v, seqlen, head_kv, batch, varlen_k, paged)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        load_k(n_block_max - 1, state)
+        if cutlass.const_expr(self.use_tma_q):
+            if warp_idx == 0:
+                if cutlass.const_expr(varlen_q):
+                    mQ_cur = cute.domain_offset((seqlen.offset_q, 0), tma_Q[None, None, head])
+                else:
+                    mQ_cur = tma_Q[None, None, head, batch]
+                gQ = cute.local_tile(mQ_cur, (self.tile_m, self.head_dim), (m_block, 0))
+                tQsQ, tQgQ = cpasync.tma_partition(
+                    tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+                )
+                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                pipeline_q.producer_acquire(q_state)
+                cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+        for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+            n_block = n_block_max - 2 - i
+            state_v = state.clone()
+            state.advance()
+            load_k(n_block, state)
+            load_v(n_block + 1, state_v)
+        load_v(n_block_min, state)
+        state.advance()
+        # Keep the CTA alive until the consumers released every stage it filled.
+        pipeline_v.producer_tail(state)
+
+    def kv_tma_loaders(self, tma_K, tma_V, mPageTable, sK, sV, tma_atom_K, tma_atom_V, pipeline_k, pipeline_v,
+                       seqlen, head_kv, batch, varlen_k: bool, paged: bool):
+        """(load_k, load_v): ``(n_block, state) ->`` one TMA of the block into the stage."""
         if cutlass.const_expr(paged):
             mK_cur = tma_K[None, None, head_kv, None]  # (page_size, d, num_pages)
             mV_cur = tma_V[None, None, head_kv, None]
@@ -420,33 +427,9 @@ class FlashAttnFwdSm90:
         tVsV, tVgV = cpasync.tma_partition(
             tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
         )
-
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         load_k = lambda n_block, st: self.load_kv(tma_atom_K, tKgK, tKsK, pipeline_k, n_block, st, mPageTable, batch)
         load_v = lambda n_block, st: self.load_kv(tma_atom_V, tVgV, tVsV, pipeline_v, n_block, st, mPageTable, batch)
-        load_k(n_block_max - 1, state)
-        if cutlass.const_expr(self.use_tma_q):
-            if cutlass.const_expr(varlen_q):
-                mQ_cur = cute.domain_offset((seqlen.offset_q, 0), tma_Q[None, None, head])
-            else:
-                mQ_cur = tma_Q[None, None, head, batch]
-            gQ = cute.local_tile(mQ_cur, (self.tile_m, self.head_dim), (m_block, 0))
-            tQsQ, tQgQ = cpasync.tma_partition(
-                tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-            )
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            pipeline_q.producer_acquire(q_state)
-            cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
-        for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
-            n_block = n_block_max - 2 - i
-            state_v = state.clone()
-            state.advance()
-            load_k(n_block, state)
-            load_v(n_block + 1, state_v)
-        load_v(n_block_min, state)
-        state.advance()
-        # Keep the CTA alive until the consumers released every stage it filled.
-        pipeline_v.producer_tail(state)
+        return load_k, load_v
 
     @cute.jit
     def load_kv(self, tma_atom, tXgX, tXsX, pipe, n_block, state, mPageTable, batch):
@@ -461,6 +444,55 @@ class FlashAttnFwdSm90:
         else:
             src = tXgX[None, n_block]
         cute.copy(tma_atom, src, tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
+
+    def kv_gatherers(self, mK, mV, mPageTable, sK, sV, pipeline_k, pipeline_v, seqlen, head_kv, batch, tidx):
+        """(load_k, load_v) for ``gather_kv``: each producer thread copies its 16-byte chunks
+        of the block's rows, each row through its own page lookup (``page_and_row``)."""
+        nthreads = self.roles.num_producer_threads
+
+        def loader(mX, sX, cols, pipe):
+            tiled_copy = gmem_tiled_copy(self.dtype, cols, nthreads)
+            thr_copy = tiled_copy.get_slice(tidx)
+            tXsX = thr_copy.partition_D(sX)
+            tXcX = thr_copy.partition_S(cute.make_identity_tensor((self.tile_n, cols)))
+            mX_h = mX[None, None, head_kv, None]  # (num_pages, page_size, cols)
+            return lambda n_block, st: self.gather_kv_block(tiled_copy, tXsX, tXcX, mX_h, mPageTable, batch, pipe,
+                                                            n_block, st, seqlen.seqlen_k)
+
+        return loader(mK, sK, self.head_dim, pipeline_k), loader(mV, sV, self.head_dim_v, pipeline_v)
+
+    @cute.jit
+    def gather_kv_block(self, tiled_copy, tXsX, tXcX, mX_h, mPageTable, batch, pipe, n_block, state, seqlen_k):
+        """cp.async of this thread's chunks of block n_block, then a cp.async arrive on the
+        stage's full barrier (it fires when they land). All page lookups of the block are
+        issued before the first copy, so their latencies overlap (one after another, page
+        size 1 read 1.65 TB/s on the H200). Rows past the sequence end are not read: their
+        scores are masked, and the consumers zero the V tail (``zero_v_tail``)."""
+        page_size, num_pages = mX_h.shape[1], mX_h.shape[0]
+        tXsX_s = tXsX[None, None, None, state.index]
+        rows = cute.size(tXsX_s, mode=[1])
+        # Lookups in flight at once: every row's with one consumer warpgroup (96 producer
+        # registers); 4 with two (40 registers: 8 spilled 126 values in the producer loop).
+        group = rows if cutlass.const_expr(self.roles.producer_regs >= 96) else min(rows, 4)
+        t0 = n_block * self.tile_n
+        last = seqlen_k - 1
+        tPrPage = cute.make_rmem_tensor((group,), Int32)
+        tPrRow = cute.make_rmem_tensor((group,), Int32)
+        for g in cutlass.range_constexpr(cute.ceil_div(rows, group)):
+            for i in cutlass.range_constexpr(min(group, rows - g * group)):
+                t = cutlass.min(t0 + tXcX[0, g * group + i, 0][0], last)
+                tPrPage[i], tPrRow[i] = page_and_row(mPageTable, batch, t, page_size, num_pages)
+            if cutlass.const_expr(g == 0):
+                pipe.producer_acquire(state)
+            for i in cutlass.range_constexpr(min(group, rows - g * group)):
+                m = g * group + i
+                if t0 + tXcX[0, m, 0][0] <= last:
+                    g_row = mX_h[tPrPage[i], tPrRow[i], None]
+                    for k in cutlass.range_constexpr(cute.size(tXsX_s, mode=[2])):
+                        src = cute.make_tensor(aligned_row_ptr(g_row, tXcX[0, m, k][1], 16),
+                                               tXsX_s[None, m, k].layout)
+                        cute.copy(tiled_copy, src, tXsX_s[None, m, k])
+        pipe.producer_commit(state)
 
     # -----------------------------------------------------------------------------------
     # Consumers
@@ -516,10 +548,10 @@ class FlashAttnFwdSm90:
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
 
             # First block: S only (its P V is issued with the next block's Q K^T).
-            pipeline_k.consumer_wait(state)
+            self.kv_wait(pipeline_k, state)
             acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
             wgmma_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], True, 0)
-            pipeline_k.consumer_release(state)
+            self.kv_release(pipeline_k, state)
             apply_to_scores(self.variant, acc_mn_view(acc_S), tScS_mn, ctx, row0, (n_block_max - 1) * self.tile_n,
                             self.pack, softmax_scale, True)
             self.softmax(softmax, acc_S, acc_O, tOrP, None, scale_carry)
@@ -543,9 +575,9 @@ class FlashAttnFwdSm90:
 
             # Last P V.
             self.rescale_carried(softmax, acc_O, scale_carry)
-            pipeline_v.consumer_wait(state)
+            self.kv_wait(pipeline_v, state)
             wgmma_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], False, 0)
-            pipeline_v.consumer_release(state)
+            self.kv_release(pipeline_v, state)
 
         lse = cute.make_rmem_tensor((softmax.num_rows,), Float32)
         softmax.finalize(acc_O, lse)
@@ -561,21 +593,21 @@ class FlashAttnFwdSm90:
         starts once S lands, while P V still runs."""
         state_v = state.clone()
         state.advance()
-        pipeline_k.consumer_wait(state)
+        self.kv_wait(pipeline_k, state)
         self.scheduler_sync(wg_idx)
         acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         wgmma_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], True, -1)
         self.rescale_carried(softmax, acc_O, scale_carry)  # while Q K^T runs
-        pipeline_v.consumer_wait(state_v)
+        self.kv_wait(pipeline_v, state_v)
         wgmma_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state_v.index], False, -1)
         self.scheduler_arrive(wg_idx)
         warpgroup.wait_group(1)  # S landed; P V may still run
-        pipeline_k.consumer_release(state)
+        self.kv_release(pipeline_k, state)
         apply_to_scores(self.variant, acc_mn_view(acc_S), tScS_mn, ctx, row0, n_block * self.tile_n, self.pack,
                         softmax_scale, masked)
         row_scale = softmax.step(acc_S, ex2_emulate_every=0 if masked else self.ex2_emulate_every)
         warpgroup.wait_group(0)  # P V landed: acc_O and tOrP are free
-        pipeline_v.consumer_release(state_v)
+        self.kv_release(pipeline_v, state_v)
         self.softmax(softmax, acc_S, acc_O, tOrP, row_scale, scale_carry)
         return state
 
@@ -599,20 +631,29 @@ class FlashAttnFwdSm90:
         whatever was there past seqused_k (the TMA box reads it); P is 0 there, but 0 * NaN
         is NaN. K needs nothing: its scores are masked to -inf."""
         if rows_valid < self.tile_n:
-            pipeline_v.consumer_wait(state)
-            sV_s = sV[None, None, state.index]
-            chunks = self.head_dim_v // 8
-            per_pass = self.roles.num_consumer_threads
-            for i in cutlass.range_constexpr(cute.ceil_div(self.tile_n * chunks, per_pass)):
-                idx = i * per_pass + cidx
-                row = idx // chunks
-                if row >= rows_valid and row < self.tile_n:
-                    col = (idx - row * chunks) * 8
-                    for j in cutlass.range_constexpr(8):
-                        sV_s[row, col + j] = self.dtype(0.0)
+            self.kv_wait(pipeline_v, state)
+            zero_rows_from(sV[None, None, state.index], rows_valid, cidx, self.roles.num_consumer_threads)
             # Generic-proxy stores, read next by wgmma (async proxy), by every warpgroup.
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=int(NamedBarrier.CONSUMERS), number_of_threads=self.roles.num_consumer_threads)
+
+    @cute.jit
+    def kv_wait(self, pipe, state):
+        """Waits for a K or V stage. Gathered rows were written by cp.async, in the generic
+        proxy; wgmma reads shared memory through the async proxy, hence the proxy fence."""
+        pipe.consumer_wait(state)
+        if cutlass.const_expr(self.gather_kv):
+            cute.arch.fence_view_async_shared()
+
+    @cute.jit
+    def kv_release(self, pipe, state):
+        """Frees a K or V stage: one arrive per consumer warp (the TMA pipeline elects its
+        lane itself; the cp.async pipeline would count every thread)."""
+        if cutlass.const_expr(self.gather_kv):
+            if cute.arch.lane_idx() == 0:
+                pipe.consumer_release(state)
+        else:
+            pipe.consumer_release(state)
 
     @cute.jit
     def rescale_carried(self, softmax: OnlineSoftmax, acc_O, scale_carry):
@@ -676,7 +717,7 @@ class FlashAttnFwdSm90:
             self.store_o_direct(acc_O, mO, tOcO_mn, ctx, seqlen, row0, head, split_idx, rows_valid, varlen_q)
         if cutlass.const_expr(mLSE is not None):
             if cutlass.const_expr(self.is_split):
-                mLSE = _split_slice(mLSE, split_idx)
+                mLSE = split_slice(mLSE, split_idx)
             lse_rows = packed_lse_rows(seqlen.lse_view(mLSE, ctx.batch, varlen_q), head, self.pack)
             for r in cutlass.range_constexpr(cute.size(tOcO_mn, mode=[0])):
                 row = tOcO_mn[r, 0][0]
@@ -713,7 +754,7 @@ class FlashAttnFwdSm90:
         """O straight from registers, two consecutive columns per store, through the
         row function (packed rows, varlen offsets, split partials)."""
         if cutlass.const_expr(self.is_split):
-            mO = _split_slice(mO, split_idx)
+            mO = split_slice(mO, split_idx)
         o_rows = packed_rows(seqlen.q_view(mO, ctx.batch, varlen_q), head, self.pack)
         rO = cute.make_fragment_like(acc_O, self.out_dtype)
         rO.store(acc_O.load().to(self.out_dtype))
@@ -751,7 +792,9 @@ def select_tile(d: int, dv: int, rows_per_kv_head: int, *, causal: bool = False,
     each holding a 64 x tile_n S, its P and a 64 x d_v O in registers; stages of K and V
     in smem; every ex2_emulate_every-th exponential on the FMA pipe (0: none).
     FLASH_ATTN_CUTE_SM90_TILE="m,n,stages[,ex2]" overrides (for tuning sweeps).
-    With a paged cache, tile_n divides the page size (TMA per block inside one page)."""
+    With a paged cache, tile_n divides the page size where a divisor >= 64 exists (one TMA
+    per block, inside one page); other page sizes keep the tile and gather rows
+    (``gathers_kv``)."""
     override = os.environ.get("FLASH_ATTN_CUTE_SM90_TILE")
     if override:
         m, n, s, *e = (int(x) for x in override.split(","))
@@ -772,45 +815,31 @@ def select_tile(d: int, dv: int, rows_per_kv_head: int, *, causal: bool = False,
         tile = (128, 64, 2)  # 64 measured faster than 80 on the H200 (690 vs 675 TFLOP/s, b4 s8192)
     if page_size is not None:
         m, n, s = tile
-        n = next((t for t in range(n, 15, -16) if page_size % t == 0), None)
-        if n is None:
-            return None
-        tile = (m, n, s)
+        tile = (m, next((t for t in range(n, 63, -16) if page_size % t == 0), n), s)
     m, n, s = tile
     while s > 2 and _smem_bytes(d, dv, m, n, s) > _SMEM_LIMIT:
         s -= 1
     return m, n, s, 0
 
 
-def unsupported_reason(d: int, dv: int, paged: bool, page_size: Optional[int]) -> Optional[str]:
-    """Why the SM90 kernel cannot run a problem (None when it can); the caller falls back."""
+def gathers_kv(tile_n: int, page_size: int) -> bool:
+    """Whether a paged cache (page_size > 0) is read by cp.async row gathers: its pages
+    do not hold whole tile_n blocks, so no TMA box spans one."""
+    return page_size > 0 and page_size % tile_n != 0
+
+
+def unsupported_reason(d: int, dv: int) -> Optional[str]:
+    """Why the SM90 kernel cannot run a problem (None when it can); the caller falls back.
+    Every page size runs: by TMA per block, or by row gathers."""
     if d % 16 or dv % 16 or d > 256 or dv > 256 or d < 16 or dv < 16:
         return f"SM90 kernel needs head dims that are multiples of 16 up to 256, got ({d}, {dv})"
-    if paged and page_size is not None:
-        tile = select_tile(d, dv, 128, page_size=page_size)
-        if tile is None or tile[1] < 64:
-            return (f"SM90 kernel loads paged KV by TMA one tile_n block per page: page size {page_size} "
-                    f"has no divisor >= 64 among its KV tile sizes (cp.async page gathers not implemented)")
     return None
 
 
-def fwd_key(arch, dtype_name, d, dv, tile, flags, pack, is_split, has_lse, varlen_q, varlen_k, has_seqused_k, paged):
-    tile_m, tile_n, num_stages, ex2_emu = (*tile, 0) if len(tile) == 3 else tile
-    return ("fwd_sm90", arch, dtype_name, d, dv, tile_m, tile_n, num_stages, ex2_emu,
-            tuple(bool(f) for f in flags), int(pack),
-            bool(is_split), bool(has_lse), bool(varlen_q), bool(varlen_k), bool(has_seqused_k), bool(paged))
-
-
 def compile_fwd_sm90(key: tuple):
-    """Compiles the kernel for ``key`` (see ``fwd_key``) on fake tensors: no GPU needed."""
-    (_, arch, dtype_name, d, dv, tile_m, tile_n, num_stages, ex2_emu, flags, pack, is_split, has_lse,
-     varlen_q, varlen_k, has_seqused_k, paged) = key
-    causal, local, softcap = flags
-    dtype = CUTE_DTYPE_BY_NAME[dtype_name]
-    kernel = FlashAttnFwdSm90(
-        dtype, d, dv, tile_m, tile_n, num_stages, make_variant(causal, local, softcap),
-        qhead_per_kvhead_packed=pack, is_split=is_split, ex2_emulate_every=ex2_emu,
-    )
-    return compile_fwd(kernel, dtype, d, dv, arch, is_split=is_split, has_lse=has_lse, varlen_q=varlen_q,
-                       varlen_k=varlen_k, has_seqused_k=has_seqused_k, paged=paged,
-                       extra_scalars=(Int32(1),))  # l2_heads
+    """Compiles the kernel for ``key`` (``sm90.compile_key``) on fake tensors: no GPU needed."""
+    return compile_from_key(
+        key, 4, lambda dtype, d, dv, tile, variant, pack, is_split, gather_kv: FlashAttnFwdSm90(
+            dtype, d, dv, *tile[:3], variant, qhead_per_kvhead_packed=pack, is_split=is_split,
+            ex2_emulate_every=tile[3], gather_kv=gather_kv),
+        extra_scalars=(Int32(1),))  # l2_heads

@@ -1,0 +1,183 @@
+"""What every forward kernel class shares: its runtime argument list, its common static
+configuration and its compilation from a compile key.
+
+The launcher (``fwd.bind_launcher``) calls a compiled kernel with the tensors and scalars
+of ``FwdArgs``, in that order, then the backend's extra scalars; ``cute_utils.compile_fwd``
+compiles it on fakes of the same list. A kernel class binds ``__call__ = fwd_call`` and
+implements ``launch(args, *extra_scalars, stream)``: the list is written once, here, and
+travels as one value (into the ``@cute.kernel`` too, where it is a tuple of its fields).
+No base class: the kernels share this entry point and helpers, never a mainloop.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Optional
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from flash_attn_cute.block_info import BlockInfo
+from flash_attn_cute.cute_utils import CUTE_DTYPE_BY_NAME, compile_fwd
+from flash_attn_cute.fwd import parse_key
+from flash_attn_cute.pack_gqa import packed_lse_rows, packed_rows
+from flash_attn_cute.seqlen_info import SeqlenInfo
+from flash_attn_cute.tile_scheduler import WorkTile
+from flash_attn_cute.variants import AttentionVariant, AttnCtx, VariantParams, make_variant
+
+
+class FwdArgs(NamedTuple):
+    """The runtime arguments of every forward kernel (None where a feature is off)."""
+
+    mQ: cute.Tensor  # (b, s_q, h, d) or (total_q, h, d)
+    mK: cute.Tensor  # (b, s_k, h_kv, d), (total_k, h_kv, d) or (num_pages, page_size, h_kv, d)
+    mV: cute.Tensor  # as mK, with d_v
+    mO: cute.Tensor  # (b, s_q, h, d_v) / (total_q, h, d_v); split: (num_splits, ...) fp32
+    mLSE: Optional[cute.Tensor]  # (b, h, s_q) / (h, total_q); split: (num_splits, ...)
+    mCuSeqlensQ: Optional[cute.Tensor]  # (b + 1,) int32
+    mCuSeqlensK: Optional[cute.Tensor]  # (b + 1,) int32
+    mSeqUsedK: Optional[cute.Tensor]  # (b,) int32
+    mPageTable: Optional[cute.Tensor]  # (b, max_pages) int32
+    softmax_scale: Float32
+    window_left: Int32
+    window_right: Int32
+    softcap: Float32
+    num_splits: Int32
+    max_seqlen_q: Int32
+    batch_size: Int32
+
+    @property
+    def varlen_q(self) -> bool:
+        return self.mCuSeqlensQ is not None
+
+    @property
+    def paged(self) -> bool:
+        return self.mPageTable is not None
+
+    @property
+    def varlen_k(self) -> bool:
+        """Packed (total_k, ...) K/V: cu_seqlens_k without a page table (with one, the
+        lengths come from cu_seqlens_k but the rows from the pages)."""
+        return self.mCuSeqlensK is not None and self.mPageTable is None
+
+    @property
+    def cache_tail_may_be_garbage(self) -> bool:
+        """K/V rows past a sequence's end, inside its last KV block, hold whatever a cache
+        held there (seqused_k, paged): finite is not guaranteed, so P V must not read them."""
+        return self.mSeqUsedK is not None or self.mPageTable is not None
+
+    def heads(self) -> tuple:
+        """(query heads, KV heads), from the tensors' head modes."""
+        return self.mQ.shape[cute.rank(self.mQ) - 2], self.mK.shape[cute.rank(self.mK) - 2]
+
+
+def set_fwd_config(kernel, dtype, head_dim: int, head_dim_v: int, variant: AttentionVariant,
+                   qhead_per_kvhead_packed: int = 1, is_split: bool = False) -> None:
+    """The static configuration every forward kernel class holds, set on ``kernel``."""
+    kernel.dtype = dtype
+    kernel.out_dtype = Float32 if is_split else dtype  # split partials are fp32
+    kernel.head_dim = head_dim
+    kernel.head_dim_v = head_dim_v
+    kernel.variant = variant
+    kernel.pack = qhead_per_kvhead_packed  # rows per query position in the M tile
+    kernel.is_split = is_split
+
+
+@cute.jit
+def fwd_call(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+             mLSE: Optional[cute.Tensor], mCuSeqlensQ: Optional[cute.Tensor],
+             mCuSeqlensK: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
+             mPageTable: Optional[cute.Tensor], softmax_scale: Float32, window_left: Int32,
+             window_right: Int32, softcap: Float32, num_splits: Int32, max_seqlen_q: Int32, batch_size: Int32,
+             *extra_scalars_and_stream):
+    """The compiled entry point of every forward kernel class (``__call__ = fwd_call``, not a
+    base class: the classes share this argument list, nothing else). ``FwdArgs`` in order,
+    then the kernel's extra scalars (their types come from the values compiled with) and
+    the stream, handed to the class's ``launch(args, *extra_scalars, stream)``."""
+    self.launch(FwdArgs(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, softmax_scale,
+                        window_left, window_right, softcap, num_splits, max_seqlen_q, batch_size),
+                *extra_scalars_and_stream)
+
+
+def compile_from_key(key: tuple, tile_len: int, make_kernel: Callable, extra_scalars: tuple = ()):
+    """Compiles a forward kernel for a compile key (``fwd.make_key``) on fake tensors (no GPU
+    needed): ``make_kernel(dtype, d, d_v, tile, variant, pack, is_split, *key_extra)`` builds
+    the kernel object; ``extra_scalars`` are placeholders of its extra runtime scalars."""
+    f = parse_key(key, tile_len)
+    dtype = CUTE_DTYPE_BY_NAME[f.dtype_name]
+    kernel = make_kernel(dtype, f.d, f.d_v, f.tile, make_variant(*f.flags), f.pack, f.is_split, *f.extra)
+    return compile_fwd(kernel, dtype, f.d, f.d_v, f.arch, is_split=f.is_split, has_lse=f.has_lse,
+                       varlen_q=f.varlen_q, varlen_k=f.varlen_k, has_seqused_k=f.has_seqused_k, paged=f.paged,
+                       extra_scalars=extra_scalars)
+
+
+@cute.jit
+def zero_rows_from(sX: cute.Tensor, first_row: Int32, tidx: Int32, num_threads: cutlass.Constexpr[int]):
+    """Zeroes rows [first_row, rows) of a (rows, cols) smem tile, 8 columns per thread and
+    step (``num_threads`` threads, this one ``tidx``). The writes are generic-proxy: the
+    caller fences them (``fence_view_async_shared``) before an MMA reads the tile."""
+    cols = cute.size(sX, mode=[1])
+    chunks = cols // 8
+    for idx in cutlass.range(first_row * chunks + tidx, cute.size(sX, mode=[0]) * chunks, num_threads, unroll=1):
+        row = idx // chunks
+        col = (idx - row * chunks) * 8
+        for j in cutlass.range_constexpr(8):
+            sX[row, col + j] = sX.element_type(0.0)
+
+
+def split_slice(mX: cute.Tensor, split_idx: Int32) -> cute.Tensor:
+    """Split partial ``split_idx`` of an (num_splits, ...) output tensor."""
+    return mX[(split_idx,) + (None,) * (cute.rank(mX) - 1)]
+
+
+@dataclass(frozen=True)
+class FwdTile:
+    """The output tile one CTA computes: its sequence, variant context, (packed) rows and
+    KV block range, from the scheduler's work tile (``create``)."""
+
+    ctx: AttnCtx
+    seqlen: SeqlenInfo
+    m_block: Int32
+    head_kv: Int32
+    split_idx: Int32
+    rows_valid: Int32  # rows of the tile inside the (packed) sequence; <= 0: no work
+    softmax_scale: Float32
+    n_block_min: Int32
+    n_block_max: Int32
+
+    @staticmethod
+    @cute.jit
+    def create(args: FwdArgs, work: WorkTile, block_info: BlockInfo, is_split: cutlass.Constexpr[bool]) -> "FwdTile":
+        pack = block_info.qhead_per_kvhead_packed
+        heads_q, heads_kv = args.heads()
+        head_kv = work.head
+        if cutlass.const_expr(pack == 1):
+            head_kv = work.head // (heads_q // heads_kv)
+        # A paged cache has no offsets; its lengths come from seqused_k (or cu_seqlens_k).
+        seqlen = SeqlenInfo.create_for(work.batch, args.mQ, args.mK, args.mCuSeqlensQ, args.mCuSeqlensK,
+                                       args.mSeqUsedK, args.mPageTable)
+        cap_inv = Float32(0.0)
+        if cutlass.const_expr(block_info.variant.has_score_mod):
+            cap_inv = cute.arch.rcp_approx(args.softcap)
+        ctx = AttnCtx(work.batch, work.head, seqlen.seqlen_q, seqlen.seqlen_k,
+                      VariantParams(args.window_left, args.window_right, args.softcap, cap_inv))
+        n_block_min, n_block_max = block_info.get_n_block_min_max(work.m_block, ctx, work.split_idx, args.num_splits,
+                                                                  is_split)
+        rows_valid = seqlen.seqlen_q * pack - work.m_block * block_info.tile_m
+        return FwdTile(ctx, seqlen, work.m_block, head_kv, work.split_idx, rows_valid, args.softmax_scale,
+                       n_block_min, n_block_max)
+
+    def head_rows(self, pack: int):
+        """The head the tile's rows index: the KV head under pack_gqa, else the query head."""
+        return self.head_kv if pack > 1 else self.ctx.head
+
+    def out_rows(self, mO: cute.Tensor, pack: int, is_split: bool, varlen_q: bool) -> cute.Tensor:
+        """(rows, d_v) view of the output rows of this tile's head group (its split's partial)."""
+        if cutlass.const_expr(is_split):
+            mO = split_slice(mO, self.split_idx)
+        return packed_rows(self.seqlen.q_view(mO, self.ctx.batch, varlen_q), self.head_rows(pack), pack)
+
+    def lse_rows(self, mLSE: cute.Tensor, pack: int, is_split: bool, varlen_q: bool) -> cute.Tensor:
+        """(rows,) view of the LSE of this tile's head group (its split's partial)."""
+        if cutlass.const_expr(is_split):
+            mLSE = split_slice(mLSE, self.split_idx)
+        return packed_lse_rows(self.seqlen.lse_view(mLSE, self.ctx.batch, varlen_q), self.head_rows(pack), pack)

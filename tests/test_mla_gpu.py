@@ -1,0 +1,145 @@
+"""GPU tests of ``flash_mla_decode`` against the fp32 reference (``testing.mla_decode_ref``:
+pages gathered, K = [ckv, kpe] and V = ckv materialised), once per MLA backend that runs
+on the device.
+
+Compile budget: the SM80 key is (dtype, nheads, causal, split, lse); page size, lengths,
+batch and the number of splits are runtime values. So each case below sweeps page sizes
+and ragged lengths inside one key, and the keys are a curated list (every nheads once,
+causal x split x lse on 64 heads, fp16 on 128 heads). ``out=`` is poisoned with NaN so a
+row the kernel forgets fails; the allocate path must then be bit-identical. The SM90 key
+adds the consumers' Q K^T mode (FLASH_ATTN_CUTE_MLA_SM90_QK: "full" or "split"; run the
+file once per mode to test both).
+"""
+
+import math
+
+import pytest
+import torch
+
+from flash_attn_cute.testing import check_close, check_lse, mla_decode_ref
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _mla_backends():
+    from flash_attn_cute import mla
+
+    names = sorted(mla.MLA_BACKENDS)
+    if torch.cuda.is_available():
+        cap = torch.cuda.get_device_capability()
+        names = [n for n in names if mla.backend_module(n).runs_on(cap)]
+    return names
+
+
+@pytest.fixture(params=_mla_backends())
+def backend(request):
+    return request.param
+
+
+def make_inputs(seqlens, nheads, page_size, seqlen_q=1, dtype=torch.bfloat16, seed=0, spare_pages=3):
+    """Gaussian inputs; a shuffled pool with spare pages (the table is a strided view of
+    a wider one), capacity one page above the longest sequence."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    batch = len(seqlens)
+    max_pages = max(1, math.ceil(max(seqlens) / page_size)) + 1
+    num_pages = batch * max_pages + spare_pages
+    randn = lambda *s: torch.randn(*s, generator=g, device="cuda").to(dtype)
+    q_nope, q_pe = randn(batch, seqlen_q, nheads, 512), randn(batch, seqlen_q, nheads, 64)
+    ckv, kpe = randn(num_pages, page_size, 512), randn(num_pages, page_size, 64)
+    perm = torch.randperm(num_pages, generator=g, device="cuda")[: batch * max_pages].to(torch.int32)
+    wide = torch.full((batch, max_pages + 5), -7, dtype=torch.int32, device="cuda")
+    wide[:, :max_pages] = perm.view(batch, max_pages)
+    page_table = wide[:, :max_pages]  # row stride max_pages + 5
+    cache_seqlens = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
+    return q_nope, q_pe, ckv, kpe, cache_seqlens, page_table
+
+
+def run_and_check(backend, inputs, *, causal=False, num_splits=1, return_lse=False):
+    import flash_attn_cute
+
+    q_nope = inputs[0]
+    out = torch.full(q_nope.shape, float("nan"), dtype=q_nope.dtype, device="cuda")
+    res = flash_attn_cute.flash_mla_decode(*inputs, causal=causal, num_splits=num_splits, return_lse=return_lse,
+                                           out=out, backend=backend)
+    out_ref, lse_ref = mla_decode_ref(*inputs, causal=causal)
+    out_pt, lse_pt = mla_decode_ref(*inputs, causal=causal, upcast=False)
+    if return_lse:
+        assert res[0] is out
+        check_lse(res[1], lse_ref, lse_pt)
+    else:
+        assert res is out
+    check_close(out, out_ref, out_pt)
+    again = flash_attn_cute.flash_mla_decode(*inputs, causal=causal, num_splits=num_splits, return_lse=return_lse,
+                                             backend=backend)
+    again = again[0] if return_lse else again
+    assert torch.equal(again, out), "allocate path differs from out= path"
+
+
+SEQLENS = (1, 77, 300, 33)  # 1, not multiples of the page or 32-key tile, one multiple of 33
+
+
+@pytest.mark.parametrize("nheads", [16, 32, 64, 128])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_mla_heads_pages(backend, nheads, page_size):
+    run_and_check(backend, make_inputs(SEQLENS, nheads, page_size))
+
+
+@pytest.mark.parametrize("page_size", [32, 128])
+def test_mla_more_pages(backend, page_size):
+    run_and_check(backend, make_inputs((129, 1, 512), 64, page_size, seed=1))
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 2])
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_mla_causal_splits_lse(backend, seqlen_q, num_splits, page_size):
+    run_and_check(backend, make_inputs((2, 1000, 65, 1), 64, page_size, seqlen_q=seqlen_q, seed=2),
+                  causal=True, num_splits=num_splits, return_lse=True)
+
+
+@pytest.mark.parametrize("num_splits", [1, 0])
+def test_mla_fp16_128_heads(backend, num_splits):
+    run_and_check(backend, make_inputs((3, 700, 2048), 128, 16, seqlen_q=2, dtype=torch.float16, seed=3),
+                  causal=True, num_splits=num_splits, return_lse=True)
+
+
+def test_mla_split_many_empty_and_long(backend):
+    # 16 heads, 7 splits: some splits of the short sequences hold no key (-inf partials);
+    # a zero-length sequence gives out 0 and lse -inf.
+    run_and_check(backend, make_inputs((0, 5, 4097), 16, 16, seed=4), num_splits=7, return_lse=True)
+
+
+def test_mla_clamps_bad_lengths_and_pages(backend):
+    # Out-of-range lengths and page ids must not fault; the result is the clamped one.
+    import flash_attn_cute
+
+    q_nope, q_pe, ckv, kpe, seqlens, table = make_inputs((40, 64), 32, 16, seed=5)
+    bad = table.clone()
+    bad[0, 0] = 10**6
+    bad[1, 1] = -5
+    long = torch.tensor([10**7, 64], dtype=torch.int32, device="cuda")
+    out = flash_attn_cute.flash_mla_decode(q_nope, q_pe, ckv, kpe, long, bad, backend=backend)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+
+
+def test_mla_nan_past_the_end(backend):
+    # Cache rows past each sequence's end (the rest of its last page and its spare page)
+    # hold NaN: a kernel must mask or zero them (P = 0 times NaN would poison O).
+    import flash_attn_cute
+
+    inputs = make_inputs((5, 70, 33), 64, 16, seed=6)
+    q_nope, q_pe, ckv, kpe, seqlens, table = inputs
+    out_ref, _ = mla_decode_ref(*inputs)
+    out_pt, _ = mla_decode_ref(*inputs, upcast=False)
+    page = ckv.shape[1]
+    ckv_bad, kpe_bad = ckv.clone(), kpe.clone()
+    for b, n in enumerate(seqlens.tolist()):
+        for t in range(n, table.shape[1] * page):
+            ckv_bad[table[b, t // page], t % page] = float("nan")
+            kpe_bad[table[b, t // page], t % page] = float("nan")
+    out = flash_attn_cute.flash_mla_decode(q_nope, q_pe, ckv_bad, kpe_bad, seqlens, table, backend=backend)
+    check_close(out, out_ref, out_pt)

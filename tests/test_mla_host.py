@@ -1,0 +1,159 @@
+"""CPU tests of ``flash_mla_decode``'s host side: validation (every error names its
+argument, before any launch), the MLA seam's planning and backend registry. No GPU."""
+
+import pytest
+import torch
+
+import flash_attn_cute
+from flash_attn_cute import fwd, mla
+from flash_attn_cute.mla import MlaProblem, flash_mla_decode
+
+BF16 = torch.bfloat16
+
+
+def inputs(b=2, sq=1, h=16, pages=6, page=4, max_pages=3, dtype=BF16):
+    return dict(
+        q_nope=torch.randn(b, sq, h, 512).to(dtype), q_pe=torch.randn(b, sq, h, 64).to(dtype),
+        ckv_cache=torch.randn(pages, page, 512).to(dtype), kpe_cache=torch.randn(pages, page, 64).to(dtype),
+        cache_seqlens=torch.full((b,), 5, dtype=torch.int32),
+        page_table=torch.arange(b * max_pages, dtype=torch.int32).view(b, max_pages) % pages,
+    )
+
+
+def call(**over):
+    kw = inputs()
+    opts = {k: over.pop(k) for k in list(over) if k not in kw}
+    kw.update(over)
+    return flash_mla_decode(kw.pop("q_nope"), kw.pop("q_pe"), kw.pop("ckv_cache"), kw.pop("kpe_cache"),
+                            kw.pop("cache_seqlens"), kw.pop("page_table"), **opts)
+
+
+def test_exported():
+    assert flash_attn_cute.flash_mla_decode is flash_mla_decode
+    assert "flash_mla_decode" in flash_attn_cute.__all__
+
+
+@pytest.mark.parametrize("over,exc,match", [
+    (dict(q_nope=torch.randn(2, 1, 16, 576).to(BF16)), ValueError, "q_nope head dimension must be 512"),
+    (dict(q_pe=torch.randn(2, 1, 16, 128).to(BF16)), ValueError, "q_pe head dimension must be 64"),
+    (dict(q_pe=torch.randn(2, 1, 8, 64).to(BF16)), ValueError, "q_pe must have shape"),
+    (dict(ckv_cache=torch.randn(6, 4, 256).to(BF16)), ValueError, "ckv_cache head dimension"),
+    (dict(kpe_cache=torch.randn(5, 4, 64).to(BF16)), ValueError, "kpe_cache .* must have the pages"),
+    (dict(kpe_cache=torch.randn(6, 4, 64)), TypeError, "kpe_cache must be torch.bfloat16"),
+    (dict(q_pe=torch.randn(2, 1, 16, 64).half()), TypeError, "q_pe must be"),
+    (dict(q_nope=torch.randn(2, 1, 16, 512), q_pe=torch.randn(2, 1, 16, 64)), TypeError, "q_nope must be float16"),
+    (dict(page_table=torch.zeros(2, 3, dtype=torch.int64)), TypeError, "page_table must be int32"),
+    (dict(page_table=torch.zeros(3, 3, dtype=torch.int32)), ValueError, "page_table must have shape"),
+    (dict(page_table=torch.zeros(2, 6, dtype=torch.int32)[:, ::2]), ValueError, "page_table must have a contiguous"),
+    (dict(page_table=torch.zeros(6, dtype=torch.int32)), ValueError, "page_table must have shape"),
+    (dict(cache_seqlens=torch.zeros(2, dtype=torch.int64)), TypeError, "cache_seqlens must be int32"),
+    (dict(cache_seqlens=torch.zeros(3, dtype=torch.int32)), ValueError, "cache_seqlens must have shape"),
+    (dict(q_nope=torch.randn(2, 1, 24, 512).to(BF16), q_pe=torch.randn(2, 1, 24, 64).to(BF16)), ValueError,
+     r"nheads .* must be one of \(16, 32, 64, 128\)"),
+    (dict(q_nope=torch.randn(2, 0, 16, 512).to(BF16), q_pe=torch.randn(2, 0, 16, 64).to(BF16)), ValueError,
+     "seqlen_q"),
+    (dict(ckv_cache=torch.randn(6, 0, 512).to(BF16), kpe_cache=torch.randn(6, 0, 64).to(BF16)), ValueError,
+     "page_size"),
+    (dict(q_nope="x"), TypeError, "q_nope must be a torch.Tensor"),
+    (dict(softmax_scale="1"), TypeError, "softmax_scale"),
+    (dict(softmax_scale=float("inf")), ValueError, "softmax_scale must be finite"),
+    (dict(causal=1), TypeError, "causal must be a bool"),
+    (dict(num_splits=-1), ValueError, "num_splits"),
+    (dict(num_splits=1.0), TypeError, "num_splits must be an int"),
+    (dict(backend="sm70"), ValueError, "backend must be one of"),
+    (dict(backend="sm100"), NotImplementedError, "has no MLA kernel"),
+    (dict(out=torch.empty(2, 1, 16, 256, dtype=BF16)), ValueError, "out must have shape"),
+    (dict(out=torch.empty(2, 1, 16, 512)), TypeError, "out must be"),
+])
+def test_validation_names_the_argument(over, exc, match):
+    with pytest.raises(exc, match=match):
+        call(**over)
+
+
+def test_cpu_tensors_are_refused_after_the_other_checks():
+    with pytest.raises(ValueError, match="q_nope must be a CUDA tensor"):
+        call()
+
+
+def test_ckv_stride_alignment_is_checked():
+    ckv = torch.randn(6, 4, 520).to(BF16)[:, :, :512]  # rows 1040 B apart: fine (16 B multiple)
+    with pytest.raises(ValueError, match="CUDA"):
+        call(ckv_cache=ckv)
+    odd = torch.randn(6 * 4 * 512 + 1).to(BF16)[1:].view(6, 4, 512)  # misaligned data pointer
+    with pytest.raises(ValueError, match="ckv_cache must be 16-byte aligned"):
+        call(ckv_cache=odd)
+
+
+def _problem(batch=1, sq=1, capacity=32768, h=64, page=1, causal=False, lse=False):
+    return MlaProblem(BF16, batch, sq, capacity, h, page, 576 ** -0.5, causal, lse)
+
+
+def test_plan_splits_from_shapes_only():
+    sm80 = mla.backend_module("sm80")
+    # one sequence of 32k keys on 132 SMs: split; a full batch: not; explicit counts kept
+    assert sm80.plan(_problem(), 0, 132).num_splits > 8
+    assert sm80.plan(_problem(batch=768, capacity=2048), 0, 132).num_splits == 1
+    assert sm80.plan(_problem(batch=64, capacity=512), 0, 132).num_splits == 1  # <= 512 keys: never
+    assert sm80.plan(_problem(), 5, None).num_splits == 5
+    assert sm80.plan(_problem(capacity=100), 7, None).num_splits == 2  # at least 64 keys a split
+
+
+def test_compile_key_fields_and_registry():
+    sm80 = mla.backend_module("sm80")
+    p = _problem(h=128, causal=True)
+    plan = sm80.plan(p, 3, None)
+    key = sm80.compile_key(p, plan, "sm_90a")
+    assert key == ("mla_sm80", "sm_90a", "bf16", 128, True, True, True, 3)
+    assert sm80.compile_key(p, plan._replace(num_splits=1), "sm_80") == \
+        ("mla_sm80", "sm_80", "bf16", 128, True, False, False, 2)
+    assert sm80.check(p) is None and "nheads" in sm80.check(p._replace(nheads=8))
+    assert sm80.runs_on((8, 0)) and sm80.runs_on((9, 0)) and not sm80.runs_on((8, 6))
+    # the forward registry is untouched: forward backends never see an MLA problem
+    assert "flash_attn_cute.sm80.mla" not in fwd.BACKENDS.values()
+
+
+def test_warp_roles_fit_the_register_file():
+    from flash_attn_cute.sm80.mla_decode import MlaWarpRoles
+
+    roles = MlaWarpRoles()
+    assert roles.threads == 384 and roles.regs_cap == 168 and roles.o_regs == 128
+    with pytest.raises(AssertionError):
+        MlaWarpRoles(o_warps=4)  # 256 O registers a thread: over the cap
+
+
+def test_sm90_seam_key_roles_and_selection(monkeypatch):
+    from flash_attn_cute.sm90.mla_decode import MlaRoles
+
+    sm90 = mla.backend_module("sm90")
+    assert mla.MLA_BACKENDS["sm90"] == "flash_attn_cute.sm90.mla"
+    assert sm90.runs_on((9, 0)) and not sm90.runs_on((8, 0)) and not sm90.runs_on((10, 0))
+    p = _problem(h=128, causal=True)
+    plan = sm90.plan(p, 3, None)
+    assert plan.backend == "sm90" and plan.num_splits == 3
+    monkeypatch.delenv("FLASH_ATTN_CUTE_MLA_SM90_QK", raising=False)
+    default = sm90.compile_key(p, plan, "sm_90a")
+    assert default[:7] == ("mla_sm90", "sm_90a", "bf16", 128, True, True, True)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_MLA_SM90_QK", "split")
+    assert sm90.compile_key(p, plan, "sm_90a")[7] == (32, 3, True)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_MLA_SM90_QK", "full")
+    assert sm90.compile_key(p, plan, "sm_90a")[7] == (32, 4, False)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_MLA_SM90_QK", "half")
+    with pytest.raises(ValueError, match="MLA_SM90_QK"):
+        sm90.compile_key(p, plan, "sm_90a")
+    # backend=None on a 9.x GPU: the SM90 kernel when it is automatic, else SM80.
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    name, _ = mla.select_backend(None, p, "cuda:0")
+    assert name == ("sm90" if sm90.AUTO else "sm80")
+    assert mla.select_backend("sm90", p, "cuda:0")[0] == "sm90"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert mla.select_backend(None, p, "cuda:0")[0] == "sm80"
+    with pytest.raises(NotImplementedError, match="compute capability 8.0"):
+        mla.select_backend("sm90", p, "cuda:0")
+    # roles: the register pool and 227 KB of shared memory bound them
+    assert MlaRoles().threads == 384 and MlaRoles().o_cols == 256
+    assert MlaRoles().split_qk and MlaRoles().stages == 3
+    assert MlaRoles(stages=4, split_qk=False).smem_bytes() <= 227 * 1024
+    with pytest.raises(AssertionError):
+        MlaRoles(stages=4)  # 4 stages + the S exchange: over 227 KB
+    with pytest.raises(AssertionError):
+        MlaRoles(consumer_regs=240, producer_regs=40)  # over the 512-register pool
