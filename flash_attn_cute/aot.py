@@ -71,7 +71,7 @@ from typing import NamedTuple, Optional
 __all__ = ["PRESETS", "AotEntry", "load_descriptions", "expand", "entries_for", "build", "read_manifest", "main"]
 
 MANIFEST = "aot-manifest.json"
-_PAGE_SIZES = [0, 16, 64, 256]  # one paged key on SM80; TMA-friendly sizes differ on SM90
+_PAGE_SIZES = [0, 16, 64, 256]  # one paged key on SM80; on SM90, 16 is a row-gather key, 64 and 256 TMA keys
 PRESETS = {
     # Serving decode: one query per sequence against a contiguous or paged cache,
     # GQA packed, with and without split-KV (and the combine kernels it needs).
