@@ -1,0 +1,73 @@
+"""One attention call to profile under Nsight Compute (``ncu_profile.sh`` runs it).
+
+The call runs ``--calls`` times (the first compiles and warms; ncu skips the first two
+launches of the kernel it filters and profiles the third):
+
+    prefill: --impl ours|fa4 --D 128 [--causal]     (b4 s8192, H = 2048 / D; ours = SM90)
+    mla:     --impl sm80|sm90 --batch 768 --seqlen 2048 [--page 1] [--heads 64]
+"""
+
+import argparse
+import sys
+
+import common
+from common import load_fa4, randn
+
+HEADS_FOR_DIM = {64: 32, 128: 16, 256: 8}
+
+
+def prefill_fn(args):
+    import torch
+
+    H = HEADS_FOR_DIM.get(args.D, 2048 // args.D)
+    q, k, v = (randn(args.B, args.S, H, args.D, dtype=torch.bfloat16) for _ in range(3))
+    if args.impl == "ours":
+        import flash_attn_cute
+
+        return lambda: flash_attn_cute.flash_attn_func(q, k, v, causal=args.causal, backend="sm90")
+    fa4, why = load_fa4()
+    if fa4 is None:
+        sys.exit(f"FA4 unavailable: {why}")
+    return lambda: fa4.flash_attn_func(q, k, v, causal=args.causal)
+
+
+def mla_fn(args):
+    import torch
+
+    import flash_attn_cute
+
+    pages = -(-args.seqlen // args.page)
+    q_nope = randn(args.batch, 1, args.heads, 512, dtype=torch.bfloat16)
+    q_pe = randn(args.batch, 1, args.heads, 64, dtype=torch.bfloat16)
+    ckv = randn(args.batch * pages, args.page, 512, dtype=torch.bfloat16)
+    kpe = randn(args.batch * pages, args.page, 64, dtype=torch.bfloat16)
+    table = torch.randperm(args.batch * pages, device=common.DEVICE).view(args.batch, -1).to(torch.int32)
+    seqlens = torch.full((args.batch,), args.seqlen, dtype=torch.int32, device=common.DEVICE)
+    return lambda: flash_attn_cute.flash_mla_decode(q_nope, q_pe, ckv, kpe, seqlens, table, backend=args.impl)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("kind", choices=["prefill", "mla"])
+    p.add_argument("--impl", required=True, help="prefill: ours | fa4; mla: sm80 | sm90")
+    p.add_argument("--B", type=int, default=4)
+    p.add_argument("--S", type=int, default=8192)
+    p.add_argument("--D", type=int, default=128)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--batch", type=int, default=768)
+    p.add_argument("--seqlen", type=int, default=2048)
+    p.add_argument("--page", type=int, default=1)
+    p.add_argument("--heads", type=int, default=64)
+    p.add_argument("--calls", type=int, default=3)
+    args = p.parse_args(argv)
+    import torch
+
+    torch.manual_seed(0)
+    fn = prefill_fn(args) if args.kind == "prefill" else mla_fn(args)
+    for _ in range(args.calls):
+        fn()
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
