@@ -88,10 +88,6 @@ def launch_only(backend, problem, q, k_cache, v_cache, cache_seqlens, page_table
     return fn
 
 
-def backends_to_run(arg):
-    return our_backends(arg)
-
-
 def main(argv=None):
     args = parse_args(argv)
     import torch
@@ -152,7 +148,7 @@ def main(argv=None):
     # --- ours: the sweep, then auto, per backend
     problem = decode_problem(q, k_cache, v_cache, page_table, K)
     splits = [int(s) for s in args.splits.split(",") if s.strip() and int(s) != 0]
-    for backend in backends_to_run(args.backends):
+    for backend in our_backends(args.backends):
         for num_splits in splits + [0]:
             kwargs = dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
                           page_table=page_table, num_splits=num_splits, pack_gqa=pack_gqa, backend=backend)
