@@ -61,12 +61,12 @@ from cutlass.cute.nvgpu import warp
 from flash_attn_cute.block_info import BlockInfo
 from flash_attn_cute.copy_utils import aligned_row_ptr, gmem_tiled_copy
 from flash_attn_cute.cute_utils import CUTE_DTYPE_BY_NAME, compile_options, fake_stream, fake_tensor
+from flash_attn_cute.mla_tile import MlaTile
 from flash_attn_cute.pack_gqa import packed_lse_rows, packed_rows
 from flash_attn_cute.paged_kv import page_and_row
-from flash_attn_cute.seqlen_info import SeqlenInfo
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax, acc_mn_view
 from flash_attn_cute.tile_scheduler import SingleTileScheduler
-from flash_attn_cute.variants import AttnCtx, VariantParams, apply_to_scores, make_variant
+from flash_attn_cute.variants import apply_to_scores, make_variant
 
 D_CKV, D_KPE = 512, 64
 
@@ -210,22 +210,9 @@ class MlaDecodeSm80:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        work = SingleTileScheduler.get_work(num_splits)
-        # Lengths clamped to the page table's capacity (SeqlenInfo), page ids to the pool
-        # (paged_kv.page_and_row): a bad cache_seqlens or table never reads outside.
-        seqlen = SeqlenInfo.create(work.batch, mQn.shape[1], mPageTable.shape[1] * mCkv.shape[1], None, None,
-                                   mSeqlens, mPageTable.shape[1] * mCkv.shape[1])
-        rows_valid = seqlen.seqlen_q * self.nheads - work.m_block * self.tile_m
-        if rows_valid > 0:
-            ctx = AttnCtx(work.batch, Int32(0), seqlen.seqlen_q, seqlen.seqlen_k,
-                          VariantParams(Int32(-1), Int32(0), Float32(0.0), Float32(0.0)))
-            block_info = BlockInfo(self.tile_m, self.tile_n, self.nheads, self.variant)
-            n_min, n_max = block_info.get_n_block_min_max(work.m_block, ctx, work.split_idx, num_splits,
-                                                          self.is_split)
-            n_tiles = cutlass.max(n_max - n_min, 0)
-            n_mid_hi, n_mid_lo = block_info.get_n_block_runs(work.m_block, ctx, n_min, n_max)
-            tile = _MlaTile(ctx, work.m_block, work.split_idx, rows_valid, n_max, n_tiles, n_mid_hi, n_mid_lo)
-
+        tile = MlaTile.create(mQn, mCkv, mSeqlens, mPageTable, num_splits,
+                              BlockInfo(self.tile_m, self.tile_n, self.nheads, self.variant), self.is_split)
+        if tile.rows_valid > 0:
             storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
             smem = _MlaSmem(
                 storage.sQn.get_tensor(sQn_layout)[None, None, 0], storage.sQp.get_tensor(sQp_layout)[None, None, 0],
@@ -485,20 +472,6 @@ def _acc_row_offset(r: int) -> int:
     (2, MMA_M)) relative to the thread's first row, for a warp that spans every M tile:
     the two rows of an atom are 8 apart, the atoms 16."""
     return 8 * (r % 2) + 16 * (r // 2)
-
-
-@dataclass(frozen=True)
-class _MlaTile:
-    """The rows one CTA computes and the KV blocks it walks (last to first)."""
-
-    ctx: AttnCtx
-    m_block: Int32
-    split_idx: Int32
-    rows_valid: Int32
-    n_max: Int32
-    n_tiles: Int32
-    n_mid_hi: Int32  # blocks in [n_mid_lo, n_mid_hi) need no mask
-    n_mid_lo: Int32
 
 
 @dataclass(frozen=True)

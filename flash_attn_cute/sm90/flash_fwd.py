@@ -38,7 +38,6 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.tensor_utils import LayoutEnum
 
 from flash_attn_cute.block_info import BlockInfo
 from flash_attn_cute.copy_utils import aligned_row_ptr, gmem_tiled_copy
@@ -47,6 +46,7 @@ from flash_attn_cute.layout_utils import acc_mn_view, acc_to_operand_a, select, 
 from flash_attn_cute.pack_gqa import packed_lse_rows, packed_rows
 from flash_attn_cute.paged_kv import page_and_row
 from flash_attn_cute.seqlen_info import SeqlenInfo
+from flash_attn_cute.sm90.wgmma_utils import convert_pairs, smem_layout, wgmma_gemm
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
 from flash_attn_cute.tile_scheduler import LptScheduler, SingleTileScheduler
 from flash_attn_cute.variants import AttentionVariant, AttnCtx, VariantParams, apply_to_scores
@@ -98,43 +98,6 @@ class WarpRoles:
         return 128 * (1 + self.num_consumer_wgs)
 
 
-def _smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None):
-    """Row-major (rows, cols[, stages]) tile in the widest wgmma swizzle its row allows."""
-    atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
-    if stages is None:
-        return cute.tile_to_shape(atom, (rows, cols), (0, 1))
-    return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
-
-
-def _convert_pairs(src: cute.Tensor, dst: cute.Tensor):
-    """dst = src in dst's dtype (same compact layout), in power-of-two chunks: the
-    conversion packs two values per instruction only on power-of-two vectors (a 64 x 96
-    S would otherwise convert one value at a time)."""
-    n = cute.size(src)
-    chunk = n & -n  # largest power of two dividing n
-    for i in range(n // chunk):
-        part = cute.make_tensor(src.iterator + i * chunk, cute.make_layout(chunk))
-        out = cute.make_tensor(dst.iterator + i * chunk, cute.make_layout(chunk))
-        out.store(part.load().to(dst.element_type))
-
-
-@cute.jit
-def wgmma_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
-               zero_init: cutlass.Constexpr[bool], wg_wait: cutlass.Constexpr[int]):
-    """acc (+)= A B over the K slices of one warpgroup's fragments, as one wgmma group.
-    ``wg_wait`` >= 0 waits until at most that many groups are in flight; -1 returns at once."""
-    warpgroup.fence()
-    # A fresh atom per call: its ACCUMULATE field is rewritten below.
-    atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
-        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
-    warpgroup.commit_group()
-    if cutlass.const_expr(wg_wait >= 0):
-        warpgroup.wait_group(wg_wait)
-
-
 class FlashAttnFwdSm90:
     __call__ = fwd_call  # the forward kernels' shared entry point: FwdArgs -> launch
 
@@ -170,16 +133,16 @@ class FlashAttnFwdSm90:
         """``l2_heads``: l2_heads_for(...), (head, batch) pairs per L2 section of the LPT order."""
         mQ, mK, mV, mO = args.mQ, args.mK, args.mV, args.mO
         varlen_q, varlen_k = cutlass.const_expr(args.varlen_q), cutlass.const_expr(args.varlen_k)
-        sQ_layout = _smem_layout(self.dtype, self.tile_m, self.head_dim)
-        sO_layout = _smem_layout(self.dtype, self.tile_m, self.head_dim_v)
+        sQ_layout = smem_layout(self.dtype, self.tile_m, self.head_dim)
+        sO_layout = smem_layout(self.dtype, self.tile_m, self.head_dim_v)
         # O leaves through smem (Q's buffer, free by then) and one TMA store, for batch
         # tensors in the input dtype; packed rows, varlen rows (a box would spill into the
         # next sequence) and fp32 split partials are stored from registers.
         self.use_tma_o = self.use_tma_q and not varlen_q and not self.is_split
         self.use_lpt = self.variant.has_mask and not varlen_q
         self.cache_tail_may_be_garbage = args.cache_tail_may_be_garbage
-        sK_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim, self.num_stages)
-        sV_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim_v, self.num_stages)
+        sK_layout = smem_layout(self.dtype, self.tile_n, self.head_dim, self.num_stages)
+        sV_layout = smem_layout(self.dtype, self.tile_n, self.head_dim_v, self.num_stages)
 
         @cute.struct
         class SharedStorage:
@@ -619,7 +582,7 @@ class FlashAttnFwdSm90:
         first = cutlass.const_expr(row_scale is None)
         if cutlass.const_expr(first):
             row_scale = softmax.step(acc_S)
-        _convert_pairs(acc_S, cute.make_tensor(tOrP.iterator, acc_S.layout))
+        convert_pairs(acc_S, cute.make_tensor(tOrP.iterator, acc_S.layout))
         if cutlass.const_expr(scale_carry is not None):
             scale_carry.store(row_scale.load())
         elif cutlass.const_expr(not first):

@@ -73,14 +73,13 @@ from flash_attn_cute.block_info import BlockInfo
 from flash_attn_cute.copy_utils import aligned_row_ptr, gmem_tiled_copy
 from flash_attn_cute.cute_utils import CUTE_DTYPE_BY_NAME, compile_options, fake_stream, fake_tensor
 from flash_attn_cute.layout_utils import acc_mn_view, acc_to_operand_a, transpose_view
+from flash_attn_cute.mla_tile import MlaTile
 from flash_attn_cute.pack_gqa import packed_lse_rows, packed_rows
 from flash_attn_cute.paged_kv import page_and_row
-from flash_attn_cute.seqlen_info import SeqlenInfo
-from flash_attn_cute.sm80.mla_decode import _MlaTile
-from flash_attn_cute.sm90.flash_fwd import _convert_pairs, _smem_layout, wgmma_gemm
+from flash_attn_cute.sm90.wgmma_utils import convert_pairs, smem_layout, wgmma_gemm
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
 from flash_attn_cute.tile_scheduler import SingleTileScheduler
-from flash_attn_cute.variants import AttnCtx, VariantParams, apply_to_scores, make_variant
+from flash_attn_cute.variants import apply_to_scores, make_variant
 
 D_CKV, D_KPE = 512, 64
 # Named barriers over the consumer threads (0 is __syncthreads): Q landed; S halves written.
@@ -157,8 +156,8 @@ class MlaDecodeSm90:
         (b, max_pages) int32, then the scalars."""
         r = self.roles
         layouts = (
-            _smem_layout(self.dtype, r.tile_m, D_CKV), _smem_layout(self.dtype, r.tile_m, D_KPE),
-            _smem_layout(self.dtype, r.tile_n, D_CKV, r.stages), _smem_layout(self.dtype, r.tile_n, D_KPE, r.stages),
+            smem_layout(self.dtype, r.tile_m, D_CKV), smem_layout(self.dtype, r.tile_m, D_KPE),
+            smem_layout(self.dtype, r.tile_n, D_CKV, r.stages), smem_layout(self.dtype, r.tile_n, D_KPE, r.stages),
         )
 
         @cute.struct
@@ -218,7 +217,8 @@ class MlaDecodeSm90:
             storage.sKp.get_tensor(sKp_layout.outer, swizzle=sKp_layout.inner),
             storage.sXchg.get_tensor(cute.make_layout(r.xchg_words)),
         )
-        tile = self.work_tile(mQn, mCkv, mSeqlens, mPageTable, num_splits)
+        tile = MlaTile.create(mQn, mCkv, mSeqlens, mPageTable, num_splits,
+                              BlockInfo(r.tile_m, r.tile_n, self.nheads, self.variant), self.is_split)
         pipeline.pipeline_init_wait()
         if tile.rows_valid > 0:
             if warp_idx < r.producer_threads // 32:
@@ -229,21 +229,6 @@ class MlaDecodeSm90:
                 cute.arch.setmaxregister_increase(r.consumer_regs)
                 self.mma(tile, smem, pipeline_kv, tiled_mma_qk, tiled_mma_pv, mQn, mQp, mO, mLSE, softmax_scale,
                          tidx - r.producer_threads)
-
-    @cute.jit
-    def work_tile(self, mQn, mCkv, mSeqlens, mPageTable, num_splits: Int32) -> _MlaTile:
-        """This CTA's rows and KV blocks. The length is clamped to the page table's capacity
-        (``SeqlenInfo``), so a bad ``cache_seqlens`` never walks past the table."""
-        work = SingleTileScheduler.get_work(num_splits)
-        capacity = mPageTable.shape[1] * mCkv.shape[1]
-        lens = SeqlenInfo.create(work.batch, mQn.shape[1], capacity, None, None, mSeqlens, capacity)
-        no_window = VariantParams(Int32(-1), Int32(0), Float32(0.0), Float32(0.0))
-        ctx = AttnCtx(work.batch, Int32(0), lens.seqlen_q, lens.seqlen_k, no_window)
-        blocks = BlockInfo(self.roles.tile_m, self.roles.tile_n, self.nheads, self.variant)
-        lo, hi = blocks.get_n_block_min_max(work.m_block, ctx, work.split_idx, num_splits, self.is_split)
-        mid_hi, mid_lo = blocks.get_n_block_runs(work.m_block, ctx, lo, hi)
-        rows_valid = lens.seqlen_q * self.nheads - work.m_block * self.roles.tile_m
-        return _MlaTile(ctx, work.m_block, work.split_idx, rows_valid, hi, cutlass.max(hi - lo, 0), mid_hi, mid_lo)
 
     # ------------------------------------------------------------------ producer
 
@@ -375,7 +360,7 @@ class MlaDecodeSm90:
             self.softmax(ops, tile, stats, acc_S, None, scale_carry, tile.n_max - 2 - i, softmax_scale)
             warpgroup.wait_group(0)  # P V landed: tOrP and the stage are free
             self.kv_release(pipeline_kv, state_v)
-            _convert_pairs(acc_S, cute.make_tensor(tOrP.iterator, acc_S.layout))
+            convert_pairs(acc_S, cute.make_tensor(tOrP.iterator, acc_S.layout))
         self.rescale_o(stats, acc_O, scale_carry)
         wgmma_gemm(ops.mma_pv, acc_O, tOrP, ops.tOrVt[None, None, None, state.index], False, 0)
         self.kv_release(pipeline_kv, state)
@@ -442,7 +427,7 @@ class MlaDecodeSm90:
                             n_block * r.tile_n, self.nheads, softmax_scale, True)
         row_scale = softmax.step(acc_S)
         if cutlass.const_expr(tOrP is not None):
-            _convert_pairs(acc_S, cute.make_tensor(tOrP.iterator, acc_S.layout))
+            convert_pairs(acc_S, cute.make_tensor(tOrP.iterator, acc_S.layout))
         if cutlass.const_expr(scale_carry is not None):
             scale_carry.store(row_scale.load())
         return row_scale

@@ -1,0 +1,48 @@
+"""wgmma building blocks shared by the SM90 kernels (forward and MLA decode): the
+swizzled shared-memory tiles wgmma reads, the fp32 -> 16-bit conversion of S into the P
+operand, and one wgmma group over a warpgroup's fragments."""
+
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+
+def smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None):
+    """Row-major (rows, cols[, stages]) tile in the widest wgmma swizzle its row allows."""
+    atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+
+
+def convert_pairs(src: cute.Tensor, dst: cute.Tensor):
+    """dst = src in dst's dtype (same compact layout), in power-of-two chunks: the
+    conversion packs two values per instruction only on power-of-two vectors (a 64 x 96
+    S would otherwise convert one value at a time)."""
+    n = cute.size(src)
+    chunk = n & -n  # largest power of two dividing n
+    for i in range(n // chunk):
+        part = cute.make_tensor(src.iterator + i * chunk, cute.make_layout(chunk))
+        out = cute.make_tensor(dst.iterator + i * chunk, cute.make_layout(chunk))
+        out.store(part.load().to(dst.element_type))
+
+
+@cute.jit
+def wgmma_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
+               zero_init: cutlass.Constexpr[bool], wg_wait: cutlass.Constexpr[int]):
+    """acc (+)= A B over the K slices of one warpgroup's fragments, as one wgmma group.
+    ``wg_wait`` >= 0 waits until at most that many groups are in flight; -1 returns at once."""
+    warpgroup.fence()
+    # A fresh atom per call: its ACCUMULATE field is rewritten below.
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if cutlass.const_expr(wg_wait >= 0):
+        warpgroup.wait_group(wg_wait)
