@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched GPU session: sharded GPU tests in parallel (compiles spread over cores),
 # then the benchmarks. Logs and CSVs go to $OUT (the device tool brings them back).
-#   bash benchmarks/gpu_run.sh [tests|bench|all] [extra pytest args]
+#   bash benchmarks/gpu_run.sh [tests|variants|bench|all] [extra pytest args]
 set -u
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -16,13 +16,25 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   start=$(date +%s)
   for i in $(seq 0 $((n - 1))); do
     FLASH_ATTN_CUTE_TEST_SHARD=$i/$n timeout ${TEST_TIMEOUT:-420} python -m pytest -q -m gpu -p no:cacheprovider \
-      tests/test_flash_attn_gpu.py tests/test_combine_gpu.py tests/test_torch_compile.py tests/test_mla_gpu.py "$@" > "$OUT/test_$i.log" 2>&1 &
+      tests/test_flash_attn_gpu.py tests/test_combine_gpu.py tests/test_torch_compile.py tests/test_mla_gpu.py tests/test_variants_gpu.py "$@" > "$OUT/test_$i.log" 2>&1 &
   done
   wait
   echo "tests took $(( $(date +%s) - start )) s"
   for i in $(seq 0 $((n - 1))); do echo "--- shard $i"; grep -E "passed|failed|error" "$OUT/test_$i.log" | tail -2; done
   cat "$OUT"/test_*.log > "$OUT/tests.log" && rm -f "$OUT"/test_*.log  # the device tool returns 8 files at most
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -40
+fi
+if [ "$what" = variants ] || [ "$what" = all ]; then
+  # Our kernels' compile keys do not depend on sizes: compile them in parallel at a tiny
+  # size (into the disk cache), then time the real problem in one process.
+  for v in causal sliding1024 document alibi softcap30; do
+    timeout 240 python benchmarks/bench_variants.py --backends sm90 --variants $v --B 1 --S 512 --no-flex --no-md \
+      > "$OUT/warm_$v.log" 2>&1 &
+  done
+  wait
+  cat "$OUT"/warm_*.log > "$OUT/variants_warm.log" && rm -f "$OUT"/warm_*.log
+  timeout 420 python benchmarks/bench_variants.py --backends sm90 --csv "$OUT/variants.csv" 2>&1 | tail -30
+  cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 240 python benchmarks/bench_prefill.py --csv "$OUT/prefill.csv" 2>&1 | tail -40

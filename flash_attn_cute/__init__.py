@@ -2,7 +2,9 @@
 
 Public API (inference forward, no autograd): ``flash_attn_func``, ``flash_attn_varlen_func``,
 ``flash_attn_with_kvcache``, ``flash_attn_combine``, ``flash_mla_decode`` (MLA decode over a
-paged latent cache). See ``flash_attn_cute.interface`` and ``flash_attn_cute.mla``.
+paged latent cache). See ``flash_attn_cute.interface`` and ``flash_attn_cute.mla``. User
+variants: ``score_mod`` / ``mask_mod`` / ``aux_tensors`` / ``block_mask`` arguments,
+``create_block_mask``, building blocks and built-in variants in ``flash_attn_cute.mods``.
 """
 
 from importlib.metadata import PackageNotFoundError, version as _version
@@ -17,7 +19,10 @@ from .interface import (
     flash_attn_varlen_func,
     flash_attn_with_kvcache,
 )
+from . import mods
+from .block_mask import BlockMask, create_block_mask
 from .mla import flash_mla_decode
+from .user_variants import VariantCompileError
 
 try:
     __version__ = _version("flash_attn_cute")
@@ -30,6 +35,10 @@ __all__ = [
     "flash_attn_with_kvcache",
     "flash_attn_combine",
     "flash_mla_decode",
+    "create_block_mask",
+    "BlockMask",
+    "VariantCompileError",
+    "mods",
     "SUPPORTED_HEAD_DIMS",
     "SUPPORTED_DTYPES",
     "MAX_SPLITS",

@@ -6,6 +6,7 @@ new sequence length, batch or page count never recompiles, and compiling needs n
 """
 
 import os
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -52,14 +53,33 @@ def fake_fwd_tensors(dtype, d: int, dv: int, *, is_split: bool, has_lse: bool, v
     )
 
 
+def fake_variant_tensors(user_key: Optional[tuple]) -> tuple:
+    """A user variant's kernel tensors as fakes (``user_variants.VariantSpec.key``): the
+    aux slots (strides all symbolic: broadcast views are fine), then the block mask's
+    key ranges; None where absent."""
+    from flash_attn_cute.user_variants import MAX_AUX
+
+    aux, ranges = [], None
+    if user_key is not None:
+        _, _, _, aux_sig, block_q = user_key
+        for dtype_name, rank in aux_sig:
+            dt = cutlass.Uint8 if dtype_name == "Boolean" else getattr(cutlass, dtype_name)
+            aux.append(fake_tensor(dt, rank, align=max(1, dt.width // 8), contiguous_last=False))
+        if block_q:
+            ranges = fake_tensor(cutlass.Int32, 4, align=4, shape=(None, None, None, 4), contiguous_last=False)
+    return tuple(aux) + (None,) * (MAX_AUX - len(aux)) + (ranges,)
+
+
 def compile_fwd(kernel, dtype, d: int, dv: int, arch: str, *, is_split: bool, has_lse: bool, varlen_q: bool,
-                varlen_k: bool, has_seqused_k: bool, paged: bool, extra_scalars: tuple = ()):
+                varlen_k: bool, has_seqused_k: bool, paged: bool, extra_scalars: tuple = (),
+                user_key: Optional[tuple] = None):
     """``cute.compile`` of a forward kernel on its fake arguments: the tensors of
-    ``fake_fwd_tensors``, then softmax_scale, window_left, window_right, softcap,
-    num_splits, max_seqlen_q, batch (runtime values; placeholders here), then the
-    kernel's ``extra_scalars``, then the stream."""
+    ``fake_fwd_tensors`` and ``fake_variant_tensors``, then softmax_scale, window_left,
+    window_right, softcap, num_splits, max_seqlen_q, batch (runtime values; placeholders
+    here), then the kernel's ``extra_scalars``, then the stream."""
     tensors = fake_fwd_tensors(dtype, d, dv, is_split=is_split, has_lse=has_lse, varlen_q=varlen_q,
                                varlen_k=varlen_k, has_seqused_k=has_seqused_k, paged=paged)
+    tensors = tensors + fake_variant_tensors(user_key)
     F32, I32 = cutlass.Float32, cutlass.Int32
     scalars = (F32(1.0), I32(-1), I32(-1), F32(0.0), I32(1), I32(1), I32(1)) + tuple(extra_scalars)
     return cute.compile(kernel, *tensors, *scalars, fake_stream(), options=compile_options(arch))

@@ -73,6 +73,7 @@ class FwdProblem(NamedTuple):
     has_seqused_k: bool
     page_size: int  # 0: not paged
     has_lse: bool
+    variant: Optional[object] = None  # user_variants.VariantSpec (score_mod / mask_mod / block mask)
 
     @property
     def qhead_per_kvhead(self) -> int:
@@ -89,8 +90,10 @@ class FwdProblem(NamedTuple):
 
     @property
     def variant_flags(self) -> tuple:
-        """(causal, local, softcap) as the kernels' variants take them: local wins over causal."""
-        return (self.causal and not self.local, self.local, self.softcap > 0)
+        """(causal, local, softcap) as the kernels' variants take them (local wins over
+        causal), then the user variant's key when there is one."""
+        flags = (self.causal and not self.local, self.local, self.softcap > 0)
+        return flags if self.variant is None else flags + (self.variant.key,)
 
 
 class FwdPlan(NamedTuple):
@@ -193,7 +196,8 @@ def make_key(name: str, arch: str, dtype_name: str, d: int, d_v: int, tile: tupl
     has_lse, varlen_q, varlen_k, has_seqused_k, paged, *extra)``, the tile already in the
     backend's canonical form (its fields spread into the key); ``extra``: static choices of
     the backend's own, last."""
-    return (f"fwd_{name}", arch, dtype_name, d, d_v, *tile, tuple(bool(f) for f in flags), int(pack),
+    flags = tuple(bool(f) for f in flags[:3]) + tuple(flags[3:])  # [user variant key]
+    return (f"fwd_{name}", arch, dtype_name, d, d_v, *tile, flags, int(pack),
             bool(is_split), bool(has_lse), bool(varlen_q), bool(varlen_k), bool(has_seqused_k), bool(paged),
             *extra)
 
@@ -206,7 +210,7 @@ class KeyFields(NamedTuple):
     d: int
     d_v: int
     tile: tuple
-    flags: tuple  # (causal, local, softcap)
+    flags: tuple  # (causal, local, softcap[, user variant key])
     pack: int
     is_split: bool
     has_lse: bool
@@ -233,12 +237,17 @@ def backend_key(name: str, problem: FwdProblem, plan: FwdPlan, arch: str, tile: 
                     plan.tile if tile is None else tile, *key_fields(problem, plan), extra)
 
 
+_NO_VARIANT = (None,) * 5  # the aux slots and block ranges (user_variants.MAX_AUX + 1)
+
+
 def bind_launcher(name: str, key: tuple, compile_fn: Callable, problem: FwdProblem, plan: FwdPlan,
                   extra_scalars: tuple = ()) -> Callable:
     """The backends' ``launcher``: the kernel compiled for ``key`` (``jit_cache``, under
     ``fwd_<name>``) with the runtime scalars every forward kernel takes after its tensors
     (softmax_scale, window_left, window_right, softcap, num_splits, max_seqlen_q, batch,
-    then ``extra_scalars``) bound. Split kernels get fp32 partials as out/lse."""
+    then ``extra_scalars``) bound. Split kernels get fp32 partials as out/lse; a user
+    variant's tensors (``variant_tensors``: the aux slots, the block ranges) follow the
+    page table."""
     from . import jit_cache
 
     fn = jit_cache.get_or_compile(f"fwd_{name}", key, lambda: compile_fn(key))
@@ -246,8 +255,8 @@ def bind_launcher(name: str, key: tuple, compile_fn: Callable, problem: FwdProbl
                float(problem.softcap), int(plan.num_splits), int(problem.max_seqlen_q), int(problem.batch),
                *extra_scalars)
 
-    def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table):
-        fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, *scalars)
+    def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, variant_tensors=_NO_VARIANT):
+        fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, *variant_tensors, *scalars)
 
     return launch
 
@@ -326,18 +335,18 @@ def resolve(problem: FwdProblem, requested: Optional[str], num_splits: int, pack
 
 def run_fwd(problem: FwdProblem, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None,
             page_table=None, requested: Optional[str] = None, num_splits: int = 1,
-            pack_gqa: Optional[bool] = None) -> None:
+            pack_gqa: Optional[bool] = None, variant_tensors: tuple = _NO_VARIANT) -> None:
     """Plan, launch and (for split-KV) combine into ``out`` / ``lse`` (allocated by the caller)."""
     run_resolved(resolve(problem, requested, num_splits, pack_gqa, q.device), problem, q, k, v, out, lse,
-                 cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)
+                 cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, variant_tensors)
 
 
 def run_resolved(resolved: _Resolved, problem: FwdProblem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                 seqused_k, page_table) -> None:
+                 seqused_k, page_table, variant_tensors: tuple = _NO_VARIANT) -> None:
     """``run_fwd`` with the resolution already done (the public API's per-call cache)."""
     ns = resolved.plan.num_splits
     if ns == 1:
-        resolved.launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)
+        resolved.launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, variant_tensors)
         return
     lse_shape = (problem.nheads, q.shape[0]) if problem.varlen_q else (problem.batch, problem.nheads, q.shape[1])
     o_shape = (ns, *q.shape[:-1], problem.d_v)
@@ -346,7 +355,8 @@ def run_resolved(resolved: _Resolved, problem: FwdProblem, q, k, v, out, lse, cu
     partials = q.new_empty((o_numel + ns * math.prod(lse_shape),), dtype=torch.float32)
     out_partial = partials[:o_numel].view(o_shape)
     lse_partial = partials[o_numel:].view(ns, *lse_shape)
-    resolved.launch(q, k, v, out_partial, lse_partial, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)
+    resolved.launch(q, k, v, out_partial, lse_partial, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
+                    variant_tensors)
     if problem.varlen_q:  # the combine contract is batched: view packed rows as batch 1
         resolved.combine(out_partial.unsqueeze(1), lse_partial.unsqueeze(1), out.unsqueeze(0),
                          None if lse is None else lse.unsqueeze(0))

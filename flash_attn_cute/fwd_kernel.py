@@ -37,6 +37,11 @@ class FwdArgs(NamedTuple):
     mCuSeqlensK: Optional[cute.Tensor]  # (b + 1,) int32
     mSeqUsedK: Optional[cute.Tensor]  # (b,) int32
     mPageTable: Optional[cute.Tensor]  # (b, max_pages) int32
+    mAux0: Optional[cute.Tensor]  # a user variant's aux tensors (user_variants.MAX_AUX slots)
+    mAux1: Optional[cute.Tensor]
+    mAux2: Optional[cute.Tensor]
+    mAux3: Optional[cute.Tensor]
+    mBlockRanges: Optional[cute.Tensor]  # a block mask's key ranges (b, h, q blocks, 4) int32
     softmax_scale: Float32
     window_left: Int32
     window_right: Int32
@@ -65,6 +70,21 @@ class FwdArgs(NamedTuple):
         held there (seqused_k, paged): finite is not guaranteed, so P V must not read them."""
         return self.mSeqUsedK is not None or self.mPageTable is not None
 
+    @property
+    def aux(self) -> tuple:
+        """The aux tensors present, in slot order."""
+        return tuple(t for t in (self.mAux0, self.mAux1, self.mAux2, self.mAux3) if t is not None)
+
+    def variant_ctx(self, batch, head, seqlen_q, seqlen_k, has_score_mod: bool) -> AttnCtx:
+        """The variant context of a CTA (``1 / softcap`` computed once when a score
+        modifier may read it)."""
+        cap_inv = Float32(0.0)
+        if cutlass.const_expr(has_score_mod):
+            cap_inv = cute.arch.rcp_approx(self.softcap)
+        return AttnCtx(batch, head, seqlen_q, seqlen_k,
+                       VariantParams(self.window_left, self.window_right, self.softcap, cap_inv),
+                       self.aux, self.mBlockRanges)
+
     def heads(self) -> tuple:
         """(query heads, KV heads), from the tensors' head modes."""
         return self.mQ.shape[cute.rank(self.mQ) - 2], self.mK.shape[cute.rank(self.mK) - 2]
@@ -86,15 +106,18 @@ def set_fwd_config(kernel, dtype, head_dim: int, head_dim_v: int, variant: Atten
 def fwd_call(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
              mLSE: Optional[cute.Tensor], mCuSeqlensQ: Optional[cute.Tensor],
              mCuSeqlensK: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
-             mPageTable: Optional[cute.Tensor], softmax_scale: Float32, window_left: Int32,
+             mPageTable: Optional[cute.Tensor], mAux0: Optional[cute.Tensor], mAux1: Optional[cute.Tensor],
+             mAux2: Optional[cute.Tensor], mAux3: Optional[cute.Tensor], mBlockRanges: Optional[cute.Tensor],
+             softmax_scale: Float32, window_left: Int32,
              window_right: Int32, softcap: Float32, num_splits: Int32, max_seqlen_q: Int32, batch_size: Int32,
              *extra_scalars_and_stream):
     """The compiled entry point of every forward kernel class (``__call__ = fwd_call``, not a
     base class: the classes share this argument list, nothing else). ``FwdArgs`` in order,
     then the kernel's extra scalars (their types come from the values compiled with) and
     the stream, handed to the class's ``launch(args, *extra_scalars, stream)``."""
-    self.launch(FwdArgs(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, softmax_scale,
-                        window_left, window_right, softcap, num_splits, max_seqlen_q, batch_size),
+    self.launch(FwdArgs(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, mAux0, mAux1, mAux2,
+                        mAux3, mBlockRanges, softmax_scale, window_left, window_right, softcap, num_splits,
+                        max_seqlen_q, batch_size),
                 *extra_scalars_and_stream)
 
 
@@ -104,10 +127,11 @@ def compile_from_key(key: tuple, tile_len: int, make_kernel: Callable, extra_sca
     the kernel object; ``extra_scalars`` are placeholders of its extra runtime scalars."""
     f = parse_key(key, tile_len)
     dtype = CUTE_DTYPE_BY_NAME[f.dtype_name]
-    kernel = make_kernel(dtype, f.d, f.d_v, f.tile, make_variant(*f.flags), f.pack, f.is_split, *f.extra)
+    variant = make_variant(*f.flags)
+    kernel = make_kernel(dtype, f.d, f.d_v, f.tile, variant, f.pack, f.is_split, *f.extra)
     return compile_fwd(kernel, dtype, f.d, f.d_v, f.arch, is_split=f.is_split, has_lse=f.has_lse,
                        varlen_q=f.varlen_q, varlen_k=f.varlen_k, has_seqused_k=f.has_seqused_k, paged=f.paged,
-                       extra_scalars=extra_scalars)
+                       extra_scalars=extra_scalars, user_key=f.flags[3] if len(f.flags) > 3 else None)
 
 
 @cute.jit
@@ -155,11 +179,8 @@ class FwdTile:
         # A paged cache has no offsets; its lengths come from seqused_k (or cu_seqlens_k).
         seqlen = SeqlenInfo.create_for(work.batch, args.mQ, args.mK, args.mCuSeqlensQ, args.mCuSeqlensK,
                                        args.mSeqUsedK, args.mPageTable)
-        cap_inv = Float32(0.0)
-        if cutlass.const_expr(block_info.variant.has_score_mod):
-            cap_inv = cute.arch.rcp_approx(args.softcap)
-        ctx = AttnCtx(work.batch, work.head, seqlen.seqlen_q, seqlen.seqlen_k,
-                      VariantParams(args.window_left, args.window_right, args.softcap, cap_inv))
+        ctx = args.variant_ctx(work.batch, work.head, seqlen.seqlen_q, seqlen.seqlen_k,
+                               block_info.variant.has_score_mod)
         n_block_min, n_block_max = block_info.get_n_block_min_max(work.m_block, ctx, work.split_idx, args.num_splits,
                                                                   is_split)
         rows_valid = seqlen.seqlen_q * pack - work.m_block * block_info.tile_m

@@ -29,7 +29,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import fwd, ops
+from . import fwd, ops, user_variants
 from .fwd import FwdProblem
 from .heuristics import MAX_SPLITS
 
@@ -139,6 +139,49 @@ def _options(d: int, softmax_scale, causal, window_size, softcap, num_splits, pa
                     _int("num_splits", num_splits, 0, MAX_SPLITS), _backend_name(backend))
 
 
+def _variant(score_mod, mask_mod, aux_tensors, block_mask, opts: _Options, device, *, batch: int, nheads: int,
+             max_seqlen_q: int, max_seqlen_k: int):
+    """Validates a user variant; returns (opts, None) without one, else (opts with pack_gqa
+    decided, (spec, kernel tensors, block ranges)). A block mask supplies the mask_mod and
+    aux tensors it was built with unless they are given (the mask_mod must then be its own)."""
+    if score_mod is None and mask_mod is None and block_mask is None:
+        if aux_tensors is not None:
+            raise ValueError("aux_tensors is given without a score_mod, mask_mod or block_mask to read it")
+        return opts, None
+    from .block_mask import BlockMask
+
+    block_q, ranges = 0, None
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(f"block_mask must be a flash_attn_cute.BlockMask (create_block_mask), "
+                            f"got {type(block_mask).__name__}")
+        if mask_mod is None:
+            mask_mod = block_mask.mask_mod
+        elif mask_mod is not block_mask.mask_mod:
+            raise ValueError("mask_mod must be the function block_mask was created with (or None to use it)")
+        if aux_tensors is None:
+            aux_tensors = block_mask.aux_tensors
+        if block_mask.batch not in (1, batch) or block_mask.nheads not in (1, nheads):
+            raise ValueError(f"block_mask was built for batch {block_mask.batch} and nheads {block_mask.nheads}; "
+                             f"this call has batch {batch} and nheads {nheads} (1 = broadcast)")
+        if block_mask.seqlen_q < max_seqlen_q or block_mask.seqlen_k < max_seqlen_k:
+            raise ValueError(f"block_mask covers seqlen_q {block_mask.seqlen_q} and seqlen_k {block_mask.seqlen_k}; "
+                             f"this call needs at least {max_seqlen_q} and {max_seqlen_k}")
+        if block_mask.ranges.device != device:
+            raise ValueError(f"block_mask is on {block_mask.ranges.device}, but q is on {device}")
+        if opts.pack_gqa:
+            raise ValueError("pack_gqa=True cannot take a block_mask (its entries are per query head); "
+                             "leave pack_gqa None")
+        opts = opts._replace(pack_gqa=False)
+        block_q, ranges = block_mask.block_q, block_mask.kernel_ranges(batch, nheads)
+    if score_mod is not None and opts.softcap > 0:
+        raise ValueError("softcap and score_mod cannot be combined: apply the cap inside score_mod "
+                         "(flash_attn_cute.mods.softcap)")
+    aux = user_variants.check_aux_tensors(aux_tensors, device)
+    spec = user_variants.make_spec(score_mod, mask_mod, aux, block_q)
+    return opts, (spec, user_variants.kernel_aux(aux) + (ranges,), ranges)
+
+
 def normalize_window(causal, window_size) -> tuple[bool, int, int]:
     """``(causal, window_left, window_right)`` as the kernels take them.
 
@@ -246,6 +289,7 @@ class _FastEntry(NamedTuple):
     out_shape: tuple
     lse_shape: tuple
     seqlens_fill: Optional[int]  # flash_attn_with_kvcache with an int cache_seqlens
+    block_ranges: Optional[torch.Tensor] = None  # a block mask's ranges, broadcast to the call
 
 
 def _tensor_sig(t):
@@ -267,6 +311,24 @@ def _call_key(kind: str, tensors: tuple, scalars: tuple, window):
         return None
 
 
+def _aux_list(aux_tensors) -> tuple:
+    """The aux tensors as extra per-call-key tensors (a non-list value makes the key fail
+    to hash or compare, and the full path then validates it)."""
+    if aux_tensors is None:
+        return ()
+    return tuple(aux_tensors) if isinstance(aux_tensors, (list, tuple)) else (aux_tensors,)
+
+
+def _aux_of(aux_tensors, block_mask):
+    return block_mask.aux_tensors if aux_tensors is None and block_mask is not None else aux_tensors
+
+
+def _no_variant_under_compile(*variant_args) -> None:
+    if any(a is not None for a in variant_args):
+        raise NotImplementedError("score_mod / mask_mod / aux_tensors / block_mask are not traceable by "
+                                  "torch.compile yet: call flash_attn_cute outside the compiled region")
+
+
 def _lookup(key):
     """(cached entry or None, the key if it can be stored)."""
     if key is None:
@@ -278,14 +340,17 @@ def _lookup(key):
 
 
 def _replay(entry: _FastEntry, q, k, v, out, return_lse, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None,
-            page_table=None):
+            page_table=None, aux_tensors=None):
     if out is None:
         out = q.new_empty(entry.out_shape)
     lse = q.new_empty(entry.lse_shape, dtype=torch.float32) if return_lse else None
     if entry.seqlens_fill is not None:
         seqused_k = torch.full((entry.problem.batch,), entry.seqlens_fill, dtype=torch.int32, device=q.device)
+    variant_tensors = fwd._NO_VARIANT
+    if entry.problem.variant is not None:
+        variant_tensors = user_variants.kernel_aux(aux_tensors or ()) + (entry.block_ranges,)
     fwd.run_resolved(entry.resolved, entry.problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                     page_table)
+                     page_table, variant_tensors)
     return (out, lse) if return_lse else out
 
 
@@ -308,7 +373,7 @@ def clear_call_cache() -> None:
 
 def _flash_attn_fwd(q, k, v, out, opts: _Options, *, batch: int, max_seqlen_q: int, max_seqlen_k: int,
                     nheads: int, nheads_kv: int, d_v: int, return_lse: bool, cu_seqlens_q=None, cu_seqlens_k=None,
-                    seqused_k=None, page_table=None, fast_key=None, seqlens_fill=None):
+                    seqused_k=None, page_table=None, fast_key=None, seqlens_fill=None, variant=None):
     """Allocate outputs, describe the call as a ``FwdProblem`` and run it through the
     dispatch seam (``fwd.run_fwd``: backend, plan, launch, combine).
 
@@ -324,16 +389,19 @@ def _flash_attn_fwd(q, k, v, out, opts: _Options, *, batch: int, max_seqlen_q: i
         if lse is not None:
             lse.fill_(-math.inf)
         return (out, lse) if return_lse else out
+    spec, variant_tensors, block_ranges = (None, fwd._NO_VARIANT, None) if variant is None else variant
     problem = FwdProblem(
         q.dtype, batch, max_seqlen_q, max_seqlen_k, nheads, nheads_kv, q.shape[-1], d_v, opts.softmax_scale,
         opts.causal, opts.window_left, opts.window_right, opts.softcap, varlen, cu_seqlens_k is not None,
-        seqused_k is not None, k.shape[1] if page_table is not None else 0, return_lse)
+        seqused_k is not None, k.shape[1] if page_table is not None else 0, return_lse, spec)
     resolved = fwd.resolve(problem, opts.backend, opts.num_splits, opts.pack_gqa, q.device)
-    fwd.run_resolved(resolved, problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)
+    fwd.run_resolved(resolved, problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
+                     variant_tensors)
     if fast_key is not None:
         if len(_fast_calls) >= _FAST_CACHE_SIZE:
             _fast_calls.clear()
-        _fast_calls[fast_key] = _FastEntry(problem, resolved, tuple(out.shape), lse_shape, seqlens_fill)
+        _fast_calls[fast_key] = _FastEntry(problem, resolved, tuple(out.shape), lse_shape, seqlens_fill,
+                                           block_ranges)
     return (out, lse) if return_lse else out
 
 
@@ -345,7 +413,8 @@ _Q4 = "(batch, seqlen_q, nheads, headdim)"
 
 
 def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    num_splits=1, pack_gqa=None, return_lse=False, out=None, backend=None):
+                    num_splits=1, pack_gqa=None, return_lse=False, out=None, backend=None, score_mod=None,
+                    mask_mod=None, aux_tensors=None, block_mask=None):
     """Attention over a dense batch.
 
     q ``(batch, seqlen_q, nheads, d)``, k ``(batch, seqlen_k, nheads_kv, d)``, v
@@ -353,15 +422,23 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     free). ``nheads`` a multiple of ``nheads_kv`` (GQA/MQA). ``num_splits``: 1 = no split-KV,
     0 = heuristic, n = n splits (<= 256). ``pack_gqa``: None = heuristic. Returns out
     ``(batch, seqlen_q, nheads, d_v)`` in q's dtype, or ``(out, lse)`` with lse
-    ``(batch, nheads, seqlen_q)`` fp32 when ``return_lse``. ``out`` may be preallocated."""
+    ``(batch, nheads, seqlen_q)`` fp32 when ``return_lse``. ``out`` may be preallocated.
+
+    User variants (``user_variants.py``, examples in ``mods.py``): ``score_mod(score, b, h,
+    q_idx, kv_idx, aux)`` rewrites each scaled score, ``mask_mod(b, h, q_idx, kv_idx, aux)``
+    keeps a score where True (ANDed with causal / window_size), ``aux_tensors`` (<= 4
+    tensors) is their ``aux``, ``block_mask`` (``create_block_mask``) lets the kernel skip
+    empty blocks and the predicate on full ones."""
     if torch.compiler.is_compiling():
+        _no_variant_under_compile(score_mod, mask_mod, aux_tensors, block_mask)
         return ops.traced_call("func", q, k, v, out, max_seqlen_q=q.shape[1], softmax_scale=softmax_scale,
                                causal=causal, window_size=window_size, softcap=softcap, num_splits=num_splits,
                                pack_gqa=pack_gqa, return_lse=return_lse, backend=backend)
-    hit, key = _lookup(_call_key("func", (q, k, v, out), (softmax_scale, causal, softcap, num_splits, pack_gqa,
-                                                          return_lse, backend), window_size))
+    hit, key = _lookup(_call_key("func", (q, k, v, out, *_aux_list(aux_tensors)),
+                                 (softmax_scale, causal, softcap, num_splits, pack_gqa, return_lse, backend, score_mod,
+                                  mask_mod, block_mask), window_size))
     if hit is not None:
-        return _replay(hit, q, k, v, out, return_lse)
+        return _replay(hit, q, k, v, out, return_lse, aux_tensors=_aux_of(aux_tensors, block_mask))
     inputs = (q, k, v, out)
     _tensor("q", q, 4, _Q4)
     nheads, nheads_kv, d, d_v, q, k, v = _qkv(
@@ -372,14 +449,17 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     opts = _options(d, softmax_scale, causal, window_size, softcap, num_splits, pack_gqa, backend)
     out = _check_out(out, (batch, seqlen_q, nheads, d_v), q.dtype, "(batch, seqlen_q, nheads, headdim_v)")
     _check_device({"q": q, "k": k, "v": v, "out": out})
+    opts, variant = _variant(score_mod, mask_mod, aux_tensors, block_mask, opts, q.device, batch=batch,
+                             nheads=nheads, max_seqlen_q=seqlen_q, max_seqlen_k=k.shape[1])
     return _flash_attn_fwd(q, k, v, out, opts, batch=batch, max_seqlen_q=seqlen_q, max_seqlen_k=k.shape[1],
                            nheads=nheads, nheads_kv=nheads_kv, d_v=d_v, return_lse=bool(return_lse),
-                           fast_key=_same(key, inputs, (q, k, v, out)))
+                           fast_key=_same(key, inputs, (q, k, v, out)), variant=variant)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                           num_splits=1, pack_gqa=None, return_lse=False, out=None, backend=None):
+                           num_splits=1, pack_gqa=None, return_lse=False, out=None, backend=None, score_mod=None,
+                           mask_mod=None, aux_tensors=None, block_mask=None):
     """Attention over packed variable-length sequences.
 
     q ``(total_q, nheads, d)``, k ``(total_k, nheads_kv, d)``, v ``(total_k, nheads_kv, d_v)``;
@@ -388,17 +468,20 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     host: that would need a device sync). ``max_seqlen_q/k`` bound the lengths (used for
     the grid and heuristics). Returns out ``(total_q, nheads, d_v)``, and lse
     ``(nheads, total_q)`` when ``return_lse``; causal/windows align each sequence's own
-    bottom-right corner."""
+    bottom-right corner. User variants as in ``flash_attn_func`` (``q_idx``/``kv_idx``
+    are positions inside each sequence; ``b`` its index)."""
     if torch.compiler.is_compiling():
+        _no_variant_under_compile(score_mod, mask_mod, aux_tensors, block_mask)
         return ops.traced_call("varlen", q, k, v, out, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
                                causal=causal, window_size=window_size, softcap=softcap, num_splits=num_splits,
                                pack_gqa=pack_gqa, return_lse=return_lse, backend=backend)
-    hit, key = _lookup(_call_key("varlen", (q, k, v, cu_seqlens_q, cu_seqlens_k, out),
+    hit, key = _lookup(_call_key("varlen", (q, k, v, cu_seqlens_q, cu_seqlens_k, out, *_aux_list(aux_tensors)),
                                  (max_seqlen_q, max_seqlen_k, softmax_scale, causal, softcap, num_splits, pack_gqa,
-                                  return_lse, backend), window_size))
+                                  return_lse, backend, score_mod, mask_mod, block_mask), window_size))
     if hit is not None:
-        return _replay(hit, q, k, v, out, return_lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+        return _replay(hit, q, k, v, out, return_lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                       aux_tensors=_aux_of(aux_tensors, block_mask))
     inputs = (q, k, v, out)
     _tensor("q", q, 3, "(total_q, nheads, headdim)")
     nheads, nheads_kv, d, d_v, q, k, v = _qkv(
@@ -414,17 +497,20 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     opts = _options(d, softmax_scale, causal, window_size, softcap, num_splits, pack_gqa, backend)
     out = _check_out(out, (q.shape[0], nheads, d_v), q.dtype, "(total_q, nheads, headdim_v)")
     _check_device({"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "out": out})
+    opts, variant = _variant(score_mod, mask_mod, aux_tensors, block_mask, opts, q.device, batch=batch,
+                             nheads=nheads, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     if k.shape[0] == 0:
         max_seqlen_k = 0
     return _flash_attn_fwd(q, k, v, out, opts, batch=batch, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                            nheads=nheads, nheads_kv=nheads_kv, d_v=d_v, return_lse=bool(return_lse),
                            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                           fast_key=_same(key, inputs, (q, k, v, out)))
+                           fast_key=_same(key, inputs, (q, k, v, out)), variant=variant)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0, num_splits=0, pack_gqa=None,
-                            return_lse=False, out=None, backend=None, check_cache_bounds=False):
+                            return_lse=False, out=None, backend=None, check_cache_bounds=False, score_mod=None,
+                            mask_mod=None, aux_tensors=None, block_mask=None):
     """Attention of new queries against a KV cache (decode, speculative decode, chunked prefill).
 
     q ``(batch, seqlen_q, nheads, d)``. Without ``page_table`` the caches are
@@ -443,8 +529,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=No
     the capacity). ``check_cache_bounds=True`` (a debugging aid) reads ``cache_seqlens``
     and the referenced page-table entries back to the host, raises ValueError on any
     value out of range, and plans for the true maximum length: one device-to-host sync
-    per call (0.15-0.3 ms on the H200), skipped under CUDA-graph capture."""
+    per call (0.15-0.3 ms on the H200), skipped under CUDA-graph capture.
+
+    User variants as in ``flash_attn_func``: ``q_idx`` counts the new queries from 0 and
+    ``kv_idx`` the cache positions (a query's own position is ``q_idx + cache_seqlens[b]
+    - seqlen_q``: pass cache_seqlens in ``aux_tensors`` to use it)."""
     if torch.compiler.is_compiling():
+        _no_variant_under_compile(score_mod, mask_mod, aux_tensors, block_mask)
         return ops.traced_call("kvcache", q, k_cache, v_cache, out, cache_seqlens=cache_seqlens, page_table=page_table,
                                max_seqlen_q=q.shape[1], softmax_scale=softmax_scale, causal=causal,
                                window_size=window_size, softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa,
@@ -453,10 +544,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=No
     if not check_cache_bounds:
         int_seqlens = cache_seqlens if not isinstance(cache_seqlens, torch.Tensor) else None
         hit, key = _lookup(_call_key(
-            "kvcache", (q, k_cache, v_cache, None if int_seqlens is not None else cache_seqlens, page_table, out),
-            (int_seqlens, softmax_scale, causal, softcap, num_splits, pack_gqa, return_lse, backend), window_size))
+            "kvcache", (q, k_cache, v_cache, None if int_seqlens is not None else cache_seqlens, page_table, out,
+                        *_aux_list(aux_tensors)),
+            (int_seqlens, softmax_scale, causal, softcap, num_splits, pack_gqa, return_lse, backend, score_mod,
+             mask_mod, block_mask), window_size))
         if hit is not None:
-            return _replay(hit, q, k_cache, v_cache, out, return_lse, seqused_k=cache_seqlens, page_table=page_table)
+            return _replay(hit, q, k_cache, v_cache, out, return_lse, seqused_k=cache_seqlens, page_table=page_table,
+                           aux_tensors=_aux_of(aux_tensors, block_mask))
     inputs = (q, k_cache, v_cache, out)
     _tensor("q", q, 4, _Q4)
     paged = page_table is not None
@@ -496,10 +590,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=No
             max_seqlen_k = _check_cache_bounds(cache_seqlens, capacity, page_table, k_cache.shape)
         else:
             max_seqlen_k = capacity
+    opts, variant = _variant(score_mod, mask_mod, aux_tensors, block_mask, opts, q.device, batch=batch,
+                             nheads=nheads, max_seqlen_q=seqlen_q, max_seqlen_k=capacity)
     return _flash_attn_fwd(q, k_cache, v_cache, out, opts, batch=batch, max_seqlen_q=seqlen_q,
                            max_seqlen_k=max_seqlen_k, nheads=nheads, nheads_kv=nheads_kv, d_v=d_v,
                            return_lse=bool(return_lse), seqused_k=cache_seqlens, page_table=page_table,
-                           fast_key=_same(key, inputs, (q, k_cache, v_cache, out)), seqlens_fill=seqlens_fill)
+                           fast_key=_same(key, inputs, (q, k_cache, v_cache, out)), seqlens_fill=seqlens_fill,
+                           variant=variant)
 
 
 def _check_cache_bounds(cache_seqlens: torch.Tensor, capacity: int, page_table, kv_shape) -> int:

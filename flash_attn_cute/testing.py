@@ -62,11 +62,14 @@ def visible_mask(seqlen_q, seqlen_k, seqlens_k=None, *, causal=False, window_siz
 
 
 def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                  seqlens_k=None, upcast=True):
+                  seqlens_k=None, upcast=True, score_mod=None, mask_mod=None, aux_tensors=None, batch_idx=None):
     """Returns (out (b, sq, h, dv), lse (b, h, sq) float32).
 
     ``out`` is float32 when ``upcast`` (the default), else in the input dtype.
     ``seqlens_k`` (batch,) int: only the first seqlens_k[b] keys of row b exist.
+    ``score_mod`` / ``mask_mod`` (``user_variants.py``) run here on broadcast index
+    tensors: b (b,1,1,1), h (1,h,1,1), q_idx (1,1,sq,1), kv_idx (1,1,1,sk), with
+    ``aux_tensors``; ``batch_idx`` renumbers the batch rows (varlen calls one at a time).
     """
     batch, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
@@ -83,14 +86,27 @@ def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1,
         scores = torch.einsum("bqhd,bkhd->bhqk", q * softmax_scale, k).float()
         if softcap > 0:
             scores = softcap * torch.tanh(scores / softcap)
+        b_idx, h_idx, q_idx, kv_idx = _index_tensors(batch, nheads, seqlen_q, seqlen_k, q.device, batch_idx)
+        aux = tuple(aux_tensors or ())
+        if score_mod is not None:
+            scores = score_mod(scores, b_idx, h_idx, q_idx, kv_idx, aux).float()
         mask = visible_mask(seqlen_q, seqlen_k, seqlens_k, causal=causal, window_size=window_size,
                             device=q.device)
+        if mask_mod is not None:
+            mask = mask & mask_mod(b_idx, h_idx, q_idx, kv_idx, aux)
         scores = scores.masked_fill(~mask, float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)  # -inf on fully masked rows
         # exp(s - lse) is the softmax; on fully masked rows it is exp(-inf) = 0, not NaN
         probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
         out = torch.einsum("bhqk,bkhd->bqhd", probs.to(v.dtype), v)
     return out, lse
+
+
+def _index_tensors(batch, nheads, seqlen_q, seqlen_k, device, batch_idx=None):
+    b = torch.arange(batch, device=device) if batch_idx is None else torch.as_tensor(batch_idx, device=device)
+    return (b.view(-1, 1, 1, 1), torch.arange(nheads, device=device).view(1, -1, 1, 1),
+            torch.arange(seqlen_q, device=device).view(1, 1, -1, 1),
+            torch.arange(seqlen_k, device=device).view(1, 1, 1, -1))
 
 
 def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
@@ -107,7 +123,7 @@ def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
         q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
         if q1 == q0:
             continue
-        o_b, lse_b = attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], **kwargs)
+        o_b, lse_b = attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], batch_idx=[b], **kwargs)
         out[q0:q1] = o_b[0]
         lse[:, q0:q1] = lse_b[0]
     return out, lse
@@ -182,3 +198,52 @@ def mla_decode_ref(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table
         softmax_scale = q.shape[-1] ** -0.5
     return attention_ref(q, k, ckv, softmax_scale=softmax_scale, causal=causal, seqlens_k=cache_seqlens,
                          upcast=upcast)
+
+
+# ---------------------------------------------------------------------------------------
+# User-variant compile cases (compile-only tests: tests/test_variants_host.py)
+# ---------------------------------------------------------------------------------------
+
+
+def bias_table_mod(score, b, h, q_idx, kv_idx, aux):
+    """A table-lookup score_mod: (nheads, 16, 16) bias indexed by positions mod 16."""
+    return score + aux[0][h, q_idx % 16, kv_idx % 16]
+
+
+def per_head_mask_mod(b, h, q_idx, kv_idx, aux):
+    """A per-head mask_mod: head h drops keys congruent to 1 mod (h + 2)."""
+    return kv_idx % (h + 2) != 1
+
+
+def variant_case_problem(name: str, backend: str):
+    """(problem, num_splits, pack_gqa) of a named user-variant compile case, its spec
+    registered: ``alibi_document`` (ALiBi + document mask + block mask, causal prefill)
+    and ``table_perhead_paged`` (bias table + per-head mask, paged GQA decode, split)."""
+    from . import mods
+    from .fwd import FwdProblem
+    from .user_variants import make_spec
+
+    if name == "alibi_document":
+        aux = (torch.empty(16, dtype=torch.float32), torch.empty(2, 4096, dtype=torch.int32))
+        spec = make_spec(mods.alibi(0), mods.document_mask(1), aux, 128)
+        return FwdProblem(torch.bfloat16, 2, 4096, 4096, 16, 16, 128, 128, 0.088, True, -1, 0, 0.0, False, False,
+                          False, 0, True, spec), 1, False
+    if name == "table_perhead_paged":
+        aux = (torch.empty(8, 16, 16, dtype=torch.bfloat16),)
+        spec = make_spec(bias_table_mod, per_head_mask_mod, aux, 0)
+        page_size = 64 if backend != "sm90" else 16  # SM90: the row-gathering producer
+        return FwdProblem(torch.bfloat16, 4, 2, 8192, 8, 2, 128, 128, 0.088, False, -1, -1, 0.0, False, False,
+                          True, page_size, True, spec), 4, True
+    raise ValueError(f"unknown variant compile case {name!r}")
+
+
+def compile_variant_case(case: tuple):
+    """Compiles a named case (``variant_case_problem``) for (backend, name) on fakes: the
+    compile harness's target (the spec must be registered in the compiling process)."""
+    from . import fwd
+
+    backend, name = case
+    problem, num_splits, pack_gqa = variant_case_problem(name, backend)
+    module = fwd.backend_module(backend)
+    plan = module.plan(problem, num_splits, pack_gqa, 132)
+    return module.compile(module.compile_key(problem, plan))

@@ -1,7 +1,8 @@
 """Attention variants: what a kernel does to each score, and which scores it keeps.
 
 A variant is a score modifier and a mask predicate, each a DSL function of
-(batch, head, q index, k index) plus the per-launch runtime parameters. Kernels
+(q index, k index, query head) and the CTA's context (batch, lengths, the per-launch
+runtime parameters, the user's auxiliary tensors). Kernels
 call them per element and know nothing else about the variant; the variant's
 ``key`` is part of every compile key, so two variants never share a binary.
 
@@ -15,6 +16,7 @@ windows are aligned to the bottom-right corner, so query i sees key j when
 """
 
 from dataclasses import dataclass
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -41,6 +43,8 @@ class AttnCtx:
     seqlen_q: Int32
     seqlen_k: Int32
     params: VariantParams
+    aux: tuple = ()  # the user variant's auxiliary gmem tensors (user_variants.UserVariant)
+    block_ranges: Optional[cute.Tensor] = None  # a block mask's key ranges (block_mask.py)
 
 
 class AttentionVariant:
@@ -52,11 +56,12 @@ class AttentionVariant:
     def key(self) -> tuple:
         return ("base",)
 
-    def score_mod(self, s, q_idx, k_idx, ctx: AttnCtx):
-        """``s`` is the scaled score (q.k * softmax_scale); returns the modified score."""
+    def score_mod(self, s, q_idx, k_idx, head, ctx: AttnCtx):
+        """``s`` is the scaled score (q.k * softmax_scale) of query ``q_idx`` and key
+        ``k_idx`` of query head ``head``; returns the modified score."""
         return s
 
-    def mask(self, q_idx, k_idx, ctx: AttnCtx):
+    def mask(self, q_idx, k_idx, head, ctx: AttnCtx):
         """True where the score is kept."""
         return True
 
@@ -80,7 +85,7 @@ class Causal(AttentionVariant):
         return ("causal",)
 
     @cute.jit
-    def mask(self, q_idx, k_idx, ctx: AttnCtx):
+    def mask(self, q_idx, k_idx, head, ctx: AttnCtx):
         return k_idx <= q_idx + ctx.seqlen_k - ctx.seqlen_q
 
     def key_range(self, q_min, q_max, ctx: AttnCtx):
@@ -99,7 +104,7 @@ class Local(AttentionVariant):
         return ("local",)
 
     @cute.jit
-    def mask(self, q_idx, k_idx, ctx: AttnCtx):
+    def mask(self, q_idx, k_idx, head, ctx: AttnCtx):
         diag = q_idx + ctx.seqlen_k - ctx.seqlen_q
         p = ctx.params
         keep_right = k_idx <= diag + p.window_right
@@ -139,7 +144,7 @@ class Softcap(AttentionVariant):
         return ("softcap",)
 
     @cute.jit
-    def score_mod(self, s, q_idx, k_idx, ctx: AttnCtx):
+    def score_mod(self, s, q_idx, k_idx, head, ctx: AttnCtx):
         p = ctx.params
         return p.softcap * cute.math.tanh(s * p.softcap_inv, fastmath=True)
 
@@ -157,11 +162,11 @@ class Compose(AttentionVariant):
     def key(self):
         return self._mod.key() + self._mask.key()
 
-    def score_mod(self, s, q_idx, k_idx, ctx):
-        return self._mod.score_mod(s, q_idx, k_idx, ctx)
+    def score_mod(self, s, q_idx, k_idx, head, ctx):
+        return self._mod.score_mod(s, q_idx, k_idx, head, ctx)
 
-    def mask(self, q_idx, k_idx, ctx):
-        return self._mask.mask(q_idx, k_idx, ctx)
+    def mask(self, q_idx, k_idx, head, ctx):
+        return self._mask.mask(q_idx, k_idx, head, ctx)
 
     def key_range(self, q_min, q_max, ctx):
         return self._mask.key_range(q_min, q_max, ctx)
@@ -184,29 +189,40 @@ def apply_to_scores(
 ):
     """The variant over one block of scores, in place, for every kernel that holds S in
     registers: the score modifier on every block (on the scaled score), and on a masked
-    block the sequence end and the variant's mask (-inf where a score is dropped)."""
+    block the sequence end and the variant's mask (-inf where a score is dropped).
+    Under pack_gqa (``qhead_per_kvhead`` > 1) ``ctx.head`` is the KV head and a row's
+    query head is ``ctx.head * qhead_per_kvhead + row % qhead_per_kvhead``."""
     has_mod = cutlass.const_expr(variant.has_score_mod)
     if cutlass.const_expr(has_mod or masked):
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-            q_idx = (row0 + tScS_mn[r, 0][0]) // qhead_per_kvhead
+            row = row0 + tScS_mn[r, 0][0]
+            q_idx = row // qhead_per_kvhead
+            head = ctx.head
+            if cutlass.const_expr(qhead_per_kvhead > 1):
+                head = ctx.head * qhead_per_kvhead + row - q_idx * qhead_per_kvhead
             for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
                 k_idx = col0 + tScS_mn[0, c][1]
                 s = s_mn[r, c]
                 if cutlass.const_expr(has_mod):
-                    s = variant.score_mod(s * softmax_scale, q_idx, k_idx, ctx)
+                    s = variant.score_mod(s * softmax_scale, q_idx, k_idx, head, ctx)
                 if cutlass.const_expr(masked):
                     keep = k_idx < ctx.seqlen_k
                     if cutlass.const_expr(variant.has_mask):
-                        keep = keep and variant.mask(q_idx, k_idx, ctx)
+                        keep = keep and variant.mask(q_idx, k_idx, head, ctx)
                     if not keep:
                         s = -Float32.inf
                 s_mn[r, c] = s
 
 
-def make_variant(causal: bool, local: bool, softcap: bool) -> AttentionVariant:
-    """The built-in variant for the public API's flags (local wins over causal: the
-    host folds causal into window_right = 0)."""
+def make_variant(causal: bool, local: bool, softcap: bool, user_key: Optional[tuple] = None) -> AttentionVariant:
+    """The variant for the public API's flags (local wins over causal: the host folds
+    causal into window_right = 0); ``user_key`` names a registered user variant
+    (``user_variants.VariantSpec.key``), composed with the built-in mask."""
     mask = Local() if local else (Causal() if causal else None)
+    if user_key is not None:
+        from flash_attn_cute.user_variants import kernel_variant
+
+        return kernel_variant(user_key, mask)
     mod = Softcap() if softcap else None
     if mask is not None and mod is not None:
         return Compose(mod, mask)

@@ -30,7 +30,7 @@ from flash_attn_cute.seqlen_info import SeqlenInfo
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax, acc_mn_view, acc_to_operand_a
 from flash_attn_cute.sm80.gemm import gemm_rs, gemm_ss
 from flash_attn_cute.tile_scheduler import SingleTileScheduler
-from flash_attn_cute.variants import AttentionVariant, AttnCtx, VariantParams, apply_to_scores
+from flash_attn_cute.variants import AttentionVariant, AttnCtx, apply_to_scores
 
 
 def _smem_layout(dtype, rows: int, cols: int):
@@ -105,8 +105,9 @@ class FlashAttnFwdSm80:
         SharedStorage: cutlass.Constexpr,
     ):
         sQ_layout, sK_layout, sV_layout = smem_layouts
-        mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable = args[:9]
-        softmax_scale, window_left, window_right, softcap, num_splits = args[9:14]
+        mQ, mK, mV, mO, mLSE = args.mQ, args.mK, args.mV, args.mO, args.mLSE
+        mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable = args.mCuSeqlensQ, args.mCuSeqlensK, args.mSeqUsedK, args.mPageTable
+        softmax_scale, num_splits = args.softmax_scale, args.num_splits
         tidx, _, _ = cute.arch.thread_idx()
         work = SingleTileScheduler.get_work(num_splits)
         varlen_q = cutlass.const_expr(mCuSeqlensQ is not None)
@@ -119,13 +120,8 @@ class FlashAttnFwdSm80:
         seqlen = SeqlenInfo.create_for(work.batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable)
         rows_valid = seqlen.seqlen_q * self.pack - work.m_block * self.tile_m
         if rows_valid > 0:
-            cap_inv = Float32(0.0)
-            if cutlass.const_expr(self.variant.has_score_mod):
-                cap_inv = cute.arch.rcp_approx(softcap)
-            ctx = AttnCtx(
-                work.batch, work.head, seqlen.seqlen_q, seqlen.seqlen_k,
-                VariantParams(window_left, window_right, softcap, cap_inv),
-            )
+            ctx = args.variant_ctx(work.batch, work.head, seqlen.seqlen_q, seqlen.seqlen_k,
+                                   self.variant.has_score_mod)
             tile = _Tile(ctx, seqlen, work.m_block, head_kv, work.split_idx, rows_valid, softmax_scale)
             self.attend(
                 tile, num_splits, mQ, mK, mV, mO, mLSE, mPageTable,

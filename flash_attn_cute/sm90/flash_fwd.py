@@ -49,7 +49,7 @@ from flash_attn_cute.seqlen_info import SeqlenInfo
 from flash_attn_cute.sm90.wgmma_utils import convert_pairs, smem_layout, wgmma_gemm
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
 from flash_attn_cute.tile_scheduler import LptScheduler, SingleTileScheduler
-from flash_attn_cute.variants import AttentionVariant, AttnCtx, VariantParams, apply_to_scores
+from flash_attn_cute.variants import AttentionVariant, apply_to_scores
 
 
 class NamedBarrier(enum.IntEnum):
@@ -236,8 +236,9 @@ class FlashAttnFwdSm90:
         tma_Q, tma_K, tma_V, mO = tma_views
         tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O = tma_atoms
         sQ_layout, sK_layout, sV_layout, sO_layout = smem_layouts
-        mQ, mK, _, _, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable = args[:9]
-        softmax_scale, window_left, window_right, softcap, num_splits, _, batch_size = args[9:]
+        mQ, mK, mLSE = args.mQ, args.mK, args.mLSE
+        mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable = args.mCuSeqlensQ, args.mCuSeqlensK, args.mSeqUsedK, args.mPageTable
+        softmax_scale, num_splits, batch_size = args.softmax_scale, args.num_splits, args.batch_size
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
@@ -293,11 +294,7 @@ class FlashAttnFwdSm90:
         head_kv = head if cutlass.const_expr(self.pack > 1) else head // (heads_q // heads_kv)
         seqlen = SeqlenInfo.create_for(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK if not paged else None, mSeqUsedK,
                                        mPageTable)
-        cap_inv = Float32(0.0)
-        if cutlass.const_expr(self.variant.has_score_mod):
-            cap_inv = cute.arch.rcp_approx(softcap)
-        ctx = AttnCtx(batch, head, seqlen.seqlen_q, seqlen.seqlen_k,
-                      VariantParams(window_left, window_right, softcap, cap_inv))
+        ctx = args.variant_ctx(batch, head, seqlen.seqlen_q, seqlen.seqlen_k, self.variant.has_score_mod)
         block_info = BlockInfo(self.tile_m, self.tile_n, self.pack, self.variant)
         n_block_min, n_block_max = block_info.get_n_block_min_max(m_block, ctx, split_idx, num_splits, self.is_split)
         rows_valid = seqlen.seqlen_q * self.pack - m_block * self.tile_m

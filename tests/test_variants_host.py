@@ -1,0 +1,163 @@
+"""CPU tests of user variants: compile keys, the torch side of the building blocks, block
+masks against brute force, argument checks, and compile-only builds of the variant path
+for sm_80, sm_90a and sm_100a (no GPU needed)."""
+
+import re
+
+import pytest
+import torch
+from compile_harness import compile_entries
+
+from flash_attn_cute import create_block_mask, fwd, mods
+from flash_attn_cute.block_mask import EMPTY, FULL, PARTIAL
+from flash_attn_cute.testing import attention_ref, variant_case_problem
+from flash_attn_cute.user_variants import check_aux_tensors, function_digest, make_spec
+
+
+def _spec_key(score_mod=None, mask_mod=None, aux=(), block_q=0):
+    return make_spec(score_mod, mask_mod, tuple(aux), block_q).key
+
+
+def test_key_follows_the_function_not_the_aux_values():
+    a = _spec_key(mods.alibi(0), None, [torch.ones(8)])
+    assert a == _spec_key(mods.alibi(0), None, [torch.randn(8)])  # new slopes: same binary
+    assert a == _spec_key(mods.alibi(0), None, [torch.ones(16)])  # other sizes too (symbolic)
+    assert a != _spec_key(mods.alibi(1), None, [torch.ones(8)])  # another slot: closure constant
+    assert a != _spec_key(mods.alibi(0), None, [torch.ones(8, dtype=torch.bfloat16)])  # dtype
+    assert a != _spec_key(mods.alibi(0), None, [torch.ones(8, 2)])  # rank
+    assert a != _spec_key(mods.alibi(0), None, [torch.ones(8)], block_q=128)
+    assert function_digest(mods.sliding_window(64)) != function_digest(mods.sliding_window(65))
+    assert function_digest(mods.softcap(5.0)) == function_digest(mods.softcap(5.0))
+
+    def f(score, b, h, q_idx, kv_idx, aux):
+        return score * 2
+
+    def g(score, b, h, q_idx, kv_idx, aux):
+        return score * 3
+
+    assert function_digest(f) != function_digest(g)
+
+
+def test_captured_tensor_is_refused():
+    t = torch.ones(4)
+
+    def mod(score, b, h, q_idx, kv_idx, aux):
+        return score + t[h]
+
+    with pytest.raises(ValueError, match="captures the torch.Tensor 't'"):
+        make_spec(mod, None, (), 0)
+
+
+def test_aux_checks():
+    with pytest.raises(TypeError, match="list or tuple"):
+        check_aux_tensors(torch.ones(2), torch.device("cpu"))
+    with pytest.raises(ValueError, match="at most 4"):
+        check_aux_tensors([torch.ones(1)] * 5, torch.device("cpu"))
+    with pytest.raises(TypeError, match=r"aux_tensors\[1\] has dtype torch.complex64"):
+        check_aux_tensors([torch.ones(1), torch.ones(1, dtype=torch.complex64)], torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"aux_tensors\[0\] must have rank >= 1"):
+        check_aux_tensors([torch.tensor(1.0)], torch.device("cpu"))
+
+
+def test_reference_runs_the_same_functions():
+    """The torch side: ALiBi and a document mask through attention_ref equal a hand-written
+    bias and mask."""
+    torch.manual_seed(0)
+    b, s, h, d = 2, 40, 3, 16
+    q, k, v = (torch.randn(b, s, h, d) for _ in range(3))
+    slopes = mods.alibi_slopes(h, device="cpu")
+    docs = torch.tensor([[i // 13 for i in range(s)], [i // 7 for i in range(s)]], dtype=torch.int32)
+    out, lse = attention_ref(q, k, v, causal=True, score_mod=mods.alibi(0), mask_mod=mods.document_mask(1),
+                             aux_tensors=[slopes, docs])
+    pos = torch.arange(s)
+    bias = slopes.view(1, h, 1, 1) * (pos.view(1, 1, 1, s) - pos.view(1, 1, s, 1))
+    keep = (docs[:, None, :, None] == docs[:, None, None, :]) & (pos.view(1, 1, 1, s) <= pos.view(1, 1, s, 1))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q * d ** -0.5, k) + bias
+    p = torch.softmax(scores.masked_fill(~keep, float("-inf")), -1)
+    torch.testing.assert_close(out, torch.einsum("bhqk,bkhd->bqhd", p, v), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mask_mod,shape", [
+    (mods.causal_mask, (None, None, 300, 300)),
+    (mods.sliding_window(50), (None, None, 257, 400)),
+    (mods.and_masks(mods.causal_mask, mods.document_mask(0)), (2, None, 333, 333)),
+    (lambda b, h, q, k, aux: (k % (h + 2) != 1) | (q > 200), (1, 3, 260, 190)),
+])
+@pytest.mark.parametrize("block_size", [64, (128, 32)])
+def test_block_mask_against_brute_force(mask_mod, shape, block_size):
+    B, H, sq, sk = shape
+    docs = torch.stack([torch.arange(sk) // 41, torch.arange(sk) // 77]).to(torch.int32)
+    bm = create_block_mask(mask_mod, B, H, sq, sk, aux_tensors=[docs], device="cpu", block_size=block_size)
+    bq, bk = bm.block_size
+    for b in range(B or 1):
+        for h in range(H or 1):
+            keep = mask_mod(torch.tensor(b), torch.tensor(h), torch.arange(sq)[:, None], torch.arange(sk)[None, :],
+                            (docs,))
+            keep = keep.expand(sq, sk)
+            for qb in range(-(-sq // bq)):
+                rows = keep[qb * bq:(qb + 1) * bq]
+                lo, hi, f_lo, f_hi = bm.ranges[b, h, qb].tolist()
+                kept = rows.any(0).nonzero().flatten()
+                if len(kept):
+                    assert (lo, hi) == (kept.min().item(), kept.max().item() + 1)
+                else:
+                    assert hi <= lo
+                if f_hi > f_lo:
+                    assert rows[:, f_lo:f_hi].all()
+                run, best = 0, 0
+                for j in range(sk):  # the longest every-row-kept run
+                    run = run + 1 if rows[:, j].all() else 0
+                    best = max(best, run)
+                assert f_hi - f_lo == best
+                for kb in range(-(-sk // bk)):
+                    tile = rows[:, kb * bk:(kb + 1) * bk]
+                    want = FULL if tile.all() else (PARTIAL if tile.any() else EMPTY)
+                    assert bm.block_states[b, h, qb, kb].item() == want
+
+
+# ------------------------------------------------------------------------------ compile-only
+
+ARCHS = {"sm_80": ["sm80"], "sm_90a": ["sm80", "sm90"], "sm_100a": ["sm100"]}
+MMA = {"sm80": "HMMA.16816.F32", "sm90": "HGMMA", "sm100": "UTCHMMA"}
+VARIANT_CASES = ["alibi_document", "table_perhead_paged"]
+
+
+@pytest.fixture(scope="module")
+def variant_artifacts(tmp_path_factory):
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            entries = [(f"{b}_{c}", "flash_attn_cute.testing:compile_variant_case", [b, c])
+                       for b in ARCHS[arch] for c in VARIANT_CASES]
+            cache[arch] = compile_entries(arch, entries, tmp_path_factory.mktemp(f"variants_{arch}"))
+        return cache[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_variant_path_compiles(variant_artifacts, arch):
+    out_dir, seconds = variant_artifacts(arch)
+    print(f"\n{arch}: " + ", ".join(f"{k} {v:.1f}s" for k, v in seconds.items()))
+    for backend in ARCHS[arch]:
+        for case in VARIANT_CASES:
+            folder = out_dir / f"{backend}_{case}"
+            cubins = list(folder.glob(f"*.{arch}.cubin"))
+            assert len(cubins) == 1 and cubins[0].read_bytes()[:4] == b"\x7fELF", (backend, case)
+            sass_files = list(folder.glob("*.sass"))
+            if sass_files:
+                sass = sass_files[0].read_text()
+                assert MMA[backend] in sass, (backend, case)
+                # the variant reads its aux tensors from global memory
+                assert re.search(r"\bLDG\.E", sass), (backend, case)
+
+
+def test_variant_key_is_in_the_compile_key():
+    problem, num_splits, pack_gqa = variant_case_problem("alibi_document", "sm80")
+    module = fwd.backend_module("sm80")
+    key = module.compile_key(problem, module.plan(problem, num_splits, pack_gqa, 132), "sm_80")
+    plain = module.compile_key(problem._replace(variant=None), module.plan(problem, num_splits, pack_gqa, 132),
+                               "sm_80")
+    flags = next(f for f in key if isinstance(f, tuple))
+    assert key != plain and flags[3] == problem.variant.key and len(key) == len(plain)
