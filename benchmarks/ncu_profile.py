@@ -5,6 +5,8 @@ launches of the kernel it filters and profiles the third):
 
     prefill: --impl ours|fa4 --D 128 [--causal]     (b4 s8192, H = 2048 / D; ours = SM90)
     mla:     --impl sm80|sm90 --batch 768 --seqlen 2048 [--page 1] [--heads 64]
+    variant: --impl ours --variant causal|document|alibi|sliding1024|softcap30 (bench_variants'
+             definitions, B4 S8192 H16 D128; ours = SM90)
 """
 
 import argparse
@@ -46,9 +48,22 @@ def mla_fn(args):
     return lambda: flash_attn_cute.flash_mla_decode(q_nope, q_pe, ckv, kpe, seqlens, table, backend=args.impl)
 
 
+def variant_fn(args):
+    import torch
+
+    import bench_variants
+    import flash_attn_cute
+
+    B, H, S, D = args.B, 16, args.S, args.D
+    q, k, v = (randn(B, S, H, D, dtype=torch.bfloat16) for _ in range(3))
+    (_, kwargs), *_ = bench_variants.variant_defs(args.variant, B, H, S, flash_attn_cute)[0]
+    return lambda: flash_attn_cute.flash_attn_func(q, k, v, backend="sm90", **kwargs)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("kind", choices=["prefill", "mla"])
+    p.add_argument("kind", choices=["prefill", "mla", "variant"])
+    p.add_argument("--variant", default="document")
     p.add_argument("--impl", required=True, help="prefill: ours | fa4; mla: sm80 | sm90")
     p.add_argument("--B", type=int, default=4)
     p.add_argument("--S", type=int, default=8192)
@@ -63,7 +78,7 @@ def main(argv=None):
     import torch
 
     torch.manual_seed(0)
-    fn = prefill_fn(args) if args.kind == "prefill" else mla_fn(args)
+    fn = {"prefill": prefill_fn, "mla": mla_fn, "variant": variant_fn}[args.kind](args)
     for _ in range(args.calls):
         fn()
     torch.cuda.synchronize()
