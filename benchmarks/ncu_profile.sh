@@ -4,6 +4,8 @@
 # Firecracker runtime of the H200 machines, not on gVisor).
 #   bash benchmarks/ncu_profile.sh prefill "128 64c"       # D, trailing c = causal: ours (SM90) and FA4
 #   bash benchmarks/ncu_profile.sh mla "768x2048 64x1024"  # batch x seqlen, page 1, 64 heads: SM80 and SM90
+#   bash benchmarks/ncu_profile.sh variant "document causal"  # bench_variants definitions, ours (SM90)
+#   IMPLS=sm90:MlaDecodeSm90 bash benchmarks/ncu_profile.sh mla 768x2048  # one implementation only
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 cd "$(dirname "$0")"
@@ -12,9 +14,12 @@ for cfg in ${2:-128}; do
   if [ "$kind" = prefill ]; then
     D=${cfg%c}; extra="--D $D"; [ "$cfg" != "$D" ] && extra="$extra --causal"
     impls="ours:FlashAttnFwdSm90 fa4:FlashAttentionForwardSm90"
+  elif [ "$kind" = variant ]; then
+    extra="--variant $cfg"
+    impls="ours:FlashAttnFwdSm90"
   else
     extra="--batch ${cfg%x*} --seqlen ${cfg#*x}"
-    impls="sm80:MlaDecodeSm80 sm90:MlaDecodeSm90"
+    impls=${IMPLS:-"sm80:MlaDecodeSm80 sm90:MlaDecodeSm90"}
   fi
   for pair in $impls; do
     impl=${pair%%:*}; name=${pair#*:}; report="$OUT/ncu_${kind}_${impl}_${cfg}.txt"
@@ -23,6 +28,6 @@ for cfg in ${2:-128}; do
       --section SchedulerStats --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
       --section SourceCounters --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$,regex:sm__pipe_tensor.*cycles_active\.avg\.pct_of_peak_sustained_active$,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum' \
       python ncu_profile.py "$kind" --impl "$impl" $extra > "$report" 2>&1
-    echo "ncu $kind $impl $cfg rc=$?"; grep -E "Duration|pipe_tensor_cycles|DRAM Throughput|Issue Slots Busy|issue_stalled_(barrier|gmma|wait|long_scoreboard|mio_throttle|short_scoreboard)" "$report" | head -20
+    echo "ncu $kind $impl $cfg rc=$?"; grep -E "Duration|pipe_tensor_cycles|DRAM Throughput|Issue Slots Busy|Achieved Occupancy|issue_stalled_(barrier|gmma|wait|long_scoreboard|mio_throttle|short_scoreboard)" "$report" | head -20
   done
 done

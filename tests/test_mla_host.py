@@ -133,10 +133,11 @@ def test_sm90_seam_key_roles_and_selection(monkeypatch):
     monkeypatch.delenv("FLASH_ATTN_CUTE_MLA_SM90_QK", raising=False)
     default = sm90.compile_key(p, plan, "sm_90a")
     assert default[:7] == ("mla_sm90", "sm_90a", "bf16", 128, True, True, True)
+    assert default[7] == (32, 4, "one")
     monkeypatch.setenv("FLASH_ATTN_CUTE_MLA_SM90_QK", "split")
-    assert sm90.compile_key(p, plan, "sm_90a")[7] == (32, 3, True)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_MLA_SM90_QK", "full")
-    assert sm90.compile_key(p, plan, "sm_90a")[7] == (32, 4, False)
+    assert sm90.compile_key(p, plan, "sm_90a")[7] == (32, 3, "split")
+    monkeypatch.setenv("FLASH_ATTN_CUTE_MLA_SM90_QK", "one")
+    assert sm90.compile_key(p, plan, "sm_90a")[7] == (32, 4, "one")
     monkeypatch.setenv("FLASH_ATTN_CUTE_MLA_SM90_QK", "half")
     with pytest.raises(ValueError, match="MLA_SM90_QK"):
         sm90.compile_key(p, plan, "sm_90a")
@@ -151,9 +152,11 @@ def test_sm90_seam_key_roles_and_selection(monkeypatch):
         mla.select_backend("sm90", p, "cuda:0")
     # roles: the register pool and 227 KB of shared memory bound them
     assert MlaRoles().threads == 384 and MlaRoles().o_cols == 256
-    assert MlaRoles().split_qk and MlaRoles().stages == 3
-    assert MlaRoles(stages=4, split_qk=False).smem_bytes() <= 227 * 1024
+    assert MlaRoles().qk == "one" and MlaRoles().stages == 4
+    assert MlaRoles(stages=3, qk="split").smem_bytes() <= 227 * 1024
     with pytest.raises(AssertionError):
-        MlaRoles(stages=4)  # 4 stages + the S exchange: over 227 KB
+        MlaRoles(qk="split")  # 4 stages + the S exchange: over 227 KB
+    with pytest.raises(AssertionError):
+        MlaRoles(stages=5)  # 5 stages: over 227 KB
     with pytest.raises(AssertionError):
         MlaRoles(consumer_regs=240, producer_regs=40)  # over the 512-register pool

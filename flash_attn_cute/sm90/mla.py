@@ -14,10 +14,10 @@ from ..mla import MlaProblem
 NAME = "sm90"
 NHEADS = (16, 32, 64, 128)
 # Automatic on 9.x (preferred to SM80): all GPU tests pass on the H200 in both Q K^T
-# modes (2026-11-29), and it reads 2.87 TB/s at 768 x 2048 where the SM80 kernel reads 2.31.
+# modes (2026-11-29), and it reads 3.06 TB/s at 768 x 2048 where the SM80 kernel reads 2.31.
 AUTO = True
 _TILE_M, _TILE_N = 64, 32  # mla_decode.MlaRoles
-# 217 KB of shared memory and 384 threads at 504 registers per thread-slot: one CTA per
+# 224 KB of shared memory and 384 threads at 504 registers per thread-slot: one CTA per
 # SM. The split heuristic counts 64-row tiles of 32-key blocks against num_sms.
 _CTAS_PER_SM = 1
 _SPLIT_TOLERANCE = 0.9
@@ -43,21 +43,22 @@ def plan(problem: MlaProblem, num_splits: int, num_sms: Optional[int]) -> FwdPla
     return FwdPlan(NAME, (_TILE_M, _TILE_N), True, num_splits)
 
 
-QK_MODES = ("full", "split")
-DEFAULT_QK_MODE = "split"  # 15% faster on the H200 where the kernel, not the host, bounds
+# "one" against "split", H200, 2026-11-29, bf16, 64 heads, page 1 (kernel times): 627
+# against 665 us at 768 x 2048, 337 against 354 at 768 x 1024, equal below one wave.
+DEFAULT_QK_MODE = "one"
 
 
 def roles():
     """The kernel's static roles: how the two consumer warpgroups share Q K^T (``MlaRoles.
-    split_qk``): "split" (each half of the K slices, summed through smem; 3 stages of 32
-    keys) or "full" (each computes all of S; 4 stages). FLASH_ATTN_CUTE_MLA_SM90_QK
-    overrides the default (tuning, and the GPU tests of both)."""
-    from .mla_decode import MlaRoles
+    qk``): "one" (warpgroup 0 computes S and hands P to warpgroup 1 through smem; 4 stages
+    of 32 keys) or "split" (each half of the K slices, summed through smem; 3 stages).
+    FLASH_ATTN_CUTE_MLA_SM90_QK overrides the default (tuning, and the GPU tests of both)."""
+    from .mla_decode import QK_MODES, MlaRoles
 
     mode = os.environ.get("FLASH_ATTN_CUTE_MLA_SM90_QK") or DEFAULT_QK_MODE
     if mode not in QK_MODES:
         raise ValueError(f"FLASH_ATTN_CUTE_MLA_SM90_QK={mode}: one of {QK_MODES}")
-    return MlaRoles() if mode == "split" else MlaRoles(stages=4, split_qk=False)
+    return MlaRoles() if mode == "one" else MlaRoles(stages=3, qk="split")
 
 
 def compile_key(problem: MlaProblem, plan: FwdPlan, arch: Optional[str] = None) -> tuple:

@@ -26,37 +26,57 @@ Roles (``MlaRoles``; setmaxnreg budgets sum to 504 of the 512 a 384-thread CTA m
   sequence end re-read the last valid key (finite data, in L2): their scores are masked
   to -inf, so P is exactly 0 against finite V and no 0 * NaN can reach O. Each thread
   signals the stage's full mbarrier with a cp.async arrive (``PipelineCpAsync``).
-- warpgroups 1-2, the **consumers** (232 registers): each computes a partial S over half
-  of the 36 k16 slices (SS wgmma: warpgroup 0 ckv columns 0-255, warpgroup 1 ckv 256-511
-  and kpe); the two fp32 partials are summed through shared memory (thread t of either
-  warpgroup holds the same S elements, so it is an elementwise exchange behind one named
-  barrier, and both sums are bit-identical: fp32 addition commutes). Each then keeps its
-  own online softmax of the same S (no statistics exchanged) and computes
-  O[:, 256 w : 256 (w + 1)] += P V by RS wgmma, P straight from registers and V the same
-  ckv stage (MN-major view). Registers: O 64 x 256 fp32 / 128 threads = 128, S 16, P 8,
-  row statistics 6; no spills.
+- warpgroups 1-2, the **consumers** (232 registers each), in the default ``qk="one"``
+  (the split of FlashInfer's fa3 MLA kernel, with our separate producer):
+  - the **S warpgroup** (consumer 0) computes all of S (36 SS wgmma 64x32x16: Q and the
+    stage), masks it (``apply_to_scores``), runs the online softmax, and publishes P
+    (16-bit, stmatrix) with the 64 row corrections O owes before it (fp32, ``sXchg``);
+    then its own O[:, 0:256] += P V. At the end it shares 1 / row sum and writes the LSE.
+  - the **O warpgroup** (consumer 1) per tile waits for P, rescales O[:, 256:512] by the
+    shared corrections and adds P V (2 wgmma 64x256x16); at the end it scales by the
+    shared 1 / row sum. Registers: S warpgroup O 128 + S 16 + P 8 + statistics 6
+    (highest register R179), O warpgroup O 128 + a few (R151); no spills.
 
-  Tensor work per tile: 36 wgmma 64x32x16 for S (split between the warpgroups) and 4 of
-  64x256x16 for P V, 4.46 MFLOP. ``split_qk=False`` lets both warpgroups compute all of S
-  instead (6.8 MFLOP, Q read twice from smem, no exchange, a fourth stage); it measured
-  15% slower (``MlaRoles.split_qk``) and stays selectable for tuning.
+  P lives over the stage's own kpe rows: 64 x 32 x 2 = 4 KB, exactly a kpe stage, read
+  only by S, which has landed (wgmma waited) before P is written. The rows stay P until
+  both warpgroups released the stage, so P needs no buffer and no empty barrier of its
+  own, and the S warpgroup cannot lap the O warpgroup (the KV pipeline bounds it). Both
+  warpgroups read P from there (SS): an RS copy in the S warpgroup's registers is
+  written while its previous P V still reads them, and ptxas then serialises every
+  wgmma of the kernel (C7513, a wait after each of the 78 HGMMA: see ``publish_p``).
 
-One KV pipeline: K and V are the same ckv tile, so a stage is freed only after the P V
-that reads it. The consumer loop holds two stages at once (S of tile n, P V of tile n - 1),
-so the third (fourth without the exchange) is in flight from HBM while they work: the
-next load never waits on the tile in use (seed 000's reason for 32 x 4 over 64 x 2).
+  Critical path per tile: the S warpgroup issues S(n) (36 k-slices), then its P V(n - 1)
+  (2), waits for S(n), runs the softmax and publishes P(n) before waiting for its P V,
+  so the O warpgroup's P V(n) overlaps the S warpgroup's P V(n - 1) and S(n + 1).
 
-Shared memory (bf16/fp16): Q 64 x 576 x 2 = 72 KB, 3 stages x 36 KB = 108 KB, the S
-exchange 2 x 2 x 8 KB = 32 KB, 6 mbarriers: 212 KB of the 227 KB (``split_qk=False``:
-4 stages, 216 KB). O leaves straight from registers (2 adjacent columns per store, fp32
-partials for split-KV, merged by ``combine.py``), so no O buffer is borrowed.
+  ``qk="split"`` (3 stages): each consumer computes S over half of the 36 k16 slices; the
+  fp32 partials are summed through a 2 x 2 x 8 KB exchange (thread t of either warpgroup
+  holds the same S elements: an elementwise exchange behind one named barrier, bit-
+  identical sums) and each runs the softmax and its P V by RS wgmma, P from registers.
 
-Measured (H200, 2026-11-29, bf16, 64 heads, page 1, ``benchmarks/bench_mla.py``): 2.87
-TB/s at 768 x 2048 (FlashInfer fa3 3.61), 2.82 at 128 x 2048. That is 1.7 us per 32-key
-tile per SM against ~0.55 us of wgmma issue for it, so the consumers mostly wait on the
-KV pipeline: one stage in flight (37 KB per SM) is too little for the gather latency.
-Next step, to be confirmed by ncu: more bytes in flight (Q K^T with Q from registers for
-the kpe part or a smaller exchange to free a fourth stage, or TMA for page sizes >= 32).
+Synchronisation. KV pipeline: full = 128 cp.async arrives; empty = one arrive per
+consumer warp (8), each warpgroup after the P V that last reads the stage. K and V are
+the same ckv tile, so the S warpgroup holds two stages (S of tile n, P V of tile n - 1)
+and two more are in flight from HBM (74 KB per SM; one, 37 KB, with the 3 stages of
+"split"). P pipeline (``qk="one"``): a full mbarrier per stage, one arrive per S thread
+after its stmatrix, row stores and proxy fence (generic-proxy stores read by wgmma);
+waited by a try_wait loop. Named barriers (0 is __syncthreads): 1 Q landed, 2 the S
+exchange ("split"), 3 the final 1 / row sum ("one").
+
+Shared memory (bf16/fp16): Q 64 x 576 x 2 = 72 KB, 4 stages x 36 KB = 144 KB, the row
+exchange 64 x 5 x 4 = 1.25 KB, 16 mbarriers: 224 KB of the 227 KB ("split": 3 stages and
+a 32 KB exchange, 212 KB). O leaves straight from registers (2 adjacent columns per
+store, fp32 partials for split-KV, merged by ``combine.py``), so no O buffer is borrowed.
+
+Measured (H200, 2026-11-29, bf16, 64 heads, page 1, ``benchmarks/bench_mla.py``, two
+runs): 3.06 / 3.11 TB/s at 768 x 2048 (``qk="split"``: 2.96; FlashInfer fa3 3.61), 3.08 /
+3.07 at 768 x 1024 (2.94), 3.01 / 3.05 at 128 x 2048 (2.90), 1.81 at 128 heads page 64
+(1.72). Kernel times (torch.profiler): 627 against 665 us at 768 x 2048, 56 against 60
+at 128 x 1024, equal at 64 x 1024 and 1 x 32768 (split-KV). ncu at 768 x 2048: 557 us (585 with "split"), DRAM 72% of
+peak (68%), tensor pipe 44% (41%), issue slots 35%; the largest stall is long
+scoreboard (3.4 of 8.0 cycles between issues). The fourth stage bought 5 to 7%, not the
+gap to FlashInfer: next suspects are the producer's gather issue rate (one dependent
+page lookup per row) and TMA for page sizes >= 32.
 """
 
 from dataclasses import dataclass
@@ -82,8 +102,10 @@ from flash_attn_cute.tile_scheduler import SingleTileScheduler
 from flash_attn_cute.variants import apply_to_scores, make_variant
 
 D_CKV, D_KPE = 512, 64
-# Named barriers over the consumer threads (0 is __syncthreads): Q landed; S halves written.
-_CONSUMERS_BAR, _XCHG_BAR = 1, 2
+# Named barriers over the consumer threads (0 is __syncthreads): Q landed; S halves written
+# ("split"); the final 1 / row sum written ("one").
+_CONSUMERS_BAR, _XCHG_BAR, _STATS_BAR = 1, 2, 3
+QK_MODES = ("one", "split")
 
 
 @dataclass(frozen=True)
@@ -92,17 +114,19 @@ class MlaRoles:
 
     tile_m: int = 64  # packed rows: one wgmma M
     tile_n: int = 32  # keys per stage
-    stages: int = 3  # 4 with split_qk=False (the S exchange takes the fourth's smem)
+    stages: int = 4  # 3 with qk="split" (its S exchange takes the fourth's smem)
     num_consumer_wgs: int = 2  # each owns D_CKV / num_consumer_wgs output columns
     producer_regs: int = 40
     consumer_regs: int = 232
-    # True: each consumer computes S over half of the K dimension (ckv columns 0-255;
-    # ckv 256-511 and kpe) and the fp32 halves are summed through shared memory (two
-    # 2 x 8 KB buffers, by tile parity): half the Q K^T tensor work and smem reads, one
-    # named barrier per tile, one stage less. False: both compute the whole S.
-    # H200, 2026-11-29, bf16, 64 heads, page 1: 2.87 against 2.48 TB/s at 768 x 2048,
-    # 2.89 against 2.50 at 768 x 1024 (both modes pass every GPU test).
-    split_qk: bool = True
+    # How the consumer warpgroups share S = Q K^T.
+    # "one": warpgroup 0 computes all of S and the softmax, and hands P (bf16, written over
+    #   the stage's kpe rows, which only S reads) and the row corrections to warpgroup 1
+    #   through shared memory; 4 stages. See the module docstring.
+    # "split": each computes S over half of the k16 slices and the fp32 halves are summed
+    #   through a 2 x 2 x 8 KB exchange; both run the softmax; 3 stages.
+    # H200, 2026-11-29, bf16, 64 heads, page 1: "one" 3.06 against 2.96 TB/s at 768 x 2048,
+    # 3.08 against 2.94 at 768 x 1024 (both modes pass every GPU test).
+    qk: str = "one"
 
     @property
     def producer_threads(self) -> int:
@@ -122,18 +146,25 @@ class MlaRoles:
 
     @property
     def xchg_words(self) -> int:
-        """fp32 words of the S exchange: (S per thread, 128 threads, 2 warpgroups, 2 buffers)."""
-        return 4 * self.tile_m * self.tile_n if self.split_qk else 4
+        """fp32 words exchanged between the consumer warpgroups. "split": S per thread x 128
+        threads x 2 warpgroups x 2 buffers. "one": a row correction per row and stage, then
+        the final 1 / row sum."""
+        return 4 * self.tile_m * self.tile_n if self.qk == "split" else self.tile_m * (self.stages + 1)
 
     def smem_bytes(self, elem: int = 2) -> int:
+        """Q, the stages, the exchange, and 4 KB for the mbarriers and alignment."""
         return elem * (self.tile_m + self.stages * self.tile_n) * (D_CKV + D_KPE) + 4 * self.xchg_words + 4 * 1024
 
     def __post_init__(self):
         # The launch gives each thread 65536 / 384 registers; setmaxnreg moves them around
         # within the warpgroups' sum (per-warpgroup budgets of 128 threads).
+        assert self.qk in QK_MODES, self.qk
         assert self.producer_regs + self.num_consumer_wgs * self.consumer_regs <= 512
         assert self.tile_m == 64 and self.tile_n % 16 == 0 and self.o_cols <= 256
         assert self.o_cols * self.tile_m // 128 + 40 <= self.consumer_regs, "O half + S, P, stats"
+        # "one": P (tile_m x tile_n) lives in a stage's kpe rows (tile_n x D_KPE), same
+        # size and stage stride; exactly one warpgroup computes S, the other only P V.
+        assert self.qk == "split" or (self.tile_m == D_KPE and self.num_consumer_wgs == 2)
         assert self.smem_bytes() <= 227 * 1024
 
 
@@ -158,11 +189,14 @@ class MlaDecodeSm90:
         layouts = (
             smem_layout(self.dtype, r.tile_m, D_CKV), smem_layout(self.dtype, r.tile_m, D_KPE),
             smem_layout(self.dtype, r.tile_n, D_CKV, r.stages), smem_layout(self.dtype, r.tile_n, D_KPE, r.stages),
+            # "one": P of a stage, K-major A operand, over the same bytes as its kpe rows.
+            smem_layout(self.dtype, r.tile_m, r.tile_n, r.stages),
         )
 
         @cute.struct
         class SharedStorage:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2 * r.stages]
+            mbar_p: cute.struct.MemRange[cutlass.Int64, 2 * r.stages]
             sQn: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts[0])], 1024]
             sQp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts[1])], 1024]
             sC: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts[2])], 1024]
@@ -170,18 +204,23 @@ class MlaDecodeSm90:
             sXchg: cute.struct.Align[cute.struct.MemRange[Float32, r.xchg_words], 16]
 
         k_major, mn_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
-        # S: one warpgroup-wide 64 x 32 product (both consumers issue it). O: the two
-        # consumer warpgroups side by side along N, 64 x 256 each, P from registers.
+        # S: one warpgroup-wide 64 x 32 product. O: the two consumer warpgroups side by side
+        # along N, 64 x 256 each; P from registers (RS, qk="split") or from shared memory
+        # (SS, qk="one").
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, k_major, k_major, Float32, atom_layout_mnk=(1, 1, 1),
             tiler_mn=(r.tile_m, r.tile_n))
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, k_major, mn_major, Float32, atom_layout_mnk=(1, r.num_consumer_wgs, 1),
             tiler_mn=(r.tile_m, r.o_cols), a_source=warpgroup.OperandSource.RMEM)
+        tiled_mma_pv_ss = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, k_major, mn_major, Float32, atom_layout_mnk=(1, r.num_consumer_wgs, 1),
+            tiler_mn=(r.tile_m, r.o_cols))
         num_m_blocks = cute.ceil_div(max_seqlen_q * self.nheads, r.tile_m)
         self.kernel(
             mQn, mQp, mCkv, mKpe, mO, mLSE, mSeqlens, mPageTable, softmax_scale, num_splits,
-            layouts[0], layouts[1], layouts[2], layouts[3], tiled_mma_qk, tiled_mma_pv, SharedStorage,
+            layouts[0], layouts[1], layouts[2], layouts[3], layouts[4], tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_ss,
+            SharedStorage,
         ).launch(
             grid=SingleTileScheduler.grid(num_m_blocks, 1, num_splits, batch_size),
             block=(r.threads, 1, 1),
@@ -194,27 +233,39 @@ class MlaDecodeSm90:
     def kernel(
         self, mQn, mQp, mCkv, mKpe, mO, mLSE, mSeqlens, mPageTable, softmax_scale: Float32, num_splits: Int32,
         sQn_layout: cute.ComposedLayout, sQp_layout: cute.ComposedLayout, sC_layout: cute.ComposedLayout,
-        sKp_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
-        SharedStorage: cutlass.Constexpr,
+        sKp_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma, tiled_mma_pv_ss: cute.TiledMma, SharedStorage: cutlass.Constexpr,
     ):
         r = self.roles
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         # Full: one cp.async arrive per producer thread once its copies landed. Empty: one
-        # arrive per consumer warp after the P V that last reads the stage.
+        # arrive per consumer warp (of both warpgroups) after the P V that last reads the stage.
         pipeline_kv = pipeline.PipelineCpAsync.create(
             barrier_storage=storage.mbar_kv.data_ptr(), num_stages=r.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, r.producer_threads),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, r.consumer_threads // 32),
             defer_sync=True,
         )
+        # qk="one", P of a stage: full = one arrive per thread of the S warpgroup once it
+        # wrote P and the row corrections. Its empty side is never used: the stage's KV
+        # release already orders the next write (see ``publish_p``).
+        pipeline_p = None
+        if cutlass.const_expr(r.qk == "one"):
+            pipeline_p = pipeline.PipelineAsync.create(
+                barrier_storage=storage.mbar_p.data_ptr(), num_stages=r.stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),
+                defer_sync=True,
+            )
         pipeline.pipeline_init_arrive()
         smem = _Sm90Smem(
             storage.sQn.get_tensor(sQn_layout.outer, swizzle=sQn_layout.inner),
             storage.sQp.get_tensor(sQp_layout.outer, swizzle=sQp_layout.inner),
             storage.sC.get_tensor(sC_layout.outer, swizzle=sC_layout.inner),
             storage.sKp.get_tensor(sKp_layout.outer, swizzle=sKp_layout.inner),
+            storage.sKp.get_tensor(sP_layout.outer, swizzle=sP_layout.inner),
             storage.sXchg.get_tensor(cute.make_layout(r.xchg_words)),
         )
         tile = MlaTile.create(mQn, mCkv, mSeqlens, mPageTable, num_splits,
@@ -227,8 +278,8 @@ class MlaDecodeSm90:
                     self.load(tile, smem, pipeline_kv, mCkv, mKpe, mPageTable, tidx)
             else:
                 cute.arch.setmaxregister_increase(r.consumer_regs)
-                self.mma(tile, smem, pipeline_kv, tiled_mma_qk, tiled_mma_pv, mQn, mQp, mO, mLSE, softmax_scale,
-                         tidx - r.producer_threads)
+                self.mma(tile, smem, pipeline_kv, pipeline_p, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_ss,
+                         mQn, mQp, mO, mLSE, softmax_scale, tidx - r.producer_threads)
 
     # ------------------------------------------------------------------ producer
 
@@ -299,47 +350,71 @@ class MlaDecodeSm90:
         cute.arch.barrier(barrier_id=_CONSUMERS_BAR, number_of_threads=r.consumer_threads)
 
     @cute.jit
-    def mma(self, tile, smem, pipeline_kv, tiled_mma_qk, tiled_mma_pv, mQn, mQp, mO, mLSE, softmax_scale: Float32,
-            cidx):
-        """Consumer warpgroups: their operands and accumulators, Q, the KV loop
-        (``mainloop``), the final normalisation and the epilogue."""
+    def mma(self, tile, smem, pipeline_kv, pipeline_p, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_ss, mQn, mQp, mO,
+            mLSE, softmax_scale: Float32, cidx):
+        """Consumer warpgroups: their operands and accumulators, Q, the KV loop, the final
+        normalisation and the epilogue. qk="split": both run ``mainloop``; qk="one":
+        warpgroup 0 runs it (``s_warpgroup``), warpgroup 1 ``o_warpgroup``."""
         r = self.roles
         wg_idx = cute.arch.make_warp_uniform(cidx // 128)
         # wgmma operands are warpgroup-wide descriptors: partition by the first thread.
         wg_qk = tiled_mma_qk.get_slice(0)
         wg_pv = tiled_mma_pv.get_slice(wg_idx * 128)
+        wg_pv_ss = tiled_mma_pv_ss.get_slice(wg_idx * 128)
+        thr_qk = tiled_mma_qk.get_slice(cidx % 128)
+        # P stores of the S warpgroup (qk="one"): two stmatrix x4 per thread and tile.
+        stsm = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        thr_stsm = cute.make_tiled_copy_C(stsm, tiled_mma_qk).get_slice(cidx % 128)
         ops = _Sm90Ops(
-            tiled_mma_qk, tiled_mma_pv,
+            tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_ss,
             wg_qk.make_fragment_A(wg_qk.partition_A(smem.sQn)), wg_qk.make_fragment_A(wg_qk.partition_A(smem.sQp)),
             wg_qk.make_fragment_B(wg_qk.partition_B(smem.sC)), wg_qk.make_fragment_B(wg_qk.partition_B(smem.sKp)),
             wg_pv.make_fragment_B(wg_pv.partition_B(transpose_view(smem.sC))),
-            acc_mn_view(tiled_mma_qk.get_slice(cidx % 128).partition_C(
-                cute.make_identity_tensor((r.tile_m, r.tile_n)))),
+            wg_pv_ss.make_fragment_A(wg_pv_ss.partition_A(smem.sP)),
+            thr_stsm, thr_stsm.partition_D(smem.sP),
+            acc_mn_view(thr_qk.partition_C(cute.make_identity_tensor((r.tile_m, r.tile_n)))),
             smem.sXchg,
         )
-        # P in 16 bits laid out like S (pairwise conversion), read through the A view.
-        rP = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((r.tile_m, r.tile_n)), self.dtype)
-        tOrP = acc_to_operand_a(rP)
         acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((r.tile_m, D_CKV)), Float32)
         acc_O.fill(0.0)
+        lse = cute.make_rmem_tensor((cute.size(ops.tScS_mn, mode=[0]),), Float32)
+        self.load_q(tile, smem, mQn, mQp, cidx)
+        if cutlass.const_expr(r.qk == "split"):
+            self.s_warpgroup(tile, ops, pipeline_kv, None, acc_O, lse, softmax_scale, cidx)
+        elif wg_idx == 0:
+            self.s_warpgroup(tile, ops, pipeline_kv, pipeline_p, acc_O, lse, softmax_scale, cidx)
+        else:
+            self.o_warpgroup(tile, ops, pipeline_kv, pipeline_p, acc_O)
+        self.epilogue(tile, acc_O, lse, ops, mO, mLSE, cidx, wg_idx)
+
+    @cute.jit
+    def s_warpgroup(self, tile, ops, pipeline_kv, pipeline_p, acc_O, lse, softmax_scale: Float32, cidx):
+        """A warpgroup that computes S (all of it, or its half with qk="split"): the KV loop,
+        then O normalised and the LSE; with qk="one" it also shares 1 / row sum."""
+        r = self.roles
+        tOrP = None
+        if cutlass.const_expr(pipeline_p is None):
+            # P in 16 bits laid out like S (pairwise conversion), read through the A view.
+            tOrP = acc_to_operand_a(cute.make_rmem_tensor(ops.mma_qk.partition_shape_C((r.tile_m, r.tile_n)),
+                                                          self.dtype))
         softmax = OnlineSoftmax(cute.size(ops.tScS_mn, mode=[0]), Float32(softmax_scale * LOG2_E))
         # The correction O still owes, applied just before the next P V (loop-carried):
         # rescaling 128 registers while Q K^T runs keeps it off the critical path.
         scale_carry = cute.make_rmem_tensor((softmax.num_rows,), Float32)
         scale_carry.fill(1.0)
-
-        self.load_q(tile, smem, mQn, mQp, cidx)
         if tile.n_tiles > 0:
-            self.mainloop(tile, ops, pipeline_kv, softmax, acc_O, tOrP, scale_carry, softmax_scale, cidx)
-        lse = cute.make_rmem_tensor((softmax.num_rows,), Float32)
+            self.mainloop(tile, ops, pipeline_kv, pipeline_p, softmax, acc_O, tOrP, scale_carry, softmax_scale, cidx)
+        if cutlass.const_expr(pipeline_p is not None):
+            self.share_inv_sum(ops, softmax)
         softmax.finalize(acc_O, lse)
-        self.epilogue(tile, acc_O, lse, ops, mO, mLSE, cidx, wg_idx)
 
     @cute.jit
-    def mainloop(self, tile, ops, pipeline_kv, stats: OnlineSoftmax, acc_O, tOrP, scale_carry,
+    def mainloop(self, tile, ops, pipeline_kv, pipeline_p, stats: OnlineSoftmax, acc_O, tOrP, scale_carry,
                  softmax_scale: Float32, cidx):
-        """Tiles n_max - 1 down to n_min: S(n) by SS wgmma in flight with O += P(n+1) V(n+1)
-        by RS wgmma, the softmax of S(n) while P V still runs."""
+        """Tiles n_max - 1 down to n_min: S(n) by SS wgmma in flight with O += P(n+1) V(n+1),
+        the softmax of S(n) while P V still runs. qk="split": P from registers (RS).
+        qk="one" (``pipeline_p``): P(n) and its row corrections go to shared memory as soon
+        as the softmax is done, for warpgroup 1 and for this warpgroup's own P V (SS)."""
         r = self.roles
         wg_idx = cute.arch.make_warp_uniform(cidx // 128)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, r.stages)
@@ -347,23 +422,130 @@ class MlaDecodeSm90:
         acc_S = self.qk(ops, state.index, wg_idx)
         warpgroup.wait_group(0)
         self.sum_s_halves(ops, acc_S, wg_idx, cidx, 0)
-        self.softmax(ops, tile, stats, acc_S, tOrP, None, tile.n_max - 1, softmax_scale)
+        # The first tile's correction multiplies an O of zeros: 1 (as carried) keeps it so.
+        self.softmax(ops, tile, stats, acc_S, tile.n_max - 1, softmax_scale)
+        self.share_p(ops, pipeline_p, state, acc_S, tOrP, scale_carry)
         for i in cutlass.range(tile.n_tiles - 1, unroll=1):
             state_v = state.clone()
             state.advance()
             self.kv_wait(pipeline_kv, state)
             acc_S = self.qk(ops, state.index, wg_idx)
             self.rescale_o(stats, acc_O, scale_carry)
-            wgmma_gemm(ops.mma_pv, acc_O, tOrP, ops.tOrVt[None, None, None, state_v.index], False, -1)
+            self.p_wait(pipeline_p, state_v)
+            self.pv(ops, pipeline_p, acc_O, tOrP, state_v, -1)
             warpgroup.wait_group(1)  # S landed (the older group); P V may still run
             self.sum_s_halves(ops, acc_S, wg_idx, cidx, (i + 1) % 2)
-            self.softmax(ops, tile, stats, acc_S, None, scale_carry, tile.n_max - 2 - i, softmax_scale)
-            warpgroup.wait_group(0)  # P V landed: tOrP and the stage are free
+            scale_carry.store(self.softmax(ops, tile, stats, acc_S, tile.n_max - 2 - i, softmax_scale).load())
+            if cutlass.const_expr(pipeline_p is not None):
+                # P to smem while this warpgroup's P V still runs: the other's P V(n) waits
+                # only on this softmax, not on the end of P V(n + 1) here.
+                self.share_p(ops, pipeline_p, state, acc_S, tOrP, scale_carry)
+            warpgroup.wait_group(0)  # P V landed: P and the stage are free
             self.kv_release(pipeline_kv, state_v)
-            convert_pairs(acc_S, cute.make_tensor(tOrP.iterator, acc_S.layout))
+            if cutlass.const_expr(pipeline_p is None):
+                self.share_p(ops, pipeline_p, state, acc_S, tOrP, scale_carry)
         self.rescale_o(stats, acc_O, scale_carry)
-        wgmma_gemm(ops.mma_pv, acc_O, tOrP, ops.tOrVt[None, None, None, state.index], False, 0)
+        self.p_wait(pipeline_p, state)
+        self.pv(ops, pipeline_p, acc_O, tOrP, state, 0)
         self.kv_release(pipeline_kv, state)
+
+    @cute.jit
+    def pv(self, ops, pipeline_p, acc_O, tOrP, state, wg_wait: cutlass.Constexpr[int]):
+        """O[:, this warpgroup's columns] += P V of one stage: P from registers (RS), or with
+        qk="one" from the stage's P tile (SS; the caller waited on its P barrier)."""
+        if cutlass.const_expr(pipeline_p is None):
+            wgmma_gemm(ops.mma_pv, acc_O, tOrP, ops.tOrVt[None, None, None, state.index], False, wg_wait)
+        else:
+            wgmma_gemm(ops.mma_pv_ss, acc_O, ops.tOsP[None, None, None, state.index],
+                       ops.tOrVt[None, None, None, state.index], False, wg_wait)
+
+    @cute.jit
+    def p_wait(self, pipeline_p, state):
+        """qk="one": the stage's P and row corrections are written and fenced by every thread
+        of the S warpgroup. Its own wgmma needs this too (other warps wrote most of P);
+        for it the barrier completed a softmax ago, so the wait costs one probe. A try_wait
+        loop, not ``consumer_wait`` (try_wait then NANOSLEEP): the O warpgroup waits here
+        every tile; H200, 2026-11-29: 627 against 632 us at 768 x 2048, 56 against 59 us
+        at 128 x 1024 (kernel times, torch.profiler)."""
+        if cutlass.const_expr(pipeline_p is not None):
+            ready = pipeline_p.consumer_try_wait(state)
+            while not ready:
+                ready = pipeline_p.consumer_try_wait(state)
+
+    @cute.jit
+    def share_p(self, ops, pipeline_p, state, acc_S, tOrP, row_scale):
+        """P of ``state`` where P V reads it: registers (qk="split"; the caller waited for
+        the P V reading the previous P), or shared memory (``publish_p``)."""
+        if cutlass.const_expr(pipeline_p is None):
+            convert_pairs(acc_S, cute.make_tensor(tOrP.iterator, acc_S.layout))
+        else:
+            self.publish_p(ops, pipeline_p, state, acc_S, row_scale)
+
+    @cute.jit
+    def publish_p(self, ops, pipeline_p, state, acc_S, row_scale):
+        """qk="one": P (16-bit) over the kpe rows of S's own stage, and the row corrections
+        O owes before it, then one arrive per thread on the stage's P barrier. The kpe
+        rows are free: S of this stage landed (wgmma waited), and only S reads them. They
+        stay P until both warpgroups released the stage, so no empty barrier is needed.
+        P V reads P from here in both warpgroups: an RS copy in registers would be the
+        conversion's own registers, written before the wgmma wait of the P V still reading
+        the previous P, and ptxas then serialises every wgmma of the kernel (C7513)."""
+        rP = cute.make_fragment_like(acc_S, self.dtype)
+        convert_pairs(acc_S, rP)
+        cute.copy(ops.thr_stsm, ops.thr_stsm.retile(rP), ops.tPsP[None, None, None, state.index])
+        self.write_rows(ops, state.index, row_scale)
+        # Generic-proxy stores, read next by the other warpgroup's wgmma (async proxy).
+        cute.arch.fence_view_async_shared()
+        pipeline_p.producer_commit(state)
+
+    @cute.jit
+    def write_rows(self, ops, col, vals):
+        """sXchg[row, col] = vals[r] for this thread's rows (qk="one"): the four lanes of a
+        row hold the same value, the one at column 0 writes it."""
+        sRows = cute.make_tensor(ops.sXchg.iterator, cute.make_layout((self.roles.tile_m, self.roles.stages + 1)))
+        if ops.tScS_mn[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(vals)):
+                sRows[ops.tScS_mn[r, 0][0], col] = vals[r]
+
+    @cute.jit
+    def scale_rows(self, ops, acc_O, col):
+        """O rows *= sXchg[row, col] (qk="one", the O warpgroup: thread t holds the rows
+        thread t of the S warpgroup wrote)."""
+        sRows = cute.make_tensor(ops.sXchg.iterator, cute.make_layout((self.roles.tile_m, self.roles.stages + 1)))
+        o_mn = acc_mn_view(acc_O)
+        for r in cutlass.range_constexpr(cute.size(ops.tScS_mn, mode=[0])):
+            o_mn[r, None].store(o_mn[r, None].load() * sRows[ops.tScS_mn[r, 0][0], col])
+
+    @cute.jit
+    def share_inv_sum(self, ops, stats: OnlineSoftmax):
+        """qk="one": 1 / row sum (0 for a row that saw no key) for the O warpgroup, the value
+        ``OnlineSoftmax.finalize`` applies here (same butterfly, same reciprocal)."""
+        inv = cute.make_rmem_tensor((stats.num_rows,), Float32)
+        for r in cutlass.range_constexpr(stats.num_rows):
+            total = stats.row_sum[r]
+            for offset in (2, 1):
+                total = total + cute.arch.shuffle_sync_bfly(total, offset=offset)
+            inv[r] = cute.arch.rcp_approx(total)
+            if total == 0.0 or total != total:
+                inv[r] = Float32(0.0)
+        self.write_rows(ops, self.roles.stages, inv)
+        cute.arch.barrier_arrive(barrier_id=_STATS_BAR, number_of_threads=self.roles.consumer_threads)
+
+    @cute.jit
+    def o_warpgroup(self, tile, ops, pipeline_kv, pipeline_p, acc_O):
+        """qk="one", warpgroup 1: per tile, wait for P and the row corrections, rescale its
+        O half, O += P V by SS wgmma (P and V both from the stage), release the stage; at
+        the end, O / row sum from the S warpgroup."""
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.roles.stages)
+        for _ in cutlass.range(tile.n_tiles, unroll=1):
+            self.p_wait(pipeline_p, state)
+            self.kv_wait(pipeline_kv, state)  # landed long ago: the S warpgroup waited on it
+            self.scale_rows(ops, acc_O, state.index)
+            self.pv(ops, pipeline_p, acc_O, None, state, 0)
+            self.kv_release(pipeline_kv, state)
+            state.advance()
+        cute.arch.barrier(barrier_id=_STATS_BAR, number_of_threads=self.roles.consumer_threads)
+        self.scale_rows(ops, acc_O, self.roles.stages)
 
     @cute.jit
     def rescale_o(self, stats: OnlineSoftmax, acc_O, scale_carry):
@@ -377,7 +559,7 @@ class MlaDecodeSm90:
         wgmma group; returns the accumulator, still in flight."""
         acc_S = cute.make_rmem_tensor(ops.mma_qk.partition_shape_C((self.roles.tile_m, self.roles.tile_n)), Float32)
         n_slices, p_slices = cute.size(ops.tSrQn, mode=[2]), cute.size(ops.tSrQp, mode=[2])
-        if cutlass.const_expr(not self.roles.split_qk):
+        if cutlass.const_expr(self.roles.qk == "one"):
             self.issue_qk(ops, acc_S, stage, ((0, n_slices), (0, p_slices)))
         elif wg_idx == 0:
             self.issue_qk(ops, acc_S, stage, ((0, n_slices // 2), (0, 0)))
@@ -399,12 +581,12 @@ class MlaDecodeSm90:
 
     @cute.jit
     def sum_s_halves(self, ops, acc_S, wg_idx, cidx, buf):
-        """split_qk: S = own half + the other warpgroup's, through shared memory. Thread t
+        """qk="split": S = own half + the other warpgroup's, through shared memory. Thread t
         of either warpgroup holds the same S elements, so the exchange is elementwise; the
         sums are bit-identical in both (fp32 addition commutes). Two buffers by tile
         parity: a warpgroup rewrites buffer b only after the next tile's barrier, which
         the other passes only after reading b."""
-        if cutlass.const_expr(self.roles.split_qk):
+        if cutlass.const_expr(self.roles.qk == "split"):
             n = cute.size(acc_S)
             t = cidx % 128
             sX = cute.make_tensor(ops.sXchg.iterator,
@@ -416,21 +598,15 @@ class MlaDecodeSm90:
                 acc_S[v] = acc_S[v] + sX[v, t, 1 - wg_idx, buf]
 
     @cute.jit
-    def softmax(self, ops, tile, softmax: OnlineSoftmax, acc_S, tOrP, scale_carry, n_block, softmax_scale: Float32):
+    def softmax(self, ops, tile, softmax: OnlineSoftmax, acc_S, n_block, softmax_scale: Float32):
         """Masks block n_block where it needs it (sequence end, causal diagonal) and folds
-        it into the running statistics. With ``tOrP`` (first block: nothing in flight) P
-        goes to the operand registers at once; else the correction is carried and P is
-        converted once the P V reading the previous P landed."""
+        it into the running statistics: acc_S becomes P (fp32); returns the correction O
+        owes before P V."""
         r = self.roles
         if n_block >= tile.n_mid_hi or n_block < tile.n_mid_lo:
             apply_to_scores(self.variant, acc_mn_view(acc_S), ops.tScS_mn, tile.ctx, tile.m_block * r.tile_m,
                             n_block * r.tile_n, self.nheads, softmax_scale, True)
-        row_scale = softmax.step(acc_S)
-        if cutlass.const_expr(tOrP is not None):
-            convert_pairs(acc_S, cute.make_tensor(tOrP.iterator, acc_S.layout))
-        if cutlass.const_expr(scale_carry is not None):
-            scale_carry.store(row_scale.load())
-        return row_scale
+        return softmax.step(acc_S)
 
     @cute.jit
     def kv_wait(self, pipeline_kv, state):
@@ -448,7 +624,7 @@ class MlaDecodeSm90:
     def epilogue(self, tile, acc_O, lse, ops, mO, mLSE, cidx, wg_idx):
         """Each warpgroup stores its 256 columns from registers (vectors of the two
         adjacent columns a thread holds), rows past the last query skipped; warpgroup 0
-        writes the LSE (both hold the same)."""
+        writes the LSE (the S warpgroup with qk="one"; with "split" both hold the same)."""
         r = self.roles
         if cutlass.const_expr(self.is_split):
             mO = mO[tile.split_idx, None, None, None, None]
@@ -482,7 +658,8 @@ class _Sm90Smem:
     sQp: cute.Tensor  # (64, 64)
     sC: cute.Tensor  # (tile_n, 512, stages): K's first 512 columns and V
     sKp: cute.Tensor  # (tile_n, 64, stages)
-    sXchg: cute.Tensor  # flat fp32, see MlaRoles.split_qk
+    sP: cute.Tensor  # (64, tile_n, stages): qk="one", P over the same bytes as sKp
+    sXchg: cute.Tensor  # flat fp32, see MlaRoles.xchg_words
 
 
 @dataclass(frozen=True)
@@ -490,12 +667,16 @@ class _Sm90Ops:
     """The consumers' MMAs, wgmma operand fragments (descriptors) and S coordinates."""
 
     mma_qk: cute.TiledMma
-    mma_pv: cute.TiledMma
+    mma_pv: cute.TiledMma  # P from registers (qk="split")
+    mma_pv_ss: cute.TiledMma  # P from shared memory (qk="one", both warpgroups)
     tSrQn: cute.Tensor
     tSrQp: cute.Tensor
     tSrC: cute.Tensor  # (.., stages)
     tSrKp: cute.Tensor
     tOrVt: cute.Tensor  # this warpgroup's 256 columns of V^T, (.., stages)
+    tOsP: cute.Tensor  # P as the SS A operand, (.., stages)
+    thr_stsm: cute.ThrCopy  # P registers -> smem (stmatrix)
+    tPsP: cute.Tensor  # this thread's stmatrix destinations in sP, (.., stages)
     tScS_mn: cute.Tensor
     sXchg: cute.Tensor
 
@@ -508,12 +689,12 @@ class _Sm90Ops:
 def mla_key(arch: str, dtype_name: str, nheads: int, causal: bool, is_split: bool, has_lse: bool,
             roles: MlaRoles = MlaRoles()) -> tuple:
     return ("mla_sm90", arch, dtype_name, int(nheads), bool(causal), bool(is_split), bool(has_lse),
-            (roles.tile_n, roles.stages, roles.split_qk))
+            (roles.tile_n, roles.stages, roles.qk))
 
 
 def compile_mla_sm90(key: tuple):
     """Compiles the kernel for ``key`` (``mla_key``) on fake tensors: no GPU needed."""
-    _, arch, dtype_name, nheads, causal, is_split, has_lse, (tile_n, stages, split_qk) = key
+    _, arch, dtype_name, nheads, causal, is_split, has_lse, (tile_n, stages, qk) = key
     dtype = CUTE_DTYPE_BY_NAME[dtype_name]
     lead = (None,) if is_split else ()  # the split mode of the partials
     specs = [(dtype, (None, None, nheads, D_CKV)), (dtype, (None, None, nheads, D_KPE)),
@@ -522,7 +703,7 @@ def compile_mla_sm90(key: tuple):
     tensors = [fake_tensor(dt, len(shape), shape=shape) for dt, shape in specs]
     tensors.append(fake_tensor(cutlass.Float32, len(lead) + 3, align=4) if (has_lse or is_split) else None)
     tensors += [fake_tensor(cutlass.Int32, rank, align=4) for rank in (1, 2)]
-    kernel = MlaDecodeSm90(dtype, nheads, causal, is_split, MlaRoles(tile_n=tile_n, stages=stages, split_qk=split_qk))
+    kernel = MlaDecodeSm90(dtype, nheads, causal, is_split, MlaRoles(tile_n=tile_n, stages=stages, qk=qk))
     one = cutlass.Int32(1)
     return cute.compile(kernel, *tensors, cutlass.Float32(1.0), one, one, one, fake_stream(),
                         options=compile_options(arch))
