@@ -23,14 +23,27 @@ DEVICE = "cuda"
 
 # ------------------------------------------------------------------------------ timing
 
-def bench(fn, warmup_ms=25, rep_ms=150):
+def bench(fn, warmup_ms=25, rep_ms=150, graph=False):
     """Median time of ``fn()`` in ms. One untimed call first, so JIT compiles and
     lazy allocations are excluded; then triton's do_bench (which flushes L2 between
-    runs), or CUDA events if triton is missing."""
+    runs), or CUDA events if triton is missing. ``graph``: time a CUDA-graph replay of
+    ``fn`` (device time as a serving loop under graphs sees it: no host time can leak
+    into a short kernel's measurement)."""
     import torch
 
     fn()
     torch.cuda.synchronize()
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # warm the side stream's allocator pool before capture
+            with torch.cuda.graph(g, stream=stream):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        fn = g.replay
     # The first call may have compiled for tens of seconds with the GPU idle, and the
     # H200 idles at 345 MHz: keep it busy ~100 ms so the clocks are up before timing
     # (without this the first row after a compile measured up to 2x slow, e.g. MLA
