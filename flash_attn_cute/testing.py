@@ -35,6 +35,21 @@ def _exact_fp32_matmul():
         torch.set_float32_matmul_precision(prev)
 
 
+def backends_on_this_gpu(kind: str = "fwd") -> list:
+    """Registered backends (``fwd.BACKENDS``, or ``mla.MLA_BACKENDS`` for ``kind="mla"``)
+    whose kernels run on the current GPU; all of them without a GPU (the GPU tests that
+    parametrize over them are skipped then)."""
+    if kind == "mla":
+        from .mla import MLA_BACKENDS as registry, backend_module
+    else:
+        from .fwd import BACKENDS as registry, backend_module
+    names = sorted(registry)
+    if torch.cuda.is_available():
+        cap = torch.cuda.get_device_capability()
+        names = [n for n in names if backend_module(n).runs_on(cap)]
+    return names
+
+
 def visible_mask(seqlen_q, seqlen_k, seqlens_k=None, *, causal=False, window_size=(-1, -1), device=None):
     """Boolean (batch or 1, 1, seqlen_q, seqlen_k) mask, True where query i may attend key j.
 

@@ -26,6 +26,7 @@ from flash_attn_cute.testing import (
     attention_kvcache_ref,
     attention_ref,
     attention_varlen_ref,
+    backends_on_this_gpu,
     check_close,
     check_lse,
 )
@@ -48,19 +49,7 @@ def _api():
     return flash_attn_cute
 
 
-def _backend_names():
-    """The registered backends that run on this GPU (all of them without one: every test
-    is skipped then anyway)."""
-    from flash_attn_cute import fwd
-
-    names = sorted(fwd.BACKENDS)
-    if torch.cuda.is_available():
-        cap = torch.cuda.get_device_capability()
-        names = [n for n in names if fwd.backend_module(n).runs_on(cap)]
-    return names
-
-
-@pytest.fixture(params=_backend_names(), autouse=True)
+@pytest.fixture(params=backends_on_this_gpu(), autouse=True)
 def backend(request):
     """Every test runs once per registered backend (the ``backend=`` of each call); a
     call the backend refuses (``check``) is reported as a skip with its reason."""

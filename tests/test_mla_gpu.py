@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from flash_attn_cute.testing import check_close, check_lse, mla_decode_ref
+from flash_attn_cute.testing import backends_on_this_gpu, check_close, check_lse, mla_decode_ref
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,17 +24,7 @@ pytestmark = [
 ]
 
 
-def _mla_backends():
-    from flash_attn_cute import mla
-
-    names = sorted(mla.MLA_BACKENDS)
-    if torch.cuda.is_available():
-        cap = torch.cuda.get_device_capability()
-        names = [n for n in names if mla.backend_module(n).runs_on(cap)]
-    return names
-
-
-@pytest.fixture(params=_mla_backends())
+@pytest.fixture(params=backends_on_this_gpu("mla"))
 def backend(request):
     return request.param
 

@@ -17,6 +17,7 @@ from flash_attn_cute.testing import (
     attention_kvcache_ref,
     attention_ref,
     attention_varlen_ref,
+    backends_on_this_gpu,
     check_close,
     check_lse,
 )
@@ -35,17 +36,7 @@ def _fa():
     return flash_attn_cute
 
 
-def _backends():
-    from flash_attn_cute import fwd
-
-    names = sorted(fwd.BACKENDS)
-    if torch.cuda.is_available():
-        cap = torch.cuda.get_device_capability()
-        names = [n for n in names if fwd.backend_module(n).runs_on(cap)]
-    return names
-
-
-@pytest.fixture(params=_backends())
+@pytest.fixture(params=backends_on_this_gpu())
 def backend(request):
     return request.param
 
