@@ -345,8 +345,11 @@ def run_resolved(resolved: _Resolved, problem: FwdProblem, q, k, v, out, lse, cu
                  seqused_k, page_table, variant_tensors: tuple = _NO_VARIANT) -> None:
     """``run_fwd`` with the resolution already done (the public API's per-call cache)."""
     ns = resolved.plan.num_splits
+    # A user variant's tensors ride along only when there is one: the plain launch keeps
+    # the nine-argument contract (and one argument less on the decode hot path).
+    extra = (variant_tensors,) if problem.variant is not None else ()
     if ns == 1:
-        resolved.launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, variant_tensors)
+        resolved.launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, *extra)
         return
     lse_shape = (problem.nheads, q.shape[0]) if problem.varlen_q else (problem.batch, problem.nheads, q.shape[1])
     o_shape = (ns, *q.shape[:-1], problem.d_v)
@@ -355,8 +358,7 @@ def run_resolved(resolved: _Resolved, problem: FwdProblem, q, k, v, out, lse, cu
     partials = q.new_empty((o_numel + ns * math.prod(lse_shape),), dtype=torch.float32)
     out_partial = partials[:o_numel].view(o_shape)
     lse_partial = partials[o_numel:].view(ns, *lse_shape)
-    resolved.launch(q, k, v, out_partial, lse_partial, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
-                    variant_tensors)
+    resolved.launch(q, k, v, out_partial, lse_partial, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, *extra)
     if problem.varlen_q:  # the combine contract is batched: view packed rows as batch 1
         resolved.combine(out_partial.unsqueeze(1), lse_partial.unsqueeze(1), out.unsqueeze(0),
                          None if lse is None else lse.unsqueeze(0))
