@@ -7,10 +7,16 @@ otherwise finish last.
 
 ``LptScheduler``: the same one CTA per tile, ordered longest-first across heads and
 batches in L2-sized sections (causal and local masks). Both hand out a ``WorkTile``.
+
+``PersistentScheduler``: min(tiles, SMs) CTAs, CTA c computing tiles c, c + grid, c + 2 grid,
+... of either order above (``work_of``: the tile the non-persistent grid would give its
+idx-th CTA, x fastest, as the hardware launches them). A static stride: the orders are
+already longest-first, so a dynamic (atomic counter) hand-out is not needed.
 """
 
 from dataclasses import dataclass
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
@@ -37,6 +43,17 @@ class SingleTileScheduler:
         head = bidy // num_splits
         return WorkTile(num_m_blocks - 1 - bidx, head, bidy - head * num_splits, batch)
 
+    @staticmethod
+    @cute.jit
+    def work_of(idx: Int32, num_m_blocks: Int32, heads: Int32, num_splits: Int32) -> WorkTile:
+        """The tile of CTA ``idx`` of the grid, linearized x fastest."""
+        rest = idx // num_m_blocks
+        head_splits = heads * num_splits
+        batch = rest // head_splits
+        bidy = rest - batch * head_splits
+        head = bidy // num_splits
+        return WorkTile(num_m_blocks - 1 - (idx - rest * num_m_blocks), head, bidy - head * num_splits, batch)
+
 
 class LptScheduler:
     """Longest-processing-time first, L2-aware, for causal and local masks (one CTA per tile).
@@ -55,6 +72,20 @@ class LptScheduler:
     @cute.jit
     def get_work(num_m_blocks: Int32, heads: Int32, batch_size: Int32, l2_heads: Int32) -> WorkTile:
         t, split_idx, _ = cute.arch.block_idx()
+        return LptScheduler.tile(t, split_idx, num_m_blocks, heads, batch_size, l2_heads)
+
+    @staticmethod
+    @cute.jit
+    def work_of(idx: Int32, num_m_blocks: Int32, heads: Int32, batch_size: Int32, l2_heads: Int32) -> WorkTile:
+        """The tile of CTA ``idx`` of the grid, linearized x fastest (splits outermost)."""
+        tiles = num_m_blocks * heads * batch_size
+        split_idx = idx // tiles
+        return LptScheduler.tile(idx - split_idx * tiles, split_idx, num_m_blocks, heads, batch_size, l2_heads)
+
+    @staticmethod
+    @cute.jit
+    def tile(t: Int32, split_idx: Int32, num_m_blocks: Int32, heads: Int32, batch_size: Int32,
+             l2_heads: Int32) -> WorkTile:
         section_tiles = l2_heads * num_m_blocks
         section = t // section_tiles
         in_section = t - section * section_tiles
@@ -68,6 +99,19 @@ class LptScheduler:
         bh = section * l2_heads + (in_section - block * minor)
         batch = bh // heads
         return WorkTile(num_m_blocks - 1 - block, bh - batch * heads, split_idx, batch)
+
+
+class PersistentScheduler:
+    """min(tiles, max_ctas) CTAs (max_ctas: the SM count, one CTA per SM), each looping over
+    the tiles idx = blockIdx.x + i * gridDim.x of the non-persistent order (``work_of``)."""
+
+    @staticmethod
+    def num_tiles(num_m_blocks, heads, num_splits, batch):
+        return num_m_blocks * heads * num_splits * batch
+
+    @staticmethod
+    def grid(num_tiles, max_ctas):
+        return (cutlass.min(num_tiles, max_ctas), 1, 1)
 
 
 def l2_heads_for(seqlen_k: int, d: int, dv: int, elem_bytes: int = 2, l2_bytes: int = 50 * 1024 * 1024) -> int:

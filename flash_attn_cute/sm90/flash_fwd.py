@@ -19,7 +19,12 @@ the other's MMAs.
 
 O leaves through shared memory and a TMA store (batch tensors), or straight from
 registers (packed GQA rows, varlen, fp32 split partials). The grid is one CTA per tile,
-in longest-first, L2-aware order under causal/local masks (``LptScheduler``).
+in longest-first, L2-aware order under causal/local masks (``LptScheduler``), or, when
+``persistent``, one CTA per SM looping over the tiles of that same order
+(``PersistentScheduler``): the pipeline states live across tiles, so the producer loads
+the next tile's Q, K and V while the consumers finish the current one and run its
+epilogue. A short tile (a block-masked one visits ~5 KV blocks) no longer pays its
+pipeline fill and its epilogue back to back with nothing overlapping them.
 
 KV blocks are visited from the last to the first (only the first visited can be cut by
 the sequence end), in the same three runs as the SM80 kernel: masked blocks above the
@@ -48,7 +53,7 @@ from flash_attn_cute.paged_kv import page_and_row
 from flash_attn_cute.seqlen_info import SeqlenInfo
 from flash_attn_cute.sm90.wgmma_utils import convert_pairs, smem_layout, wgmma_gemm
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
-from flash_attn_cute.tile_scheduler import LptScheduler, SingleTileScheduler
+from flash_attn_cute.tile_scheduler import LptScheduler, PersistentScheduler, SingleTileScheduler
 from flash_attn_cute.variants import AttentionVariant, apply_to_scores
 
 
@@ -103,7 +108,7 @@ class FlashAttnFwdSm90:
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, tile_m: int, tile_n: int, num_stages: int,
                  variant: AttentionVariant, qhead_per_kvhead_packed: int = 1, is_split: bool = False,
-                 ex2_emulate_every: int = 0, gather_kv: bool = False):
+                 ex2_emulate_every: int = 0, gather_kv: bool = False, persistent: bool = False):
         set_fwd_config(self, dtype, head_dim, head_dim_v, variant, qhead_per_kvhead_packed, is_split)
         self.tile_m = tile_m
         self.tile_n = tile_n
@@ -116,6 +121,8 @@ class FlashAttnFwdSm90:
         # box spans a block, so the producer warpgroup gathers rows with cp.async, one page
         # lookup per row (``paged_kv``), and signals each stage with cp.async mbarrier arrives.
         self.gather_kv = gather_kv
+        # One CTA per SM looping over tiles (``PersistentScheduler``), else one per tile.
+        self.persistent = persistent
         self.roles = WarpRoles.for_consumers(tile_m // 64, gather_kv)
         # Ping-pong pays when the softmax of one warpgroup can hide the other's MMAs;
         # at d=256 the MMAs dominate and the turn-taking only adds waits.
@@ -129,8 +136,9 @@ class FlashAttnFwdSm90:
         assert tile_m % 64 == 0 and tile_n % 16 == 0 and head_dim % 16 == 0 and head_dim_v % 16 == 0
 
     @cute.jit
-    def launch(self, args: FwdArgs, l2_heads: Int32, stream):
-        """``l2_heads``: l2_heads_for(...), (head, batch) pairs per L2 section of the LPT order."""
+    def launch(self, args: FwdArgs, l2_heads: Int32, max_ctas: Int32, stream):
+        """``l2_heads``: l2_heads_for(...), (head, batch) pairs per L2 section of the LPT order;
+        ``max_ctas``: the persistent grid's bound (the SM count; unused otherwise)."""
         mQ, mK, mV, mO = args.mQ, args.mK, args.mV, args.mO
         varlen_q, varlen_k = cutlass.const_expr(args.varlen_q), cutlass.const_expr(args.varlen_k)
         sQ_layout = smem_layout(self.dtype, self.tile_m, self.head_dim)
@@ -140,20 +148,29 @@ class FlashAttnFwdSm90:
         # next sequence) and fp32 split partials are stored from registers.
         self.use_tma_o = self.use_tma_q and not varlen_q and not self.is_split
         self.use_lpt = self.variant.has_mask and not varlen_q
+        # A persistent CTA loads the next Q while this tile's O is still in smem: O gets its
+        # own buffer (``persistent_fits`` keeps the keys where it does not fit non-persistent).
+        self.separate_o = self.persistent and self.use_tma_o
         self.cache_tail_may_be_garbage = args.cache_tail_may_be_garbage
         sK_layout = smem_layout(self.dtype, self.tile_n, self.head_dim, self.num_stages)
         sV_layout = smem_layout(self.dtype, self.tile_n, self.head_dim_v, self.num_stages)
+
+        # O reuses Q's buffer (free once the last Q K^T completed), or has its own (separate_o).
+        q_elems = cute.cosize(sQ_layout)
+        o_field = cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], 1024]
+        if cutlass.const_expr(not self.separate_o):
+            q_elems = max(q_elems, cute.cosize(sO_layout))
+            o_field = cute.struct.MemRange[self.dtype, 8]  # unused
 
         @cute.struct
         class SharedStorage:
             mbar_Q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-            sQ: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, max(cute.cosize(sQ_layout), cute.cosize(sO_layout))], 1024
-            ]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sO: o_field
 
         # Each consumer warpgroup owns 64 rows: wgmma's M.
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
@@ -202,15 +219,21 @@ class FlashAttnFwdSm90:
         heads_q, heads_kv = args.heads()
         heads_eff = heads_kv if cutlass.const_expr(self.pack > 1) else heads_q
         num_m_blocks = cute.ceil_div(args.max_seqlen_q * self.pack, self.tile_m)
+        if cutlass.const_expr(self.persistent):
+            grid = PersistentScheduler.grid(
+                PersistentScheduler.num_tiles(num_m_blocks, heads_eff, args.num_splits, args.batch_size), max_ctas
+            )
+        else:
+            grid = (LptScheduler if self.use_lpt else SingleTileScheduler).grid(
+                num_m_blocks, heads_eff, args.num_splits, args.batch_size
+            )
         self.kernel(
             args, (tma_Q, tma_K, tma_V, tma_O), (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O),
             (sQ_layout, sK_layout, sV_layout, sO_layout), tiled_mma_qk, tiled_mma_pv,
             gmem_tiled_copy(self.dtype, self.head_dim, self.roles.num_consumer_threads),
             tx_bytes, SharedStorage, num_m_blocks, heads_eff, l2_heads,
         ).launch(
-            grid=(LptScheduler if self.use_lpt else SingleTileScheduler).grid(
-                num_m_blocks, heads_eff, args.num_splits, args.batch_size
-            ),
+            grid=grid,
             block=(self.roles.num_threads, 1, 1),
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -236,9 +259,6 @@ class FlashAttnFwdSm90:
         tma_Q, tma_K, tma_V, mO = tma_views
         tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O = tma_atoms
         sQ_layout, sK_layout, sV_layout, sO_layout = smem_layouts
-        mQ, mK, mLSE = args.mQ, args.mK, args.mLSE
-        mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable = args.mCuSeqlensQ, args.mCuSeqlensK, args.mSeqUsedK, args.mPageTable
-        softmax_scale, num_splits, batch_size = args.softmax_scale, args.num_splits, args.batch_size
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
@@ -279,45 +299,66 @@ class FlashAttnFwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)  # Q's buffer, reused
+        o_storage = storage.sO if cutlass.const_expr(self.separate_o) else storage.sQ
+        sO = o_storage.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
-        if cutlass.const_expr(self.use_lpt):
-            work = LptScheduler.get_work(num_m_blocks, heads_eff, batch_size, l2_heads)
-        else:
-            work = SingleTileScheduler.get_work(num_splits)
-        m_block, head, split_idx, batch = work.m_block, work.head, work.split_idx, work.batch
-        varlen_q = cutlass.const_expr(mCuSeqlensQ is not None)
-        paged = cutlass.const_expr(mPageTable is not None)
-        varlen_k = cutlass.const_expr(mCuSeqlensK is not None and not paged)
-        heads_q = mQ.shape[cute.rank(mQ) - 2]
-        heads_kv = mK.shape[cute.rank(mK) - 2]
-        head_kv = head if cutlass.const_expr(self.pack > 1) else head // (heads_q // heads_kv)
-        seqlen = SeqlenInfo.create_for(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK if not paged else None, mSeqUsedK,
-                                       mPageTable)
-        ctx = args.variant_ctx(batch, head, seqlen.seqlen_q, seqlen.seqlen_k, self.variant.has_score_mod)
         block_info = BlockInfo(self.tile_m, self.tile_n, self.pack, self.variant)
-        n_block_min, n_block_max = block_info.get_n_block_min_max(m_block, ctx, split_idx, num_splits, self.is_split)
-        rows_valid = seqlen.seqlen_q * self.pack - m_block * self.tile_m
-
+        sched = (num_m_blocks, heads_eff, l2_heads)
         pipeline.pipeline_init_wait()
 
-        if rows_valid > 0:
-            if warp_idx < len(self.roles.producer_warps):
-                cute.arch.setmaxregister_decrease(self.roles.producer_regs)
-                if warp_idx == 0 or cutlass.const_expr(self.gather_kv):
-                    if n_block_max > n_block_min:
-                        self.load(
-                            tma_Q, tma_K, tma_V, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                            pipeline_q, pipeline_k, pipeline_v, seqlen, m_block, head, head_kv, batch,
-                            n_block_min, n_block_max, varlen_q, varlen_k, paged, warp_idx, tidx,
-                        )
-            else:
-                cute.arch.setmaxregister_increase(self.roles.consumer_regs)
-                self.mma(
-                    mQ, mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv, gmem_copy_Q,
-                    pipeline_q, pipeline_k, pipeline_v, ctx, seqlen, block_info, m_block, head_kv, split_idx,
-                    n_block_min, n_block_max, rows_valid, softmax_scale, tidx - 128, varlen_q,
+        if warp_idx < len(self.roles.producer_warps):
+            cute.arch.setmaxregister_decrease(self.roles.producer_regs)
+            if warp_idx == 0 or cutlass.const_expr(self.gather_kv):
+                self.load(
+                    args, tma_Q, tma_K, tma_V, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                    pipeline_q, pipeline_k, pipeline_v, sched, block_info, warp_idx, tidx,
                 )
+        else:
+            cute.arch.setmaxregister_increase(self.roles.consumer_regs)
+            self.mma(
+                args, mO, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv, gmem_copy_Q,
+                pipeline_q, pipeline_k, pipeline_v, sched, block_info, tidx - 128,
+            )
+
+    # -----------------------------------------------------------------------------------
+    # Tiles
+    # -----------------------------------------------------------------------------------
+
+    @cute.jit
+    def work_at(self, idx, args: FwdArgs, sched):
+        """The tile of persistent step ``idx`` (``PersistentScheduler``), or of this CTA."""
+        num_m_blocks, heads_eff, l2_heads = sched
+        work = None
+        if cutlass.const_expr(self.persistent and self.use_lpt):
+            work = LptScheduler.work_of(idx, num_m_blocks, heads_eff, args.batch_size, l2_heads)
+        elif cutlass.const_expr(self.persistent):
+            work = SingleTileScheduler.work_of(idx, num_m_blocks, heads_eff, args.num_splits)
+        elif cutlass.const_expr(self.use_lpt):
+            work = LptScheduler.get_work(num_m_blocks, heads_eff, args.batch_size, l2_heads)
+        else:
+            work = SingleTileScheduler.get_work(args.num_splits)
+        return work
+
+    def num_tiles(self, args: FwdArgs, sched):
+        num_m_blocks, heads_eff, _ = sched
+        return PersistentScheduler.num_tiles(num_m_blocks, heads_eff, args.num_splits, args.batch_size)
+
+    @cute.jit
+    def tile_info(self, args: FwdArgs, work, block_info: BlockInfo):
+        """(ctx, seqlen, head_kv, rows_valid, n_block_min, n_block_max) of a work tile: its
+        variant context (batch, head, lengths, the user variant's tensors), its sequence,
+        its rows inside the (packed) sequence (<= 0: none) and its KV block range."""
+        mQ, mK, mPageTable = args.mQ, args.mK, args.mPageTable
+        paged = cutlass.const_expr(mPageTable is not None)
+        heads_q, heads_kv = args.heads()
+        head_kv = work.head if cutlass.const_expr(self.pack > 1) else work.head // (heads_q // heads_kv)
+        seqlen = SeqlenInfo.create_for(work.batch, mQ, mK, args.mCuSeqlensQ,
+                                       args.mCuSeqlensK if not paged else None, args.mSeqUsedK, mPageTable)
+        ctx = args.variant_ctx(work.batch, work.head, seqlen.seqlen_q, seqlen.seqlen_k, self.variant.has_score_mod)
+        n_block_min, n_block_max = block_info.get_n_block_min_max(work.m_block, ctx, work.split_idx,
+                                                                  args.num_splits, self.is_split)
+        rows_valid = seqlen.seqlen_q * self.pack - work.m_block * self.tile_m
+        return ctx, seqlen, head_kv, rows_valid, n_block_min, n_block_max
 
     # -----------------------------------------------------------------------------------
     # Producer
@@ -325,20 +366,64 @@ class FlashAttnFwdSm90:
 
     @cute.jit
     def load(
-        self, tma_Q, tma_K, tma_V, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-        pipeline_q, pipeline_k, pipeline_v, seqlen, m_block, head, head_kv, batch, n_block_min, n_block_max,
-        varlen_q: cutlass.Constexpr, varlen_k: cutlass.Constexpr, paged: cutlass.Constexpr, warp_idx, tidx,
+        self, args: FwdArgs, tma_Q, tma_K, tma_V, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+        pipeline_q, pipeline_k, pipeline_v, sched, block_info: BlockInfo, warp_idx, tidx,
+    ):
+        """The producer's tiles: one, or (persistent) every gridDim.x-th from blockIdx.x, the
+        pipeline states carried from one to the next (a stage of the next tile is loaded as
+        soon as the consumers free it)."""
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        load_tile = lambda work, q_st, st: self.load_tile(
+            args, tma_Q, tma_K, tma_V, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, pipeline_q, pipeline_k,
+            pipeline_v, work, block_info, q_st, st, warp_idx, tidx,
+        )
+        if cutlass.const_expr(self.persistent):
+            idx = cute.arch.block_idx()[0]
+            num_tiles = self.num_tiles(args, sched)
+            while idx < num_tiles:
+                q_state, state = load_tile(self.work_at(idx, args, sched), q_state, state)
+                idx += cute.arch.grid_dim()[0]
+        else:
+            q_state, state = load_tile(self.work_at(None, args, sched), q_state, state)
+        # Keep the CTA alive until the consumers released every stage it filled.
+        pipeline_v.producer_tail(state)
+
+    @cute.jit
+    def load_tile(
+        self, args: FwdArgs, tma_Q, tma_K, tma_V, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+        pipeline_q, pipeline_k, pipeline_v, work, block_info: BlockInfo, q_state, state, warp_idx, tidx,
     ):
         """Q once (warp 0), then K one block ahead of V, so that the consumers' Q K^T of
         block n can start while P V of block n+1 still waits for V. KV blocks go by TMA from
-        warp 0, or are gathered row by row by the whole warpgroup (``gather_kv``)."""
+        warp 0, or are gathered row by row by the whole warpgroup (``gather_kv``). Nothing
+        for a tile without rows or KV blocks (the consumers skip its loads alike)."""
+        ctx, seqlen, head_kv, rows_valid, n_block_min, n_block_max = self.tile_info(args, work, block_info)
+        varlen_q = cutlass.const_expr(args.mCuSeqlensQ is not None)
+        paged = cutlass.const_expr(args.mPageTable is not None)
+        varlen_k = cutlass.const_expr(args.mCuSeqlensK is not None and not paged)
+        if rows_valid > 0:
+            if n_block_max > n_block_min:
+                q_state, state = self.load_blocks(
+                    tma_Q, tma_K, tma_V, args.mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                    pipeline_q, pipeline_k, pipeline_v, seqlen, work.m_block, work.head, head_kv, work.batch,
+                    n_block_min, n_block_max, q_state, state, varlen_q, varlen_k, paged, warp_idx, tidx,
+                )
+        return q_state, state
+
+    @cute.jit
+    def load_blocks(
+        self, tma_Q, tma_K, tma_V, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+        pipeline_q, pipeline_k, pipeline_v, seqlen, m_block, head, head_kv, batch, n_block_min, n_block_max,
+        q_state, state, varlen_q: cutlass.Constexpr, varlen_k: cutlass.Constexpr, paged: cutlass.Constexpr,
+        warp_idx, tidx,
+    ):
         if cutlass.const_expr(self.gather_kv):
             load_k, load_v = self.kv_gatherers(tma_K, tma_V, mPageTable, sK, sV, pipeline_k, pipeline_v, seqlen,
                                                head_kv, batch, tidx)
         else:
             load_k, load_v = self.kv_tma_loaders(tma_K, tma_V, mPageTable, sK, sV, tma_atom_K, tma_atom_V,
                                                  pipeline_k, pipeline_v, seqlen, head_kv, batch, varlen_k, paged)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         load_k(n_block_max - 1, state)
         if cutlass.const_expr(self.use_tma_q):
             if warp_idx == 0:
@@ -350,9 +435,10 @@ class FlashAttnFwdSm90:
                 tQsQ, tQgQ = cpasync.tma_partition(
                     tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
                 )
-                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                # Waits (persistent) until every consumer warp finished the last tile's Q K^T.
                 pipeline_q.producer_acquire(q_state)
                 cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+            q_state.advance()
         for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
             n_block = n_block_max - 2 - i
             state_v = state.clone()
@@ -361,8 +447,7 @@ class FlashAttnFwdSm90:
             load_v(n_block + 1, state_v)
         load_v(n_block_min, state)
         state.advance()
-        # Keep the CTA alive until the consumers released every stage it filled.
-        pipeline_v.producer_tail(state)
+        return q_state, state
 
     def kv_tma_loaders(self, tma_K, tma_V, mPageTable, sK, sV, tma_atom_K, tma_atom_V, pipeline_k, pipeline_v,
                        seqlen, head_kv, batch, varlen_k: bool, paged: bool):
@@ -460,14 +545,73 @@ class FlashAttnFwdSm90:
 
     @cute.jit
     def mma(
-        self, mQ, mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv, gmem_copy_Q,
-        pipeline_q, pipeline_k, pipeline_v, ctx, seqlen, block_info, m_block, head_kv, split_idx,
-        n_block_min, n_block_max, rows_valid, softmax_scale, cidx, varlen_q: cutlass.Constexpr,
+        self, args: FwdArgs, mO, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv, gmem_copy_Q,
+        pipeline_q, pipeline_k, pipeline_v, sched, block_info: BlockInfo, cidx,
     ):
-        """Consumer warpgroups: the KV loop (wgmma + softmax), then the epilogue."""
+        """Consumer warpgroups: for each of the CTA's tiles (``load``'s), the KV loop
+        (wgmma + softmax), then the epilogue."""
         wg_idx = cute.arch.make_warp_uniform(cidx // 128)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        mma_tile = lambda work, q_st, st: self.mma_tile(
+            args, mO, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv, gmem_copy_Q, pipeline_q, pipeline_k,
+            pipeline_v, work, block_info, q_st, st, cidx, wg_idx,
+        )
+        if cutlass.const_expr(self.persistent):
+            # The first warpgroup opens its turn once: every tile leaves the ping-pong barriers
+            # as it found them (each warpgroup issues the same number of blocks; the last
+            # turn's arrive on the first warpgroup's barrier opens the next tile).
+            self.scheduler_open(wg_idx)
+            idx = cute.arch.block_idx()[0]
+            num_tiles = self.num_tiles(args, sched)
+            while idx < num_tiles:
+                q_state, state = mma_tile(self.work_at(idx, args, sched), q_state, state)
+                idx += cute.arch.grid_dim()[0]
+        else:
+            q_state, state = mma_tile(self.work_at(None, args, sched), q_state, state)
+
+    @cute.jit
+    def mma_tile(
+        self, args: FwdArgs, mO, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv, gmem_copy_Q,
+        pipeline_q, pipeline_k, pipeline_v, work, block_info: BlockInfo, q_state, state, cidx, wg_idx,
+    ):
+        """One tile: the KV loop when it has KV blocks, then O and the LSE (zero and -inf
+        rows without blocks)."""
+        ctx, seqlen, head_kv, rows_valid, n_block_min, n_block_max = self.tile_info(args, work, block_info)
+        varlen_q = cutlass.const_expr(args.mCuSeqlensQ is not None)
+        m_block = work.m_block
+        if rows_valid > 0:
+            thr_mma_qk = tiled_mma_qk.get_slice(cidx)
+            acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((self.tile_m, self.head_dim_v)), Float32)
+            acc_O.fill(0.0)
+            # Identity coordinates of this thread's S elements, for masks and score mods.
+            tScS_mn = acc_mn_view(thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+            has_mod = cutlass.const_expr(self.variant.has_score_mod)
+            # With a score modifier the kernel scales S before calling it; otherwise the
+            # scale folds into the exp2 argument (one FFMA per score).
+            scale_log2 = LOG2_E if has_mod else args.softmax_scale * LOG2_E
+            softmax = OnlineSoftmax(cute.size(tScS_mn, mode=[0]), Float32(scale_log2))
+            if n_block_max > n_block_min:
+                q_state, state = self.mainloop(
+                    args.mQ, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, gmem_copy_Q, pipeline_q, pipeline_k,
+                    pipeline_v, acc_O, softmax, tScS_mn, ctx, seqlen, block_info, m_block, head_kv, n_block_min,
+                    n_block_max, rows_valid, args.softmax_scale, q_state, state, cidx, wg_idx, varlen_q,
+                )
+            lse = cute.make_rmem_tensor((softmax.num_rows,), Float32)
+            softmax.finalize(acc_O, lse)
+            self.epilogue(acc_O, lse, mO, args.mLSE, sO, tma_atom_O, ctx, seqlen, m_block, head_kv, work.split_idx,
+                          rows_valid, tiled_mma_pv, cidx, varlen_q)
+        return q_state, state
+
+    @cute.jit
+    def mainloop(
+        self, mQ, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, gmem_copy_Q, pipeline_q, pipeline_k, pipeline_v,
+        acc_O, softmax, tScS_mn, ctx, seqlen, block_info, m_block, head_kv, n_block_min, n_block_max, rows_valid,
+        softmax_scale, q_state, state, cidx, wg_idx, varlen_q: cutlass.Constexpr,
+    ):
+        """The KV blocks of one tile, from the last to the first; returns the pipeline
+        states advanced past them."""
         wg_layout = cute.make_layout(self.roles.num_consumer_wgs, stride=128)
-        thr_mma_qk = tiled_mma_qk.get_slice(cidx)
         # wgmma fragments are warpgroup-wide descriptors: partition by the warpgroup's first thread.
         wg_mma_qk = tiled_mma_qk.get_slice(wg_layout(wg_idx))
         wg_mma_pv = tiled_mma_pv.get_slice(wg_layout(wg_idx))
@@ -478,71 +622,62 @@ class FlashAttnFwdSm90:
         # read by the RS wgmma through the A-operand view.
         rP = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), self.dtype)
         tOrP = acc_to_operand_a(rP)
-        acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((self.tile_m, self.head_dim_v)), Float32)
-        acc_O.fill(0.0)
-        # Identity coordinates of this thread's S elements, for masks and score mods.
-        tScS_mn = acc_mn_view(thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
-
-        has_mod = cutlass.const_expr(self.variant.has_score_mod)
-        # With a score modifier the kernel scales S before calling it; otherwise the
-        # scale folds into the exp2 argument (one FFMA per score).
-        scale_log2 = LOG2_E if has_mod else softmax_scale * LOG2_E
-        softmax = OnlineSoftmax(cute.size(tScS_mn, mode=[0]), Float32(scale_log2))
         # The correction O still owes when rescale_o_before_pv defers it (loop-carried).
         scale_carry = None
         if cutlass.const_expr(self.rescale_o_before_pv):
             scale_carry = cute.make_rmem_tensor((softmax.num_rows,), Float32)
 
-        if n_block_max > n_block_min:
-            if cutlass.const_expr(self.use_tma_q):
-                pipeline_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-            else:
-                self.load_q_packed(mQ, sQ, gmem_copy_Q, ctx.batch, seqlen, head_kv, m_block, rows_valid,
-                                   cidx, varlen_q)
-            if cutlass.const_expr(self.use_scheduler_barrier):
-                # The first warpgroup opens its own turn.
-                if wg_idx == 0:
-                    cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.SCHEDULER),
-                                             number_of_threads=2 * 128)
-            row0 = m_block * self.tile_m
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        if cutlass.const_expr(self.use_tma_q):
+            pipeline_q.consumer_wait(q_state)
+        else:
+            if cutlass.const_expr(self.persistent):
+                # Every warpgroup finished the last tile's Q K^T before Q is overwritten.
+                cute.arch.barrier(barrier_id=int(NamedBarrier.CONSUMERS),
+                                  number_of_threads=self.roles.num_consumer_threads)
+            self.load_q_packed(mQ, sQ, gmem_copy_Q, ctx.batch, seqlen, head_kv, m_block, rows_valid,
+                               cidx, varlen_q)
+        if cutlass.const_expr(not self.persistent):
+            self.scheduler_open(wg_idx)
+        row0 = m_block * self.tile_m
 
-            # First block: S only (its P V is issued with the next block's Q K^T).
-            self.kv_wait(pipeline_k, state)
-            acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-            wgmma_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], True, 0)
-            self.kv_release(pipeline_k, state)
-            apply_to_scores(self.variant, acc_mn_view(acc_S), tScS_mn, ctx, row0, (n_block_max - 1) * self.tile_n,
-                            self.pack, softmax_scale, True)
-            self.softmax(softmax, acc_S, acc_O, tOrP, None, scale_carry)
-            if cutlass.const_expr(self.cache_tail_may_be_garbage):
-                self.zero_v_tail(pipeline_v, state, sV, ctx.seqlen_k - (n_block_max - 1) * self.tile_n, cidx)
+        # First block: S only (its P V is issued with the next block's Q K^T).
+        self.kv_wait(pipeline_k, state)
+        acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        wgmma_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], True, 0)
+        self.kv_release(pipeline_k, state)
+        apply_to_scores(self.variant, acc_mn_view(acc_S), tScS_mn, ctx, row0, (n_block_max - 1) * self.tile_n,
+                        self.pack, softmax_scale, True)
+        self.softmax(softmax, acc_S, acc_O, tOrP, None, scale_carry)
+        if cutlass.const_expr(self.cache_tail_may_be_garbage):
+            self.zero_v_tail(pipeline_v, state, sV, ctx.seqlen_k - (n_block_max - 1) * self.tile_n, cidx)
 
-            step = lambda st, n_block, masked: self.mma_one_block(
-                st, n_block, masked, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, softmax,
-                pipeline_k, pipeline_v, tScS_mn, ctx, row0, softmax_scale, wg_idx, scale_carry,
-            )
-            # The first block is done: the runs cover [n_block_min, n_block_max - 1).
-            n_hi = n_block_max - 1
-            n_mid_hi, n_mid_lo = block_info.get_n_block_runs(m_block, ctx, n_block_min, n_hi)
-            for i in cutlass.range(n_hi - n_mid_hi, unroll=1):
-                state = step(state, n_hi - 1 - i, True)
-            for i in cutlass.range(n_mid_hi - n_mid_lo, unroll=1):
-                state = step(state, n_mid_hi - 1 - i, False)
-            if cutlass.const_expr(self.variant.has_mask):
-                for i in cutlass.range(n_mid_lo - n_block_min, unroll=1):
-                    state = step(state, n_mid_lo - 1 - i, True)
+        step = lambda st, n_block, masked: self.mma_one_block(
+            st, n_block, masked, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, softmax,
+            pipeline_k, pipeline_v, tScS_mn, ctx, row0, softmax_scale, wg_idx, scale_carry,
+        )
+        # The first block is done: the runs cover [n_block_min, n_block_max - 1).
+        n_hi = n_block_max - 1
+        n_mid_hi, n_mid_lo = block_info.get_n_block_runs(m_block, ctx, n_block_min, n_hi)
+        for i in cutlass.range(n_hi - n_mid_hi, unroll=1):
+            state = step(state, n_hi - 1 - i, True)
+        for i in cutlass.range(n_mid_hi - n_mid_lo, unroll=1):
+            state = step(state, n_mid_hi - 1 - i, False)
+        if cutlass.const_expr(self.variant.has_mask):
+            for i in cutlass.range(n_mid_lo - n_block_min, unroll=1):
+                state = step(state, n_mid_lo - 1 - i, True)
+        # Every Q K^T of the tile completed (waited on in its step): the producer may load
+        # the next tile's Q into sQ while the last P V and the epilogue run.
+        if cutlass.const_expr(self.use_tma_q):
+            pipeline_q.consumer_release(q_state)
+            q_state.advance()
 
-            # Last P V.
-            self.rescale_carried(softmax, acc_O, scale_carry)
-            self.kv_wait(pipeline_v, state)
-            wgmma_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], False, 0)
-            self.kv_release(pipeline_v, state)
-
-        lse = cute.make_rmem_tensor((softmax.num_rows,), Float32)
-        softmax.finalize(acc_O, lse)
-        self.epilogue(acc_O, lse, mO, mLSE, sO, tma_atom_O, ctx, seqlen, m_block, head_kv, split_idx, rows_valid,
-                      tiled_mma_pv, cidx, varlen_q)
+        # Last P V.
+        self.rescale_carried(softmax, acc_O, scale_carry)
+        self.kv_wait(pipeline_v, state)
+        wgmma_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], False, 0)
+        self.kv_release(pipeline_v, state)
+        state.advance()
+        return q_state, state
 
     @cute.jit
     def mma_one_block(
@@ -621,6 +756,13 @@ class FlashAttnFwdSm90:
         if cutlass.const_expr(scale_carry is not None):
             softmax.rescale_o(acc_O, scale_carry)
 
+    @cute.jit
+    def scheduler_open(self, wg_idx):
+        """The first warpgroup opens its own turn."""
+        if cutlass.const_expr(self.use_scheduler_barrier):
+            if wg_idx == 0:
+                cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.SCHEDULER), number_of_threads=2 * 128)
+
     def scheduler_sync(self, wg_idx):
         if cutlass.const_expr(self.use_scheduler_barrier):
             cute.arch.barrier(barrier_id=int(NamedBarrier.SCHEDULER) + wg_idx, number_of_threads=2 * 128)
@@ -691,7 +833,8 @@ class FlashAttnFwdSm90:
         outside the tensor and clipped by the copy engine)."""
         rO = cute.make_fragment_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
-        # Every warpgroup is done with sQ (its last Q K^T completed) before O overwrites it.
+        # sO is Q's buffer: every warpgroup's last Q K^T completed before O overwrites it. Or
+        # its own (separate_o): the last tile's TMA store read it (its issuer waited).
         cute.arch.barrier(barrier_id=int(NamedBarrier.CONSUMERS), number_of_threads=self.roles.num_consumer_threads)
         stsm = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         thr_copy = cute.make_tiled_copy_C(stsm, tiled_mma_pv).get_slice(cidx)
@@ -788,6 +931,21 @@ def gathers_kv(tile_n: int, page_size: int) -> bool:
     return page_size > 0 and page_size % tile_n != 0
 
 
+def persistent_fits(d: int, dv: int, tile: tuple, pack: int, varlen_q: bool, is_split: bool,
+                    gather_kv: bool) -> bool:
+    """Whether a persistent kernel fits: where O leaves by TMA (batch tensors, unpacked,
+    unsplit) it needs its own shared-memory buffer next to Q, K and V (``separate_o``);
+    d >= 192 tiles have no room for it. The tile loop's live values do not fit the
+    registers of three consumer warpgroups (d <= 64, 160 registers each: 67 local-memory
+    accesses, 0 one CTA per tile), nor those of a gathering producer at 40 (two consumer
+    warpgroups: 10, 2 one CTA per tile). Those stay one CTA per tile."""
+    m, n, stages = tile[:3]
+    if m // 64 >= 3 or (gather_kv and m // 64 >= 2):
+        return False
+    uses_tma_o = pack == 1 and not varlen_q and not is_split
+    return _smem_bytes(d, dv, m, n, stages) + (2 * m * dv if uses_tma_o else 0) <= _SMEM_LIMIT
+
+
 def unsupported_reason(d: int, dv: int) -> Optional[str]:
     """Why the SM90 kernel cannot run a problem (None when it can); the caller falls back.
     Every page size runs: by TMA per block, or by row gathers."""
@@ -799,7 +957,7 @@ def unsupported_reason(d: int, dv: int) -> Optional[str]:
 def compile_fwd_sm90(key: tuple):
     """Compiles the kernel for ``key`` (``sm90.compile_key``) on fake tensors: no GPU needed."""
     return compile_from_key(
-        key, 4, lambda dtype, d, dv, tile, variant, pack, is_split, gather_kv: FlashAttnFwdSm90(
+        key, 4, lambda dtype, d, dv, tile, variant, pack, is_split, gather_kv, persistent: FlashAttnFwdSm90(
             dtype, d, dv, *tile[:3], variant, qhead_per_kvhead_packed=pack, is_split=is_split,
-            ex2_emulate_every=tile[3], gather_kv=gather_kv),
-        extra_scalars=(Int32(1),))  # l2_heads
+            ex2_emulate_every=tile[3], gather_kv=gather_kv, persistent=persistent),
+        extra_scalars=(Int32(1), Int32(1)))  # l2_heads, max_ctas
