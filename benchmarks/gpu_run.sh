@@ -14,14 +14,17 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv
 if [ "$what" = tests ] || [ "$what" = all ]; then
   n=${SHARDS:-6}
   start=$(date +%s)
+  # Shard logs live outside $OUT (the device tool returns 8 files at most, and a run cut
+  # short by an outer timeout would otherwise leave 16 of them there, most never returned).
+  logs=$(mktemp -d)
   for i in $(seq 0 $((n - 1))); do
     FLASH_ATTN_CUTE_TEST_SHARD=$i/$n timeout ${TEST_TIMEOUT:-420} python -m pytest -q -m gpu -p no:cacheprovider \
-      tests/test_flash_attn_gpu.py tests/test_combine_gpu.py tests/test_torch_compile.py tests/test_mla_gpu.py tests/test_variants_gpu.py "$@" > "$OUT/test_$i.log" 2>&1 &
+      tests/test_flash_attn_gpu.py tests/test_combine_gpu.py tests/test_torch_compile.py tests/test_mla_gpu.py tests/test_variants_gpu.py "$@" > "$logs/test_$i.log" 2>&1 &
   done
   wait
   echo "tests took $(( $(date +%s) - start )) s"
-  for i in $(seq 0 $((n - 1))); do echo "--- shard $i"; grep -E "passed|failed|error" "$OUT/test_$i.log" | tail -2; done
-  cat "$OUT"/test_*.log > "$OUT/tests.log" && rm -f "$OUT"/test_*.log  # the device tool returns 8 files at most
+  for i in $(seq 0 $((n - 1))); do echo "--- shard $i"; grep -E "passed|failed|error" "$logs/test_$i.log" | tail -2; done
+  cat "$logs"/test_*.log > "$OUT/tests.log"
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -40
 fi
 if [ "$what" = variants ] || [ "$what" = all ]; then
@@ -41,7 +44,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 150 python benchmarks/bench_decode_splits.py --csv "$OUT/decode_splits.csv" 2>&1 | tail -28
   timeout 150 python benchmarks/bench_decode_splits.py --hkv 8 --csv "$OUT/decode_splits_gqa.csv" 2>&1 | tail -28
   timeout 200 python benchmarks/bench_paged_decode.py --csv "$OUT/paged_decode.csv" 2>&1 | tail -40
-  timeout 60 python benchmarks/bench_host.py --csv "$OUT/host.csv" 2>&1 | tail -16
+  timeout 90 python benchmarks/bench_host.py --csv "$OUT/host.csv" 2>&1 | tail -16
   timeout 240 python benchmarks/bench_mla.py --csv "$OUT/mla.csv" 2>&1 | tail -12
   python benchmarks/plot_splits.py "$OUT"/decode_splits*.csv --out "$OUT/decode_splits.png" 2>&1 | tail -2
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
