@@ -161,3 +161,93 @@ def test_variant_key_is_in_the_compile_key():
                                "sm_80")
     flags = next(f for f in key if isinstance(f, tuple))
     assert key != plain and flags[3] == problem.variant.key and len(key) == len(plain)
+
+
+# ------------------------------------------------------------------------------ the public API on a fake GPU
+
+@pytest.fixture
+def fake_variant_gpu(monkeypatch):
+    """CPU tensors pass as a 132-SM Hopper GPU whose (SM80-planned) launcher records its
+    arguments: the variant's launch contract without a kernel."""
+    from types import SimpleNamespace
+
+    from flash_attn_cute import heuristics, interface, sm80
+
+    calls = []
+
+    def launcher(problem, plan):
+        def launch(*args):
+            calls.append(SimpleNamespace(problem=problem, plan=plan, args=args))
+
+        return launch
+
+    backend = SimpleNamespace(HEAD_DIMS=sm80.HEAD_DIMS, AUTO=True, runs_on=sm80.runs_on, check=sm80.check,
+                              plan=sm80.plan, launcher=launcher)
+    interface.clear_call_cache()
+    monkeypatch.setattr(interface, "_check_device", lambda tensors: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(heuristics, "num_sms", lambda device: 132)
+    monkeypatch.setattr(fwd, "backend_module", lambda name: backend)
+    monkeypatch.delenv("FLASH_ATTN_CUTE_BACKEND", raising=False)
+    yield calls
+    interface.clear_call_cache()
+
+
+def _qkv(b=2, s=40, h=4, hk=2, d=64):
+    return (torch.randn(b, s, h, d, dtype=torch.bfloat16), torch.randn(b, s, hk, d, dtype=torch.bfloat16),
+            torch.randn(b, s, hk, d, dtype=torch.bfloat16))
+
+
+def test_launch_contract_with_and_without_a_variant(fake_variant_gpu):
+    from flash_attn_cute import flash_attn_func
+
+    q, k, v = _qkv()
+    flash_attn_func(q, k, v)
+    assert len(fake_variant_gpu[-1].args) == 9  # a plain call keeps the nine-argument launch
+    slopes = mods.alibi_slopes(4, device="cpu")
+    docs = (torch.arange(40) // 9).view(1, 40).expand(2, 40).to(torch.int32)
+    bm = create_block_mask(mods.document_mask(1), None, None, 40, 40, aux_tensors=[slopes, docs], device="cpu",
+                           block_size=16)
+    for _ in range(2):  # the second call replays the per-call cache entry
+        new_slopes = slopes + 1
+        flash_attn_func(q, k, v, causal=True, score_mod=mods.alibi(0), aux_tensors=[new_slopes, docs], block_mask=bm)
+        call = fake_variant_gpu[-1]
+        *_, variant_tensors = call.args
+        assert len(call.args) == 10 and len(variant_tensors) == 5
+        assert variant_tensors[0] is new_slopes and variant_tensors[1] is docs and variant_tensors[2:4] == (None, None)
+        assert tuple(variant_tensors[4].shape) == (2, 4, 3, 4) and variant_tensors[4].stride(0) == 0
+        assert call.problem.variant.block_q == 16 and not call.plan.pack_gqa
+    assert fake_variant_gpu[-1].problem.variant == fake_variant_gpu[-2].problem.variant
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(aux_tensors=[torch.ones(4)]), ValueError, "without a score_mod"),
+    (dict(score_mod=mods.softcap(5.0), softcap=3.0), ValueError, "softcap and score_mod"),
+    (dict(block_mask="blocks"), TypeError, "block_mask must be a flash_attn_cute.BlockMask"),
+    (dict(score_mod=3), TypeError, "score_mod must be a function"),
+])
+def test_variant_argument_errors(fake_variant_gpu, kwargs, exc, match):
+    from flash_attn_cute import flash_attn_func
+
+    q, k, v = _qkv()
+    with pytest.raises(exc, match=match):
+        flash_attn_func(q, k, v, **kwargs)
+    assert not fake_variant_gpu  # refused before any launch
+
+
+def test_block_mask_must_fit_the_call(fake_variant_gpu):
+    from flash_attn_cute import flash_attn_func
+
+    q, k, v = _qkv()
+    small = create_block_mask(mods.causal_mask, None, None, 32, 40, device="cpu")
+    with pytest.raises(ValueError, match="covers seqlen_q 32"):
+        flash_attn_func(q, k, v, block_mask=small)
+    per_batch = create_block_mask(mods.causal_mask, 3, None, 40, 40, device="cpu")
+    with pytest.raises(ValueError, match="built for batch 3"):
+        flash_attn_func(q, k, v, block_mask=per_batch)
+    bm = create_block_mask(mods.causal_mask, None, None, 40, 40, device="cpu")
+    with pytest.raises(ValueError, match="pack_gqa=True cannot take a block_mask"):
+        flash_attn_func(q, k, v, block_mask=bm, pack_gqa=True)
+    with pytest.raises(ValueError, match="mask_mod must be the function block_mask was created with"):
+        flash_attn_func(q, k, v, block_mask=bm, mask_mod=mods.sliding_window(3))
+    assert not fake_variant_gpu
