@@ -22,7 +22,9 @@ import argparse
 import sys
 
 import common
-from common import append_results_md, bench, error_text, load_fa4, print_table, randn, sdpa, write_csv
+from typing import Callable, NamedTuple, Optional
+
+from common import bench, error_text, load_fa4, print_table, randn, report, sdpa
 
 COLUMNS = ["variant", "impl", "ms", "tflops", "x_flex", "x_fa4", "target", "correct", "note"]
 VARIANTS = ["causal", "sliding1024", "document", "alibi", "softcap30"]
@@ -43,41 +45,47 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def variant_defs(name, B, H, S, fa):
-    """(our call kwargs list [(label, kwargs)], flex score_mod, flex mask_mod, FA4 kwargs or None,
-    torch mask_mod for counting kept pairs, aux list)."""
+class Variant(NamedTuple):
+    ours: list  # [(label, flash_attn_func kwargs)]
+    score_mod: Optional[Callable]  # (score, b, h, q_idx, kv_idx, aux), for FlexAttention
+    mask_mod: Callable  # (b, h, q_idx, kv_idx, aux): FlexAttention's mask and the kept-pair count
+    fa4: Optional[dict]  # FA4 kwargs where FA4 has the variant built in
+    aux: tuple
+
+
+def variant_defs(name, B, H, S, fa) -> Variant:
     import torch
 
     mods = fa.mods
     causal = mods.causal_mask
     if name == "causal":
-        return [("builtin", dict(causal=True))], None, causal, dict(causal=True), causal, []
+        return Variant([("builtin", dict(causal=True))], None, causal, dict(causal=True), ())
     if name == "sliding1024":
         win = mods.and_masks(causal, mods.sliding_window(1024))
         bm = fa.create_block_mask(win, None, None, S, S)
-        return ([("builtin", dict(causal=True, window_size=(1024, 0))), ("mask_mod+block_mask", dict(block_mask=bm))],
-                None, win, dict(causal=True, window_size=(1024, 0)), win, [])
+        return Variant([("builtin", dict(causal=True, window_size=(1024, 0))),
+                        ("mask_mod+block_mask", dict(block_mask=bm))], None, win,
+                       dict(causal=True, window_size=(1024, 0)), ())
     if name == "document":
         pos = torch.arange(S, device=common.DEVICE)
         docs = torch.stack([(pos + 333 * b) // DOC_LEN for b in range(B)]).to(torch.int32)
         doc = mods.document_mask(0)
         bm = fa.create_block_mask(doc, B, None, S, S, aux_tensors=[docs])
-        both = mods.and_masks(causal, doc)
-        return ([("mask_mod+block_mask", dict(causal=True, block_mask=bm))], None,
-                lambda b, h, q, k: both(b, h, q, k, (docs,)), None, both, [docs])
+        return Variant([("mask_mod+block_mask", dict(causal=True, block_mask=bm))], None,
+                       mods.and_masks(causal, doc), None, (docs,))
     if name == "alibi":
         slopes = mods.alibi_slopes(H)
         alibi = mods.alibi(0)
-        return ([("score_mod", dict(causal=True, score_mod=alibi, aux_tensors=[slopes]))],
-                lambda s, b, h, q, k: alibi(s, b, h, q, k, (slopes,)), causal, None, causal, [slopes])
+        return Variant([("score_mod", dict(causal=True, score_mod=alibi, aux_tensors=[slopes]))], alibi, causal, None,
+                       (slopes,))
     if name == "softcap30":
         cap = mods.softcap(30.0)
-        return ([("builtin", dict(causal=True, softcap=30.0)), ("score_mod", dict(causal=True, score_mod=cap))],
-                lambda s, b, h, q, k: cap(s, b, h, q, k, ()), causal, dict(causal=True, softcap=30.0), causal, [])
+        return Variant([("builtin", dict(causal=True, softcap=30.0)), ("score_mod", dict(causal=True, score_mod=cap))],
+                       cap, causal, dict(causal=True, softcap=30.0), ())
     raise ValueError(name)
 
 
-def kept_pairs(mask_fn, B, H, S, aux):
+def kept_pairs(mask_mod, B, H, S, aux):
     """Kept (q, k) pairs summed over batch and heads (the mask evaluated in row chunks)."""
     import torch
 
@@ -88,24 +96,22 @@ def kept_pairs(mask_fn, B, H, S, aux):
         b_idx = torch.full((1, 1, 1, 1), b, device=common.DEVICE)
         for q0 in range(0, S, 1024):
             q_idx = torch.arange(q0, min(S, q0 + 1024), device=common.DEVICE).view(1, 1, -1, 1)
-            total += int(mask_fn(b_idx, h_idx, q_idx, k_idx, tuple(aux)).expand(1, 1, q_idx.shape[2], S).sum())
+            total += int(mask_mod(b_idx, h_idx, q_idx, k_idx, aux).expand(1, 1, q_idx.shape[2], S).sum())
     return total * H  # these masks do not depend on the head
 
 
-def flex_fn(q, k, v, score_mod, mask_mod, B, S):
+def flex_fn(q, k, v, variant: Variant, B, S):
+    """FlexAttention (compiled) on our functions, their aux bound: FlexAttention's
+    score_mod / mask_mod take no aux argument."""
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    bm = create_block_mask(lambda b, h, qi, ki: mask_mod(b, h, qi, ki, ()) if _takes_aux(mask_mod) else
-                           mask_mod(b, h, qi, ki), B, None, S, S, device=common.DEVICE)
+    aux, mask_mod, score_mod = variant.aux, variant.mask_mod, variant.score_mod
+    bm = create_block_mask(lambda b, h, qi, ki: mask_mod(b, h, qi, ki, aux), B, None, S, S, device=common.DEVICE)
+    flex_score = None if score_mod is None else (lambda s, b, h, qi, ki: score_mod(s, b, h, qi, ki, aux))
     compiled = torch.compile(flex_attention, dynamic=False)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-    return lambda: compiled(qt, kt, vt, score_mod=score_mod, block_mask=bm).transpose(1, 2)
-
-
-def _takes_aux(fn):
-    code = getattr(fn, "__code__", None)
-    return code is not None and code.co_argcount == 5
+    return lambda: compiled(qt, kt, vt, score_mod=flex_score, block_mask=bm).transpose(1, 2)
 
 
 def main(argv=None):
@@ -123,17 +129,17 @@ def main(argv=None):
     for name in args.variants.split(","):
         torch.manual_seed(0)
         q, k, v = (randn(B, S, H, D, dtype=torch.bfloat16) for _ in range(3))
-        ours, flex_score, flex_mask, fa4_kwargs, count_mask, aux = variant_defs(name, B, H, S, fa)
-        flops = 4 * D * kept_pairs(count_mask, B, H, S, aux)
+        variant = variant_defs(name, B, H, S, fa)
+        flops = 4 * D * kept_pairs(variant.mask_mod, B, H, S, variant.aux)
         impls = []  # FlexAttention first: the reference of the "correct" column
         if not args.no_flex:
-            impls.append(("flex_attention", lambda: flex_fn(q, k, v, flex_score, flex_mask, B, S)))
+            impls.append(("flex_attention", lambda: flex_fn(q, k, v, variant, B, S)))
         for backend in backends:
-            for label, kw in ours:
+            for label, kw in variant.ours:
                 impls.append((f"ours_{backend} {label}", lambda kw=kw, backend=backend: fa.flash_attn_func(
                     q, k, v, backend=backend, **kw)))
-        if fa4 is not None and fa4_kwargs is not None:
-            impls.append(("fa4", lambda: (lambda: fa4.flash_attn_func(q, k, v, **fa4_kwargs))))
+        if fa4 is not None and variant.fa4 is not None:
+            impls.append(("fa4", lambda: (lambda: fa4.flash_attn_func(q, k, v, **variant.fa4))))
         if name == "causal":
             for sd in ("flash", "cudnn"):
                 impls.append((f"sdpa_{sd}", lambda sd=sd: sdpa(q, k, v, backend=sd, causal=True)[0]))
@@ -170,15 +176,11 @@ def main(argv=None):
         torch.cuda.empty_cache()
     if fa4 is None:
         print(f"FA4 unavailable: {fa4_why}")
-    print()
-    print_table(rows, COLUMNS)
-    write_csv(args.csv, COLUMNS, rows)
-    if not args.no_md and rows:
-        append_results_md(
-            f"User variants (B={B}, S={S}, H={H}, D={D}, bf16, causal)", rows, COLUMNS,
-            notes="TFLOP/s on kept scores (4 d x kept pairs / time). x_flex / x_fa4: their time over ours "
-                  "(same run). correct: max |out - FlexAttention's out| (the first row of each variant). "
-                  "Targets (issue 9): ours >= 1.3x FlexAttention and >= 1.0x FA4 where FA4 has the variant.")
+    if rows:
+        report(args, "all variants:", f"User variants (B={B}, S={S}, H={H}, D={D}, bf16, causal)", rows, COLUMNS,
+               notes="TFLOP/s on kept scores (4 d x kept pairs / time). x_flex / x_fa4: their time over ours "
+                     "(same run). correct: max |out - FlexAttention's out| (the first row of each variant). "
+                     "Targets (issue 9): ours >= 1.3x FlexAttention and >= 1.0x FA4 where FA4 has the variant.")
 
 
 if __name__ == "__main__":

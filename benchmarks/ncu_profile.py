@@ -56,7 +56,7 @@ def variant_fn(args):
 
     B, H, S, D = args.B, 16, args.S, args.D
     q, k, v = (randn(B, S, H, D, dtype=torch.bfloat16) for _ in range(3))
-    (_, kwargs), *_ = bench_variants.variant_defs(args.variant, B, H, S, flash_attn_cute)[0]
+    (_, kwargs), *_ = bench_variants.variant_defs(args.variant, B, H, S, flash_attn_cute).ours
     return lambda: flash_attn_cute.flash_attn_func(q, k, v, backend="sm90", **kwargs)
 
 
