@@ -18,6 +18,7 @@ from flash_attn_cute.testing import (
     attention_ref,
     attention_varlen_ref,
     backends_on_this_gpu,
+    bias_table_mod,
     check_close,
     check_lse,
 )
@@ -46,11 +47,7 @@ def randn(*shape, dtype=torch.bfloat16):
 
 
 # ------------------------------------------------------------------------------ user-written variants
-
-def bias_table(score, b, h, q_idx, kv_idx, aux):
-    """A user-written score_mod: a (nheads, 16, 16) bias table indexed by positions mod 16."""
-    return score + aux[0][h, q_idx % 16, kv_idx % 16]
-
+# (the bias-table score_mod is testing.bias_table_mod, shared with the compile tests)
 
 def per_head_mask(b, h, q_idx, kv_idx, aux):
     """A user-written mask_mod: head h drops every key congruent to 1 mod (h + 2), and
@@ -86,7 +83,7 @@ CASES = {
     "rel_bias": (lambda: _fa().mods.relative_position_bias(64), None,
                  lambda b, h, sq, sk: [randn(h, 129, dtype=torch.float32)], True),
     "softcap": (lambda: _fa().mods.softcap(5.0), None, lambda b, h, sq, sk: None, True),
-    "bias_table": (lambda: bias_table, None, lambda b, h, sq, sk: [randn(h, 16, 16, dtype=torch.bfloat16)], False),
+    "bias_table": (lambda: bias_table_mod, None, lambda b, h, sq, sk: [randn(h, 16, 16, dtype=torch.bfloat16)], False),
     "document": (None, lambda: _fa().mods.document_mask(), lambda b, h, sq, sk: [doc_ids(b, sk, 100)], True),
     "prefix_lm": (None, lambda: _fa().mods.prefix_lm(),
                   lambda b, h, sq, sk: [torch.randint(0, sk, (b,), device=DEVICE, dtype=torch.int32)], False),
