@@ -55,11 +55,13 @@ def parse_args(argv=None):
 
 def decode_problem(q, k_cache, v_cache, page_table, max_seqlen_k):
     """The FwdProblem flash_attn_with_kvcache builds for this call (default arguments)."""
-    from flash_attn_cute.fwd import FwdProblem
+    from flash_attn_cute.problems import FwdProblem
 
     b, sq, h, d = q.shape
-    return FwdProblem(q.dtype, b, sq, max_seqlen_k, h, k_cache.shape[2], d, v_cache.shape[-1], d ** -0.5, False,
-                      -1, -1, 0.0, False, False, True, k_cache.shape[1] if page_table is not None else 0, False)
+    return FwdProblem(dtype=q.dtype, batch=b, max_seqlen_q=sq, max_seqlen_k=max_seqlen_k, nheads=h,
+                      nheads_kv=k_cache.shape[2], d=d, d_v=v_cache.shape[-1], softmax_scale=d ** -0.5, causal=False,
+                      window_left=-1, window_right=-1, softcap=0.0, varlen_q=False, varlen_k=False,
+                      has_seqused_k=True, page_size=k_cache.shape[1] if page_table is not None else 0, has_lse=False)
 
 
 def chosen_num_splits(backend, problem, pack_gqa):

@@ -43,8 +43,11 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def one_row(fa, mla, backend, batch, seqlen, page, heads, dtype):
+def one_row(fa, backend, batch, seqlen, page, heads, dtype):
     import torch
+
+    from flash_attn_cute import fwd, tuning
+    from flash_attn_cute.problems import MlaProblem
 
     torch.manual_seed(0)
     pages_per_seq = -(-seqlen // page)
@@ -63,8 +66,9 @@ def one_row(fa, mla, backend, batch, seqlen, page, heads, dtype):
 
         out = fn()
         correct = check_correct(out, mla_decode_ref(*args)[0], mla_decode_ref(*args, upcast=False)[0])
-    plan = mla.resolve(mla.MlaProblem(dtype, batch, 1, pages_per_seq * page, heads, page, 576 ** -0.5, False, False),
-                       backend, 0, q_nope.device).plan
+    problem = MlaProblem(dtype=dtype, batch=batch, max_seqlen_q=1, max_seqlen_k=pages_per_seq * page, nheads=heads,
+                         page_size=page, softmax_scale=576 ** -0.5, causal=False, has_lse=False)
+    plan = fwd.resolve(problem, backend, 0, None, q_nope.device, tuning.from_env()).plan
     del args, q_nope, q_pe, ckv, kpe
     return ms, nbytes / (ms * 1e-3) / 1e12, correct, f"splits={plan.num_splits}"
 
@@ -76,10 +80,10 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("bench_mla.py needs a CUDA GPU")
     import flash_attn_cute as fa
-    from flash_attn_cute import mla
+    from flash_attn_cute import fwd
 
     cap = torch.cuda.get_device_capability()
-    backends = [b for b in sorted(mla.MLA_BACKENDS) if mla.backend_module(b).runs_on(cap)] \
+    backends = [b for b in sorted(fwd.MLA_BACKENDS) if fwd.backend_module(b, "mla").runs_on(cap)] \
         if args.backends == "all" else args.backends.split(",")
     dtype = common.parse_dtype(args.dtype)
     picked = ROWS if args.rows == "all" else [ROWS[int(i)] for i in args.rows.split(",")]
@@ -94,7 +98,7 @@ def main(argv=None):
             # SM90 at 1 x 32768 (split-KV): >= 2.0 TB/s besides the 1.1x.
             floor = 2.0 if backend == "sm90" and batch == 1 else 0.0
             try:
-                ms, tbps, correct, note = one_row(fa, mla, backend, batch, seqlen, page, heads, dtype)
+                ms, tbps, correct, note = one_row(fa, backend, batch, seqlen, page, heads, dtype)
                 met = tbps >= max(1.1 * row[peer], floor)
                 missed = f"<1.1x {peer[3:]}" + (f" or <{floor}" if floor else "")
                 row.update(time_us=ms * 1e3, tbps=tbps, x_fa3=tbps / fa3, x_fa2=tbps / fa2, correct=correct,

@@ -14,8 +14,8 @@ server at them removes every compile from the serving path::
 
 ``--arch`` is the arch the server will ask for: ``cute_utils.target_arch`` (``sm_80``
 on an A100, ``sm_86`` on an A10, ``sm_90a`` on an H100/H200, ``sm_100a`` on a B200).
-``--preset`` is ``decode``, ``prefill``, ``all`` (both) or a JSON file holding a list
-of descriptions. The package sources and the DSL/TVM-FFI versions must be the ones the
+``--preset`` is ``decode``, ``prefill``, ``mla``, ``all`` (the three) or a JSON file
+holding a list of descriptions. The package sources and the DSL/TVM-FFI versions must be the ones the
 server runs (they make the cache's fingerprint folder). Several worker processes
 (``--jobs``, default: the CPU count; about 1 GB of memory each) compile in parallel;
 each gets ``CUTE_DSL_ARCH`` in its environment before it imports the DSL (which reads
@@ -28,9 +28,10 @@ A description is a JSON object describing calls of the public API; every field i
 optional, and a field given as a list expands to one description per combination
 (``"window"`` takes a pair, or a list of pairs)::
 
-    api               "func" (default) | "varlen" | "kvcache": flash_attn_func,
-                      flash_attn_varlen_func (cu_seqlens q and k) or
-                      flash_attn_with_kvcache (cache_seqlens)
+    api               "func" (default) | "varlen" | "kvcache" | "mla": flash_attn_func,
+                      flash_attn_varlen_func (cu_seqlens q and k),
+                      flash_attn_with_kvcache (cache_seqlens) or flash_mla_decode
+                      (qhead_per_kvhead query heads, nheads_kv 1)
     dtype             "bf16" (default) | "fp16"
     d, d_v            head dims of q/k and v (default 128; d_v defaults to d)
     qhead_per_kvhead  GQA ratio (default 1); nheads_kv (default 8), batch (default 1)
@@ -38,13 +39,13 @@ optional, and a field given as a list expands to one description per combination
     seqlen_k          max_seqlen_k, the cache capacity for kvcache (default 4096)
     causal            bool (default false); window [left, right] (default [-1, -1])
     softcap           float (default 0)
-    page_size         kvcache only: 0 (default) = contiguous cache, > 0 = paged
+    page_size         kvcache and mla: 0 (default) = contiguous cache, > 0 = paged
     has_lse           return_lse (default false)
     num_splits        1 (default), > 1 for split-KV (adds the combine kernel it
                       needs), 0 = the runtime heuristic, which then needs num_sms
     num_sms, pack_gqa as the runtime gets them (default null: the auto rules)
 
-Each description becomes a ``FwdProblem``; the backend the runtime would pick for the
+Each description becomes a problem (``FwdProblem``, ``MlaProblem``); the backend the runtime would pick for the
 arch (or ``--backend``) turns it into a key through its ``plan`` and ``compile_key``,
 so the keys are exactly those its launcher asks for. Descriptions that no backend
 runs are reported and skipped.
@@ -68,6 +69,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple, Optional
 
+from .constants import MLA_NHEADS
+
 __all__ = ["PRESETS", "AotEntry", "load_descriptions", "expand", "entries_for", "build", "read_manifest", "main"]
 
 MANIFEST = "aot-manifest.json"
@@ -80,6 +83,13 @@ PRESETS = {
          "seqlen_q": 1, "seqlen_k": 8192, "page_size": _PAGE_SIZES, "causal": [False, True],
          "num_splits": [1, 4], "has_lse": [False, True]},
     ],
+    # MLA decode (flash_mla_decode): the query heads are qhead_per_kvhead over one latent
+    # KV head; the keys depend on dtype, heads, causal, split and LSE only.
+    "mla": [
+        {"api": "mla", "dtype": ["bf16", "fp16"], "qhead_per_kvhead": [16, 32, 64, 128], "nheads_kv": 1,
+         "seqlen_q": 1, "seqlen_k": 8192, "page_size": 64, "causal": [False, True], "num_splits": [1, 4],
+         "has_lse": [False, True]},
+    ],
     # Prefill: dense and packed variable-length batches (varlen packs GQA heads).
     "prefill": [
         {"api": ["func", "varlen"], "dtype": ["bf16", "fp16"], "d": [64, 128, 256], "causal": [False, True],
@@ -91,7 +101,8 @@ PRESETS = {
 _DEFAULTS = {"api": "func", "dtype": "bf16", "d": 128, "d_v": None, "qhead_per_kvhead": 1, "nheads_kv": 8,
              "batch": 1, "seqlen_q": 1, "seqlen_k": 4096, "causal": False, "window": [-1, -1], "softcap": 0.0,
              "page_size": 0, "has_lse": False, "num_splits": 1, "num_sms": None, "pack_gqa": None}
-_APIS = {"func": (False, False, False), "varlen": (True, True, False), "kvcache": (False, False, True)}
+_APIS = {"func": (False, False, False), "varlen": (True, True, False), "kvcache": (False, False, True),
+         "mla": (False, False, True)}
 _DTYPES = ("bf16", "fp16")
 
 
@@ -112,7 +123,7 @@ class AotEntry(NamedTuple):
 def load_descriptions(preset: str) -> list:
     """The descriptions of a preset name (``decode``, ``prefill``, ``all``) or JSON file."""
     if preset == "all":
-        return PRESETS["decode"] + PRESETS["prefill"]
+        return PRESETS["decode"] + PRESETS["prefill"] + PRESETS["mla"]
     if preset in PRESETS:
         return list(PRESETS[preset])
     path = Path(preset)
@@ -160,26 +171,36 @@ def _validate(one: dict) -> None:
          and math.isfinite(one["softcap"]) and one["softcap"] >= 0, "softcap must be a number >= 0")
     need(isinstance(one["window"], list) and len(one["window"]) == 2, "window must be a pair [left, right]")
     need(is_int(one["page_size"]) and one["page_size"] >= 0, "page_size must be an int >= 0")
-    need(one["page_size"] == 0 or one["api"] == "kvcache", "page_size > 0 needs api kvcache")
+    need(one["page_size"] == 0 or one["api"] in ("kvcache", "mla"), "page_size > 0 needs api kvcache or mla")
+    if one["api"] == "mla":
+        need(one["nheads_kv"] == 1, "api mla has one latent KV head: nheads_kv must be 1")
+        need(one["qhead_per_kvhead"] in MLA_NHEADS, f"api mla: qhead_per_kvhead (the query heads) in {MLA_NHEADS}")
     need(is_int(one["num_splits"]) and one["num_splits"] >= 0, "num_splits must be an int >= 0")
     need(one["num_sms"] is None or (is_int(one["num_sms"]) and one["num_sms"] >= 1), "num_sms must be >= 1")
     need(one["num_splits"] != 0 or one["num_sms"] is not None, "num_splits 0 (auto) needs num_sms")
 
 
 def problem_of(one: dict):
-    """The ``FwdProblem`` of an expanded description, as the public API builds it."""
+    """The problem (``FwdProblem``, or ``MlaProblem`` for api "mla") of an expanded
+    description, as the public API builds it."""
     import torch
 
-    from .fwd import FwdProblem
-    from .interface import normalize_window
+    from .checks import normalize_window
+    from .problems import FwdProblem, MlaProblem
 
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[one["dtype"]]
+    if one["api"] == "mla":
+        return MlaProblem(dtype=dtype, batch=one["batch"], max_seqlen_q=one["seqlen_q"], max_seqlen_k=one["seqlen_k"],
+                          nheads=one["qhead_per_kvhead"], page_size=max(1, one["page_size"]),
+                          softmax_scale=576 ** -0.5, causal=one["causal"], has_lse=one["has_lse"])
     causal, window_left, window_right = normalize_window(one["causal"], tuple(one["window"]))
     varlen_q, varlen_k, seqused_k = _APIS[one["api"]]
     d, d_v = one["d"], one["d_v"] or one["d"]
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[one["dtype"]]
-    return FwdProblem(dtype, one["batch"], one["seqlen_q"], one["seqlen_k"], one["nheads_kv"] * one["qhead_per_kvhead"],
-                      one["nheads_kv"], d, d_v, d ** -0.5, causal, window_left, window_right, float(one["softcap"]),
-                      varlen_q, varlen_k, seqused_k, one["page_size"], one["has_lse"])
+    return FwdProblem(dtype=dtype, batch=one["batch"], max_seqlen_q=one["seqlen_q"], max_seqlen_k=one["seqlen_k"],
+                      nheads=one["nheads_kv"] * one["qhead_per_kvhead"], nheads_kv=one["nheads_kv"], d=d, d_v=d_v,
+                      softmax_scale=d ** -0.5, causal=causal, window_left=window_left, window_right=window_right,
+                      softcap=float(one["softcap"]), varlen_q=varlen_q, varlen_k=varlen_k, has_seqused_k=seqused_k,
+                      page_size=one["page_size"], has_lse=one["has_lse"])
 
 
 def _arch_capability(arch: str) -> tuple:
@@ -194,27 +215,26 @@ def _backend_for(arch: str, requested: Optional[str], problem):
     ``arch`` (``fwd.select_backend``'s rule), or (None, None, why not)."""
     from . import fwd
 
-    if requested is not None:
+    kind = problem.kind
+    if requested is not None and requested in fwd.REGISTRIES[kind]:
         names = [requested]
     else:
-        preferred = fwd._by_capability(_arch_capability(arch))
-        names = [preferred] + (["sm80"] if preferred != "sm80" else [])
+        names = fwd.candidates(kind, _arch_capability(arch))
     reasons = []
     for name in names:
-        module = fwd.backend_module(name)
+        module = fwd.backend_module(name, kind)
         reason = module.check(problem)
         if reason is None:
             return name, module, None
         reasons.append(f"{name}: {reason}")
-    return None, None, "; ".join(reasons)
+    return None, None, "; ".join(reasons) or f"no {kind} backend runs on {arch}"
 
 
 def entries_for(descriptions: list, arch: str, backend: Optional[str] = None) -> tuple:
     """(entries, skipped): the distinct binaries the descriptions need on ``arch``, in
     order, and a line per expanded description that no backend runs."""
     from . import fwd
-    from .combine import combine_key
-    from .cute_utils import DTYPE_NAMES
+    from .keys import DTYPE_NAMES, combine_key
 
     _arch_capability(arch)  # refuses a malformed arch before any work
     entries, skipped = {}, []
@@ -225,9 +245,10 @@ def entries_for(descriptions: list, arch: str, backend: Optional[str] = None) ->
             if name is None:
                 skipped.append(f"{one}: {reason}")
                 continue
-            plan = module.plan(problem, one["num_splits"], one["pack_gqa"], one["num_sms"])
+            plan = module.plan(problem, one["num_splits"], one["pack_gqa"], one["num_sms"], arch=arch)
             key = module.compile_key(problem, plan, arch)
-            entries.setdefault(("fwd_" + name, key), AotEntry("fwd_" + name, key, f"{fwd.BACKENDS[name]}:compile"))
+            target = f"{fwd.REGISTRIES[problem.kind][name]}:compile"
+            entries.setdefault((key[0], key), AotEntry(key[0], key, target))
             if plan.num_splits > 1:
                 ckey = combine_key(DTYPE_NAMES[problem.dtype], problem.d_v, problem.has_lse, arch)
                 entries.setdefault(("combine", ckey),
@@ -316,7 +337,7 @@ def build(entries: list, arch: str, out, jobs: Optional[int] = None, stream=None
     stream = sys.stderr if stream is None else stream
     out = Path(out).expanduser().resolve()
     out.mkdir(mode=0o755, parents=True, exist_ok=True)
-    unsafe = jit_cache._unsafe_reason(out)
+    unsafe = jit_cache.unsafe_reason(out)
     if unsafe is not None:  # the JIT would refuse to write (and to load) there
         raise ValueError(f"--out {out}: {unsafe}; use a folder of your own, not writable by group or others")
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(entries) or 1))
@@ -377,7 +398,7 @@ def read_manifest(root, fingerprint: Optional[str] = None) -> list:
     package's sources (or ``fingerprint``); empty when there is none."""
     from . import jit_cache
 
-    path = Path(root) / (fingerprint or jit_cache._cached_fingerprint()) / MANIFEST
+    path = Path(root) / (fingerprint or jit_cache.cached_fingerprint()) / MANIFEST
     if not path.is_file():
         return []
     return [AotEntry(e["name"], _to_tuple(e["key"]), e["target"]) for e in json.loads(path.read_text())["entries"]]
@@ -394,10 +415,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flash_attn_cute.aot", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", required=True, help="sm_80, sm_86, sm_90a, sm_100a...: what the server asks for")
-    parser.add_argument("--preset", required=True, help="decode | prefill | all | FILE.json (a list of descriptions)")
+    parser.add_argument("--preset", required=True,
+                        help="decode | prefill | mla | all | FILE.json (a list of descriptions)")
     parser.add_argument("--out", required=True, help="folder to fill (the cache layout; existing entries are kept)")
     parser.add_argument("--jobs", type=int, default=None, help="worker processes (default: the CPU count)")
-    parser.add_argument("--backend", choices=sorted(fwd.BACKENDS), default=None,
+    parser.add_argument("--backend", choices=sorted(set(fwd.BACKENDS) | set(fwd.MLA_BACKENDS)), default=None,
                         help="force a backend (default: the runtime's choice for the arch)")
     parser.add_argument("--dry-run", action="store_true", help="list the entries, compile nothing")
     args = parser.parse_args(argv)

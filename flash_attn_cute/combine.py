@@ -25,10 +25,10 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from . import jit_cache
-from .heuristics import MAX_SPLITS
+from .constants import MAX_SPLITS
+from .cute_utils import CUTE_DTYPE_BY_NAME, compile_options, fake_stream, fake_tensor
+from .keys import DTYPE_NAMES, combine_key, target_arch
 from .softmax import LN_2, LOG2_E
-from .cute_utils import CUTE_DTYPE_BY_NAME, compile_options, DTYPE_NAMES, fake_stream, fake_tensor, target_arch
-
 
 
 class FlashAttnCombine:
@@ -281,10 +281,6 @@ class FlashAttnCombine:
 # ---------------------------------------------------------------------------------------
 
 
-def combine_key(out_dtype_name: str, head_dim_v: int, has_lse: bool, arch: str) -> tuple:
-    return ("combine", out_dtype_name, head_dim_v, has_lse, arch)
-
-
 def compile_combine(key: tuple):
     """Compile for ``key`` = combine_key(...). Pure function of the key: sizes and leading
     strides are symbolic, so no shape ever recompiles; needs no GPU."""
@@ -308,7 +304,3 @@ def combine_launcher(out_dtype, head_dim_v: int, has_lse: bool):
     key = combine_key(DTYPE_NAMES[out_dtype], head_dim_v, has_lse, target_arch())
     return jit_cache.get_or_compile("combine", key, lambda: compile_combine(key))
 
-
-def combine_fwd(out_partial, lse_partial, out, lse=None) -> None:
-    """Merges split-KV partials into ``out`` (and ``lse``): see ``combine_launcher``."""
-    combine_launcher(out.dtype, out.shape[-1], lse is not None)(out_partial, lse_partial, out, lse)

@@ -1,18 +1,15 @@
-"""Small host-side helpers shared by every kernel: dtype mapping and fake tensors.
+"""Compile-side helpers shared by every kernel: DSL dtypes, fake tensors, compile options.
 
 Compilation is a pure function of a compile key: every kernel is compiled against
 fake tensors whose sizes and leading strides are symbolic (``cute.sym_int``), so a
 new sequence length, batch or page count never recompiles, and compiling needs no GPU.
 """
 
-import os
 from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
-import torch
 
-DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
 CUTE_DTYPE_BY_NAME = {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16, "fp32": cutlass.Float32, "i32": cutlass.Int32}
 
 
@@ -98,15 +95,3 @@ def compile_options(arch: str) -> str:
     compile key passed explicitly, so that the binary matches its key whatever the DSL
     read from the environment at import."""
     return f"{COMPILE_OPTIONS} --gpu-arch {arch}"
-
-
-def target_arch() -> str:
-    """The arch kernels are compiled for: CUTE_DSL_ARCH, else the current GPU's (named the
-    way the DSL names it). Never touches the CUDA driver when the env var is set."""
-    arch = os.environ.get("CUTE_DSL_ARCH")
-    if arch:
-        return arch
-    if not torch.cuda.is_available():
-        raise RuntimeError("no GPU: set CUTE_DSL_ARCH (e.g. sm_90a) to compile without one")
-    major, minor = torch.cuda.get_device_capability()
-    return f"sm_{major}{minor}{'a' if major >= 9 else ''}"

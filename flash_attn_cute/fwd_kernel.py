@@ -18,7 +18,7 @@ from cutlass import Float32, Int32
 
 from flash_attn_cute.block_info import BlockInfo
 from flash_attn_cute.cute_utils import CUTE_DTYPE_BY_NAME, compile_fwd
-from flash_attn_cute.fwd import parse_key
+from flash_attn_cute.keys import parse_key
 from flash_attn_cute.pack_gqa import packed_lse_rows, packed_rows
 from flash_attn_cute.seqlen_info import SeqlenInfo
 from flash_attn_cute.tile_scheduler import WorkTile
@@ -128,7 +128,7 @@ def compile_from_key(key: tuple, tile_len: int, make_kernel: Callable, extra_sca
     f = parse_key(key, tile_len)
     dtype = CUTE_DTYPE_BY_NAME[f.dtype_name]
     variant = make_variant(*f.flags)
-    kernel = make_kernel(dtype, f.d, f.d_v, f.tile, variant, f.pack, f.is_split, *f.extra)
+    kernel = make_kernel(dtype, f.d, f.d_v, f.tile, variant, f.qhead_per_kvhead_packed, f.is_split, *f.extra)
     return compile_fwd(kernel, dtype, f.d, f.d_v, f.arch, is_split=f.is_split, has_lse=f.has_lse,
                        varlen_q=f.varlen_q, varlen_k=f.varlen_k, has_seqused_k=f.has_seqused_k, paged=f.paged,
                        extra_scalars=extra_scalars, user_key=f.flags[3] if len(f.flags) > 3 else None)

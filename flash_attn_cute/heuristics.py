@@ -13,9 +13,10 @@ from typing import Optional
 
 import torch
 
+from .constants import MAX_SPLITS
+
 __all__ = ["num_splits_heuristic", "resolve_num_splits", "num_sms", "should_pack_gqa", "ceildiv", "MAX_SPLITS"]
 
-MAX_SPLITS = 256  # split-KV partials the combine kernel accepts
 _MIN_SPLIT_KEYS = 64  # a split holds at least this many keys (no split without keys)
 # FA3's "4 KV blocks or fewer: the combine costs more than it saves", counted in keys so
 # that a backend with narrower KV tiles (SM90 paged-64 or d > 128) does not split a tiny
@@ -126,3 +127,12 @@ def should_pack_gqa(seqlen_q: int, qhead_per_kvhead: int, tile_m: int = 128, *, 
         return rows / (ceildiv(rows, tile_m) * tile_m)
 
     return useful(seqlen_q) < 0.9 * useful(seqlen_q * qhead_per_kvhead)
+
+
+def l2_heads_for(seqlen_k: int, d: int, dv: int, elem_bytes: int = 2, l2_bytes: int = 50 * 1024 * 1024) -> int:
+    """(head, batch) pairs whose K and V fit in L2 together, rounded down to a power of 2:
+    the section width of the SM90 kernel's longest-first tile order. ``l2_bytes``: the
+    H100/H200 L2 (50 MB)."""
+    per_head = max(1, seqlen_k * (d + dv) * elem_bytes)
+    n = max(1, l2_bytes // per_head)
+    return 1 << (n.bit_length() - 1)

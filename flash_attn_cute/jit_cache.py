@@ -146,7 +146,7 @@ def source_fingerprint(package_dir: Path | str | None = None) -> str:
 
 
 @lru_cache(maxsize=1)
-def _cached_fingerprint() -> str:
+def cached_fingerprint() -> str:
     # Computed once per process: sources edited after import are not what is running.
     return source_fingerprint()
 
@@ -155,7 +155,7 @@ def cache_path(name: str, key: tuple, root: Path | str | None = None) -> Path:
     """Where ``(name, key)`` lives under ``root`` (default: ``cache_dir()``; a pre-built
     folder has the same layout), whether or not it is there yet."""
     base = Path(root) if root is not None else cache_dir()
-    return base / _cached_fingerprint() / f"{name}-{_entry_digest(key)}.o"
+    return base / cached_fingerprint() / f"{name}-{_entry_digest(key)}.o"
 
 
 # ---------------------------------------------------------------------------------------
@@ -213,7 +213,7 @@ def _load_or_compile(name: str, key: tuple, compile_fn: Callable[[], Any]) -> Ca
     folder = None  # the writable fingerprint folder, when the per-user cache is usable
     func_name = None
     try:
-        fingerprint, digest = _cached_fingerprint(), _entry_digest(key)
+        fingerprint, digest = cached_fingerprint(), _entry_digest(key)
         file_name, func_name = f"{name}-{digest}.o", "fac_" + digest  # deterministic symbol name
         if cache_enabled():
             folder = _prepare_folder(cache_dir(), fingerprint)
@@ -271,7 +271,7 @@ def _try_load_prebuilt(root: Path, fingerprint: str, file_name: str, func_name: 
     return _try_load(path, func_name)
 
 
-def _unsafe_reason(path: Path) -> Optional[str]:
+def unsafe_reason(path: Path) -> Optional[str]:
     """Why loading code from ``path`` (a folder or an object file) could run someone
     else's code: an owner other than us or root, or write access for group or others."""
     st = os.stat(path)
@@ -283,7 +283,7 @@ def _unsafe_reason(path: Path) -> Optional[str]:
 
 
 def _is_safe(path: Path) -> bool:
-    reason = _unsafe_reason(path)
+    reason = unsafe_reason(path)
     if reason is None:
         return True
     _stats["unsafe_skips"] += 1

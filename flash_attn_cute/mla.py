@@ -2,157 +2,34 @@
 
 Every query head attends to one shared cache of 512 ``ckv`` plus 64 rotary ``kpe`` values
 per token: scores ``(q_nope . ckv + q_pe . kpe) * softmax_scale``, output
-``softmax(scores) . ckv``. The public entry point is ``flash_mla_decode``; it goes through
-the same problem -> plan -> launch (-> combine) seam as the forward pass (``fwd.py``),
-with its own problem type and backend registry:
-
-- ``MlaProblem`` rather than ``FwdProblem`` with d = 576: a forward backend's ``check``
-  must never see an MLA call (the SM80 forward would accept d_v 512 in a future head-dim
-  list and run it as 576-wide GQA, reading K and V as separate tensors), and half of
-  ``FwdProblem``'s fields (windows, softcap, varlen) mean nothing here. It keeps the
-  field names the shared planners read (``batch``, ``nheads``, ``nheads_kv``,
-  ``max_seqlen_k``), so ``fwd.plan_splits`` and ``heuristics`` plan MLA splits unchanged.
-- ``MLA_BACKENDS``: name -> module exposing ``NHEADS``, ``AUTO``, ``runs_on``, ``check``,
-  ``plan(problem, num_splits, num_sms) -> FwdPlan``, ``compile_key``, ``compile`` and
-  ``launcher(problem, plan)`` returning ``launch(q_nope, q_pe, ckv, kpe, out, lse,
-  cache_seqlens, page_table)``. An SM90 kernel is one more line here and one module.
-
-Split-KV partials (fp32) are merged by the package's combine kernel (``combine.py``, d_v
-512). The host path never synchronises with the device: the kernels clamp each length
-to ``max_pages_per_seq * page_size`` and each page id into the pool.
+``softmax(scores) . ckv``. The public entry point is ``flash_mla_decode``: it validates the
+call (``checks``), describes it as an ``MlaProblem`` and runs it through the seam every
+kernel family shares (``fwd.py``: the ``"mla"`` kind, backends in ``fwd.MLA_BACKENDS``),
+with the per-call cache of the forward entry points (``call_cache``). Split-KV partials
+(fp32) are merged by the package's combine kernel (d_v 512). The host path never
+synchronises with the device: the kernels clamp each length to ``max_pages_per_seq *
+page_size`` and each page id into the pool.
 """
 
 from __future__ import annotations
 
-import importlib
-import logging
 import math
-import numbers
-from typing import Callable, NamedTuple, Optional
+from typing import Optional
 
 import torch
 
-from . import fwd, interface
-from .heuristics import MAX_SPLITS
+from . import call_cache, checks, fwd, tuning
+from .constants import D_CKV, D_KPE, MAX_SPLITS, MLA_NHEADS
+from .fwd import MLA_BACKENDS
+from .problems import MlaProblem
 
 __all__ = ["flash_mla_decode", "MlaProblem", "MLA_BACKENDS", "MLA_NHEADS", "D_CKV", "D_KPE"]
-
-D_CKV, D_KPE = 512, 64
-MLA_NHEADS = (16, 32, 64, 128)
-MLA_BACKENDS = {
-    "sm80": "flash_attn_cute.sm80.mla",
-    "sm90": "flash_attn_cute.sm90.mla",
-}
-
-log = logging.getLogger("flash_attn_cute")
-
-
-class MlaProblem(NamedTuple):
-    """One MLA decode call without its tensors (hashable: the plan cache key).
-    ``max_seqlen_k`` is the cache capacity (``max_pages_per_seq * page_size``): the
-    lengths live on the device and are never read back."""
-
-    dtype: torch.dtype
-    batch: int
-    max_seqlen_q: int
-    max_seqlen_k: int
-    nheads: int
-    page_size: int
-    softmax_scale: float
-    causal: bool  # bottom-right aligned
-    has_lse: bool
-
-    nheads_kv = 1  # one latent cache shared by every head (what the split planner reads)
-    d = D_CKV + D_KPE
-    d_v = D_CKV
-
-
-def backend_module(name: str):
-    return importlib.import_module(MLA_BACKENDS[name])
-
-
-def _refusal(name: str, problem: MlaProblem, capability: tuple) -> Optional[str]:
-    """Why backend ``name`` cannot run ``problem`` on a GPU of ``capability`` (None: it can)."""
-    module = backend_module(name)
-    if not module.runs_on(capability):
-        return f"its MLA kernel does not run on compute capability {capability[0]}.{capability[1]}"
-    return module.check(problem)
-
-
-def select_backend(requested: Optional[str], problem: MlaProblem, device) -> tuple:
-    """(name, module): the requested backend must run the call; None takes the newest
-    automatic backend that runs on the device and accepts the call, else SM80."""
-    capability = tuple(torch.cuda.get_device_capability(device))
-    if requested is not None:
-        reason = _refusal(requested, problem, capability)
-        if reason is not None:
-            raise NotImplementedError(f"backend {requested!r} cannot run this call on {device}: {reason}")
-        return requested, backend_module(requested)
-    reasons = []
-    for name in sorted(MLA_BACKENDS, key=lambda n: (n != "sm80", n), reverse=True):
-        if not backend_module(name).AUTO:
-            continue
-        reason = _refusal(name, problem, capability)
-        if reason is None:
-            return name, backend_module(name)
-        reasons.append(f"{name}: {reason}")
-        log.info("flash_attn_cute: %s MLA kernel refused the call (%s)", name, reason)
-    raise NotImplementedError(f"no MLA kernel runs this call on {device}: " + ("; ".join(reasons) or "none is automatic"))
-
-
-class _Resolved(NamedTuple):
-    plan: fwd.FwdPlan
-    launch: Callable
-    combine: Optional[Callable]
-
-
-_plan_cache: dict = {}
-
-
-def resolve(problem: MlaProblem, requested: Optional[str], num_splits: int, device) -> _Resolved:
-    """Backend, plan, bound launcher and combine, cached per distinct call."""
-    key = (problem, requested, num_splits, device)
-    hit = _plan_cache.get(key)
-    if hit is None:
-        name, module = select_backend(requested, problem, device)
-        from . import heuristics
-
-        num_sms = heuristics.num_sms(device) if num_splits == 0 else None
-        plan = module.plan(problem, num_splits, num_sms)
-        combine = fwd.combine_launcher(problem.dtype, D_CKV, problem.has_lse) if plan.num_splits > 1 else None
-        hit = _Resolved(plan, module.launcher(problem, plan), combine)
-        if len(_plan_cache) >= 1024:
-            _plan_cache.clear()
-        _plan_cache[key] = hit
-    return hit
-
-
-def run_resolved(resolved: _Resolved, problem: MlaProblem, q_nope, q_pe, ckv, kpe, out, lse, cache_seqlens,
-                 page_table) -> None:
-    ns = resolved.plan.num_splits
-    if ns == 1:
-        resolved.launch(q_nope, q_pe, ckv, kpe, out, lse, cache_seqlens, page_table)
-        return
-    b, s, h = problem.batch, problem.max_seqlen_q, problem.nheads
-    o_numel = ns * b * s * h * D_CKV
-    partials = q_nope.new_empty((o_numel + ns * b * h * s,), dtype=torch.float32)  # one allocation
-    out_partial = partials[:o_numel].view(ns, b, s, h, D_CKV)
-    lse_partial = partials[o_numel:].view(ns, b, h, s)
-    resolved.launch(q_nope, q_pe, ckv, kpe, out_partial, lse_partial, cache_seqlens, page_table)
-    resolved.combine(out_partial, lse_partial, out, lse)
-
-
-class _MlaEntry(NamedTuple):
-    problem: MlaProblem
-    resolved: _Resolved
-    out_shape: tuple
-    lse_shape: tuple
 
 
 def _backend(backend) -> Optional[str]:
     """``backend=`` must name an MLA backend; FLASH_ATTN_CUTE_BACKEND naming a backend
     without an MLA kernel means automatic choice here (it is set for the forward)."""
-    name = interface._backend_name(backend)
+    name = checks.backend_name(backend)
     if name is None or name in MLA_BACKENDS:
         return name
     if backend is None:
@@ -163,13 +40,12 @@ def _backend(backend) -> Optional[str]:
 def _validate(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, softmax_scale, causal, num_splits,
               out, backend):
     """Shapes, then dtypes, then scalars, then the device; errors name the argument."""
-    _tensor, _dtype = interface._tensor, interface._dtype
     q_form = "(batch, seqlen_q, nheads, {})"
-    _tensor("q_nope", q_nope, 4, q_form.format(D_CKV))
-    _tensor("q_pe", q_pe, 4, q_form.format(D_KPE))
-    _tensor("ckv_cache", ckv_cache, 3, f"(num_pages, page_size, {D_CKV})")
-    _tensor("kpe_cache", kpe_cache, 3, f"(num_pages, page_size, {D_KPE})")
-    _tensor("page_table", page_table, 2, "(batch, max_pages_per_seq)")
+    checks.check_tensor("q_nope", q_nope, 4, q_form.format(D_CKV))
+    checks.check_tensor("q_pe", q_pe, 4, q_form.format(D_KPE))
+    checks.check_tensor("ckv_cache", ckv_cache, 3, f"(num_pages, page_size, {D_CKV})")
+    checks.check_tensor("kpe_cache", kpe_cache, 3, f"(num_pages, page_size, {D_KPE})")
+    checks.check_tensor("page_table", page_table, 2, "(batch, max_pages_per_seq)")
     batch, seqlen_q, nheads, d = q_nope.shape
     for name, t, want in (("q_nope", q_nope, D_CKV), ("q_pe", q_pe, D_KPE), ("ckv_cache", ckv_cache, D_CKV),
                           ("kpe_cache", kpe_cache, D_KPE)):
@@ -185,34 +61,22 @@ def _validate(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, sof
         raise ValueError(f"nheads (q_nope.shape[2]) must be one of {MLA_NHEADS}, got {nheads}")
     if seqlen_q < 1:
         raise ValueError(f"seqlen_q (q_nope.shape[1]) must be >= 1, got {seqlen_q}")
-    if ckv_cache.shape[1] < 1:
-        raise ValueError("page_size (ckv_cache.shape[1]) must be >= 1")
-    if page_table.shape[0] != batch:
-        raise ValueError(f"page_table must have shape (batch, max_pages_per_seq) with batch = {batch}, "
-                         f"got {tuple(page_table.shape)}")
-    if page_table.shape[1] > 1 and page_table.stride(1) != 1:
-        raise ValueError(f"page_table must have a contiguous last dimension, got strides {page_table.stride()}")
-    interface._int32_vector("cache_seqlens", cache_seqlens, batch, "(batch,)")
-    _dtype("q_nope", q_nope, interface.SUPPORTED_DTYPES, "float16 or bfloat16")
+    checks.page_table(page_table, batch, ckv_cache.shape[1], "ckv_cache")
+    checks.int32_vector("cache_seqlens", cache_seqlens, batch, "(batch,)")
+    checks.check_dtype("q_nope", q_nope, checks.SUPPORTED_DTYPES, "float16 or bfloat16")
     for name, t in (("q_pe", q_pe), ("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):
-        _dtype(name, t, q_nope.dtype, f"{q_nope.dtype} like q_nope")
-    _dtype("page_table", page_table, torch.int32, "int32 of shape (batch, max_pages_per_seq)")
-    if softmax_scale is None:
-        softmax_scale = (D_CKV + D_KPE) ** -0.5
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
-    if not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+        checks.check_dtype(name, t, q_nope.dtype, f"{q_nope.dtype} like q_nope")
+    scale = checks.softmax_scale(softmax_scale, (D_CKV + D_KPE) ** -0.5)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    num_splits = interface._int("num_splits", num_splits, 0, MAX_SPLITS)
+    num_splits = checks.int_arg("num_splits", num_splits, 0, MAX_SPLITS)
     backend = _backend(backend)
-    tensors = [interface._layout(n, t) for n, t in (("q_nope", q_nope), ("q_pe", q_pe), ("ckv_cache", ckv_cache),
-                                                     ("kpe_cache", kpe_cache))]
-    out = interface._check_out(out, (batch, seqlen_q, nheads, D_CKV), q_nope.dtype, q_form.format(D_CKV))
-    interface._check_device({"q_nope": q_nope, "q_pe": q_pe, "ckv_cache": ckv_cache, "kpe_cache": kpe_cache,
-                             "cache_seqlens": cache_seqlens, "page_table": page_table, "out": out})
-    return (*tensors, out, float(softmax_scale), num_splits, backend)
+    tensors = [checks.aligned(n, t) for n, t in (("q_nope", q_nope), ("q_pe", q_pe), ("ckv_cache", ckv_cache),
+                                                  ("kpe_cache", kpe_cache))]
+    out = checks.check_out(out, (batch, seqlen_q, nheads, D_CKV), q_nope.dtype, q_form.format(D_CKV))
+    checks.check_device({"q_nope": q_nope, "q_pe": q_pe, "ckv_cache": ckv_cache, "kpe_cache": kpe_cache,
+                         "cache_seqlens": cache_seqlens, "page_table": page_table, "out": out})
+    return (*tensors, out, scale, num_splits, backend)
 
 
 def flash_mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, *, softmax_scale=None,
@@ -233,15 +97,15 @@ def flash_mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_tab
     No device synchronisation: lengths beyond the table's capacity and page ids outside
     the pool are clamped in the kernel (wrong results, never an illegal read). A
     repeated call (same shapes, strides, dtypes, arguments) skips validation and planning."""
-    key = interface._call_key("mla", (q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, out),
-                              (softmax_scale, causal, num_splits, return_lse, backend), ())
-    hit, key = interface._lookup(key)
+    hit, key = call_cache.lookup(call_cache.key(
+        "mla", (q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, out),
+        (softmax_scale, causal, num_splits, return_lse, backend)))
     if hit is not None:
         if out is None:
             out = q_nope.new_empty(hit.out_shape)
         lse = q_nope.new_empty(hit.lse_shape, dtype=torch.float32) if return_lse else None
-        run_resolved(hit.resolved, hit.problem, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, cache_seqlens,
-                     page_table)
+        fwd.run_resolved(hit.resolved, hit.problem, (q_nope, q_pe, ckv_cache, kpe_cache), out, lse,
+                         (cache_seqlens, page_table))
         return (out, lse) if return_lse else out
     inputs = (q_nope, q_pe, ckv_cache, kpe_cache, out)
     q_nope, q_pe, ckv_cache, kpe_cache, out, scale, num_splits, name = _validate(
@@ -258,17 +122,10 @@ def flash_mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_tab
         if lse is not None:
             lse.fill_(-math.inf)
         return (out, lse) if return_lse else out
-    problem = MlaProblem(q_nope.dtype, batch, seqlen_q, capacity, nheads, ckv_cache.shape[1], scale, causal,
-                         bool(return_lse))
-    resolved = resolve(problem, name, num_splits, q_nope.device)
-    run_resolved(resolved, problem, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, cache_seqlens, page_table)
-    if key is not None and all(a is b for a, b in zip(inputs, (q_nope, q_pe, ckv_cache, kpe_cache, out))):
-        if len(interface._fast_calls) >= interface._FAST_CACHE_SIZE:
-            interface._fast_calls.clear()
-        interface._fast_calls[key] = _MlaEntry(problem, resolved, out_shape, lse_shape)
+    problem = MlaProblem(dtype=q_nope.dtype, batch=batch, max_seqlen_q=seqlen_q, max_seqlen_k=capacity, nheads=nheads,
+                         page_size=ckv_cache.shape[1], softmax_scale=scale, causal=causal, has_lse=bool(return_lse))
+    resolved = fwd.resolve(problem, name, num_splits, None, q_nope.device, tuning.from_env())
+    fwd.run_resolved(resolved, problem, (q_nope, q_pe, ckv_cache, kpe_cache), out, lse, (cache_seqlens, page_table))
+    call_cache.store(call_cache.same(key, inputs, (q_nope, q_pe, ckv_cache, kpe_cache, out)),
+                     call_cache.Entry(problem, resolved, out_shape, lse_shape))
     return (out, lse) if return_lse else out
-
-
-def clear_plan_cache() -> None:
-    _plan_cache.clear()
-

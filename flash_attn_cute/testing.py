@@ -36,17 +36,15 @@ def _exact_fp32_matmul():
 
 
 def backends_on_this_gpu(kind: str = "fwd") -> list:
-    """Registered backends (``fwd.BACKENDS``, or ``mla.MLA_BACKENDS`` for ``kind="mla"``)
-    whose kernels run on the current GPU; all of them without a GPU (the GPU tests that
+    """Registered backends of a problem kind (``fwd.REGISTRIES``: "fwd", "mla") whose
+    kernels run on the current GPU; all of them without a GPU (the GPU tests that
     parametrize over them are skipped then)."""
-    if kind == "mla":
-        from .mla import MLA_BACKENDS as registry, backend_module
-    else:
-        from .fwd import BACKENDS as registry, backend_module
-    names = sorted(registry)
+    from .fwd import REGISTRIES, backend_module
+
+    names = sorted(REGISTRIES[kind])
     if torch.cuda.is_available():
         cap = torch.cuda.get_device_capability()
-        names = [n for n in names if backend_module(n).runs_on(cap)]
+        names = [n for n in names if backend_module(n, kind).runs_on(cap)]
     return names
 
 
@@ -235,20 +233,24 @@ def variant_case_problem(name: str, backend: str):
     registered: ``alibi_document`` (ALiBi + document mask + block mask, causal prefill)
     and ``table_perhead_paged`` (bias table + per-head mask, paged GQA decode, split)."""
     from . import mods
-    from .fwd import FwdProblem
+    from .problems import FwdProblem
     from .user_variants import make_spec
 
     if name == "alibi_document":
         aux = (torch.empty(16, dtype=torch.float32), torch.empty(2, 4096, dtype=torch.int32))
         spec = make_spec(mods.alibi(0), mods.document_mask(1), aux, 128)
-        return FwdProblem(torch.bfloat16, 2, 4096, 4096, 16, 16, 128, 128, 0.088, True, -1, 0, 0.0, False, False,
-                          False, 0, True, spec), 1, False
+        return FwdProblem(dtype=torch.bfloat16, batch=2, max_seqlen_q=4096, max_seqlen_k=4096, nheads=16,
+                          nheads_kv=16, d=128, d_v=128, softmax_scale=0.088, causal=True, window_left=-1,
+                          window_right=0, softcap=0.0, varlen_q=False, varlen_k=False, has_seqused_k=False,
+                          page_size=0, has_lse=True, variant=spec), 1, False
     if name == "table_perhead_paged":
         aux = (torch.empty(8, 16, 16, dtype=torch.bfloat16),)
         spec = make_spec(bias_table_mod, per_head_mask_mod, aux, 0)
         page_size = 64 if backend != "sm90" else 16  # SM90: the row-gathering producer
-        return FwdProblem(torch.bfloat16, 4, 2, 8192, 8, 2, 128, 128, 0.088, False, -1, -1, 0.0, False, False,
-                          True, page_size, True, spec), 4, True
+        return FwdProblem(dtype=torch.bfloat16, batch=4, max_seqlen_q=2, max_seqlen_k=8192, nheads=8, nheads_kv=2,
+                          d=128, d_v=128, softmax_scale=0.088, causal=False, window_left=-1, window_right=-1,
+                          softcap=0.0, varlen_q=False, varlen_k=False, has_seqused_k=True, page_size=page_size,
+                          has_lse=True, variant=spec), 4, True
     raise ValueError(f"unknown variant compile case {name!r}")
 
 

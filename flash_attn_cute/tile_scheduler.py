@@ -112,10 +112,3 @@ class PersistentScheduler:
     @staticmethod
     def grid(num_tiles, max_ctas):
         return (cutlass.min(num_tiles, max_ctas), 1, 1)
-
-
-def l2_heads_for(seqlen_k: int, d: int, dv: int, elem_bytes: int = 2, l2_bytes: int = 50 * 1024 * 1024) -> int:
-    """(head, batch) pairs whose K and V fit in L2 together, rounded down to a power of 2."""
-    per_head = max(1, seqlen_k * (d + dv) * elem_bytes)
-    n = max(1, l2_bytes // per_head)
-    return 1 << (n.bit_length() - 1)

@@ -152,7 +152,7 @@ def test_prebuilt_folder_is_read_with_the_cache_off(frozen, built, jit_cache_dir
     # In this process, posing as the frozen package (its fingerprint): the entries load.
     out, _ = built
     fingerprint = jit_cache.source_fingerprint(frozen[0] / "flash_attn_cute")
-    monkeypatch.setattr(jit_cache, "_cached_fingerprint", lambda: fingerprint)
+    monkeypatch.setattr(jit_cache, "cached_fingerprint", lambda: fingerprint)
     monkeypatch.setenv("FLASH_ATTN_CUTE_CACHE", "0")
     monkeypatch.setenv("FLASH_ATTN_CUTE_PREBUILT", str(out))
     entries = aot.read_manifest(out)
@@ -206,8 +206,17 @@ def test_preset_keys_are_what_the_launchers_ask_for(monkeypatch, arch, capabilit
 def test_presets_cover_the_serving_shapes():
     decode, _ = aot.entries_for(aot.load_descriptions("decode"), "sm_80")
     prefill, _ = aot.entries_for(aot.load_descriptions("prefill"), "sm_80")
+    mla, _ = aot.entries_for(aot.load_descriptions("mla"), "sm_80")
     everything, _ = aot.entries_for(aot.load_descriptions("all"), "sm_80")
-    assert set(everything) == set(decode) | set(prefill)
+    assert set(everything) == set(decode) | set(prefill) | set(mla)
+    # MLA: every dtype / heads / causal / (split, LSE) key of the SM80 MLA kernel (2 stages on sm_80)
+    mla_keys = {e.key for e in mla if e.name == "mla_sm80"}
+    assert len(mla_keys) == 2 * 4 * 2 * 3 and all(k[-1] == 2 for k in mla_keys)  # a split always has an LSE
+    assert {e.target for e in mla if e.name == "mla_sm80"} == {"flash_attn_cute.sm80.mla:compile"}
+    assert {e.key for e in mla if e.name == "combine"} == {combine.combine_key(t, 512, lse, "sm_80")
+                                                           for t in ("bf16", "fp16") for lse in (False, True)}
+    hopper, _ = aot.entries_for(aot.load_descriptions("mla"), "sm_90a")
+    assert {e.name for e in hopper} == {"mla_sm90", "combine"}
     fwd_keys = [e.key for e in decode if e.name == "fwd_sm80"]
     # fwd_key: (name, arch, dtype, d, dv, tile_m, tile_n, warps, q_in_regs, flags, pack, split, lse, vq, vk, su, paged)
     assert {k[2] for k in fwd_keys} == {"bf16", "fp16"} and {k[3] for k in fwd_keys} == {64, 128}

@@ -492,7 +492,7 @@ def compile_keys(backend="sm80", arch="sm_90a", num_sms=132):
     compile tests compile a covering subset of these keys."""
     from flash_attn_cute import fwd, interface
     from flash_attn_cute.combine import combine_key
-    from flash_attn_cute.cute_utils import DTYPE_NAMES
+    from flash_attn_cute.keys import DTYPE_NAMES
 
     module = fwd.backend_module(backend)
     keys, comb = set(), set()
@@ -502,9 +502,11 @@ def compile_keys(backend="sm80", arch="sm_90a", num_sms=132):
             return
         causal, left, right = interface.normalize_window(cfg.causal, cfg.window)
         problem = fwd.FwdProblem(
-            cfg.dtype, batch, max_sq, max_sk, cfg.nheads, cfg.nheads_kv, cfg.d, cfg.dv, cfg.d ** -0.5, causal,
-            left, right, cfg.softcap, kind == "varlen", kind == "varlen", kind in ("kvcache", "paged"), page_size,
-            has_lse)
+            dtype=cfg.dtype, batch=batch, max_seqlen_q=max_sq, max_seqlen_k=max_sk, nheads=cfg.nheads,
+            nheads_kv=cfg.nheads_kv, d=cfg.d, d_v=cfg.dv, softmax_scale=cfg.d ** -0.5, causal=causal,
+            window_left=left, window_right=right, softcap=cfg.softcap, varlen_q=kind == "varlen",
+            varlen_k=kind == "varlen", has_seqused_k=kind in ("kvcache", "paged"), page_size=page_size,
+            has_lse=has_lse)
         if module.check(problem) is not None:
             return
         plan = module.plan(problem, cfg.num_splits, cfg.pack_gqa, num_sms)

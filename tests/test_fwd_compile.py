@@ -51,8 +51,10 @@ def sm100_extra_keys(arch):
     decode shape (packed GQA, split, q_stage 1), whose last KV block's tail V rows the
     kernel zeroes (the covering subset reaches that code only through a paged key)."""
     module = fwd.backend_module("sm100")
-    problem = fwd.FwdProblem(BF16, 2, 1, 4096, 32, 8, 128, 128, 128 ** -0.5, False, -1, -1, 0.0, False, False, True,
-                             0, True)
+    problem = fwd.FwdProblem(dtype=BF16, batch=2, max_seqlen_q=1, max_seqlen_k=4096, nheads=32, nheads_kv=8, d=128,
+                             d_v=128, softmax_scale=128 ** -0.5, causal=False, window_left=-1, window_right=-1,
+                             softcap=0.0, varlen_q=False, varlen_k=False, has_seqused_k=True, page_size=0,
+                             has_lse=True)
     return [module.compile_key(problem, module.plan(problem, 3, True, 148), arch)]
 
 
@@ -134,7 +136,7 @@ def test_plan_is_what_the_launcher_compiles():
     module = fwd.backend_module("sm80")
     decode = _problem(nheads=32, nheads_kv=8, max_seqlen_k=131072, has_seqused_k=True)
     plan = module.plan(decode, 0, None, 132)
-    assert plan.pack_gqa and plan.num_splits > 1 and plan.tile[0] == 64
+    assert plan.pack_gqa and plan.num_splits > 1 and plan.config.tile_m == 64
     key = module.compile_key(decode, plan, "sm_90a")
     assert key[1] == "sm_90a" and module.compile_key(decode, plan._replace(num_splits=1), "sm_90a") != key
     assert module.plan(decode, 1, False, None).num_splits == 1

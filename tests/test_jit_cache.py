@@ -68,7 +68,7 @@ def compile_fn():
 if os.environ.get("TEST_NO_LOCK"):
     jit_cache._file_lock = lambda path: contextlib.nullcontext()
 if os.environ.get("TEST_FINGERPRINT"):  # pinned by the test (or "sources changed")
-    jit_cache._cached_fingerprint = lambda: os.environ["TEST_FINGERPRINT"]
+    jit_cache.cached_fingerprint = lambda: os.environ["TEST_FINGERPRINT"]
 key = ("scale", "fp32", 1, True, None, (128, 1))
 rendezvous("start")
 t0 = time.perf_counter()

@@ -10,8 +10,8 @@ import re
 import pytest
 from compile_harness import compile_entries
 
-from flash_attn_cute.sm80.mla import stages_for
-from flash_attn_cute.sm80.mla_decode import mla_key
+from flash_attn_cute.keys import mla_key
+from flash_attn_cute.sm80.config import mla_stages_for
 
 ARCHS = ["sm_80", "sm_90a"]
 # (dtype, nheads, causal, split, lse): the GPU sweep's keys, covered.
@@ -27,7 +27,8 @@ SPILL_BOUND = {"sm_80": 0, "sm_90a": 20}
 
 
 def keys(arch):
-    return [mla_key(arch, dt, h, causal, split, lse, stages_for(arch)) for dt, h, causal, split, lse in CONFIGS]
+    return [mla_key("sm80", arch, dt, h, causal, split, lse, (mla_stages_for(arch),))
+            for dt, h, causal, split, lse in CONFIGS]
 
 
 @pytest.fixture(scope="module")
@@ -74,12 +75,9 @@ SM90_SASS_EXPECT = ["HGMMA.64x32x16.F32", "HGMMA.64x256x16.F32", "LDGSTS", "MUFU
 
 
 def test_mla_sm90_compiles_and_sass(tmp_path):
-    from flash_attn_cute.sm90.mla_decode import MlaRoles
-    from flash_attn_cute.sm90.mla_decode import mla_key as mla_key_sm90
-
     # Both Q K^T modes of the consumers ("one": warpgroup 0 computes S and shares P via
     # smem; "split": halves summed via smem).
-    keys90 = [mla_key_sm90("sm_90a", *c, roles=MlaRoles(stages=3, qk="split") if i % 2 else MlaRoles())
+    keys90 = [mla_key("sm90", "sm_90a", *c, (((32, 3, "split") if i % 2 else (32, 4, "one")),))
               for i, c in enumerate(SM90_CONFIGS)]
     entries = [(f"k{i}", "flash_attn_cute.sm90.mla:compile", k) for i, k in enumerate(keys90)]
     out_dir, seconds = compile_entries("sm_90a", entries, tmp_path)
@@ -92,10 +90,8 @@ def test_mla_sm90_compiles_and_sass(tmp_path):
         assert sass.count("WARPGROUP.DEPBAR") <= 8, ("wgmma serialised", key)
 
 
-def test_stages_and_override(monkeypatch):
-    assert stages_for("sm_80") == 2 and stages_for("sm_90a") == 3 and stages_for("sm_100a") == 3
-    monkeypatch.setenv("FLASH_ATTN_CUTE_MLA_STAGES", "2")
-    assert stages_for("sm_90a") == 2
-    monkeypatch.setenv("FLASH_ATTN_CUTE_MLA_STAGES", "3")
+def test_stages_and_override():
+    assert mla_stages_for("sm_80") == 2 and mla_stages_for("sm_90a") == 3 and mla_stages_for("sm_100a") == 3
+    assert mla_stages_for("sm_90a", "2") == 2
     with pytest.raises(ValueError, match="MLA_STAGES"):
-        stages_for("sm_80")
+        mla_stages_for("sm_80", "3")

@@ -7,6 +7,7 @@ import torch
 import flash_attn_cute
 from flash_attn_cute import fwd, mla
 from flash_attn_cute.mla import MlaProblem, flash_mla_decode
+from flash_attn_cute.tuning import Tuning
 
 BF16 = torch.bfloat16
 
@@ -85,35 +86,43 @@ def test_ckv_stride_alignment_is_checked():
 
 
 def _problem(batch=1, sq=1, capacity=32768, h=64, page=1, causal=False, lse=False):
-    return MlaProblem(BF16, batch, sq, capacity, h, page, 576 ** -0.5, causal, lse)
+    return MlaProblem(dtype=BF16, batch=batch, max_seqlen_q=sq, max_seqlen_k=capacity, nheads=h, page_size=page,
+                      softmax_scale=576 ** -0.5, causal=causal, has_lse=lse)
 
 
 def test_plan_splits_from_shapes_only():
-    sm80 = mla.backend_module("sm80")
+    sm80 = fwd.backend_module("sm80", "mla")
     # one sequence of 32k keys on 132 SMs: split; a full batch: not; explicit counts kept
-    assert sm80.plan(_problem(), 0, 132).num_splits > 8
-    assert sm80.plan(_problem(batch=768, capacity=2048), 0, 132).num_splits == 1
-    assert sm80.plan(_problem(batch=64, capacity=512), 0, 132).num_splits == 1  # <= 512 keys: never
-    assert sm80.plan(_problem(), 5, None).num_splits == 5
-    assert sm80.plan(_problem(capacity=100), 7, None).num_splits == 2  # at least 64 keys a split
+    assert sm80.plan(_problem(), 0, None, 132, arch="sm_90a").num_splits > 8
+    assert sm80.plan(_problem(batch=768, capacity=2048), 0, None, 132, arch="sm_90a").num_splits == 1
+    assert sm80.plan(_problem(batch=64, capacity=512), 0, None, 132, arch="sm_90a").num_splits == 1  # <= 512 keys
+    assert sm80.plan(_problem(), 5, None, None, arch="sm_90a").num_splits == 5
+    assert sm80.plan(_problem(capacity=100), 7, None, None, arch="sm_90a").num_splits == 2  # >= 64 keys a split
 
 
 def test_compile_key_fields_and_registry():
-    sm80 = mla.backend_module("sm80")
+    sm80 = fwd.backend_module("sm80", "mla")
     p = _problem(h=128, causal=True)
-    plan = sm80.plan(p, 3, None)
+    plan = sm80.plan(p, 3, None, None, arch="sm_90a")
+    assert plan.config == (3,) and plan.pack_gqa and plan.qhead_per_kvhead_packed(p) == 128
     key = sm80.compile_key(p, plan, "sm_90a")
     assert key == ("mla_sm80", "sm_90a", "bf16", 128, True, True, True, 3)
-    assert sm80.compile_key(p, plan._replace(num_splits=1), "sm_80") == \
-        ("mla_sm80", "sm_80", "bf16", 128, True, False, False, 2)
+    plan_a100 = sm80.plan(p, 1, None, None, arch="sm_80")
+    assert sm80.compile_key(p, plan_a100, "sm_80") == ("mla_sm80", "sm_80", "bf16", 128, True, False, False, 2)
+    # the pipeline depth is the plan's: a tuning override changes the plan, never the key builder
+    deep = sm80.plan(p, 1, None, None, tuning=Tuning(mla_stages="2"), arch="sm_90a")
+    assert deep.config.stages == 2 and sm80.compile_key(p, deep, "sm_90a")[-1] == 2
+    with pytest.raises(ValueError, match="MLA_STAGES"):
+        sm80.plan(p, 1, None, None, tuning=Tuning(mla_stages="3"), arch="sm_80")
     assert sm80.check(p) is None and "nheads" in sm80.check(p._replace(nheads=8))
     assert sm80.runs_on((8, 0)) and sm80.runs_on((9, 0)) and not sm80.runs_on((8, 6))
     # the forward registry is untouched: forward backends never see an MLA problem
     assert "flash_attn_cute.sm80.mla" not in fwd.BACKENDS.values()
+    assert fwd.REGISTRIES["mla"] is mla.MLA_BACKENDS
 
 
 def test_warp_roles_fit_the_register_file():
-    from flash_attn_cute.sm80.mla_decode import MlaWarpRoles
+    from flash_attn_cute.sm80.config import MlaWarpRoles
 
     roles = MlaWarpRoles()
     assert roles.threads == 384 and roles.regs_cap == 168 and roles.o_regs == 128
@@ -122,34 +131,34 @@ def test_warp_roles_fit_the_register_file():
 
 
 def test_sm90_seam_key_roles_and_selection(monkeypatch):
-    from flash_attn_cute.sm90.mla_decode import MlaRoles
+    from flash_attn_cute.sm90.config import MlaRoles
 
-    sm90 = mla.backend_module("sm90")
+    sm90 = fwd.backend_module("sm90", "mla")
     assert mla.MLA_BACKENDS["sm90"] == "flash_attn_cute.sm90.mla"
     assert sm90.runs_on((9, 0)) and not sm90.runs_on((8, 0)) and not sm90.runs_on((10, 0))
     p = _problem(h=128, causal=True)
-    plan = sm90.plan(p, 3, None)
+    plan = sm90.plan(p, 3, None, None)
     assert plan.backend == "sm90" and plan.num_splits == 3
-    monkeypatch.delenv("FLASH_ATTN_CUTE_MLA_SM90_QK", raising=False)
     default = sm90.compile_key(p, plan, "sm_90a")
     assert default[:7] == ("mla_sm90", "sm_90a", "bf16", 128, True, True, True)
-    assert default[7] == (32, 4, "one")
-    monkeypatch.setenv("FLASH_ATTN_CUTE_MLA_SM90_QK", "split")
-    assert sm90.compile_key(p, plan, "sm_90a")[7] == (32, 3, "split")
-    monkeypatch.setenv("FLASH_ATTN_CUTE_MLA_SM90_QK", "one")
-    assert sm90.compile_key(p, plan, "sm_90a")[7] == (32, 4, "one")
-    monkeypatch.setenv("FLASH_ATTN_CUTE_MLA_SM90_QK", "half")
+    assert default[7] == (32, 4, "one") and plan.config == (32, 4, "one")
+    split = sm90.plan(p, 3, None, None, tuning=Tuning(mla_sm90_qk="split"))
+    assert sm90.compile_key(p, split, "sm_90a")[7] == (32, 3, "split")
+    assert sm90.plan(p, 3, None, None, tuning=Tuning(mla_sm90_qk="one")) == plan
     with pytest.raises(ValueError, match="MLA_SM90_QK"):
-        sm90.compile_key(p, plan, "sm_90a")
+        sm90.plan(p, 3, None, None, tuning=Tuning(mla_sm90_qk="half"))
     # backend=None on a 9.x GPU: the SM90 kernel when it is automatic, else SM80.
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    name, _ = mla.select_backend(None, p, "cuda:0")
+    name, _ = fwd.select_backend(None, p, "cuda:0")
     assert name == ("sm90" if sm90.AUTO else "sm80")
-    assert mla.select_backend("sm90", p, "cuda:0")[0] == "sm90"
+    assert fwd.select_backend("sm90", p, "cuda:0")[0] == "sm90"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert mla.select_backend(None, p, "cuda:0")[0] == "sm80"
+    assert fwd.select_backend(None, p, "cuda:0")[0] == "sm80"
     with pytest.raises(NotImplementedError, match="compute capability 8.0"):
-        mla.select_backend("sm90", p, "cuda:0")
+        fwd.select_backend("sm90", p, "cuda:0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))  # 99 KB of smem
+    with pytest.raises(NotImplementedError, match="no MLA kernel runs this call"):
+        fwd.select_backend(None, p, "cuda:0")
     # roles: the register pool and 227 KB of shared memory bound them
     assert MlaRoles().threads == 384 and MlaRoles().o_cols == 256
     assert MlaRoles().qk == "one" and MlaRoles().stages == 4

@@ -5,8 +5,7 @@ their SASS checked (tcgen05 MMAs, TMEM loads/stores, TMA) by tests/test_fwd_comp
 import pytest
 import torch
 
-from flash_attn_cute import fwd, heuristics
-from flash_attn_cute import sm100
+from flash_attn_cute import fwd, heuristics, keys, sm100
 from flash_attn_cute.sm100.config import (
     SMEM_LIMIT, TILE_M, TMEM_COLUMNS, WarpRoles, kv_stages_for, smem_bytes, tmem_alloc_columns, tmem_columns,
 )
@@ -61,38 +60,38 @@ def test_check_refuses_fp32():
 
 def test_q_stage_prefill_is_2():
     plan = sm100.plan(_problem(max_seqlen_q=4096, max_seqlen_k=4096), 1, None, 148)
-    assert plan.q_stage == 2 and plan.tile[0] == 2 and plan.num_splits == 1
+    assert plan.config.q_stage == 2 and plan.config[0] == 2 and plan.num_splits == 1
 
 
 @pytest.mark.parametrize("seqlen_q", [1, 64, 128])
 def test_q_stage_short_queries_is_1(seqlen_q):
-    assert sm100.plan(_problem(max_seqlen_q=seqlen_q), 1, None, 148).q_stage == 1
+    assert sm100.plan(_problem(max_seqlen_q=seqlen_q), 1, None, 148).config.q_stage == 1
 
 
 def test_q_stage_counts_packed_rows():
     # 16 query positions x 8 heads per KV head = 128 packed rows: one stage.
     p = _problem(max_seqlen_q=16, nheads=32, nheads_kv=4)
     plan = sm100.plan(p, 1, True, 148)
-    assert plan.pack_gqa and plan.q_stage == 1
+    assert plan.pack_gqa and plan.config.q_stage == 1
     # 32 x 8 = 256 rows: two stages.
-    assert sm100.plan(p._replace(max_seqlen_q=32), 1, True, 148).q_stage == 2
+    assert sm100.plan(p._replace(max_seqlen_q=32), 1, True, 148).config.q_stage == 2
     # Unpacked, 32 rows per head: one stage.
-    assert sm100.plan(p._replace(max_seqlen_q=32), 1, False, 148).q_stage == 1
+    assert sm100.plan(p._replace(max_seqlen_q=32), 1, False, 148).config.q_stage == 1
 
 
 def test_q_stage_is_1_with_split_kv():
     # Prefill-sized queries with an explicit split: one stage.
     plan = sm100.plan(_problem(max_seqlen_q=1024, max_seqlen_k=65536), 4, None, 148)
-    assert plan.num_splits == 4 and plan.q_stage == 1
+    assert plan.num_splits == 4 and plan.config.q_stage == 1
     # Decode with the auto heuristic: splits, one stage.
     decode = _problem(batch=1, max_seqlen_q=1, max_seqlen_k=131072, nheads=32, nheads_kv=8, has_seqused_k=True)
     plan = sm100.plan(decode, 0, None, 148)
-    assert plan.pack_gqa and plan.num_splits > 1 and plan.q_stage == 1
+    assert plan.pack_gqa and plan.num_splits > 1 and plan.config.q_stage == 1
 
 
 def test_pack_gqa_needs_a_ratio_dividing_128():
-    assert sm100.can_pack(8) and sm100.can_pack(2) and not sm100.can_pack(1)
-    assert not sm100.can_pack(6)  # 128 rows are not whole query positions
+    assert sm100.pack_refusal(8) is None and sm100.pack_refusal(2) is None and sm100.pack_refusal(1)
+    assert sm100.pack_refusal(6)  # 128 rows are not whole query positions
     p = _problem(max_seqlen_q=1, nheads=12, nheads_kv=2)
     assert not sm100.plan(p, 1, True, 148).pack_gqa
 
@@ -106,7 +105,7 @@ def test_pack_gqa_refusal_names_its_reason_and_runs_unpacked(ratio, caplog):
     p = _problem(max_seqlen_q=1, nheads=2 * ratio, nheads_kv=2, max_seqlen_k=8192)
     with caplog.at_level("INFO", logger="flash_attn_cute"):
         plan = sm100.plan(p, 1, True, 148)
-    assert not plan.pack_gqa and plan.qhead_per_kvhead_packed(p) == 1 and plan.q_stage == 1
+    assert not plan.pack_gqa and plan.qhead_per_kvhead_packed(p) == 1 and plan.config.q_stage == 1
     assert reason in caplog.text
     assert sm100.compile_key(p, plan, ARCH)[9] == 1  # the unpacked kernel
     # pack_gqa=None (the heuristic's choice) falls back silently.
@@ -131,14 +130,14 @@ def test_backend_is_automatic_on_blackwell():
 
 
 def test_compile_key_layout_is_the_shared_one():
-    # fwd.make_key / fwd.parse_key: the key is the plan's tile spread between d_v and the flags.
+    # keys.make_key / keys.parse_key: the key is the plan's tile spread between d_v and the flags.
     p = _problem(causal=True, window_right=0, has_seqused_k=True, page_size=128)
     plan = sm100.plan(p, 3, None, 148)
     key = sm100.compile_key(p, plan, ARCH)
-    assert key == ("fwd_sm100", ARCH, "bf16", 128, 128, *plan.tile, (True, False, False), 1, True, True, False,
+    assert key == ("fwd_sm100", ARCH, "bf16", 128, 128, *plan.config, (True, False, False), 1, True, True, False,
                    False, True, True)
-    f = fwd.parse_key(key, 3)
-    assert f.tile == plan.tile and f.flags == (True, False, False) and f.paged and f.has_seqused_k and f.is_split
+    f = keys.parse_key(key, 3)
+    assert f.tile == plan.config and f.flags == (True, False, False) and f.paged and f.has_seqused_k and f.is_split
 
 
 def test_compile_key_tracks_the_plan():
@@ -146,7 +145,7 @@ def test_compile_key_tracks_the_plan():
     plan = sm100.plan(p, 0, None, 148)
     key = sm100.compile_key(p, plan, ARCH)
     assert key[0] == "fwd_sm100" and key[1] == ARCH
-    assert key[5] == plan.q_stage == 1 and key[9] == 4  # q_stage, packed rows per position
+    assert key[5] == plan.config.q_stage == 1 and key[9] == 4  # q_stage, packed rows per position
     assert sm100.compile_key(p, plan._replace(num_splits=1), ARCH) != key
     assert sm100.compile_key(p, sm100.plan(p, 1, None, 148), ARCH)[10] is False  # not split
 
@@ -230,7 +229,7 @@ def test_shared_memory_fits(d, dv, q_stage):
     # The plan carries that ring depth.
     p = _problem(d=d, d_v=dv, max_seqlen_q=4096 if q_stage == 2 else 64)
     plan = sm100.plan(p, 1, False, None)
-    assert plan.tile == (q_stage, sm100.TILE_N, stages)
+    assert plan.config == (q_stage, sm100.TILE_N, stages)
 
 
 @pytest.mark.parametrize("q_stage", [1, 2])

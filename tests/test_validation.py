@@ -8,6 +8,7 @@ the kernel call contract (shapes, dtypes, keyword arguments) and compute the sam
 partial results, then compare the public API's output with flash_attn_cute.testing.
 """
 
+import importlib
 import math
 from types import SimpleNamespace
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 import flash_attn_cute
-from flash_attn_cute import fwd, heuristics, interface, sm80
+from flash_attn_cute import checks, fwd, heuristics, interface, sm80
 from flash_attn_cute.heuristics import ceildiv, num_splits_heuristic, should_pack_gqa
 from flash_attn_cute.interface import (
     flash_attn_combine,
@@ -143,7 +144,7 @@ def _fake_backend(kernel):
     """The SM80 backend's real check and plan, with ``kernel`` in place of its launcher:
     the seam's launch contract translated to the keyword form fake_kernel asserts."""
 
-    def launcher(problem, plan):
+    def launcher(problem, plan, device=None):
         def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table):
             kernel(q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
                    page_table=page_table, max_seqlen_q=problem.max_seqlen_q, softmax_scale=problem.softmax_scale,
@@ -157,23 +158,17 @@ def _fake_backend(kernel):
 
 
 @pytest.fixture
-def fake_gpu(monkeypatch):
+def fake_gpu(fake_device, monkeypatch):
     """CPU tensors pass as a 132-SM Hopper GPU running the fake kernels."""
     fake_kernel.calls, fake_combine.calls = [], 0
-    interface.clear_call_cache()
-    monkeypatch.setattr(interface, "_check_device", lambda tensors: None)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(heuristics, "num_sms", lambda device: 132)
-    monkeypatch.setattr(fwd, "backend_module", lambda name: _fake_backend(fake_kernel))
+    fake_device(lambda name, kind="fwd": _fake_backend(fake_kernel))
     monkeypatch.setattr(fwd, "combine_launcher", lambda out_dtype, d_v, has_lse: fake_combine)
-    monkeypatch.delenv("FLASH_ATTN_CUTE_BACKEND", raising=False)
     yield SimpleNamespace(kernel=fake_kernel, combine=fake_combine)
-    interface.clear_call_cache()
 
 
 @pytest.fixture
 def no_launch(fake_gpu, monkeypatch):
-    monkeypatch.setattr(fwd, "backend_module", lambda name: _fake_backend(_refuse))
+    monkeypatch.setattr(fwd, "backend_module", lambda name, kind="fwd": _fake_backend(_refuse))
     monkeypatch.setattr(fwd, "combine_launcher", _refuse)
     monkeypatch.setattr(heuristics, "num_sms", _refuse)
 
@@ -352,7 +347,7 @@ def test_kvcache_bounds_refused_without_launch(no_launch, paged, seqlens, table,
 def test_kvcache_bounds_check_is_opt_in(fake_gpu, monkeypatch):
     # By default cache_seqlens is never read back (no sync); the kernel is then handed the
     # capacity as max_seqlen_k and clamps lengths itself. check_cache_bounds=True reads it.
-    monkeypatch.setattr(interface, "_check_cache_bounds", _refuse)
+    monkeypatch.setattr(checks, "cache_bounds", _refuse)
     q, _, _ = make_qkv(sq=1)
     k, v = torch.randn(2, 9, 2, 64).to(F16), torch.randn(2, 9, 2, 64).to(F16)
     flash_attn_with_kvcache(q, k, v, torch.tensor([4, 12], dtype=torch.int32))
@@ -364,7 +359,7 @@ def test_kvcache_bounds_check_is_opt_in(fake_gpu, monkeypatch):
 def test_kvcache_bounds_ignore_unused_pages():
     # Entries past ceil(cache_seqlens / page_size) are never read: garbage there is fine.
     table = torch.tensor([[0, 1, 99], [3, -5, 77]], dtype=torch.int32)
-    hi = interface._check_cache_bounds(torch.tensor([6, 3], dtype=torch.int32), 9, table, (6, 3, 2, 64))
+    hi = checks.cache_bounds(torch.tensor([6, 3], dtype=torch.int32), 9, table, (6, 3, 2, 64))
     assert hi == 6  # max(cache_seqlens): the split heuristic's tighter bound
 
 
@@ -401,18 +396,18 @@ def test_shape_errors_come_before_device_errors():
 
 def test_check_device_names_the_offending_tensor():
     dev = lambda s: SimpleNamespace(device=torch.device(s))
-    interface._check_device({"q": dev("cuda:0"), "k": dev("cuda:0"), "out": None})
+    checks.check_device({"q": dev("cuda:0"), "k": dev("cuda:0"), "out": None})
     with pytest.raises(ValueError, match="out is on cuda:1 but q is on cuda:0"):
-        interface._check_device({"q": dev("cuda:0"), "k": dev("cuda:0"), "out": dev("cuda:1")})
+        checks.check_device({"q": dev("cuda:0"), "k": dev("cuda:0"), "out": dev("cuda:1")})
     with pytest.raises(ValueError, match="page_table must be a CUDA tensor"):
-        interface._check_device({"q": dev("cuda:0"), "page_table": dev("cpu")})
+        checks.check_device({"q": dev("cuda:0"), "page_table": dev("cpu")})
 
 
 def test_size_one_dims_with_odd_strides_are_restrided_not_refused():
     # A (1, 5, 4, 64) view whose batch stride is odd: that stride addresses nothing.
     base = torch.randn(1 * 5 * 4 * 64).to(F16)
     q = base.as_strided((1, 5, 4, 64), (7, 256, 64, 1))
-    q2 = interface._layout("q", q)
+    q2 = checks.aligned("q", q)
     assert q2.stride(0) % 8 == 0 and q2.data_ptr() == q.data_ptr() and torch.equal(q2, q)
 
 
@@ -561,22 +556,22 @@ def test_backend_by_capability(monkeypatch, cap, expected):
 
 def test_backend_names_explicit_and_env(monkeypatch):
     monkeypatch.delenv("FLASH_ATTN_CUTE_BACKEND", raising=False)
-    assert interface._backend_name("sm80") == "sm80"
-    assert interface._backend_name(" SM80 ") == "sm80"
-    assert interface._backend_name("sm100") == "sm100"
+    assert checks.backend_name("sm80") == "sm80"
+    assert checks.backend_name(" SM80 ") == "sm80"
+    assert checks.backend_name("sm100") == "sm100"
     with pytest.raises(ValueError, match="backend must be one of"):
-        interface._backend_name("hopper")
+        checks.backend_name("hopper")
     with pytest.raises(TypeError, match="backend must be a str"):
-        interface._backend_name(90)
+        checks.backend_name(90)
     monkeypatch.setenv("FLASH_ATTN_CUTE_BACKEND", "sm90")
-    assert interface._backend_name(None) == "sm90"
-    assert interface._backend_name("sm80") == "sm80"  # the argument beats the env
+    assert checks.backend_name(None) == "sm90"
+    assert checks.backend_name("sm80") == "sm80"  # the argument beats the env
     monkeypatch.setenv("FLASH_ATTN_CUTE_BACKEND", "bogus")
     with pytest.raises(ValueError, match="FLASH_ATTN_CUTE_BACKEND must be one of"):
-        interface._backend_name(None)
+        checks.backend_name(None)
     for auto in ("", "auto"):
         monkeypatch.setenv("FLASH_ATTN_CUTE_BACKEND", auto)
-        assert interface._backend_name(None) is None
+        assert checks.backend_name(None) is None
 
 
 def test_explicit_backend_refusal_names_the_reason(monkeypatch):
@@ -593,7 +588,7 @@ def test_auto_backend_falls_back_to_sm80_with_a_reason(monkeypatch, caplog):
     hopper = SimpleNamespace(HEAD_DIMS=(128,), AUTO=True, runs_on=lambda cap: cap[0] == 9,
                              check=lambda p: "paged KV not supported" if p.paged else None)
     modules = {"sm90": hopper, "sm80": sm80, "sm100": fwd.backend_module("sm100")}
-    monkeypatch.setattr(fwd, "backend_module", lambda name: modules[name])
+    monkeypatch.setattr(fwd, "backend_module", lambda name, kind="fwd": modules[name])
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert fwd.select_backend(None, _problem(), "cuda:0")[0] == "sm90"
     with caplog.at_level("INFO", logger="flash_attn_cute"):
@@ -611,7 +606,7 @@ def test_blackwell_runs_sm100_and_falls_back_to_sm80(fake_gpu, monkeypatch, capl
 
     launched = []
 
-    def backend(name):
+    def backend(name, kind="fwd"):
         def kernel(*args, **kwargs):
             launched.append(name)
             fake_kernel(*args, **kwargs)
@@ -620,7 +615,8 @@ def test_blackwell_runs_sm100_and_falls_back_to_sm80(fake_gpu, monkeypatch, capl
         if name == "sm100":
             return SimpleNamespace(**{**vars(fake), "HEAD_DIMS": sm100.HEAD_DIMS, "AUTO": sm100.AUTO,
                                       "runs_on": sm100.runs_on, "check": sm100.check, "plan": sm100.plan})
-        return fake
+        # Each fake runs where its backend runs (the SM90 kernel not on 10.x).
+        return SimpleNamespace(**{**vars(fake), "runs_on": importlib.import_module(fwd.BACKENDS[name]).runs_on})
 
     monkeypatch.setattr(fwd, "backend_module", backend)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
@@ -667,8 +663,8 @@ def test_plan_cache_resolves_once(fake_gpu, monkeypatch):
     # A repeated call reuses the resolved plan and launcher: no second planning.
     plans = []
     real = _fake_backend(fake_kernel)
-    counting = SimpleNamespace(**{**vars(real), "plan": lambda *a: plans.append(a) or sm80.plan(*a)})
-    monkeypatch.setattr(fwd, "backend_module", lambda name: counting)
+    counting = SimpleNamespace(**{**vars(real), "plan": lambda *a, **kw: plans.append(a) or sm80.plan(*a, **kw)})
+    monkeypatch.setattr(fwd, "backend_module", lambda name, kind="fwd": counting)
     q, k, v = make_qkv()
     for _ in range(3):
         flash_attn_func(q, k, v)

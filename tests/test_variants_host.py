@@ -166,16 +166,16 @@ def test_variant_key_is_in_the_compile_key():
 # ------------------------------------------------------------------------------ the public API on a fake GPU
 
 @pytest.fixture
-def fake_variant_gpu(monkeypatch):
+def fake_variant_gpu(fake_device):
     """CPU tensors pass as a 132-SM Hopper GPU whose (SM80-planned) launcher records its
     arguments: the variant's launch contract without a kernel."""
     from types import SimpleNamespace
 
-    from flash_attn_cute import heuristics, interface, sm80
+    from flash_attn_cute import sm80
 
     calls = []
 
-    def launcher(problem, plan):
+    def launcher(problem, plan, device=None):
         def launch(*args):
             calls.append(SimpleNamespace(problem=problem, plan=plan, args=args))
 
@@ -183,14 +183,8 @@ def fake_variant_gpu(monkeypatch):
 
     backend = SimpleNamespace(HEAD_DIMS=sm80.HEAD_DIMS, AUTO=True, runs_on=sm80.runs_on, check=sm80.check,
                               plan=sm80.plan, launcher=launcher)
-    interface.clear_call_cache()
-    monkeypatch.setattr(interface, "_check_device", lambda tensors: None)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(heuristics, "num_sms", lambda device: 132)
-    monkeypatch.setattr(fwd, "backend_module", lambda name: backend)
-    monkeypatch.delenv("FLASH_ATTN_CUTE_BACKEND", raising=False)
+    fake_device(lambda name, kind="fwd": backend)
     yield calls
-    interface.clear_call_cache()
 
 
 def _qkv(b=2, s=40, h=4, hk=2, d=64):

@@ -12,10 +12,12 @@ problems and by default with split-KV) and the K/V ring depth that fits shared m
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import NamedTuple, Optional
 
-from ..cute_utils import DTYPE_NAMES
-from ..fwd import FwdPlan, FwdProblem, backend_entry_points, plan_rows, plan_splits
+from ..backend_kit import fwd_entry_points, head_groups, plan_rows, plan_splits
+from ..keys import DTYPE_NAMES
+from ..problems import FwdPlan, FwdProblem
+from ..tuning import NO_TUNING, Tuning
 from .config import TILE_M, kv_stages_for
 
 NAME = "sm100"
@@ -34,6 +36,14 @@ _SPLIT_TOLERANCE = 0.95
 AUTO = True
 
 log = logging.getLogger("flash_attn_cute")
+
+
+class Sm100Config(NamedTuple):
+    """The SM100 kernel's static choices (``select_tile``)."""
+
+    q_stage: int  # 128-row Q stages per CTA (one tcgen05 MMA tile each)
+    tile_n: int
+    kv_stages: int  # K/V ring depth
 
 
 def runs_on(capability: tuple) -> bool:
@@ -59,9 +69,9 @@ def select_q_stage(rows: int, num_splits: int) -> int:
     return 2
 
 
-def select_tile(d: int, d_v: int, q_stage: int) -> tuple:
-    """(q_stage, tile_n, kv_stages): the deepest K/V ring that fits shared memory."""
-    return q_stage, TILE_N, kv_stages_for(d, d_v, q_stage, TILE_N)
+def select_tile(d: int, d_v: int, q_stage: int) -> Sm100Config:
+    """The deepest K/V ring that fits shared memory beside ``q_stage`` Q stages."""
+    return Sm100Config(q_stage, TILE_N, kv_stages_for(d, d_v, q_stage, TILE_N))
 
 
 def pack_refusal(ratio: int) -> Optional[str]:
@@ -77,22 +87,19 @@ def pack_refusal(ratio: int) -> Optional[str]:
     return None
 
 
-def can_pack(ratio: int) -> bool:
-    return pack_refusal(ratio) is None
-
-
-def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms: Optional[int]) -> FwdPlan:
+def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms: Optional[int],
+         tuning: Tuning = NO_TUNING, arch: Optional[str] = None) -> FwdPlan:
     """q_stage, GQA packing (None = FA3's rule) and KV splits (0 = heuristic on ``num_sms``)."""
     refusal = pack_refusal(problem.qhead_per_kvhead)
     if pack_gqa and refusal is not None and problem.qhead_per_kvhead > 1:
         log.info("flash_attn_cute: sm100 cannot pack GQA heads: %s", refusal)
     pack_gqa, rows = plan_rows(problem, pack_gqa, TILE_M, packable=refusal is None)
-    num_splits = plan_splits(problem, num_splits, num_sms, pack_gqa, rows, tile_m=TILE_M, tile_n=TILE_N,
-                             ctas_per_sm=_CTAS_PER_SM, tolerance=_SPLIT_TOLERANCE)
+    num_splits = plan_splits(problem, num_splits, num_sms, head_groups(problem, pack_gqa), rows, tile_m=TILE_M,
+                             tile_n=TILE_N, ctas_per_sm=_CTAS_PER_SM, tolerance=_SPLIT_TOLERANCE)
     q_stage = select_q_stage(rows, num_splits)
-    return FwdPlan(NAME, select_tile(problem.d, problem.d_v, q_stage), pack_gqa, num_splits, q_stage)
+    return FwdPlan(NAME, select_tile(problem.d, problem.d_v, q_stage), pack_gqa, num_splits)
 
 
-# compile_key(problem, plan, arch=None), compile(key), launcher(problem, plan): the seam's
-# shared entry points over ``flash_fwd.compile_fwd_sm100``.
-compile_key, compile, launcher = backend_entry_points(NAME, "flash_attn_cute.sm100.flash_fwd", "compile_fwd_sm100")
+# compile_key(problem, plan, arch=None), compile(key), launcher(problem, plan, device=None):
+# the seam's shared entry points over ``flash_fwd.compile_fwd_sm100``; the key holds the config.
+compile_key, compile, launcher = fwd_entry_points(NAME, "flash_attn_cute.sm100.flash_fwd", "compile_fwd_sm100")

@@ -1,4 +1,4 @@
-"""SM80 backend (mma.sync, cp.async): the seam's check / plan / compile / launcher.
+"""SM80 backend (mma.sync, cp.async): the seam's check / plan / compile_key / compile / launcher.
 
 Runs on every GPU of compute capability >= 8.0. Host-side only: the DSL is imported
 when a kernel is first compiled, so planning (tests, benchmarks, AOT lists) is cheap.
@@ -6,10 +6,12 @@ when a kernel is first compiled, so planning (tests, benchmarks, AOT lists) is c
 
 from __future__ import annotations
 
-import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
-from ..fwd import FwdPlan, FwdProblem, backend_entry_points, plan_rows, plan_splits
+from ..backend_kit import fwd_entry_points, head_groups, plan_rows, plan_splits
+from ..problems import FwdPlan, FwdProblem
+from ..tuning import NO_TUNING, Tuning
+from .config import select_tile
 
 NAME = "sm80"
 HEAD_DIMS = (64, 96, 128, 192, 256)  # for both d (q/k) and d_v (v)
@@ -24,6 +26,15 @@ _SPLIT_TOLERANCE = 0.95
 AUTO = True
 
 
+class Sm80Config(NamedTuple):
+    """The SM80 kernel's static choices (``config.select_tile``)."""
+
+    tile_m: int
+    tile_n: int
+    num_warps: int
+    q_in_regs: bool  # Q's fragment kept in registers for the whole KV loop
+
+
 def runs_on(capability: tuple) -> bool:
     return capability >= (8, 0)
 
@@ -35,35 +46,19 @@ def check(problem: FwdProblem) -> Optional[str]:
     return None
 
 
-def select_tile(head_dim: int, head_dim_v: int, rows_per_kv_head: int) -> tuple:
-    """(tile_m, tile_n, num_warps, q_in_regs). acc_O holds tile_m * d_v / threads fp32
-    values, acc_S tile_m * tile_n / threads, Q's fragment (when kept in registers)
-    tile_m * d / threads 16-bit values; all under 255 registers per thread.
-    FLASH_ATTN_CUTE_SM80_TILE="m,n,warps,q_in_regs" overrides (for tuning sweeps)."""
-    override = os.environ.get("FLASH_ATTN_CUTE_SM80_TILE")
-    if override:
-        m, n, w, *q = (int(x) for x in override.split(","))
-        return m, n, w, bool(q and q[0])
-    d = max(head_dim, head_dim_v)
-    if rows_per_kv_head <= 64:
-        # Decode-shaped: a 128-row tile would be mostly padding.
-        return (64, 128, 4, True) if d <= 128 else (64, 64, 4, False)
-    if d <= 128:
-        # 4 warps beat 8 on the H200 (2026-11-29 sweep, benchmarks/bench_tiles.py): each
-        # warp re-reads K and V from smem, so more warps per tile cost smem bandwidth.
-        # Q in registers did not pay at d=64 (within noise, and it spills).
-        return 128, 64, 4, False
-    return 128, 64, 8, False
-
-
-def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms: Optional[int]) -> FwdPlan:
-    """Tile, GQA packing (None = FA3's rule) and KV splits (0 = heuristic on ``num_sms``)."""
+def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms: Optional[int],
+         tuning: Tuning = NO_TUNING, arch: Optional[str] = None) -> FwdPlan:
+    """Tile (``tuning.sm80_tile`` overrides), GQA packing (None = FA3's rule) and KV splits
+    (0 = heuristic on ``num_sms``)."""
     pack_gqa, rows = plan_rows(problem, pack_gqa, _SPLIT_TILE_M)
-    num_splits = plan_splits(problem, num_splits, num_sms, pack_gqa, rows, tile_m=_SPLIT_TILE_M,
-                             tile_n=_SPLIT_TILE_N, ctas_per_sm=_CTAS_PER_SM, tolerance=_SPLIT_TOLERANCE)
-    return FwdPlan(NAME, select_tile(problem.d, problem.d_v, rows), pack_gqa, num_splits)
+    num_splits = plan_splits(problem, num_splits, num_sms, head_groups(problem, pack_gqa), rows,
+                             tile_m=_SPLIT_TILE_M, tile_n=_SPLIT_TILE_N, ctas_per_sm=_CTAS_PER_SM,
+                             tolerance=_SPLIT_TOLERANCE)
+    config = Sm80Config(*select_tile(problem.d, problem.d_v, rows, tuning.sm80_tile))
+    return FwdPlan(NAME, config, pack_gqa, num_splits)
 
 
-# compile_key, compile, launcher: the seam's shared entry points (q_in_regs a bool in the key).
-compile_key, compile, launcher = backend_entry_points(
-    NAME, "flash_attn_cute.sm80.flash_fwd", "compile_fwd_sm80", tile=lambda plan: (*plan.tile[:3], bool(plan.tile[3])))
+# compile_key, compile, launcher: the seam's shared entry points; the key holds the whole config.
+compile_key, compile, launcher = fwd_entry_points(
+    NAME, "flash_attn_cute.sm80.flash_fwd", "compile_fwd_sm80",
+    key_tile=lambda c: (c.tile_m, c.tile_n, c.num_warps, bool(c.q_in_regs)))

@@ -60,54 +60,16 @@ from cutlass.cute.nvgpu import warp
 
 from flash_attn_cute.block_info import BlockInfo
 from flash_attn_cute.copy_utils import aligned_row_ptr, gmem_tiled_copy
+from flash_attn_cute.constants import D_CKV, D_KPE
 from flash_attn_cute.cute_utils import CUTE_DTYPE_BY_NAME, compile_options, fake_stream, fake_tensor
+from flash_attn_cute.keys import parse_mla_key
 from flash_attn_cute.mla_tile import MlaTile
 from flash_attn_cute.pack_gqa import packed_lse_rows, packed_rows
 from flash_attn_cute.paged_kv import page_and_row
+from flash_attn_cute.sm80.config import MlaWarpRoles
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax, acc_mn_view
 from flash_attn_cute.tile_scheduler import SingleTileScheduler
 from flash_attn_cute.variants import apply_to_scores, make_variant
-
-D_CKV, D_KPE = 512, 64
-
-
-@dataclass(frozen=True)
-class MlaWarpRoles:
-    """Static warp roles and what each holds in registers (fp32 words per thread).
-
-    ``threads * regs_cap <= 65536``: on SM80 every thread of a kernel gets the same
-    register count, so the cap is what the O warps must fit in."""
-
-    s_warps: int = 4  # QK^T + online softmax, 16 rows each
-    o_warps: int = 8  # PV over 64 columns each + cp.async gathers
-    tile_m: int = 64
-    tile_n: int = 32
-
-    @property
-    def s_threads(self) -> int:
-        return 32 * self.s_warps
-
-    @property
-    def o_threads(self) -> int:
-        return 32 * self.o_warps
-
-    @property
-    def threads(self) -> int:
-        return self.s_threads + self.o_threads
-
-    @property
-    def regs_cap(self) -> int:
-        return (65536 // self.threads) // 8 * 8
-
-    @property
-    def o_regs(self) -> int:
-        """O accumulator per O thread: the number the role split is chosen for."""
-        return self.tile_m * D_CKV // self.o_threads
-
-    def __post_init__(self):
-        assert self.tile_m == 16 * self.s_warps and D_CKV % (16 * self.o_warps) == 0
-        assert self.o_regs + 32 <= self.regs_cap, "O plus one P/V k-slice must fit the per-thread cap"
-
 
 class _Bar:
     """Named barrier ids (0 is __syncthreads, left alone)."""
@@ -519,18 +481,14 @@ class _Gather:
 
 
 # ---------------------------------------------------------------------------------------
-# Host side: compile key -> binary on fake tensors (planning and launch: sm80/mla.py).
+# Compilation from a compile key (planning and launch: sm80/mla.py).
 # ---------------------------------------------------------------------------------------
 
 
-def mla_key(arch: str, dtype_name: str, nheads: int, causal: bool, is_split: bool, has_lse: bool,
-            stages: int) -> tuple:
-    return ("mla_sm80", arch, dtype_name, int(nheads), bool(causal), bool(is_split), bool(has_lse), int(stages))
-
-
 def compile_mla_sm80(key: tuple):
-    """Compiles the kernel for ``key`` (``mla_key``) on fake tensors: no GPU needed."""
-    _, arch, dtype_name, nheads, causal, is_split, has_lse, stages = key
+    """Compiles the kernel for ``key`` (``keys.mla_key``; config ``(stages,)``) on fake
+    tensors: no GPU needed."""
+    arch, dtype_name, nheads, causal, is_split, has_lse, (stages,) = parse_mla_key(key)
     dtype = CUTE_DTYPE_BY_NAME[dtype_name]
     F32, I32 = cutlass.Float32, cutlass.Int32
     split = (None,) if is_split else ()

@@ -1,16 +1,20 @@
-"""SM90 backend (warp-specialized TMA + wgmma): the seam's check / plan / compile / launcher.
+"""SM90 backend (warp-specialized TMA + wgmma): the seam's check / plan / compile_key /
+compile / launcher.
 
-Hopper only (sm_90a). Host-side only: the DSL is imported when a kernel is first
-compiled, so planning is cheap and runs without a GPU.
+Hopper only (sm_90a). Host-side only: the tile table and fit rules are plain Python
+(``sm90/config.py``); the DSL is imported when a kernel is first compiled, so planning is
+cheap and runs without a GPU.
 """
 
 from __future__ import annotations
 
-import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
-from ..fwd import FwdPlan, FwdProblem, backend_entry_points, plan_rows, plan_splits
-from ..tile_scheduler import l2_heads_for
+from .. import heuristics
+from ..backend_kit import fwd_entry_points, head_groups, plan_rows, plan_splits
+from ..problems import FwdPlan, FwdProblem
+from ..tuning import NO_TUNING, Tuning
+from . import config
 
 NAME = "sm90"
 HEAD_DIMS = (64, 96, 128, 192, 256)
@@ -19,15 +23,19 @@ HEAD_DIMS = (64, 96, 128, 192, 256)
 _CTAS_PER_SM = 1
 _SPLIT_TOLERANCE = 0.95
 
-
-def _host():
-    # The kernel module imports the DSL; its host helpers (tile table, key) are plain Python.
-    from . import flash_fwd
-
-    return flash_fwd
-
 # wgmma and setmaxnreg exist on sm_90a only.
 AUTO = True
+
+
+class Sm90Config(NamedTuple):
+    """The SM90 kernel's static choices."""
+
+    tile_m: int  # tile_m / 64 consumer warpgroups
+    tile_n: int
+    num_stages: int  # K/V pipeline depth
+    ex2_emulate_every: int  # every k-th exponential on the FMA pipe (0: none)
+    gather_kv: bool  # paged rows gathered by cp.async (pages not holding whole tile_n blocks)
+    persistent: bool  # one CTA per SM looping over the tiles
 
 
 def runs_on(capability: tuple) -> bool:
@@ -38,60 +46,50 @@ def check(problem: FwdProblem) -> Optional[str]:
     for what, d in (("q/k", problem.d), ("v", problem.d_v)):
         if d not in HEAD_DIMS:
             return f"{what} head dimension {d} is not one of {HEAD_DIMS}"
-    return _host().unsupported_reason(problem.d, problem.d_v)
+    return config.unsupported_reason(problem.d, problem.d_v)
 
 
-def select_tile(problem: FwdProblem, rows_per_kv_head: int) -> tuple:
-    return _host().select_tile(problem.d, problem.d_v, rows_per_kv_head, causal=problem.causal,
-                               local=problem.local, page_size=problem.page_size or None)
-
-
-def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms: Optional[int]) -> FwdPlan:
-    """Tile from the SM90 tile table, GQA packing (None = FA3's rule on a 128-row tile), KV
-    splits (0 = the wave-efficiency heuristic with this kernel's tile and one CTA per SM)."""
+def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms: Optional[int],
+         tuning: Tuning = NO_TUNING, arch: Optional[str] = None) -> FwdPlan:
+    """Tile from the SM90 tile table (``tuning.sm90_tile`` overrides), GQA packing (None =
+    FA3's rule on a 128-row tile), KV splits (0 = the wave-efficiency heuristic with this
+    kernel's tile and one CTA per SM), row gathers for paged caches, persistence."""
     pack_gqa, rows = plan_rows(problem, pack_gqa)
-    tile = select_tile(problem, rows)
-    num_splits = plan_splits(problem, num_splits, num_sms, pack_gqa, rows, tile_m=tile[0], tile_n=tile[1],
-                             ctas_per_sm=_CTAS_PER_SM, tolerance=_SPLIT_TOLERANCE)
-    return FwdPlan(NAME, tuple(tile), pack_gqa, num_splits)
+    tile = config.select_tile(problem.d, problem.d_v, rows, causal=problem.causal, local=problem.local,
+                              page_size=problem.page_size or None, override=tuning.sm90_tile)
+    num_splits = plan_splits(problem, num_splits, num_sms, head_groups(problem, pack_gqa), rows, tile_m=tile[0],
+                             tile_n=tile[1], ctas_per_sm=_CTAS_PER_SM, tolerance=_SPLIT_TOLERANCE)
+    gather_kv = config.gathers_kv(tile[1], problem.page_size)
+    fits = config.persistent_fits(problem.d, problem.d_v, tile, problem.qhead_per_kvhead if pack_gqa else 1,
+                                  problem.varlen_q, num_splits > 1, gather_kv)
+    return FwdPlan(NAME, Sm90Config(*tile, gather_kv, persistent(problem, fits, tuning.sm90_persistent)), pack_gqa,
+                   num_splits)
 
 
-def persistent(problem: FwdProblem, plan: FwdPlan) -> bool:
+def persistent(problem: FwdProblem, fits: bool, override: Optional[str] = None) -> bool:
     """One CTA per SM looping over the tiles (``PersistentScheduler``), where it fits
-    (``persistent_fits``) and was measured faster: a local window or a user mask (mask_mod,
-    block mask), whose short tiles otherwise pay their pipeline fill and epilogue with
-    nothing overlapping them. H200, B4 S8192 H16 d128 bf16, TFLOP/s persistent vs not:
+    (``config.persistent_fits``) and was measured faster: a local window or a user mask
+    (mask_mod, block mask), whose short tiles otherwise pay their pipeline fill and epilogue
+    with nothing overlapping them. H200, B4 S8192 H16 d128 bf16, TFLOP/s persistent vs not:
     sliding window 1024 465 vs 435, document mask (block mask) 262 vs 259; plain causal
     583 vs 594 and non-causal 637 vs 682 are slower (long tiles, little fill to hide; not
     analysed further), decode (B64, 4096 keys, GQA 4) 4.25 vs 4.20 TB/s: left off.
-    FLASH_ATTN_CUTE_SM90_PERSISTENT=0/1 overrides (where it fits)."""
-    host = _host()
-    fits = host.persistent_fits(problem.d, problem.d_v, plan.tile, plan.qhead_per_kvhead_packed(problem),
-                                problem.varlen_q, plan.num_splits > 1, host.gathers_kv(plan.tile[1], problem.page_size))
-    env = os.environ.get("FLASH_ATTN_CUTE_SM90_PERSISTENT")
-    if env is not None:
-        return fits and env != "0"
+    ``override`` "0" / "1" (``tuning.sm90_persistent``) replaces the rule where it fits."""
+    if override is not None:
+        return fits and override != "0"
     user_mask = problem.variant is not None and (problem.variant.mask_mod is not None or problem.variant.block_q > 0)
     return fits and (problem.local or user_mask)
 
 
-def _max_ctas() -> int:
-    """The persistent grid's bound: one CTA per SM of the current device (1 where there is
-    none: compile-only hosts never launch)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return 1
-    from ..heuristics import num_sms
-
-    return num_sms(torch.cuda.current_device())
+def _extra_scalars(problem: FwdProblem, plan: FwdPlan, device) -> tuple:
+    """``l2_heads`` (the LPT order's L2 section) and ``max_ctas`` (the persistent grid's
+    bound: the SM count of the call's device; 1 where it is unused or there is no GPU)."""
+    max_ctas = heuristics.num_sms(device) if plan.config.persistent and device is not None else 1
+    return int(heuristics.l2_heads_for(problem.max_seqlen_k, problem.d, problem.d_v)), max_ctas
 
 
-# compile_key, compile, launcher: the seam's shared entry points. The key's tile always
-# carries ex2_emulate_every, then gather_kv and persistent; l2_heads and max_ctas are the
-# kernel's extra runtime scalars.
-compile_key, compile, launcher = backend_entry_points(
-    NAME, "flash_attn_cute.sm90.flash_fwd", "compile_fwd_sm90", tile=lambda plan: (*plan.tile, 0)[:4],
-    key_extra=lambda problem, plan: (_host().gathers_kv(plan.tile[1], problem.page_size),
-                                     persistent(problem, plan)),
-    extra_scalars=lambda problem: (int(l2_heads_for(problem.max_seqlen_k, problem.d, problem.d_v)), _max_ctas()))
+# compile_key, compile, launcher: the seam's shared entry points. The key holds the tile
+# (m, n, stages, ex2) first and gather_kv, persistent last.
+compile_key, compile, launcher = fwd_entry_points(
+    NAME, "flash_attn_cute.sm90.flash_fwd", "compile_fwd_sm90", key_tile=lambda c: tuple(c[:4]),
+    key_extra=lambda c: (c.gather_kv, c.persistent), extra_scalars=_extra_scalars)

@@ -33,9 +33,6 @@ modification go through the variant (``variants.apply_to_scores``).
 """
 
 import enum
-import os
-from dataclasses import dataclass
-from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -51,6 +48,7 @@ from flash_attn_cute.layout_utils import acc_mn_view, acc_to_operand_a, select, 
 from flash_attn_cute.pack_gqa import packed_lse_rows, packed_rows
 from flash_attn_cute.paged_kv import page_and_row
 from flash_attn_cute.seqlen_info import SeqlenInfo
+from flash_attn_cute.sm90.config import WarpRoles
 from flash_attn_cute.sm90.wgmma_utils import convert_pairs, smem_layout, wgmma_gemm
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
 from flash_attn_cute.tile_scheduler import LptScheduler, PersistentScheduler, SingleTileScheduler
@@ -62,45 +60,6 @@ class NamedBarrier(enum.IntEnum):
 
     CONSUMERS = 1  # all consumer threads: Q loaded by cp.async, epilogue
     SCHEDULER = 2  # 2 + i: consumer warpgroup i may issue its MMAs (ping-pong)
-
-
-@dataclass(frozen=True)
-class WarpRoles:
-    """Warp roles and their register budgets (setmaxnreg). The producer warpgroup only
-    issues TMA from one thread, so it gives its registers to the consumers, which hold
-    S, P and O in registers. Budgets sum to at most 64K registers per CTA."""
-
-    num_consumer_wgs: int
-    producer_regs: int
-    consumer_regs: int
-    gather_kv: bool  # every producer warp gathers KV rows by cp.async (else warp 0 issues TMA)
-
-    @staticmethod
-    def for_consumers(num_consumer_wgs: int, gather_kv: bool = False) -> "WarpRoles":
-        # A gathering producer holds a page and a row per gathered row (8 of each at
-        # tile_n 128) to overlap their lookups: with one consumer warpgroup the register
-        # file has room for 96 (56 spilled); with two, 40, paid for by the consumers
-        # (240 -> 232). The launch gives every thread 65536 / threads registers, the pool
-        # setmaxnreg redistributes: producer + consumers <= 512, 504, 512 for 1, 2, 3.
-        regs = {1: (96 if gather_kv else 56, 256), 2: (40, 232) if gather_kv else (24, 240),
-                3: (32, 160)}[num_consumer_wgs]
-        return WarpRoles(num_consumer_wgs, *regs, gather_kv)
-
-    @property
-    def producer_warps(self):
-        return (0, 1, 2, 3)  # warpgroup 0
-
-    @property
-    def num_producer_threads(self) -> int:
-        return 128
-
-    @property
-    def num_consumer_threads(self) -> int:
-        return 128 * self.num_consumer_wgs
-
-    @property
-    def num_threads(self) -> int:
-        return 128 * (1 + self.num_consumer_wgs)
 
 
 class FlashAttnFwdSm90:
@@ -879,79 +838,8 @@ class FlashAttnFwdSm90:
 
 
 # ---------------------------------------------------------------------------------------
-# Host side: tile choice, compile key, compilation on fake tensors, launch.
+# Compilation from a compile key (planning: sm90/__init__.py and sm90/config.py).
 # ---------------------------------------------------------------------------------------
-
-_SMEM_LIMIT = 227 * 1024
-
-
-def _smem_bytes(d, dv, tile_m, tile_n, stages, elem=2):
-    return elem * (tile_m * d + stages * tile_n * (d + dv)) + 1024
-
-
-def select_tile(d: int, dv: int, rows_per_kv_head: int, *, causal: bool = False, local: bool = False,
-                page_size: Optional[int] = None):
-    """(tile_m, tile_n, num_stages, ex2_emulate_every). tile_m / 64 consumer warpgroups,
-    each holding a 64 x tile_n S, its P and a 64 x d_v O in registers; stages of K and V
-    in smem; every ex2_emulate_every-th exponential on the FMA pipe (0: none).
-    FLASH_ATTN_CUTE_SM90_TILE="m,n,stages[,ex2]" overrides (for tuning sweeps).
-    With a paged cache, tile_n divides the page size where a divisor >= 64 exists (one TMA
-    per block, inside one page); other page sizes keep the tile and gather rows
-    (``gathers_kv``)."""
-    override = os.environ.get("FLASH_ATTN_CUTE_SM90_TILE")
-    if override:
-        m, n, s, *e = (int(x) for x in override.split(","))
-        return m, n, s, (e[0] if e else 0)
-    dmax = max(d, dv)
-    if rows_per_kv_head <= 64:
-        # Decode-shaped: one consumer warpgroup, deeper KV pipeline (more bytes in flight).
-        tile = (64, 128, 3) if dmax <= 128 else (64, 80, 2)
-    elif dmax <= 64:
-        tile = (192, 128, 2)
-    elif dmax <= 128:
-        tile = (128, 128, 2)
-    elif d <= 192 and dv <= 128:
-        tile = (128, 96 if local else 128, 2)
-    elif dmax <= 192:
-        tile = (128, 96 if local else 112, 2)
-    else:
-        tile = (128, 64, 2)  # 64 measured faster than 80 on the H200 (690 vs 675 TFLOP/s, b4 s8192)
-    if page_size is not None:
-        m, n, s = tile
-        tile = (m, next((t for t in range(n, 63, -16) if page_size % t == 0), n), s)
-    m, n, s = tile
-    while s > 2 and _smem_bytes(d, dv, m, n, s) > _SMEM_LIMIT:
-        s -= 1
-    return m, n, s, 0
-
-
-def gathers_kv(tile_n: int, page_size: int) -> bool:
-    """Whether a paged cache (page_size > 0) is read by cp.async row gathers: its pages
-    do not hold whole tile_n blocks, so no TMA box spans one."""
-    return page_size > 0 and page_size % tile_n != 0
-
-
-def persistent_fits(d: int, dv: int, tile: tuple, pack: int, varlen_q: bool, is_split: bool,
-                    gather_kv: bool) -> bool:
-    """Whether a persistent kernel fits: where O leaves by TMA (batch tensors, unpacked,
-    unsplit) it needs its own shared-memory buffer next to Q, K and V (``separate_o``);
-    d >= 192 tiles have no room for it. The tile loop's live values do not fit the
-    registers of three consumer warpgroups (d <= 64, 160 registers each: 67 local-memory
-    accesses, 0 one CTA per tile), nor those of a gathering producer at 40 (two consumer
-    warpgroups: 10, 2 one CTA per tile). Those stay one CTA per tile."""
-    m, n, stages = tile[:3]
-    if m // 64 >= 3 or (gather_kv and m // 64 >= 2):
-        return False
-    uses_tma_o = pack == 1 and not varlen_q and not is_split
-    return _smem_bytes(d, dv, m, n, stages) + (2 * m * dv if uses_tma_o else 0) <= _SMEM_LIMIT
-
-
-def unsupported_reason(d: int, dv: int) -> Optional[str]:
-    """Why the SM90 kernel cannot run a problem (None when it can); the caller falls back.
-    Every page size runs: by TMA per block, or by row gathers."""
-    if d % 16 or dv % 16 or d > 256 or dv > 256 or d < 16 or dv < 16:
-        return f"SM90 kernel needs head dims that are multiples of 16 up to 256, got ({d}, {dv})"
-    return None
 
 
 def compile_fwd_sm90(key: tuple):

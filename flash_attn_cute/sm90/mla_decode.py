@@ -91,81 +91,22 @@ from cutlass.cute.nvgpu import warpgroup
 
 from flash_attn_cute.block_info import BlockInfo
 from flash_attn_cute.copy_utils import aligned_row_ptr, gmem_tiled_copy
+from flash_attn_cute.constants import D_CKV, D_KPE
 from flash_attn_cute.cute_utils import CUTE_DTYPE_BY_NAME, compile_options, fake_stream, fake_tensor
+from flash_attn_cute.keys import parse_mla_key
 from flash_attn_cute.layout_utils import acc_mn_view, acc_to_operand_a, transpose_view
 from flash_attn_cute.mla_tile import MlaTile
 from flash_attn_cute.pack_gqa import packed_lse_rows, packed_rows
 from flash_attn_cute.paged_kv import page_and_row
+from flash_attn_cute.sm90.config import MlaRoles
 from flash_attn_cute.sm90.wgmma_utils import convert_pairs, smem_layout, wgmma_gemm
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
 from flash_attn_cute.tile_scheduler import SingleTileScheduler
 from flash_attn_cute.variants import apply_to_scores, make_variant
 
-D_CKV, D_KPE = 512, 64
 # Named barriers over the consumer threads (0 is __syncthreads): Q landed; S halves written
 # ("split"); the final 1 / row sum written ("one").
 _CONSUMERS_BAR, _XCHG_BAR, _STATS_BAR = 1, 2, 3
-QK_MODES = ("one", "split")
-
-
-@dataclass(frozen=True)
-class MlaRoles:
-    """Static warp roles, tiles and register budgets (setmaxnreg)."""
-
-    tile_m: int = 64  # packed rows: one wgmma M
-    tile_n: int = 32  # keys per stage
-    stages: int = 4  # 3 with qk="split" (its S exchange takes the fourth's smem)
-    num_consumer_wgs: int = 2  # each owns D_CKV / num_consumer_wgs output columns
-    producer_regs: int = 40
-    consumer_regs: int = 232
-    # How the consumer warpgroups share S = Q K^T.
-    # "one": warpgroup 0 computes all of S and the softmax, and hands P (bf16, written over
-    #   the stage's kpe rows, which only S reads) and the row corrections to warpgroup 1
-    #   through shared memory; 4 stages. See the module docstring.
-    # "split": each computes S over half of the k16 slices and the fp32 halves are summed
-    #   through a 2 x 2 x 8 KB exchange; both run the softmax; 3 stages.
-    # H200, 2026-11-29, bf16, 64 heads, page 1: "one" 3.06 against 2.96 TB/s at 768 x 2048,
-    # 3.08 against 2.94 at 768 x 1024 (both modes pass every GPU test).
-    qk: str = "one"
-
-    @property
-    def producer_threads(self) -> int:
-        return 128
-
-    @property
-    def consumer_threads(self) -> int:
-        return 128 * self.num_consumer_wgs
-
-    @property
-    def threads(self) -> int:
-        return self.producer_threads + self.consumer_threads
-
-    @property
-    def o_cols(self) -> int:
-        return D_CKV // self.num_consumer_wgs
-
-    @property
-    def xchg_words(self) -> int:
-        """fp32 words exchanged between the consumer warpgroups. "split": S per thread x 128
-        threads x 2 warpgroups x 2 buffers. "one": a row correction per row and stage, then
-        the final 1 / row sum."""
-        return 4 * self.tile_m * self.tile_n if self.qk == "split" else self.tile_m * (self.stages + 1)
-
-    def smem_bytes(self, elem: int = 2) -> int:
-        """Q, the stages, the exchange, and 4 KB for the mbarriers and alignment."""
-        return elem * (self.tile_m + self.stages * self.tile_n) * (D_CKV + D_KPE) + 4 * self.xchg_words + 4 * 1024
-
-    def __post_init__(self):
-        # The launch gives each thread 65536 / 384 registers; setmaxnreg moves them around
-        # within the warpgroups' sum (per-warpgroup budgets of 128 threads).
-        assert self.qk in QK_MODES, self.qk
-        assert self.producer_regs + self.num_consumer_wgs * self.consumer_regs <= 512
-        assert self.tile_m == 64 and self.tile_n % 16 == 0 and self.o_cols <= 256
-        assert self.o_cols * self.tile_m // 128 + 40 <= self.consumer_regs, "O half + S, P, stats"
-        # "one": P (tile_m x tile_n) lives in a stage's kpe rows (tile_n x D_KPE), same
-        # size and stage stride; exactly one warpgroup computes S, the other only P V.
-        assert self.qk == "split" or (self.tile_m == D_KPE and self.num_consumer_wgs == 2)
-        assert self.smem_bytes() <= 227 * 1024
 
 
 class MlaDecodeSm90:
@@ -682,19 +623,14 @@ class _Sm90Ops:
 
 
 # ---------------------------------------------------------------------------------------
-# Host side: compile key -> binary on fake tensors (planning and launch: sm90/mla.py).
+# Compilation from a compile key (planning and launch: sm90/mla.py).
 # ---------------------------------------------------------------------------------------
 
 
-def mla_key(arch: str, dtype_name: str, nheads: int, causal: bool, is_split: bool, has_lse: bool,
-            roles: MlaRoles = MlaRoles()) -> tuple:
-    return ("mla_sm90", arch, dtype_name, int(nheads), bool(causal), bool(is_split), bool(has_lse),
-            (roles.tile_n, roles.stages, roles.qk))
-
-
 def compile_mla_sm90(key: tuple):
-    """Compiles the kernel for ``key`` (``mla_key``) on fake tensors: no GPU needed."""
-    _, arch, dtype_name, nheads, causal, is_split, has_lse, (tile_n, stages, qk) = key
+    """Compiles the kernel for ``key`` (``keys.mla_key``; config ``((tile_n, stages, qk),)``)
+    on fake tensors: no GPU needed."""
+    arch, dtype_name, nheads, causal, is_split, has_lse, ((tile_n, stages, qk),) = parse_mla_key(key)
     dtype = CUTE_DTYPE_BY_NAME[dtype_name]
     lead = (None,) if is_split else ()  # the split mode of the partials
     specs = [(dtype, (None, None, nheads, D_CKV)), (dtype, (None, None, nheads, D_KPE)),

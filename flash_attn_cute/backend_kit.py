@@ -1,0 +1,116 @@
+"""What every backend module builds its seam entry points from (see ``fwd.py``): row and
+split planning on its own tile, compile keys from (problem, plan), and the launcher that
+binds a compiled kernel's runtime scalars. Plain Python: the kernel module (and the DSL)
+is imported when a key is first compiled."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable, Optional
+
+from . import heuristics, jit_cache
+from .keys import DTYPE_NAMES, make_key, mla_key, target_arch
+from .problems import FwdPlan, FwdProblem, MlaProblem
+
+# A user variant's kernel tensors when there is none: the aux slots and the block ranges
+# (user_variants.MAX_AUX + 1).
+NO_VARIANT = (None,) * 5
+
+
+def plan_rows(problem: FwdProblem, pack_gqa: Optional[bool], tile_m: int = 128, packable: bool = True) -> tuple:
+    """(pack_gqa, rows per KV head group): ``pack_gqa`` None takes FA3's rule on a
+    ``tile_m``-row tile; packing needs GQA and a ratio the backend can pack."""
+    ratio = problem.qhead_per_kvhead
+    if pack_gqa is None:
+        pack_gqa = heuristics.should_pack_gqa(problem.max_seqlen_q, ratio, tile_m, varlen_q=problem.varlen_q)
+    pack_gqa = bool(pack_gqa and ratio > 1 and packable)
+    return pack_gqa, problem.max_seqlen_q * (ratio if pack_gqa else 1)
+
+
+def plan_splits(problem, num_splits: int, num_sms: Optional[int], head_groups: int, rows: int, *, tile_m: int,
+                tile_n: int, ctas_per_sm: int, tolerance: float = 0.95) -> int:
+    """``heuristics.resolve_num_splits`` on the grid a backend launches: one CTA per
+    (batch, head group, m-block of ``rows``) of its tile, ``ctas_per_sm`` resident per SM."""
+    return heuristics.resolve_num_splits(
+        num_splits, num_sms, ctas=problem.batch * head_groups, rows=rows, max_seqlen_k=problem.max_seqlen_k,
+        tile_m=tile_m, tile_n=tile_n, ctas_per_sm=ctas_per_sm, tolerance=tolerance)
+
+
+def head_groups(problem: FwdProblem, pack_gqa: bool) -> int:
+    """CTAs along the head mode: one per KV head when query heads are packed, else per query head."""
+    return problem.nheads_kv if pack_gqa else problem.nheads
+
+
+def fwd_key(name: str, problem: FwdProblem, plan: FwdPlan, arch: str, tile: tuple, extra: tuple = ()) -> tuple:
+    """A forward backend's compile key (``keys.make_key``): ``tile`` and ``extra`` are the
+    fields of the plan's config that go before and after the common ones."""
+    return make_key(name, arch, DTYPE_NAMES[problem.dtype], problem.d, problem.d_v, tile, problem.variant_flags,
+                    plan.qhead_per_kvhead_packed(problem), plan.num_splits > 1,
+                    problem.has_lse or plan.num_splits > 1,  # a split kernel always writes partial LSEs
+                    problem.varlen_q, problem.varlen_k, problem.has_seqused_k, problem.paged, extra)
+
+
+def entry_points(key: Callable, kernel_module: str, compile_fn: str, scalars: Callable, bind: Callable = None):
+    """A backend's ``compile_key``, ``compile`` and ``launcher``: ``key(problem, plan, arch)``
+    builds the key (its first field names the JIT cache entry), ``compile_fn`` of
+    ``kernel_module`` compiles it, ``scalars(problem, plan, device)`` are the runtime
+    scalars the kernel takes after its tensors, and ``bind(fn, scalars)`` makes the launch
+    callable (default: ``launch(*tensors)`` = ``fn(*tensors, *scalars)``)."""
+
+    def compile_key(problem, plan: FwdPlan, arch: Optional[str] = None) -> tuple:
+        return key(problem, plan, arch or target_arch())
+
+    def compile(k: tuple):
+        return getattr(importlib.import_module(kernel_module), compile_fn)(k)
+
+    def launcher(problem, plan: FwdPlan, device=None) -> Callable:
+        k = compile_key(problem, plan, target_arch(device))
+        fn = jit_cache.get_or_compile(k[0], k, lambda: compile(k))
+        bound = tuple(scalars(problem, plan, device))
+        if bind is not None:
+            return bind(fn, bound)
+        return lambda *tensors: fn(*tensors, *bound)
+
+    return compile_key, compile, launcher
+
+
+def _bind_fwd(fn, scalars: tuple) -> Callable:
+    def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, variant_tensors=NO_VARIANT):
+        fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, *variant_tensors, *scalars)
+
+    return launch
+
+
+def fwd_entry_points(name: str, kernel_module: str, compile_fn: str, key_tile: Callable = tuple,
+                     key_extra: Callable = lambda config: (), extra_scalars: Callable = lambda problem, plan, device: ()):
+    """A forward backend's entry points: the key holds ``key_tile(plan.config)`` then the
+    common fields then ``key_extra(plan.config)``; the launcher binds softmax_scale,
+    window_left, window_right, softcap, num_splits, max_seqlen_q, batch, then
+    ``extra_scalars(problem, plan, device)``, and takes ``launch(q, k, v, out, lse,
+    cu_seqlens_q, cu_seqlens_k, seqused_k, page_table[, variant_tensors])`` (split kernels
+    get fp32 partials as out/lse; a user variant's tensors are its aux slots and block ranges)."""
+
+    def key(problem: FwdProblem, plan: FwdPlan, arch: str) -> tuple:
+        return fwd_key(name, problem, plan, arch, key_tile(plan.config), key_extra(plan.config))
+
+    def scalars(problem: FwdProblem, plan: FwdPlan, device) -> tuple:
+        return (float(problem.softmax_scale), int(problem.window_left), int(problem.window_right),
+                float(problem.softcap), int(plan.num_splits), int(problem.max_seqlen_q), int(problem.batch),
+                *extra_scalars(problem, plan, device))
+
+    return entry_points(key, kernel_module, compile_fn, scalars, _bind_fwd)
+
+
+def mla_entry_points(name: str, kernel_module: str, compile_fn: str, key_config: Callable = tuple):
+    """An MLA backend's entry points: the key (``keys.mla_key``) ends with
+    ``key_config(plan.config)``; the launcher binds softmax_scale, num_splits, max_seqlen_q
+    and batch after ``launch(q_nope, q_pe, ckv, kpe, out, lse, cache_seqlens, page_table)``."""
+
+    def key(problem: MlaProblem, plan: FwdPlan, arch: str) -> tuple:
+        return mla_key(name, arch, DTYPE_NAMES[problem.dtype], problem.nheads, problem.causal, plan.num_splits > 1,
+                       problem.has_lse or plan.num_splits > 1, key_config(plan.config))
+
+    def scalars(problem: MlaProblem, plan: FwdPlan, device) -> tuple:
+        return float(problem.softmax_scale), int(plan.num_splits), int(problem.max_seqlen_q), int(problem.batch)
+
+    return entry_points(key, kernel_module, compile_fn, scalars)

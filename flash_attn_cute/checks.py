@@ -1,0 +1,286 @@
+"""Validation of the public API's arguments, shared by every entry point.
+
+Every check raises before anything is launched, with a message that names the argument
+and the expected form. Order inside an entry point: shapes, then dtypes, then scalars,
+then the device. Plain Python and torch (no DSL).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import user_variants
+from .constants import INT32_MAX, MAX_SPLITS
+from .fwd import BACKENDS, backend_module
+
+# Head dims some forward backend compiles (each backend's HEAD_DIMS says which it takes; a
+# call the chosen backend cannot run falls back to SM80 or names the reason).
+SUPPORTED_HEAD_DIMS = tuple(sorted(set().union(*(backend_module(b).HEAD_DIMS for b in BACKENDS))))
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+BACKEND_NAMES = tuple(BACKENDS)  # names accepted by ``backend=`` / FLASH_ATTN_CUTE_BACKEND
+
+
+def check_tensor(name: str, t, rank: int, form: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {form}, got {type(t).__name__}")
+    if t.dim() != rank:
+        raise ValueError(f"{name} must have shape {form} (rank {rank}), got shape {tuple(t.shape)}")
+    return t
+
+
+def check_dtype(name: str, t: torch.Tensor, expected, what: str) -> None:
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    if t.dtype not in expected:
+        raise TypeError(f"{name} must be {what}, got {t.dtype}")
+
+
+def check_head_dim(name: str, d: int) -> None:
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"{name} head dimension must be one of {SUPPORTED_HEAD_DIMS}, got {d}")
+
+
+def aligned(name: str, t: torch.Tensor) -> torch.Tensor:
+    """Last dim contiguous; other strides arbitrary multiples of 16 bytes (the kernels copy
+    128-bit vectors), data 16-byte aligned. Strides of size-1 dims do not address memory,
+    so they are replaced by an aligned value (a free view) instead of being refused."""
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension (stride 1); got strides {t.stride()}")
+    elems = 16 // t.element_size()
+    bad = [i for i in range(t.dim() - 1) if t.shape[i] > 1 and t.stride(i) % elems]
+    if bad or (t.numel() > 0 and t.data_ptr() % 16):
+        raise ValueError(
+            f"{name} must be 16-byte aligned with strides that are multiples of {elems} elements "
+            f"(16 bytes) except the last; got strides {t.stride()} (call .contiguous() on it)")
+    if any(t.shape[i] <= 1 and t.stride(i) % elems for i in range(t.dim() - 1)):
+        strides, inner = list(t.stride()), 1
+        for i in reversed(range(t.dim())):
+            if i < t.dim() - 1 and t.shape[i] <= 1:
+                strides[i] = -(-inner // elems) * elems
+            inner = max(inner, strides[i] * max(t.shape[i], 1))
+        t = t.as_strided(t.shape, strides)
+    return t
+
+
+def int32_vector(name: str, t, length: int, form: str) -> torch.Tensor:
+    check_tensor(name, t, 1, form)
+    check_dtype(name, t, torch.int32, f"int32 of shape {form}")
+    if t.shape[0] != length:
+        raise ValueError(f"{name} must have shape {form} = ({length},), got {tuple(t.shape)}")
+    if length > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous, got stride {t.stride()}")
+    return t
+
+
+def int_arg(name: str, x, lo: int, hi: Optional[int] = None) -> int:
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    x = int(x)
+    if x < lo or (hi is not None and x > hi):
+        raise ValueError(f"{name} must be in [{lo}, {hi if hi is not None else 'inf'}], got {x}")
+    return x
+
+
+def softmax_scale(scale, default: float) -> float:
+    if scale is None:
+        scale = default
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"softmax_scale must be finite, got {scale}")
+    return float(scale)
+
+
+def page_table(table, batch: int, page_size: int, cache_name: str) -> None:
+    """``(batch, max_pages_per_seq)`` int32 with a contiguous last dim; ``page_size``
+    (``<cache_name>.shape[1]``) at least 1."""
+    check_tensor("page_table", table, 2, "(batch, max_pages_per_seq)")
+    check_dtype("page_table", table, torch.int32, "int32 of shape (batch, max_pages_per_seq)")
+    if table.shape[0] != batch:
+        raise ValueError(f"page_table must have shape (batch, max_pages_per_seq) with batch = {batch}, "
+                         f"got {tuple(table.shape)}")
+    if table.shape[1] > 1 and table.stride(1) != 1:
+        raise ValueError(f"page_table must have a contiguous last dimension, got strides {table.stride()}")
+    if page_size < 1:
+        raise ValueError(f"page_size ({cache_name}.shape[1]) must be >= 1")
+
+
+class Options(NamedTuple):
+    softmax_scale: float
+    softcap: float
+    causal: bool
+    window_left: int
+    window_right: int
+    pack_gqa: Optional[bool]
+    num_splits: int
+    backend: Optional[str]
+
+
+def options(d: int, scale, causal, window_size, softcap, num_splits, pack_gqa, backend) -> Options:
+    """Validate and normalise the keyword arguments shared by the forward entry points."""
+    scale = softmax_scale(scale, d ** -0.5)
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a float (0.0 = off), got {type(softcap).__name__}")
+    if not softcap >= 0 or not math.isfinite(softcap):
+        raise ValueError(f"softcap must be >= 0 (0.0 = off), got {softcap}")
+    causal, window_left, window_right = normalize_window(causal, window_size)
+    if pack_gqa is not None and not isinstance(pack_gqa, bool):
+        raise TypeError(f"pack_gqa must be True, False or None (auto), got {pack_gqa!r}")
+    return Options(scale, float(softcap), causal, window_left, window_right, pack_gqa,
+                   int_arg("num_splits", num_splits, 0, MAX_SPLITS), backend_name(backend))
+
+
+def normalize_window(causal, window_size) -> tuple[bool, int, int]:
+    """``(causal, window_left, window_right)`` as the kernels take them.
+
+    None entries mean -1 (unbounded). ``causal`` forces ``window_right = 0`` and stays
+    True (a left window may remain: sliding-window causal). Without ``causal``, a window
+    ``(-1, 0)`` is exactly causal and becomes ``causal=True``; any other window with a
+    bounded side is local attention (``causal=False``)."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a pair (left, right) of ints >= 0, -1 or None, got {window_size!r}")
+    left, right = (-1 if w is None else w for w in window_size)
+    for side, w in (("window_size[0] (left)", left), ("window_size[1] (right)", right)):
+        if isinstance(w, bool) or not isinstance(w, numbers.Integral):
+            raise TypeError(f"{side} must be an int >= 0, -1 or None, got {w!r}")
+        if not -1 <= w <= INT32_MAX:
+            raise ValueError(f"{side} must be in [0, 2**31 - 1], or -1/None for unbounded, got {w}")
+    left, right = int(left), int(right)
+    if causal:
+        right = 0
+    elif left == -1 and right == 0:
+        causal = True
+    return causal, left, right
+
+
+def backend_name(backend) -> Optional[str]:
+    """The requested backend (argument, else FLASH_ATTN_CUTE_BACKEND), None = by device."""
+    source = "backend"
+    if backend is None:
+        backend, source = os.environ.get("FLASH_ATTN_CUTE_BACKEND"), "FLASH_ATTN_CUTE_BACKEND"
+    if backend is None or (isinstance(backend, str) and backend.strip().lower() in ("", "auto")):
+        return None
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
+    name = backend.strip().lower()
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"{source} must be one of {BACKEND_NAMES} or None/'auto', got {backend!r}")
+    return name
+
+
+def check_device(tensors: dict) -> None:
+    """All tensors on one CUDA device (checked after every shape/dtype check)."""
+    device = None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if t.device.type != "cuda":
+            raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
+        if device is None:
+            device, first = t.device, name
+        elif t.device != device:
+            raise ValueError(f"{name} is on {t.device} but {first} is on {device}; all tensors "
+                             f"must be on the same device")
+
+
+def check_out(out, shape: tuple, dtype: torch.dtype, form: str):
+    if out is None:
+        return None
+    check_tensor("out", out, len(shape), form)
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"out must have shape {form} = {tuple(shape)}, got {tuple(out.shape)}")
+    check_dtype("out", out, dtype, f"{dtype} (the output dtype)")
+    return aligned("out", out)
+
+
+def qkv(q, k, v, q_form: str, kv_rank: int, k_form: str, v_form: str):
+    """Common q/k/v checks; returns (nheads, nheads_kv, d, d_v) and aligned views."""
+    check_tensor("k", k, kv_rank, k_form)
+    check_tensor("v", v, kv_rank, v_form)
+    check_dtype("q", q, SUPPORTED_DTYPES, "float16 or bfloat16")
+    check_dtype("k", k, q.dtype, f"{q.dtype} like q")
+    check_dtype("v", v, q.dtype, f"{q.dtype} like q")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k {k_form} and v {v_form} must agree on all but the last dim, got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    nheads, d = q.shape[-2], q.shape[-1]
+    nheads_kv, d_v = k.shape[-2], v.shape[-1]
+    if k.shape[-1] != d:
+        raise ValueError(f"k head dimension ({k.shape[-1]}) must equal q's ({d})")
+    if nheads_kv < 1 or nheads < 1 or nheads % nheads_kv:
+        raise ValueError(f"nheads of q ({nheads}) must be a positive multiple of nheads_kv of k/v ({nheads_kv})")
+    check_head_dim("q/k", d)
+    check_head_dim("v", d_v)
+    return nheads, nheads_kv, d, d_v, aligned("q", q), aligned("k", k), aligned("v", v)
+
+
+def user_variant(score_mod, mask_mod, aux_tensors, block_mask, opts: Options, device, *, batch: int, nheads: int,
+                 max_seqlen_q: int, max_seqlen_k: int):
+    """Validates a user variant; returns (opts, None) without one, else (opts with pack_gqa
+    decided, (spec, kernel tensors, block ranges)). A block mask supplies the mask_mod and
+    aux tensors it was built with unless they are given (the mask_mod must then be its own)."""
+    if score_mod is None and mask_mod is None and block_mask is None:
+        if aux_tensors is not None:
+            raise ValueError("aux_tensors is given without a score_mod, mask_mod or block_mask to read it")
+        return opts, None
+    from .block_mask import BlockMask
+
+    block_q, ranges = 0, None
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(f"block_mask must be a flash_attn_cute.BlockMask (create_block_mask), "
+                            f"got {type(block_mask).__name__}")
+        if mask_mod is None:
+            mask_mod = block_mask.mask_mod
+        elif mask_mod is not block_mask.mask_mod:
+            raise ValueError("mask_mod must be the function block_mask was created with (or None to use it)")
+        if aux_tensors is None:
+            aux_tensors = block_mask.aux_tensors
+        if block_mask.batch not in (1, batch) or block_mask.nheads not in (1, nheads):
+            raise ValueError(f"block_mask was built for batch {block_mask.batch} and nheads {block_mask.nheads}; "
+                             f"this call has batch {batch} and nheads {nheads} (1 = broadcast)")
+        if block_mask.seqlen_q < max_seqlen_q or block_mask.seqlen_k < max_seqlen_k:
+            raise ValueError(f"block_mask covers seqlen_q {block_mask.seqlen_q} and seqlen_k {block_mask.seqlen_k}; "
+                             f"this call needs at least {max_seqlen_q} and {max_seqlen_k}")
+        if block_mask.ranges.device != device:
+            raise ValueError(f"block_mask is on {block_mask.ranges.device}, but q is on {device}")
+        if opts.pack_gqa:
+            raise ValueError("pack_gqa=True cannot take a block_mask (its entries are per query head); "
+                             "leave pack_gqa None")
+        opts = opts._replace(pack_gqa=False)
+        block_q, ranges = block_mask.block_q, block_mask.kernel_ranges(batch, nheads)
+    if score_mod is not None and opts.softcap > 0:
+        raise ValueError("softcap and score_mod cannot be combined: apply the cap inside score_mod "
+                         "(flash_attn_cute.mods.softcap)")
+    aux = user_variants.check_aux_tensors(aux_tensors, device)
+    spec = user_variants.make_spec(score_mod, mask_mod, aux, block_q)
+    return opts, (spec, user_variants.kernel_aux(aux) + (ranges,), ranges)
+
+
+def cache_bounds(cache_seqlens: torch.Tensor, capacity: int, table, kv_shape) -> int:
+    """Refuse cache lengths outside [0, capacity] and referenced pages outside
+    [0, num_pages); returns max(cache_seqlens) (a tighter bound than the capacity, used
+    by the split heuristic). Skipped, returning the capacity, under CUDA-graph capture."""
+    if cache_seqlens.numel() == 0:
+        return 0
+    if cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+        return capacity
+    stats = list(torch.aminmax(cache_seqlens))
+    if table is not None and table.shape[1] > 0:
+        pages_used = (cache_seqlens.clamp(min=0) + kv_shape[1] - 1) // kv_shape[1]
+        used = torch.arange(table.shape[1], device=table.device)[None, :] < pages_used[:, None]
+        stats += [torch.where(used, table, 0).min(), torch.where(used, table, 0).max()]
+    lo, hi, *pages = torch.stack(stats).tolist()
+    if lo < 0 or hi > capacity:
+        what = "max_pages_per_seq * page_size" if table is not None else "max_seqlen_k (k_cache.shape[1])"
+        raise ValueError(f"cache_seqlens must lie in [0, {what} = {capacity}], got values in [{lo}, {hi}]")
+    if pages and (pages[0] < 0 or pages[1] >= kv_shape[0]):
+        raise ValueError(f"page_table entries used by cache_seqlens must lie in [0, num_pages = {kv_shape[0]}), "
+                         f"got values in [{pages[0]}, {pages[1]}]")
+    return hi

@@ -1,0 +1,12 @@
+"""Numbers that host and device code both read, with no imports: one home for each.
+
+Plain Python (importing it never loads the DSL), so the public API, the planners and the
+kernels take these from one place instead of restating them."""
+
+MAX_SPLITS = 256  # split-KV partials the combine kernel accepts
+INT32_MAX = 2**31 - 1  # kernels take lengths, windows and page ids as int32
+
+# MLA (DeepSeek V2/V3): every query head attends to one latent cache row of D_CKV values
+# (both K and V) plus D_KPE rotary values (K only).
+D_CKV, D_KPE = 512, 64
+MLA_NHEADS = (16, 32, 64, 128)  # query heads the MLA kernels pack into their M tile

@@ -1,0 +1,98 @@
+"""Compile keys: their layouts, written by the host planners and read back by the kernels.
+
+A compile key is a short tuple that is the whole identity of a binary: the JIT cache, the
+disk cache and ahead-of-time builds store a kernel under it, and a kernel module's
+``compile(key)`` rebuilds the binary from the key alone. Plain Python: the seam and the
+backends build keys without loading the DSL; the kernel modules parse them.
+
+- Forward kernels: ``make_key`` / ``parse_key`` (``("fwd_<backend>", arch, dtype, d, d_v,
+  *config fields, flags, qhead_per_kvhead_packed, is_split, has_lse, varlen_q, varlen_k,
+  has_seqused_k, paged, *backend extra)``).
+- MLA kernels: ``mla_key`` / ``parse_mla_key``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
+
+
+def target_arch(device=None) -> str:
+    """The arch kernels are compiled for: CUTE_DSL_ARCH, else that of ``device`` (default:
+    the current GPU), named the way the DSL names it. Never touches the CUDA driver when
+    the env var is set."""
+    arch = os.environ.get("CUTE_DSL_ARCH")
+    if arch:
+        return arch
+    if not torch.cuda.is_available():
+        raise RuntimeError("no GPU: set CUTE_DSL_ARCH (e.g. sm_90a) to compile without one")
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+
+
+def make_key(name: str, arch: str, dtype_name: str, d: int, d_v: int, tile: tuple, flags, qhead_per_kvhead_packed,
+             is_split, has_lse, varlen_q, varlen_k, has_seqused_k, paged, extra: tuple = ()) -> tuple:
+    """A forward compile key: ``("fwd_<name>", arch, dtype, d, d_v, *tile, flags,
+    qhead_per_kvhead_packed, is_split, has_lse, varlen_q, varlen_k, has_seqused_k, paged,
+    *extra)``; ``tile``: the static fields of the backend's config that come first (spread
+    into the key), ``extra``: the backend's own static choices, last."""
+    flags = tuple(bool(f) for f in flags[:3]) + tuple(flags[3:])  # [user variant key]
+    return (f"fwd_{name}", arch, dtype_name, d, d_v, *tile, flags, int(qhead_per_kvhead_packed),
+            bool(is_split), bool(has_lse), bool(varlen_q), bool(varlen_k), bool(has_seqused_k), bool(paged),
+            *extra)
+
+
+class KeyFields(NamedTuple):
+    """A forward compile key read back (``parse_key``)."""
+
+    arch: str
+    dtype_name: str
+    d: int
+    d_v: int
+    tile: tuple
+    flags: tuple  # (causal, local, softcap[, user variant key])
+    qhead_per_kvhead_packed: int
+    is_split: bool
+    has_lse: bool
+    varlen_q: bool
+    varlen_k: bool
+    has_seqused_k: bool
+    paged: bool
+    extra: tuple  # the backend's own fields after the common ones
+
+
+def parse_key(key: tuple, tile_len: int) -> KeyFields:
+    """``make_key``'s inverse, for a backend whose key tile has ``tile_len`` fields."""
+    rest = 5 + tile_len
+    return KeyFields(*key[1:5], tuple(key[5:rest]), *key[rest:rest + 8], tuple(key[rest + 8:]))
+
+
+def mla_key(name: str, arch: str, dtype_name: str, nheads: int, causal: bool, is_split: bool, has_lse: bool,
+            config: tuple) -> tuple:
+    """An MLA compile key: ``("mla_<name>", arch, dtype, nheads, causal, is_split, has_lse,
+    *config)``, ``config`` in the backend's key form."""
+    return (f"mla_{name}", arch, dtype_name, int(nheads), bool(causal), bool(is_split), bool(has_lse), *config)
+
+
+class MlaKeyFields(NamedTuple):
+    arch: str
+    dtype_name: str
+    nheads: int
+    causal: bool
+    is_split: bool
+    has_lse: bool
+    config: tuple
+
+
+def parse_mla_key(key: tuple) -> MlaKeyFields:
+    """``mla_key``'s inverse."""
+    return MlaKeyFields(*key[1:7], tuple(key[7:]))
+
+
+def combine_key(out_dtype_name: str, head_dim_v: int, has_lse: bool, arch: str) -> tuple:
+    """The split-KV combine kernel's key (``combine.compile_combine``)."""
+    return ("combine", out_dtype_name, head_dim_v, has_lse, arch)

@@ -1,0 +1,138 @@
+"""The problem kinds the seam (``fwd.py``) dispatches, and the plan a backend makes of one.
+
+A problem describes one call without its tensors (hashable: it keys the plan cache); a
+backend's ``plan`` turns it into a ``FwdPlan`` holding every choice the compile key reads.
+Each kind states the shapes of its split-KV partials (``partial_shapes``) so that the seam
+allocates and combines them the same way for every kind. Plain Python (no DSL).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .constants import D_CKV, D_KPE
+
+
+def _partials(num_splits: int, out_shape: tuple, lse_shape: tuple) -> tuple:
+    return (num_splits, *out_shape), (num_splits, *lse_shape)
+
+
+class FwdProblem(NamedTuple):
+    """One forward call (``flash_attn_func`` / ``_varlen_func`` / ``_with_kvcache``).
+
+    ``max_seqlen_k`` is the bound the planner may assume (the cache capacity when the
+    per-sequence lengths live on the device); ``page_size`` is 0 without a page table."""
+
+    dtype: torch.dtype
+    batch: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    nheads: int
+    nheads_kv: int
+    d: int
+    d_v: int
+    softmax_scale: float
+    causal: bool  # bottom-right causal; with a left window it is local with window_right 0
+    window_left: int  # -1: unbounded
+    window_right: int  # -1: unbounded (0 under causal)
+    softcap: float  # 0: off
+    varlen_q: bool
+    varlen_k: bool
+    has_seqused_k: bool
+    page_size: int  # 0: not paged
+    has_lse: bool
+    variant: Optional[object] = None  # user_variants.VariantSpec (score_mod / mask_mod / block mask)
+
+    kind = "fwd"
+
+    @property
+    def qhead_per_kvhead(self) -> int:
+        return self.nheads // self.nheads_kv
+
+    @property
+    def local(self) -> bool:
+        """A bounded window other than plain causal (kernels then take the Local variant)."""
+        return self.window_left >= 0 or (self.window_right >= 0 and not self.causal)
+
+    @property
+    def paged(self) -> bool:
+        return self.page_size > 0
+
+    @property
+    def variant_flags(self) -> tuple:
+        """(causal, local, softcap) as the kernels' variants take them (local wins over
+        causal), then the user variant's key when there is one."""
+        flags = (self.causal and not self.local, self.local, self.softcap > 0)
+        return flags if self.variant is None else flags + (self.variant.key,)
+
+    def lse_shape(self, out_shape: tuple) -> tuple:
+        """LSE ``(nheads, total_q)`` for packed queries, else ``(batch, nheads, seqlen_q)``."""
+        if self.varlen_q:
+            return out_shape[1], out_shape[0]
+        return out_shape[0], out_shape[2], out_shape[1]
+
+    def partial_shapes(self, num_splits: int, out_shape: tuple) -> tuple:
+        """(O partials, LSE partials): a leading split mode on out and lse, fp32."""
+        return _partials(num_splits, out_shape, self.lse_shape(out_shape))
+
+    def combine_views(self, out_partial, lse_partial, out, lse) -> tuple:
+        """The partials and outputs in the combine kernel's batched contract: packed query
+        rows are one sequence of batch 1."""
+        if not self.varlen_q:
+            return out_partial, lse_partial, out, lse
+        return (out_partial.unsqueeze(1), lse_partial.unsqueeze(1), out.unsqueeze(0),
+                None if lse is None else lse.unsqueeze(0))
+
+
+class MlaProblem(NamedTuple):
+    """One MLA decode call (``flash_mla_decode``). A kind of its own rather than a
+    ``FwdProblem`` with d = 576: a forward backend must never see it (the SM80 forward
+    would run it as 576-wide GQA, reading K and V as separate tensors), and windows,
+    softcap and varlen mean nothing here. ``max_seqlen_k`` is the cache capacity
+    (``max_pages_per_seq * page_size``): the lengths live on the device."""
+
+    dtype: torch.dtype
+    batch: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    nheads: int
+    page_size: int
+    softmax_scale: float
+    causal: bool  # bottom-right aligned
+    has_lse: bool
+
+    kind = "mla"
+    nheads_kv = 1  # one latent cache shared by every head
+    d = D_CKV + D_KPE
+    d_v = D_CKV
+
+    def lse_shape(self, out_shape: tuple) -> tuple:
+        return out_shape[0], out_shape[2], out_shape[1]
+
+    def partial_shapes(self, num_splits: int, out_shape: tuple) -> tuple:
+        return _partials(num_splits, out_shape, self.lse_shape(out_shape))
+
+    def combine_views(self, out_partial, lse_partial, out, lse) -> tuple:
+        return out_partial, lse_partial, out, lse
+
+
+class FwdPlan(NamedTuple):
+    """What a backend decided for a problem: all the compile key reads beside the problem.
+
+    ``config`` is the backend's own named tuple (``Sm80Config``, ``Sm90Config``,
+    ``Sm100Config``, ``MlaSm80Config``, ``MlaSm90Config``): tiles, stages, warp counts and
+    every other static choice."""
+
+    backend: str
+    config: tuple
+    pack_gqa: bool
+    num_splits: int
+
+    def qhead_per_kvhead_packed(self, problem) -> int:
+        """Rows per query position in the M tile: the GQA ratio when packed, else 1 (MLA
+        always packs its query heads)."""
+        if problem.kind == "mla":
+            return problem.nheads
+        return problem.qhead_per_kvhead if self.pack_gqa else 1

@@ -1,0 +1,181 @@
+"""Static configuration of the SM90 kernels, in plain Python (no DSL import): the forward
+kernel's warp roles and register budgets, its tile table and fit rules, and the MLA
+kernel's roles. The host planner (``sm90/__init__.py``, ``sm90/mla.py``) and the CPU tests
+use it without compiling anything; the kernels read their roles from here."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..constants import D_CKV, D_KPE
+
+SMEM_LIMIT = 227 * 1024  # sm_90 opt-in shared memory per block
+
+
+def smem_bytes(d, dv, tile_m, tile_n, stages, elem=2):
+    return elem * (tile_m * d + stages * tile_n * (d + dv)) + 1024
+
+
+def select_tile(d: int, dv: int, rows_per_kv_head: int, *, causal: bool = False, local: bool = False,
+                page_size: Optional[int] = None, override: Optional[str] = None):
+    """(tile_m, tile_n, num_stages, ex2_emulate_every). tile_m / 64 consumer warpgroups,
+    each holding a 64 x tile_n S, its P and a 64 x d_v O in registers; stages of K and V
+    in smem; every ex2_emulate_every-th exponential on the FMA pipe (0: none).
+    ``override`` "m,n,stages[,ex2]" (``tuning.Tuning.sm90_tile``) replaces it (tuning sweeps).
+    With a paged cache, tile_n divides the page size where a divisor >= 64 exists (one TMA
+    per block, inside one page); other page sizes keep the tile and gather rows
+    (``gathers_kv``)."""
+    if override:
+        m, n, s, *e = (int(x) for x in override.split(","))
+        return m, n, s, (e[0] if e else 0)
+    dmax = max(d, dv)
+    if rows_per_kv_head <= 64:
+        # Decode-shaped: one consumer warpgroup, deeper KV pipeline (more bytes in flight).
+        tile = (64, 128, 3) if dmax <= 128 else (64, 80, 2)
+    elif dmax <= 64:
+        tile = (192, 128, 2)
+    elif dmax <= 128:
+        tile = (128, 128, 2)
+    elif d <= 192 and dv <= 128:
+        tile = (128, 96 if local else 128, 2)
+    elif dmax <= 192:
+        tile = (128, 96 if local else 112, 2)
+    else:
+        tile = (128, 64, 2)  # 64 measured faster than 80 on the H200 (690 vs 675 TFLOP/s, b4 s8192)
+    if page_size is not None:
+        m, n, s = tile
+        tile = (m, next((t for t in range(n, 63, -16) if page_size % t == 0), n), s)
+    m, n, s = tile
+    while s > 2 and smem_bytes(d, dv, m, n, s) > SMEM_LIMIT:
+        s -= 1
+    return m, n, s, 0
+
+
+def gathers_kv(tile_n: int, page_size: int) -> bool:
+    """Whether a paged cache (page_size > 0) is read by cp.async row gathers: its pages
+    do not hold whole tile_n blocks, so no TMA box spans one."""
+    return page_size > 0 and page_size % tile_n != 0
+
+
+def persistent_fits(d: int, dv: int, tile: tuple, pack: int, varlen_q: bool, is_split: bool,
+                    gather_kv: bool) -> bool:
+    """Whether a persistent kernel fits: where O leaves by TMA (batch tensors, unpacked,
+    unsplit) it needs its own shared-memory buffer next to Q, K and V (``separate_o``);
+    d >= 192 tiles have no room for it. The tile loop's live values do not fit the
+    registers of three consumer warpgroups (d <= 64, 160 registers each: 67 local-memory
+    accesses, 0 one CTA per tile), nor those of a gathering producer at 40 (two consumer
+    warpgroups: 10, 2 one CTA per tile). Those stay one CTA per tile."""
+    m, n, stages = tile[:3]
+    if m // 64 >= 3 or (gather_kv and m // 64 >= 2):
+        return False
+    uses_tma_o = pack == 1 and not varlen_q and not is_split
+    return smem_bytes(d, dv, m, n, stages) + (2 * m * dv if uses_tma_o else 0) <= SMEM_LIMIT
+
+
+def unsupported_reason(d: int, dv: int) -> Optional[str]:
+    """Why the SM90 kernel cannot run a problem (None when it can); the caller falls back.
+    Every page size runs: by TMA per block, or by row gathers."""
+    if d % 16 or dv % 16 or d > 256 or dv > 256 or d < 16 or dv < 16:
+        return f"SM90 kernel needs head dims that are multiples of 16 up to 256, got ({d}, {dv})"
+    return None
+
+
+@dataclass(frozen=True)
+class WarpRoles:
+    """Warp roles and their register budgets (setmaxnreg). The producer warpgroup only
+    issues TMA from one thread, so it gives its registers to the consumers, which hold
+    S, P and O in registers. Budgets sum to at most 64K registers per CTA."""
+
+    num_consumer_wgs: int
+    producer_regs: int
+    consumer_regs: int
+    gather_kv: bool  # every producer warp gathers KV rows by cp.async (else warp 0 issues TMA)
+
+    @staticmethod
+    def for_consumers(num_consumer_wgs: int, gather_kv: bool = False) -> "WarpRoles":
+        # A gathering producer holds a page and a row per gathered row (8 of each at
+        # tile_n 128) to overlap their lookups: with one consumer warpgroup the register
+        # file has room for 96 (56 spilled); with two, 40, paid for by the consumers
+        # (240 -> 232). The launch gives every thread 65536 / threads registers, the pool
+        # setmaxnreg redistributes: producer + consumers <= 512, 504, 512 for 1, 2, 3.
+        regs = {1: (96 if gather_kv else 56, 256), 2: (40, 232) if gather_kv else (24, 240),
+                3: (32, 160)}[num_consumer_wgs]
+        return WarpRoles(num_consumer_wgs, *regs, gather_kv)
+
+    @property
+    def producer_warps(self):
+        return (0, 1, 2, 3)  # warpgroup 0
+
+    @property
+    def num_producer_threads(self) -> int:
+        return 128
+
+    @property
+    def num_consumer_threads(self) -> int:
+        return 128 * self.num_consumer_wgs
+
+    @property
+    def num_threads(self) -> int:
+        return 128 * (1 + self.num_consumer_wgs)
+
+
+QK_MODES = ("one", "split")
+
+
+@dataclass(frozen=True)
+class MlaRoles:
+    """Static warp roles, tiles and register budgets (setmaxnreg)."""
+
+    tile_m: int = 64  # packed rows: one wgmma M
+    tile_n: int = 32  # keys per stage
+    stages: int = 4  # 3 with qk="split" (its S exchange takes the fourth's smem)
+    num_consumer_wgs: int = 2  # each owns D_CKV / num_consumer_wgs output columns
+    producer_regs: int = 40
+    consumer_regs: int = 232
+    # How the consumer warpgroups share S = Q K^T.
+    # "one": warpgroup 0 computes all of S and the softmax, and hands P (bf16, written over
+    #   the stage's kpe rows, which only S reads) and the row corrections to warpgroup 1
+    #   through shared memory; 4 stages. See the module docstring.
+    # "split": each computes S over half of the k16 slices and the fp32 halves are summed
+    #   through a 2 x 2 x 8 KB exchange; both run the softmax; 3 stages.
+    # H200, 2026-11-29, bf16, 64 heads, page 1: "one" 3.06 against 2.96 TB/s at 768 x 2048,
+    # 3.08 against 2.94 at 768 x 1024 (both modes pass every GPU test).
+    qk: str = "one"
+
+    @property
+    def producer_threads(self) -> int:
+        return 128
+
+    @property
+    def consumer_threads(self) -> int:
+        return 128 * self.num_consumer_wgs
+
+    @property
+    def threads(self) -> int:
+        return self.producer_threads + self.consumer_threads
+
+    @property
+    def o_cols(self) -> int:
+        return D_CKV // self.num_consumer_wgs
+
+    @property
+    def xchg_words(self) -> int:
+        """fp32 words exchanged between the consumer warpgroups. "split": S per thread x 128
+        threads x 2 warpgroups x 2 buffers. "one": a row correction per row and stage, then
+        the final 1 / row sum."""
+        return 4 * self.tile_m * self.tile_n if self.qk == "split" else self.tile_m * (self.stages + 1)
+
+    def smem_bytes(self, elem: int = 2) -> int:
+        """Q, the stages, the exchange, and 4 KB for the mbarriers and alignment."""
+        return elem * (self.tile_m + self.stages * self.tile_n) * (D_CKV + D_KPE) + 4 * self.xchg_words + 4 * 1024
+
+    def __post_init__(self):
+        # The launch gives each thread 65536 / 384 registers; setmaxnreg moves them around
+        # within the warpgroups' sum (per-warpgroup budgets of 128 threads).
+        assert self.qk in QK_MODES, self.qk
+        assert self.producer_regs + self.num_consumer_wgs * self.consumer_regs <= 512
+        assert self.tile_m == 64 and self.tile_n % 16 == 0 and self.o_cols <= 256
+        assert self.o_cols * self.tile_m // 128 + 40 <= self.consumer_regs, "O half + S, P, stats"
+        # "one": P (tile_m x tile_n) lives in a stage's kpe rows (tile_n x D_KPE), same
+        # size and stage stride; exactly one warpgroup computes S, the other only P V.
+        assert self.qk == "split" or (self.tile_m == D_KPE and self.num_consumer_wgs == 2)
+        assert self.smem_bytes() <= SMEM_LIMIT

@@ -1,0 +1,51 @@
+"""Tuning overrides: explicit arguments to the backends' ``plan``, read from the environment
+once per call at the API edge and part of both caches' keys.
+
+A planner never reads the environment: ``plan(problem, num_splits, pack_gqa, num_sms,
+tuning)`` gets a ``Tuning`` value, so the plan (and the compile key built from it) is a pure
+function of its arguments, and a changed knob is a different per-call cache entry and a
+different plan-cache entry (a tile sweep that sets a knob per iteration measures each tile).
+
+A new knob: a field here, its variable in ``_ENV``, and the read in the backend's ``plan``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple, Optional
+
+
+class Tuning(NamedTuple):
+    """Raw override strings (None: the planner's own choice); each backend parses its own."""
+
+    sm80_tile: Optional[str] = None  # "m,n,warps,q_in_regs"
+    sm90_tile: Optional[str] = None  # "m,n,stages[,ex2_emulate_every]"
+    sm90_persistent: Optional[str] = None  # "0" / "1" (where it fits)
+    mla_stages: Optional[str] = None  # SM80 MLA pipeline depth: "2" / "3"
+    mla_sm90_qk: Optional[str] = None  # SM90 MLA Q K^T sharing: "one" / "split"
+
+
+NO_TUNING = Tuning()
+
+_ENV = ("FLASH_ATTN_CUTE_BACKEND", "FLASH_ATTN_CUTE_SM80_TILE", "FLASH_ATTN_CUTE_SM90_TILE",
+        "FLASH_ATTN_CUTE_SM90_PERSISTENT", "FLASH_ATTN_CUTE_MLA_STAGES", "FLASH_ATTN_CUTE_MLA_SM90_QK")
+# os.environ.get encodes its key on every call: 10 us for these six on the CI machine.
+# CPython's POSIX environ keeps a dict of bytes, read here with pre-encoded keys (0.5 us).
+_ENV_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None
+_ENV_BYTES = tuple(os.environ.encodekey(k) for k in _ENV) if _ENV_DATA is not None else None
+
+
+def env_knobs() -> tuple:
+    """The raw values of every knob variable (FLASH_ATTN_CUTE_BACKEND first), as the
+    per-call cache keys them: one read per call."""
+    if _ENV_DATA is not None:
+        return tuple(v if v is None else os.environ.decodevalue(v) for v in map(_ENV_DATA.get, _ENV_BYTES))
+    return tuple(map(os.environ.get, _ENV))
+
+
+def from_env(knobs: Optional[tuple] = None) -> Tuning:
+    """The overrides of ``env_knobs()`` (read now when not given)."""
+    values = env_knobs() if knobs is None else knobs
+    if not any(values[1:]):
+        return NO_TUNING
+    return Tuning(*(v or None for v in values[1:]))
