@@ -122,7 +122,7 @@ def main(argv=None):
     out_ref, _ = attention_kvcache_ref(q, k_cache, v_cache, cache_seqlens, page_table)
     out_pt, _ = attention_kvcache_ref(q, k_cache, v_cache, cache_seqlens, page_table, upcast=False)
 
-    flops = 4 * B * Q * K * H * D
+    flops = common.attention_flops(B, H, Q, K, D)
     nbytes = 2 * B * K * hkv * D * q.element_size()
     bench_type = f"decode_{'paged' + str(page_size) if page_size else 'contiguous'}"
     base = dict(benchmark_type=bench_type, B=B, Q=Q, K=K, H=H, D=D, kvheads_per_group=H // hkv,

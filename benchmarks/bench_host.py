@@ -4,6 +4,8 @@ A serving engine calls attention once per layer per decode step with tiny batche
 the time Python spends before the launch matters as much as the kernel. Problem: warm
 caches, b1, one query, 512 cached keys, 32 query / 8 KV heads, d128, bf16.
 
+``flash_mla_decode`` (64 heads, page 64) is timed the same way, beside them.
+
 Each call is timed on the host only: ``calls`` back-to-back calls (no synchronisation
 inside; the kernels are shorter than the host path, so the launch queue never fills)
 timed with ``time.perf_counter``, then one synchronisation outside the timed region;
@@ -86,6 +88,22 @@ def main(argv=None):
             (f"ours_{backend}", "flash_attn_with_kvcache check_cache_bounds=True",
              lambda b=backend: fa.flash_attn_with_kvcache(q, k, v, seqlens, backend=b, check_cache_bounds=True)),
         ]
+    # flash_mla_decode through the same seam and per-call cache: 64 heads, b4 x 512 (one
+    # launch) and b1 x 32768 (split-KV: the kernel, then the combine).
+    from flash_attn_cute import fwd
+
+    cap = torch.cuda.get_device_capability()
+    for mla_batch, mla_len in ((4, 512), (1, 32768)):
+        pages = mla_batch * mla_len // page
+        q_nope, q_pe = randn(mla_batch, 1, 64, 512, dtype=dtype), randn(mla_batch, 1, 64, 64, dtype=dtype)
+        ckv, kpe = randn(pages, page, 512, dtype=dtype), randn(pages, page, 64, dtype=dtype)
+        mla_table = torch.arange(pages, dtype=torch.int32, device=common.DEVICE).view(mla_batch, -1)
+        mla_lens = torch.full((mla_batch,), mla_len, dtype=torch.int32, device=common.DEVICE)
+        for backend in sorted(fwd.MLA_BACKENDS):
+            if fwd.backend_module(backend, "mla").runs_on(cap):
+                mla_args = (q_nope, q_pe, ckv, kpe, mla_lens, mla_table)
+                cases.append((f"ours_{backend}", f"flash_mla_decode b{mla_batch} x {mla_len} page {page}",
+                              lambda b=backend, a=mla_args: fa.flash_mla_decode(*a, backend=b)))
     fa4, why = load_fa4()
     if fa4 is not None:
         cases.append(("fa4", "flash_attn_func", lambda: fa4.flash_attn_func(q, k, v)))

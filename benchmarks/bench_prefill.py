@@ -22,8 +22,8 @@ import math
 import os
 import sys
 
-from common import UNAVAILABLE, append_results_md, bench, check_correct, error_text, load_fa4, our_backends, \
-    parse_dtype, print_exception, print_table, randn, sdpa, write_csv
+from common import UNAVAILABLE, append_results_md, attention_flops, bench, check_correct, error_text, load_fa4, \
+    our_backends, parse_dtype, print_exception, print_table, randn, sdpa, write_csv
 
 COLUMNS = ["impl", "causal", "B", "S", "H", "D", "avg_ms", "tflops", "ratio_vs_best_peer", "correct"]
 IMPLS = ["ours", "sdpa_flash", "sdpa_cudnn", "fa4", "cutlass_fa2_example"]
@@ -129,7 +129,7 @@ def main(argv=None):
             sl = (slice(0, 1), slice(None), slice(0, REF_HEADS))
             out_ref, _ = attention_ref(q[sl], k[sl], v[sl], causal=causal)
             out_pt, _ = attention_ref(q[sl], k[sl], v[sl], causal=causal, upcast=False)
-            flops = 4 * B * H * S * S * D / (2 if causal else 1)
+            flops = attention_flops(B, H, S, S, D, causal=causal)
             group = []
             where = f"D={D}{' causal' if causal else ''}"
 

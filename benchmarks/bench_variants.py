@@ -130,7 +130,7 @@ def main(argv=None):
         torch.manual_seed(0)
         q, k, v = (randn(B, S, H, D, dtype=torch.bfloat16) for _ in range(3))
         variant = variant_defs(name, B, H, S, fa)
-        flops = 4 * D * kept_pairs(variant.mask_mod, B, H, S, variant.aux)
+        flops = common.attention_flops(1, 1, 1, kept_pairs(variant.mask_mod, B, H, S, variant.aux), D)
         impls = []  # FlexAttention first: the reference of the "correct" column
         if not args.no_flex:
             impls.append(("flex_attention", lambda: flex_fn(q, k, v, variant, B, S)))

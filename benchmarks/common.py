@@ -180,6 +180,13 @@ def sdpa(q, k, v, *, backend, causal=False, scale=None):
     return fn, note
 
 
+def attention_flops(batch, nheads, seqlen_q, seqlen_k, d, d_v=None, causal=False):
+    """FLOPs of forward attention: two GEMMs (Q K^T and P V), 2 FLOPs per multiply-add;
+    causal (square) halves them, as FA3/FA4 count."""
+    flops = 2 * batch * nheads * seqlen_q * seqlen_k * (d + (d if d_v is None else d_v))
+    return flops / 2 if causal else flops
+
+
 # ----------------------------------------------------------------------------- output
 
 def write_csv(path, columns, rows):

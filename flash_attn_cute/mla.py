@@ -111,6 +111,8 @@ def flash_mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_tab
     q_nope, q_pe, ckv_cache, kpe_cache, out, scale, num_splits, name = _validate(
         q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, softmax_scale, causal, num_splits, out,
         backend)
+    # Cacheable when validation handed the tensors through unchanged (checked before out is allocated).
+    fast_key = call_cache.same(key, inputs, (q_nope, q_pe, ckv_cache, kpe_cache, out))
     batch, seqlen_q, nheads, _ = q_nope.shape
     out_shape, lse_shape = (batch, seqlen_q, nheads, D_CKV), (batch, nheads, seqlen_q)
     if out is None:
@@ -126,6 +128,5 @@ def flash_mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_tab
                          page_size=ckv_cache.shape[1], softmax_scale=scale, causal=causal, has_lse=bool(return_lse))
     resolved = fwd.resolve(problem, name, num_splits, None, q_nope.device, tuning.from_env())
     fwd.run_resolved(resolved, problem, (q_nope, q_pe, ckv_cache, kpe_cache), out, lse, (cache_seqlens, page_table))
-    call_cache.store(call_cache.same(key, inputs, (q_nope, q_pe, ckv_cache, kpe_cache, out)),
-                     call_cache.Entry(problem, resolved, out_shape, lse_shape))
+    call_cache.store(fast_key, call_cache.Entry(problem, resolved, out_shape, lse_shape))
     return (out, lse) if return_lse else out

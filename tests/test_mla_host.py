@@ -1,6 +1,8 @@
 """CPU tests of ``flash_mla_decode``'s host side: validation (every error names its
 argument, before any launch), the MLA seam's planning and backend registry. No GPU."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -169,3 +171,23 @@ def test_sm90_seam_key_roles_and_selection(monkeypatch):
         MlaRoles(stages=5)  # 5 stages: over 227 KB
     with pytest.raises(AssertionError):
         MlaRoles(consumer_regs=240, producer_regs=40)  # over the 512-register pool
+
+
+def test_repeated_call_skips_validation_and_planning(fake_device, monkeypatch):
+    # A decode loop: the second call with the same shapes replays the cached entry (no
+    # validation, no planning); out=None must not defeat the cache.
+    launched, validated = [], []
+    fake = SimpleNamespace(AUTO=True, runs_on=lambda cap: True, check=lambda p: None,
+                           plan=fwd.backend_module("sm80", "mla").plan,
+                           launcher=lambda problem, plan, device=None: (lambda *t: launched.append(t)))
+    fake_device(lambda name, kind="fwd": fake)
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    real_validate = mla._validate
+    monkeypatch.setattr(mla, "_validate", lambda *a: validated.append(1) or real_validate(*a))
+    args = inputs()
+    for _ in range(3):
+        out = flash_mla_decode(**args, num_splits=1)
+        assert out.shape == (2, 1, 16, 512)
+    assert len(validated) == 1 and len(launched) == 3
+    flash_mla_decode(**args, num_splits=1, causal=True)  # another call: validated and planned again
+    assert len(validated) == 2

@@ -1,0 +1,133 @@
+"""CPU tests of the seam every kernel family shares (``fwd.py``): one registry per problem
+kind, tuning overrides as explicit plan arguments that are part of both caches' keys, one
+``clear`` for every cache, and the host/device line (import without the DSL)."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flash_attn_cute import call_cache, fwd, mla, sm80, sm90, tuning
+from flash_attn_cute.problems import FwdProblem, MlaProblem
+from flash_attn_cute.tuning import Tuning
+
+PACKAGE = Path(__file__).resolve().parents[1] / "flash_attn_cute"
+BF16 = torch.bfloat16
+
+
+def _problem(**kw):
+    base = dict(dtype=BF16, batch=2, max_seqlen_q=4096, max_seqlen_k=4096, nheads=16, nheads_kv=16, d=128, d_v=128,
+                softmax_scale=0.1, causal=False, window_left=-1, window_right=-1, softcap=0.0, varlen_q=False,
+                varlen_k=False, has_seqused_k=False, page_size=0, has_lse=False)
+    return FwdProblem(**{**base, **kw})
+
+
+def test_import_does_not_load_the_dsl():
+    # The backends plan in plain Python; the DSL loads when a kernel is first compiled.
+    code = ("import sys, time; import torch; t = time.perf_counter(); import flash_attn_cute; "
+            "print(time.perf_counter() - t, 'cutlass' in sys.modules)")
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+            for _ in range(3)]
+    assert all(loaded == "False" for _, loaded in runs)
+    assert min(float(seconds) for seconds, _ in runs) < 0.3  # beyond torch (0.05-0.09 s measured)
+
+
+# Modules that run on the device (or compile for it) must not reach back into the seam or
+# the public API: the floors stay host (API, seam, backend plans) above device helpers.
+HOST_ONLY = {"fwd", "interface", "mla", "checks", "call_cache", "backend_kit", "aot", "ops"}
+DEVICE_MODULES = ["fwd_kernel.py", "combine.py", "sm80/flash_fwd.py", "sm80/mla_decode.py", "sm90/flash_fwd.py",
+                  "sm90/mla_decode.py", "sm100/flash_fwd.py"]
+
+
+@pytest.mark.parametrize("path", DEVICE_MODULES)
+def test_device_code_does_not_import_the_seam(path):
+    tree = ast.parse((PACKAGE / path).read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            imported |= {node.module.split(".")[-1]} | {a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[-1] for a in node.names}
+    assert not imported & HOST_ONLY, imported & HOST_ONLY
+
+
+def test_registries_per_kind():
+    assert fwd.REGISTRIES == {"fwd": fwd.BACKENDS, "mla": fwd.MLA_BACKENDS} and mla.MLA_BACKENDS is fwd.MLA_BACKENDS
+    assert fwd.candidates("fwd", (9, 0)) == ["sm90", "sm80"] and fwd.candidates("fwd", (12, 0)) == ["sm80"]
+    assert fwd.candidates("mla", (9, 0)) == ["sm90", "sm80"] and fwd.candidates("mla", (8, 6)) == []
+    # The plan holds every choice: the key reads only (problem, plan).
+    mla_problem = MlaProblem(dtype=BF16, batch=4, max_seqlen_q=1, max_seqlen_k=8192, nheads=64, page_size=64,
+                             softmax_scale=576 ** -0.5, causal=False, has_lse=False)
+    for kind, problem in (("fwd", _problem()), ("mla", mla_problem)):
+        for name in fwd.REGISTRIES[kind]:
+            module = fwd.backend_module(name, kind)
+            if module.check(problem) is not None:
+                continue
+            plan = module.plan(problem, 0, None, 132, arch="sm_90a")
+            assert plan.backend == name and isinstance(plan.config, tuple) and hasattr(plan.config, "_fields")
+            assert module.compile_key(problem, plan, "sm_90a")[0] == f"{kind}_{name}"
+
+
+def test_tuning_overrides_are_plan_arguments():
+    p = _problem()
+    assert sm80.plan(p, 1, None, None).config == (128, 64, 4, False)
+    tiled = sm80.plan(p, 1, None, None, tuning=Tuning(sm80_tile="64,128,4,1"))
+    assert tiled.config == (64, 128, 4, True)
+    assert sm80.compile_key(p, tiled, "sm_90a") != sm80.compile_key(p, sm80.plan(p, 1, None, None), "sm_90a")
+    assert sm90.plan(p, 1, None, None, tuning=Tuning(sm90_tile="128,96,2")).config[:4] == (128, 96, 2, 0)
+    window = _problem(window_left=512)
+    assert sm90.plan(window, 1, None, None).config.persistent
+    assert not sm90.plan(window, 1, None, None, tuning=Tuning(sm90_persistent="0")).config.persistent
+    assert sm90.plan(p, 1, None, None, tuning=Tuning(sm90_persistent="1")).config.persistent
+
+
+def test_env_knobs_are_read_at_the_edge(monkeypatch):
+    for name in tuning._ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert tuning.from_env() == tuning.NO_TUNING and tuning.env_knobs() == (None,) * len(tuning._ENV)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_SM80_TILE", "64,64,4,0")
+    monkeypatch.setenv("FLASH_ATTN_CUTE_MLA_SM90_QK", "split")
+    assert tuning.from_env() == Tuning(sm80_tile="64,64,4,0", mla_sm90_qk="split")
+    assert tuning.env_knobs()[1] == "64,64,4,0"
+
+
+def test_a_knob_changed_between_calls_is_a_new_plan(fake_device, monkeypatch):
+    # bench_tiles sets FLASH_ATTN_CUTE_SM80_TILE per iteration: each tile must be planned,
+    # compiled and launched, not the first one replayed from the per-call cache.
+    launched = []
+
+    def launcher(problem, plan, device=None):
+        return lambda *tensors: launched.append(plan.config)
+
+    fake = SimpleNamespace(AUTO=True, runs_on=sm80.runs_on, check=sm80.check, plan=sm80.plan, launcher=launcher)
+    fake_device(lambda name, kind="fwd": fake)
+    from flash_attn_cute import flash_attn_func
+
+    q = k = v = torch.randn(1, 256, 2, 64, dtype=BF16)
+    for tile in ("128,64,4,0", "64,64,4,1", "128,128,8,0", "64,64,4,1"):
+        monkeypatch.setenv("FLASH_ATTN_CUTE_SM80_TILE", tile)
+        flash_attn_func(q, k, v, backend="sm80")
+    monkeypatch.delenv("FLASH_ATTN_CUTE_SM80_TILE")
+    flash_attn_func(q, k, v, backend="sm80")
+    assert launched == [(128, 64, 4, False), (64, 64, 4, True), (128, 128, 8, False), (64, 64, 4, True),
+                        sm80.plan(_problem(d=64, d_v=64, max_seqlen_q=256), 1, None, None).config]
+
+
+def test_one_clear_for_every_cache(fake_device, monkeypatch):
+    launcher = lambda problem, plan, device=None: (lambda *tensors: None)
+    fakes = {kind: SimpleNamespace(AUTO=True, runs_on=lambda cap: True, check=lambda p: None,
+                                   plan=fwd.backend_module("sm80", kind).plan, launcher=launcher)
+             for kind in ("fwd", "mla")}
+    fake_device(lambda name, kind="fwd": fakes[kind])
+    mla_problem = MlaProblem(dtype=BF16, batch=4, max_seqlen_q=1, max_seqlen_k=8192, nheads=64, page_size=64,
+                             softmax_scale=576 ** -0.5, causal=False, has_lse=False)
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    fwd.resolve(mla_problem, None, 1, None, "cuda:0")
+    fwd.resolve(_problem(), None, 1, None, "cuda:0")
+    assert len(fwd._plan_cache) == 2
+    call_cache.clear()
+    assert not fwd._plan_cache
