@@ -17,6 +17,19 @@ from .problems import FwdPlan, FwdProblem, MlaProblem
 NO_VARIANT = (None,) * 5
 
 
+# Problem features a forward kernel must implement explicitly: (field, what it is).
+FEATURES = (("has_sink", "learnable_sink"), ("has_seqused_q", "seqused_q"), ("batch_invariant", "batch_invariant"))
+
+
+def feature_refusal(problem: FwdProblem, supported: frozenset) -> Optional[str]:
+    """Why a backend implementing ``supported`` (names of ``FEATURES``) cannot run the
+    problem's features (None: it can)."""
+    for field, name in FEATURES:
+        if getattr(problem, field) and name not in supported:
+            return f"{name} is not implemented by this kernel"
+    return None
+
+
 def plan_rows(problem: FwdProblem, pack_gqa: Optional[bool], tile_m: int = 128, packable: bool = True) -> tuple:
     """(pack_gqa, rows per KV head group): ``pack_gqa`` None takes FA3's rule on a
     ``tile_m``-row tile; packing needs GQA and a ratio the backend can pack."""

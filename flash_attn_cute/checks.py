@@ -109,6 +109,22 @@ def page_table(table, batch: int, page_size: int, cache_name: str) -> None:
         raise ValueError(f"page_size ({cache_name}.shape[1]) must be >= 1")
 
 
+SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def learnable_sink(sink, nheads: int) -> None:
+    """``(nheads,)`` float32/bfloat16/float16, contiguous: one logit per query head."""
+    if sink is None:
+        return
+    check_tensor("learnable_sink", sink, 1, "(nheads,)")
+    if sink.shape[0] != nheads:
+        raise ValueError(f"learnable_sink must have shape (nheads,) = ({nheads},) (one logit per query head), "
+                         f"got {tuple(sink.shape)}")
+    check_dtype("learnable_sink", sink, SINK_DTYPES, "float32, bfloat16 or float16")
+    if nheads > 1 and sink.stride(0) != 1:
+        raise ValueError(f"learnable_sink must be contiguous, got stride {sink.stride()}")
+
+
 class Options(NamedTuple):
     softmax_scale: float
     softcap: float
@@ -118,9 +134,11 @@ class Options(NamedTuple):
     pack_gqa: Optional[bool]
     num_splits: int
     backend: Optional[str]
+    batch_invariant: bool = False
 
 
-def options(d: int, scale, causal, window_size, softcap, num_splits, pack_gqa, backend) -> Options:
+def options(d: int, scale, causal, window_size, softcap, num_splits, pack_gqa, backend,
+            batch_invariant=False) -> Options:
     """Validate and normalise the keyword arguments shared by the forward entry points."""
     scale = softmax_scale(scale, d ** -0.5)
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
@@ -130,8 +148,10 @@ def options(d: int, scale, causal, window_size, softcap, num_splits, pack_gqa, b
     causal, window_left, window_right = normalize_window(causal, window_size)
     if pack_gqa is not None and not isinstance(pack_gqa, bool):
         raise TypeError(f"pack_gqa must be True, False or None (auto), got {pack_gqa!r}")
+    if not isinstance(batch_invariant, bool):
+        raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__}")
     return Options(scale, float(softcap), causal, window_left, window_right, pack_gqa,
-                   int_arg("num_splits", num_splits, 0, MAX_SPLITS), backend_name(backend))
+                   int_arg("num_splits", num_splits, 0, MAX_SPLITS), backend_name(backend), batch_invariant)
 
 
 def normalize_window(causal, window_size) -> tuple[bool, int, int]:
@@ -263,23 +283,28 @@ def user_variant(score_mod, mask_mod, aux_tensors, block_mask, opts: Options, de
     return opts, (spec, user_variants.kernel_aux(aux) + (ranges,), ranges)
 
 
-def cache_bounds(cache_seqlens: torch.Tensor, capacity: int, table, kv_shape) -> int:
-    """Refuse cache lengths outside [0, capacity] and referenced pages outside
-    [0, num_pages); returns max(cache_seqlens) (a tighter bound than the capacity, used
-    by the split heuristic). Skipped, returning the capacity, under CUDA-graph capture."""
+def cache_bounds(cache_seqlens: torch.Tensor, capacity: int, table, kv_shape, new_tokens: int = 0) -> int:
+    """Refuse cache lengths outside [0, capacity - new_tokens] (``new_tokens``: an append's)
+    and referenced pages outside [0, num_pages); returns max(cache_seqlens) + new_tokens (a
+    tighter bound than the capacity, used by the split heuristic). Skipped, returning the
+    capacity, under CUDA-graph capture."""
     if cache_seqlens.numel() == 0:
         return 0
     if cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
         return capacity
+    if new_tokens:
+        cache_seqlens = cache_seqlens + new_tokens
     stats = list(torch.aminmax(cache_seqlens))
     if table is not None and table.shape[1] > 0:
         pages_used = (cache_seqlens.clamp(min=0) + kv_shape[1] - 1) // kv_shape[1]
         used = torch.arange(table.shape[1], device=table.device)[None, :] < pages_used[:, None]
         stats += [torch.where(used, table, 0).min(), torch.where(used, table, 0).max()]
     lo, hi, *pages = torch.stack(stats).tolist()
-    if lo < 0 or hi > capacity:
+    if lo < new_tokens or hi > capacity:
         what = "max_pages_per_seq * page_size" if table is not None else "max_seqlen_k (k_cache.shape[1])"
-        raise ValueError(f"cache_seqlens must lie in [0, {what} = {capacity}], got values in [{lo}, {hi}]")
+        plus = f" + the {new_tokens} new tokens" if new_tokens else ""
+        raise ValueError(f"cache_seqlens{plus} must lie in [0, {what} = {capacity}], got values in "
+                         f"[{lo - new_tokens}, {hi - new_tokens}]{plus}")
     if pages and (pages[0] < 0 or pages[1] >= kv_shape[0]):
         raise ValueError(f"page_table entries used by cache_seqlens must lie in [0, num_pages = {kv_shape[0]}), "
                          f"got values in [{pages[0]}, {pages[1]}]")

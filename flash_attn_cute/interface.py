@@ -1,29 +1,33 @@
 """Public API: FlashAttention forward (inference only, no autograd).
 
-Three entry points share one internal ``_flash_attn_fwd`` that picks the backend,
-resolves ``pack_gqa`` and ``num_splits``, launches the kernel and, for split-KV,
-the combine kernel:
-
 - ``flash_attn_func``          dense batch: q ``(b, s_q, h, d)``, k/v ``(b, s_k, h_kv, d*)``
-- ``flash_attn_varlen_func``   packed sequences with ``cu_seqlens``: q ``(total_q, h, d)``
-- ``flash_attn_with_kvcache``  decode against a (possibly paged) KV cache
+- ``flash_attn_varlen_func``   the general call (FA3/FA4's): packed or dense queries over
+                               packed, dense or paged keys, with per-sequence key counts
+                               (``seqused_k``): a serving engine's mixed step is one call
+- ``flash_attn_with_kvcache``  decode against a (possibly paged) KV cache, with the new
+                               tokens appended in place and rotary embedding applied
 - ``flash_attn_combine``       merge split-KV partial results
 
 Semantics: scores are ``softmax_scale * q.k`` (default ``d ** -0.5``), then
 ``softcap * tanh(s / softcap)`` when ``softcap > 0``. ``causal`` and windows are aligned
 to the bottom-right corner: query ``i`` sees key ``j`` when
 ``i + s_k - s_q - window_left <= j <= i + s_k - s_q + window_right`` (a side of -1 is
-unbounded; causal is ``window_right = 0``). ``lse`` is the natural-log sum of exp of the
-(scaled, capped) scores, ``-inf`` for a query that sees no key (its output is 0).
+unbounded; causal is ``window_right = 0``). ``learnable_sink`` (``(nheads,)``, gpt-oss) is
+one extra logit per query head in each softmax denominator, with a zero value column.
+``lse`` is the natural-log sum of exp of the (scaled, capped) scores, the sink included;
+``-inf`` for a query that sees no key and has no sink (its output is 0).
 
 Every argument is validated (shapes, then dtypes, then scalars, then the device) before
-anything is launched; errors name the argument and the expected form.
+anything is launched; errors name the argument and the expected form. A repeated call
+(same shapes, strides, dtypes, device and arguments) skips validation and planning
+(``call_cache``).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -38,8 +42,36 @@ __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache
 
 BACKENDS = checks.BACKEND_NAMES  # names accepted by ``backend=`` / FLASH_ATTN_CUTE_BACKEND
 
+_Q4 = "(batch, seqlen_q, nheads, headdim)"
+_Q3 = "(total_q, nheads, headdim)"
+
+
+class _Call(NamedTuple):
+    """A validated call: the tensors the kernels read and what describes the problem."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: Optional[torch.Tensor]
+    opts: checks.Options
+    batch: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    nheads: int
+    nheads_kv: int
+    d_v: int
+    return_lse: bool
+    cu_seqlens_q: Optional[torch.Tensor] = None
+    cu_seqlens_k: Optional[torch.Tensor] = None
+    seqused_q: Optional[torch.Tensor] = None
+    seqused_k: Optional[torch.Tensor] = None
+    page_table: Optional[torch.Tensor] = None
+    learnable_sink: Optional[torch.Tensor] = None
+    variant: Optional[tuple] = None  # checks.user_variant's (spec, kernel tensors, block ranges)
+
+
 # ---------------------------------------------------------------------------------------
-# Per-call cache replay (``call_cache``: a repeated call skips validation and planning)
+# The shared launch path and the per-call cache replay
 # ---------------------------------------------------------------------------------------
 
 
@@ -61,17 +93,29 @@ def _no_variant_under_compile(*variant_args) -> None:
                                   "torch.compile yet: call flash_attn_cute outside the compiled region")
 
 
+def _launch(entry: call_cache.Entry, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+            page_table, learnable_sink, variant_tensors) -> None:
+    problem = entry.problem
+    rest = (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)
+    if problem.has_seqused_q or problem.has_sink:
+        rest += (seqused_q, learnable_sink)
+    if problem.variant is not None:
+        rest += (variant_tensors,)
+    fwd.run_resolved(entry.resolved, problem, (q, k, v), out, lse, rest)
+
+
 def _replay(entry: call_cache.Entry, q, k, v, out, return_lse, cu_seqlens_q=None, cu_seqlens_k=None,
-            seqused_k=None, page_table=None, aux_tensors=None):
+            seqused_q=None, seqused_k=None, page_table=None, learnable_sink=None, aux_tensors=None):
     if out is None:
         out = q.new_empty(entry.out_shape)
     lse = q.new_empty(entry.lse_shape, dtype=torch.float32) if return_lse else None
     if entry.seqlens_fill is not None:
         seqused_k = torch.full((entry.problem.batch,), entry.seqlens_fill, dtype=torch.int32, device=q.device)
-    rest = (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)
+    variant_tensors = NO_VARIANT
     if entry.problem.variant is not None:
-        rest += (user_variants.kernel_aux(aux_tensors or ()) + (entry.block_ranges,),)
-    fwd.run_resolved(entry.resolved, entry.problem, (q, k, v), out, lse, rest)
+        variant_tensors = user_variants.kernel_aux(aux_tensors or ()) + (entry.block_ranges,)
+    _launch(entry, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, learnable_sink,
+            variant_tensors)
     return (out, lse) if return_lse else out
 
 
@@ -80,56 +124,64 @@ def clear_call_cache() -> None:
     call_cache.clear()
 
 
-# ---------------------------------------------------------------------------------------
-# Shared launch path
-# ---------------------------------------------------------------------------------------
-
-
-def _flash_attn_fwd(q, k, v, out, opts: checks.Options, *, batch: int, max_seqlen_q: int, max_seqlen_k: int,
-                    nheads: int, nheads_kv: int, d_v: int, return_lse: bool, cu_seqlens_q=None, cu_seqlens_k=None,
-                    seqused_k=None, page_table=None, fast_key=None, seqlens_fill=None, variant=None):
-    """Allocate outputs, describe the call as a ``FwdProblem`` and run it through the
-    dispatch seam (``fwd.resolve`` and ``fwd.run_resolved``: backend, plan, launch, combine).
-
-    ``max_seqlen_k == 0`` (or an empty batch) means every query sees no key: out is 0 and
-    lse -inf, with no launch."""
-    varlen = cu_seqlens_q is not None
-    lse_shape = (nheads, q.shape[0]) if varlen else (batch, nheads, q.shape[1])
-    if out is None:
-        out = q.new_empty(*q.shape[:-1], d_v)
-    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
-    if out.numel() == 0 or batch == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
-        out.zero_()
-        if lse is not None:
+def _empty_result(out, lse, learnable_sink, varlen_q: bool):
+    """Every query sees no key: out 0; lse the sink (the only logit left), else -inf."""
+    out.zero_()
+    if lse is not None:
+        if learnable_sink is None:
             lse.fill_(-math.inf)
-        return (out, lse) if return_lse else out
-    spec, variant_tensors, block_ranges = (None, NO_VARIANT, None) if variant is None else variant
+        else:
+            sink = learnable_sink.float()
+            lse.copy_(sink[:, None] if varlen_q else sink[None, :, None])
+
+
+def _run(call: _Call, fast_key=None, seqlens_fill=None):
+    """``_execute`` the call; its entry answers later calls with ``fast_key``."""
+    result, entry = _execute(call, seqlens_fill)
+    if entry is not None:
+        call_cache.store(fast_key, entry)
+    return result
+
+
+def _execute(call: _Call, seqlens_fill=None) -> tuple:
+    """(result, per-call cache entry or None): allocate outputs, describe the call as a
+    ``FwdProblem`` and run it through the dispatch seam (``fwd.resolve`` and
+    ``fwd.run_resolved``: backend, plan, launch, combine). ``max_seqlen_k == 0`` (or an
+    empty batch) means every query sees no key: no launch, no entry."""
+    q, k, v, out = call.q, call.k, call.v, call.out
+    varlen_q = call.cu_seqlens_q is not None
+    lse_shape = (call.nheads, q.shape[0]) if varlen_q else (call.batch, call.nheads, q.shape[1])
+    if out is None:
+        out = q.new_empty(*q.shape[:-1], call.d_v)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if call.return_lse else None
+    if out.numel() == 0 or call.batch == 0 or call.max_seqlen_q == 0 or call.max_seqlen_k == 0:
+        _empty_result(out, lse, call.learnable_sink, varlen_q)
+        return ((out, lse) if call.return_lse else out), None
+    opts = call.opts
+    spec, variant_tensors, block_ranges = (None, NO_VARIANT, None) if call.variant is None else call.variant
     problem = FwdProblem(
-        dtype=q.dtype, batch=batch, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, nheads=nheads,
-        nheads_kv=nheads_kv, d=q.shape[-1], d_v=d_v, softmax_scale=opts.softmax_scale, causal=opts.causal,
-        window_left=opts.window_left, window_right=opts.window_right, softcap=opts.softcap, varlen_q=varlen,
-        varlen_k=cu_seqlens_k is not None, has_seqused_k=seqused_k is not None,
-        page_size=k.shape[1] if page_table is not None else 0, has_lse=return_lse, variant=spec)
+        dtype=q.dtype, batch=call.batch, max_seqlen_q=call.max_seqlen_q, max_seqlen_k=call.max_seqlen_k,
+        nheads=call.nheads, nheads_kv=call.nheads_kv, d=q.shape[-1], d_v=call.d_v, softmax_scale=opts.softmax_scale,
+        causal=opts.causal, window_left=opts.window_left, window_right=opts.window_right, softcap=opts.softcap,
+        varlen_q=varlen_q, varlen_k=call.cu_seqlens_k is not None, has_seqused_k=call.seqused_k is not None,
+        page_size=k.shape[1] if call.page_table is not None else 0, has_lse=call.return_lse, variant=spec,
+        has_seqused_q=call.seqused_q is not None, has_sink=call.learnable_sink is not None,
+        batch_invariant=opts.batch_invariant)
     resolved = fwd.resolve(problem, opts.backend, opts.num_splits, opts.pack_gqa, q.device, tuning.from_env())
-    rest = (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)
-    if spec is not None:
-        rest += (variant_tensors,)
-    fwd.run_resolved(resolved, problem, (q, k, v), out, lse, rest)
-    call_cache.store(fast_key, call_cache.Entry(problem, resolved, tuple(out.shape), lse_shape, seqlens_fill,
-                                                block_ranges))
-    return (out, lse) if return_lse else out
+    entry = call_cache.Entry(problem, resolved, tuple(out.shape), lse_shape, seqlens_fill, block_ranges)
+    _launch(entry, q, k, v, out, lse, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_q, call.seqused_k,
+            call.page_table, call.learnable_sink, variant_tensors)
+    return ((out, lse) if call.return_lse else out), entry
 
 
 # ---------------------------------------------------------------------------------------
 # Public entry points
 # ---------------------------------------------------------------------------------------
 
-_Q4 = "(batch, seqlen_q, nheads, headdim)"
 
-
-def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    num_splits=1, pack_gqa=None, return_lse=False, out=None, backend=None, score_mod=None,
-                    mask_mod=None, aux_tensors=None, block_mask=None):
+def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), learnable_sink=None,
+                    softcap=0.0, num_splits=1, pack_gqa=None, return_lse=False, out=None, backend=None,
+                    batch_invariant=False, score_mod=None, mask_mod=None, aux_tensors=None, block_mask=None):
     """Attention over a dense batch.
 
     q ``(batch, seqlen_q, nheads, d)``, k ``(batch, seqlen_k, nheads_kv, d)``, v
@@ -138,6 +190,7 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     0 = heuristic, n = n splits (<= 256). ``pack_gqa``: None = heuristic. Returns out
     ``(batch, seqlen_q, nheads, d_v)`` in q's dtype, or ``(out, lse)`` with lse
     ``(batch, nheads, seqlen_q)`` fp32 when ``return_lse``. ``out`` may be preallocated.
+    ``learnable_sink`` and ``batch_invariant``: see ``flash_attn_varlen_func``.
 
     User variants (``user_variants.py``, examples in ``mods.py``): ``score_mod(score, b, h,
     q_idx, kv_idx, aux)`` rewrites each scaled score, ``mask_mod(b, h, q_idx, kv_idx, aux)``
@@ -146,14 +199,17 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     empty blocks and the predicate on full ones."""
     if torch.compiler.is_compiling():
         _no_variant_under_compile(score_mod, mask_mod, aux_tensors, block_mask)
-        return ops.traced_call("func", q, k, v, out, max_seqlen_q=q.shape[1], softmax_scale=softmax_scale,
-                               causal=causal, window_size=window_size, softcap=softcap, num_splits=num_splits,
-                               pack_gqa=pack_gqa, return_lse=return_lse, backend=backend)
-    hit, key = call_cache.lookup(call_cache.key("func", (q, k, v, out, *_aux_list(aux_tensors)),
-                                 (softmax_scale, causal, softcap, num_splits, pack_gqa, return_lse, backend, score_mod,
-                                  mask_mod, block_mask), window_size))
+        return ops.traced_call("func", q, k, v, out, learnable_sink=learnable_sink, max_seqlen_q=q.shape[1],
+                               softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                               num_splits=num_splits, pack_gqa=pack_gqa, return_lse=return_lse, backend=backend,
+                               batch_invariant=batch_invariant)
+    hit, key = call_cache.lookup(call_cache.key(
+        "func", (q, k, v, out, learnable_sink, *_aux_list(aux_tensors)),
+        (softmax_scale, causal, softcap, num_splits, pack_gqa, return_lse, backend, batch_invariant, score_mod,
+         mask_mod, block_mask), window_size))
     if hit is not None:
-        return _replay(hit, q, k, v, out, return_lse, aux_tensors=_aux_of(aux_tensors, block_mask))
+        return _replay(hit, q, k, v, out, return_lse, learnable_sink=learnable_sink,
+                       aux_tensors=_aux_of(aux_tensors, block_mask))
     inputs = (q, k, v, out)
     checks.check_tensor("q", q, 4, _Q4)
     nheads, nheads_kv, d, d_v, q, k, v = checks.qkv(
@@ -161,118 +217,270 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     batch, seqlen_q = q.shape[:2]
     if k.shape[0] != batch:
         raise ValueError(f"k and v must have the batch size of q ({batch}), got {k.shape[0]}")
-    opts = checks.options(d, softmax_scale, causal, window_size, softcap, num_splits, pack_gqa, backend)
+    checks.learnable_sink(learnable_sink, nheads)
+    opts = checks.options(d, softmax_scale, causal, window_size, softcap, num_splits, pack_gqa, backend,
+                          batch_invariant)
     out = checks.check_out(out, (batch, seqlen_q, nheads, d_v), q.dtype, "(batch, seqlen_q, nheads, headdim_v)")
-    checks.check_device({"q": q, "k": k, "v": v, "out": out})
+    checks.check_device({"q": q, "k": k, "v": v, "learnable_sink": learnable_sink, "out": out})
     opts, variant = checks.user_variant(score_mod, mask_mod, aux_tensors, block_mask, opts, q.device, batch=batch,
-                             nheads=nheads, max_seqlen_q=seqlen_q, max_seqlen_k=k.shape[1])
-    return _flash_attn_fwd(q, k, v, out, opts, batch=batch, max_seqlen_q=seqlen_q, max_seqlen_k=k.shape[1],
-                           nheads=nheads, nheads_kv=nheads_kv, d_v=d_v, return_lse=bool(return_lse),
-                           fast_key=call_cache.same(key, inputs, (q, k, v, out)), variant=variant)
+                                        nheads=nheads, max_seqlen_q=seqlen_q, max_seqlen_k=k.shape[1])
+    call = _Call(q, k, v, out, opts, batch, seqlen_q, k.shape[1], nheads, nheads_kv, d_v, bool(return_lse),
+                 learnable_sink=learnable_sink, variant=variant)
+    return _run(call, call_cache.same(key, inputs, (q, k, v, out)))
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                           num_splits=1, pack_gqa=None, return_lse=False, out=None, backend=None, score_mod=None,
-                           mask_mod=None, aux_tensors=None, block_mask=None):
-    """Attention over packed variable-length sequences.
+def _alias(name: str, value, alias: str, alias_value):
+    """``value`` or its vLLM-style alias (never both)."""
+    if alias_value is None:
+        return value
+    if value is not None:
+        raise ValueError(f"{name} and {alias} name the same argument: give one of them")
+    return alias_value
 
-    q ``(total_q, nheads, d)``, k ``(total_k, nheads_kv, d)``, v ``(total_k, nheads_kv, d_v)``;
-    sequence ``b`` is rows ``cu_seqlens[b]:cu_seqlens[b+1]`` (int32, ``(batch + 1,)``,
-    starting at 0, non-decreasing; zero-length sequences are fine; not checked on the
-    host: that would need a device sync). ``max_seqlen_q/k`` bound the lengths (used for
-    the grid and heuristics). Returns out ``(total_q, nheads, d_v)``, and lse
-    ``(nheads, total_q)`` when ``return_lse``; causal/windows align each sequence's own
-    bottom-right corner. User variants as in ``flash_attn_func`` (``q_idx``/``kv_idx``
-    are positions inside each sequence; ``b`` its index)."""
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, *,
+                           seqused_q=None, seqused_k=None, page_table=None, block_table=None, softmax_scale=None,
+                           causal=False, window_size=(-1, -1), learnable_sink=None, s_aux=None, softcap=0.0,
+                           num_splits=1, pack_gqa=None, return_lse=False, out=None, backend=None,
+                           batch_invariant=False, score_mod=None, mask_mod=None, aux_tensors=None, block_mask=None):
+    """Attention over variable-length sequences: the general call (FA3/FA4 names and semantics).
+
+    Queries: packed ``(total_q, nheads, d)`` with ``cu_seqlens_q`` ``(batch + 1,)`` int32
+    (sequence ``b`` is rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``), or dense
+    ``(batch, seqlen_q, nheads, d)`` without it. Keys and values, one of:
+
+    - packed ``(total_k, nheads_kv, d*)`` with ``cu_seqlens_k`` ``(batch + 1,)``;
+    - dense ``(batch, seqlen_k, nheads_kv, d*)`` (a batch KV cache);
+    - paged ``(num_pages, page_size, nheads_kv, d*)`` with ``page_table`` ``(batch,
+      max_pages_per_seq)`` int32 (vLLM's ``block_table``), any ``page_size >= 1``;
+      ``cu_seqlens_k`` is None and ``seqused_k`` required.
+
+    ``seqused_k`` ``(batch,)`` int32: each sequence's key count (its first keys; with packed
+    keys, starting at ``cu_seqlens_k[b]``). ``seqused_q`` ``(batch,)``: each sequence's
+    query count (rows past it are not written). Each sequence's queries are the last
+    positions of its keys for causal and windows (bottom-right). ``max_seqlen_q`` /
+    ``max_seqlen_k`` bound the lengths for the grid and the split heuristic (None: the
+    tensors' bounds; the host never reads the device). Cumulative lengths are not checked
+    on the host (a device sync); lengths past a cache's capacity and page ids outside the
+    pool are clamped in the kernels: wrong results, never an illegal access.
+
+    ``learnable_sink`` (vLLM's ``s_aux``) ``(nheads,)`` fp32/bf16/fp16: one logit per query
+    head added to every softmax denominator with a zero value (gpt-oss); the LSE includes
+    it; exact under split-KV (the combine adds it once). ``batch_invariant=True``: a
+    sequence's output and LSE are bitwise the same whatever else is in the batch (a fixed
+    number of keys per KV split and batch-independent tiles; ``num_splits`` is then
+    ignored). Returns out ``(total_q, nheads, d_v)`` (dense: ``(batch, seqlen_q, nheads,
+    d_v)``), and lse ``(nheads, total_q)`` (dense: ``(batch, nheads, seqlen_q)``) when
+    ``return_lse``. User variants as in ``flash_attn_func`` (``q_idx`` / ``kv_idx`` are
+    positions inside each sequence; ``b`` its index)."""
+    page_table = _alias("page_table", page_table, "block_table", block_table)
+    learnable_sink = _alias("learnable_sink", learnable_sink, "s_aux", s_aux)
     if torch.compiler.is_compiling():
         _no_variant_under_compile(score_mod, mask_mod, aux_tensors, block_mask)
         return ops.traced_call("varlen", q, k, v, out, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
-                               causal=causal, window_size=window_size, softcap=softcap, num_splits=num_splits,
-                               pack_gqa=pack_gqa, return_lse=return_lse, backend=backend)
-    hit, key = call_cache.lookup(call_cache.key("varlen", (q, k, v, cu_seqlens_q, cu_seqlens_k, out, *_aux_list(aux_tensors)),
-                                 (max_seqlen_q, max_seqlen_k, softmax_scale, causal, softcap, num_splits, pack_gqa,
-                                  return_lse, backend, score_mod, mask_mod, block_mask), window_size))
+                               seqused_q=seqused_q, seqused_k=seqused_k, page_table=page_table,
+                               learnable_sink=learnable_sink, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                               softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                               num_splits=num_splits, pack_gqa=pack_gqa, return_lse=return_lse, backend=backend,
+                               batch_invariant=batch_invariant)
+    hit, key = call_cache.lookup(call_cache.key(
+        "varlen", (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, learnable_sink, out,
+                   *_aux_list(aux_tensors)),
+        (max_seqlen_q, max_seqlen_k, softmax_scale, causal, softcap, num_splits, pack_gqa, return_lse, backend,
+         batch_invariant, score_mod, mask_mod, block_mask), window_size))
     if hit is not None:
         return _replay(hit, q, k, v, out, return_lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                       seqused_q=seqused_q, seqused_k=seqused_k, page_table=page_table, learnable_sink=learnable_sink,
                        aux_tensors=_aux_of(aux_tensors, block_mask))
     inputs = (q, k, v, out)
-    checks.check_tensor("q", q, 3, "(total_q, nheads, headdim)")
-    nheads, nheads_kv, d, d_v, q, k, v = checks.qkv(
-        q, k, v, "(total_q, nheads, headdim)", 3, "(total_k, nheads_kv, headdim)", "(total_k, nheads_kv, headdim_v)")
-    checks.check_tensor("cu_seqlens_q", cu_seqlens_q, 1, "(batch + 1,)")
-    batch = cu_seqlens_q.shape[0] - 1
-    if batch < 0:
-        raise ValueError("cu_seqlens_q must have shape (batch + 1,) with at least one entry, got (0,)")
-    checks.int32_vector("cu_seqlens_q", cu_seqlens_q, batch + 1, "(batch + 1,)")
-    checks.int32_vector("cu_seqlens_k", cu_seqlens_k, batch + 1, "(batch + 1,) like cu_seqlens_q")
+    call = _varlen_call(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                        page_table, learnable_sink, return_lse,
+                        (softmax_scale, causal, window_size, softcap, num_splits, pack_gqa, backend, batch_invariant),
+                        (score_mod, mask_mod, aux_tensors, block_mask))
+    return _run(call, call_cache.same(key, inputs, (call.q, call.k, call.v, call.out)))
+
+
+def _varlen_call(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                 page_table, learnable_sink, return_lse, option_args: tuple, variant_args: tuple) -> _Call:
+    """Validates ``flash_attn_varlen_func``'s (and the packed ``flash_attn_with_kvcache``'s)
+    arguments: shapes, then dtypes, then scalars, then the device."""
+    varlen_q = cu_seqlens_q is not None
+    if not isinstance(q, torch.Tensor):
+        checks.check_tensor("q", q, 3, _Q3)
+    if varlen_q and q.dim() != 3:
+        raise ValueError(f"q must have shape {_Q3} with cu_seqlens_q (rank 3), got shape {tuple(q.shape)}")
+    if not varlen_q and q.dim() != 4:
+        raise ValueError(f"q must have shape {_Q4} without cu_seqlens_q, or {_Q3} with it; got shape {tuple(q.shape)}")
+    paged, varlen_k = page_table is not None, cu_seqlens_k is not None
+    if paged and varlen_k:
+        raise ValueError("page_table and cu_seqlens_k cannot be combined: with a page table the caches are "
+                         "(num_pages, page_size, nheads_kv, headdim) and seqused_k gives each sequence's key count")
+    if paged and seqused_k is None:
+        raise ValueError("page_table needs seqused_k (batch,) int32: each sequence's key count")
+    kv_form = ("(num_pages, page_size, nheads_kv, {})" if paged else "(total_k, nheads_kv, {})" if varlen_k
+               else "(batch, seqlen_k, nheads_kv, {})")
+    nheads, nheads_kv, d, d_v, q, k, v = checks.qkv(q, k, v, _Q3 if varlen_q else _Q4, 3 if varlen_k else 4,
+                                                    kv_form.format("headdim"), kv_form.format("headdim_v"))
+    if varlen_q:
+        checks.check_tensor("cu_seqlens_q", cu_seqlens_q, 1, "(batch + 1,)")
+        batch = cu_seqlens_q.shape[0] - 1
+        if batch < 0:
+            raise ValueError("cu_seqlens_q must have shape (batch + 1,) with at least one entry, got (0,)")
+        checks.int32_vector("cu_seqlens_q", cu_seqlens_q, batch + 1, "(batch + 1,)")
+    else:
+        batch = q.shape[0]
+    if varlen_k:
+        checks.int32_vector("cu_seqlens_k", cu_seqlens_k, batch + 1, "(batch + 1,) like cu_seqlens_q")
+        capacity = k.shape[0]
+    elif paged:
+        checks.page_table(page_table, batch, k.shape[1], "k")
+        capacity = page_table.shape[1] * k.shape[1]
+    else:
+        if k.shape[0] != batch:
+            raise ValueError(f"k and v must have shape (batch, seqlen_k, nheads_kv, headdim) with batch = {batch} "
+                             f"(the batch of q), got {tuple(k.shape)}")
+        capacity = k.shape[1]
+    for name, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
+        if t is not None:
+            checks.int32_vector(name, t, batch, "(batch,)")
+    checks.learnable_sink(learnable_sink, nheads)
+    if max_seqlen_q is None:
+        max_seqlen_q = q.shape[0] if varlen_q else q.shape[1]
     max_seqlen_q = checks.int_arg("max_seqlen_q", max_seqlen_q, 0, INT32_MAX)
-    max_seqlen_k = checks.int_arg("max_seqlen_k", max_seqlen_k, 0, INT32_MAX)
-    opts = checks.options(d, softmax_scale, causal, window_size, softcap, num_splits, pack_gqa, backend)
-    out = checks.check_out(out, (q.shape[0], nheads, d_v), q.dtype, "(total_q, nheads, headdim_v)")
-    checks.check_device({"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "out": out})
-    opts, variant = checks.user_variant(score_mod, mask_mod, aux_tensors, block_mask, opts, q.device, batch=batch,
-                             nheads=nheads, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-    if k.shape[0] == 0:
+    if not varlen_q:
+        max_seqlen_q = q.shape[1]  # the grid covers the dense queries' mode
+    max_seqlen_k = capacity if max_seqlen_k is None else checks.int_arg("max_seqlen_k", max_seqlen_k, 0, INT32_MAX)
+    if not varlen_k:
+        max_seqlen_k = min(max_seqlen_k, capacity)
+    opts = checks.options(d, *option_args)
+    out = checks.check_out(out, (*q.shape[:-1], d_v), q.dtype,
+                           "(total_q, nheads, headdim_v)" if varlen_q else "(batch, seqlen_q, nheads, headdim_v)")
+    checks.check_device({"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
+                         "seqused_q": seqused_q, "seqused_k": seqused_k, "page_table": page_table,
+                         "learnable_sink": learnable_sink, "out": out})
+    opts, variant = checks.user_variant(*variant_args, opts, q.device, batch=batch, nheads=nheads,
+                                        max_seqlen_q=max_seqlen_q, max_seqlen_k=capacity)
+    if varlen_k and k.shape[0] == 0:
         max_seqlen_k = 0
-    return _flash_attn_fwd(q, k, v, out, opts, batch=batch, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                           nheads=nheads, nheads_kv=nheads_kv, d_v=d_v, return_lse=bool(return_lse),
-                           cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                           fast_key=call_cache.same(key, inputs, (q, k, v, out)), variant=variant)
+    return _Call(q, k, v, out, opts, batch, max_seqlen_q, max_seqlen_k, nheads, nheads_kv, d_v, bool(return_lse),
+                 cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, learnable_sink, variant)
 
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=None, softmax_scale=None,
-                            causal=False, window_size=(-1, -1), softcap=0.0, num_splits=0, pack_gqa=None,
-                            return_lse=False, out=None, backend=None, check_cache_bounds=False, score_mod=None,
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, *, page_table=None,
+                            block_table=None, cu_seqlens_q=None, max_seqlen_q=None, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), learnable_sink=None, softcap=0.0, rotary_interleaved=True,
+                            num_splits=0, pack_gqa=None, return_lse=False, return_softmax_lse=False, out=None,
+                            backend=None, check_cache_bounds=False, batch_invariant=False, score_mod=None,
                             mask_mod=None, aux_tensors=None, block_mask=None):
-    """Attention of new queries against a KV cache (decode, speculative decode, chunked prefill).
+    """Attention of new queries against a KV cache (decode, speculative decode, chunked
+    prefill), FA2/FA3's call: optionally appends new keys and values to the cache and
+    applies rotary embedding, then attends.
 
-    q ``(batch, seqlen_q, nheads, d)``. Without ``page_table`` the caches are
-    ``(batch, max_seqlen_k, nheads_kv, d*)``; with it they are
+    q ``(batch, seqlen_q, nheads, d)``, or packed ``(total_q, nheads, d)`` with
+    ``cu_seqlens_q`` / ``max_seqlen_q`` (SGLang's form). Without ``page_table`` the caches
+    are ``(batch_cache, max_seqlen_k, nheads_kv, d*)``; with it (vLLM's ``block_table``)
     ``(num_pages, page_size, nheads_kv, d*)`` (any ``page_size >= 1``) and ``page_table``
     ``(batch, max_pages_per_seq)`` int32 lists each sequence's pages. ``cache_seqlens``
-    ``(batch,)`` int32 (or an int for all) is the number of valid keys of each sequence;
-    the queries are its last ``seqlen_q`` positions for causal/windows.
+    ``(batch,)`` int32 (or an int for all; None: the whole capacity) is the number of
+    tokens in the cache; the queries are the last positions of the keys for
+    causal/windows. (The form ``flash_attn_with_kvcache(q, k_cache, v_cache,
+    cache_seqlens)`` of earlier releases is still accepted: a lengths tensor or int in
+    ``k``'s place is taken as ``cache_seqlens``.)
 
-    Safety: the kernel never reads outside the cache, without any host-side check: it
-    clamps each sequence's length to the capacity (``max_seqlen_k``, or
-    ``max_pages_per_seq * page_size``) and each page id into ``[0, num_pages)``, so an
-    out-of-range ``cache_seqlens`` or page-table entry gives wrong results, never an
-    illegal read. The default path never synchronises with the device, so it can be
-    captured in a CUDA graph and costs no round trip (the split heuristic then plans for
-    the capacity). ``check_cache_bounds=True`` (a debugging aid) reads ``cache_seqlens``
-    and the referenced page-table entries back to the host, raises ValueError on any
-    value out of range, and plans for the true maximum length: one device-to-host sync
-    per call (0.15-0.3 ms on the H200), skipped under CUDA-graph capture.
+    Append: ``k`` ``(batch, seqlen_new, nheads_kv, d)`` and ``v`` ``(batch, seqlen_new,
+    nheads_kv, d_v)`` are written into the cache at positions ``cache_seqlens[b] ..
+    + seqlen_new`` (in place; the attention then covers ``cache_seqlens + seqlen_new``
+    keys; the caller advances ``cache_seqlens`` itself). ``rotary_cos`` / ``rotary_sin``
+    ``(seqlen_ro, rotary_dim / 2)`` in q's dtype, ``seqlen_ro`` covering every cache
+    position: rotary embedding (``rotary_interleaved``: GPT-J pairs, else GPT-NeoX halves)
+    of the first ``rotary_dim`` channels of the new k at its positions and of q (at
+    ``cache_seqlens + i`` for causal/local, else at ``cache_seqlens``; q itself is left
+    unchanged). ``cache_batch_idx`` ``(batch,)`` int32: cache row of each batch row;
+    ``cache_leftpad`` ``(batch,)`` int32: the sequence starts at that cache position (both
+    contiguous caches only, as in FA2). Append and rotary are one CuTe-DSL kernel
+    (``kv_append.py``) launched before the attention; no host sync.
 
-    User variants as in ``flash_attn_func``: ``q_idx`` counts the new queries from 0 and
-    ``kv_idx`` the cache positions (a query's own position is ``q_idx + cache_seqlens[b]
-    - seqlen_q``: pass cache_seqlens in ``aux_tensors`` to use it)."""
+    Safety: the kernels never read or write outside the cache, without any host-side check:
+    lengths are clamped to the capacity (``max_seqlen_k``, or ``max_pages_per_seq *
+    page_size``), page ids into ``[0, num_pages)``, so an out-of-range ``cache_seqlens`` or
+    page-table entry gives wrong results, never an illegal access. The default path never
+    synchronises with the device, so it can be captured in a CUDA graph (the split
+    heuristic then plans for the capacity). ``check_cache_bounds=True`` (a debugging aid)
+    reads ``cache_seqlens`` and the referenced page-table entries back to the host, raises
+    ValueError on any value out of range, and plans for the true maximum length: one
+    device-to-host sync per call, skipped under CUDA-graph capture.
+
+    ``learnable_sink``, ``batch_invariant``: as in ``flash_attn_varlen_func``;
+    ``return_softmax_lse`` is FA2/FA3's name for ``return_lse``. User variants as in
+    ``flash_attn_func``: ``q_idx`` counts the new queries from 0 and ``kv_idx`` the cache
+    positions."""
+    page_table = _alias("page_table", page_table, "block_table", block_table)
+    return_lse = bool(return_lse or return_softmax_lse)
+    if cache_seqlens is None and v is None and (isinstance(k, numbers.Integral) or (
+            isinstance(k, torch.Tensor) and k.dim() == 1 and k.dtype == torch.int32)):
+        k, cache_seqlens = None, k  # flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens)
+    appends = k is not None or v is not None or rotary_cos is not None or rotary_sin is not None
+    remaps = cache_batch_idx is not None or cache_leftpad is not None
     if torch.compiler.is_compiling():
         _no_variant_under_compile(score_mod, mask_mod, aux_tensors, block_mask)
-        return ops.traced_call("kvcache", q, k_cache, v_cache, out, cache_seqlens=cache_seqlens, page_table=page_table,
-                               max_seqlen_q=q.shape[1], softmax_scale=softmax_scale, causal=causal,
-                               window_size=window_size, softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa,
-                               return_lse=return_lse, backend=backend)
+        if appends or remaps:
+            raise NotImplementedError("flash_attn_with_kvcache with k/v, rotary, cache_batch_idx or cache_leftpad "
+                                      "is not traceable by torch.compile yet: call it outside the compiled region")
+        return ops.traced_call("kvcache", q, k_cache, v_cache, out, cu_seqlens_q=cu_seqlens_q,
+                               cache_seqlens=cache_seqlens, page_table=page_table, learnable_sink=learnable_sink,
+                               max_seqlen_q=max_seqlen_q if cu_seqlens_q is not None else q.shape[1],
+                               softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                               num_splits=num_splits, pack_gqa=pack_gqa, return_lse=return_lse, backend=backend,
+                               batch_invariant=batch_invariant)
+    option_args = (softmax_scale, causal, window_size, softcap, num_splits, pack_gqa, backend, batch_invariant)
+    variant_args = (score_mod, mask_mod, aux_tensors, block_mask)
+    if appends or remaps:
+        from . import kv_cache_ops
+
+        return kv_cache_ops.append_and_attend(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            page_table, cu_seqlens_q, learnable_sink, bool(rotary_interleaved), return_lse, out, check_cache_bounds,
+            option_args, variant_args)
     key = None
     if not check_cache_bounds:
         int_seqlens = cache_seqlens if not isinstance(cache_seqlens, torch.Tensor) else None
         hit, key = call_cache.lookup(call_cache.key(
-            "kvcache", (q, k_cache, v_cache, None if int_seqlens is not None else cache_seqlens, page_table, out,
-                        *_aux_list(aux_tensors)),
-            (int_seqlens, softmax_scale, causal, softcap, num_splits, pack_gqa, return_lse, backend, score_mod,
-             mask_mod, block_mask), window_size))
+            "kvcache", (q, k_cache, v_cache, None if int_seqlens is not None else cache_seqlens, page_table,
+                        cu_seqlens_q, learnable_sink, out, *_aux_list(aux_tensors)),
+            (int_seqlens, max_seqlen_q, softmax_scale, causal, softcap, num_splits, pack_gqa, return_lse, backend,
+             batch_invariant, score_mod, mask_mod, block_mask), window_size))
         if hit is not None:
-            return _replay(hit, q, k_cache, v_cache, out, return_lse, seqused_k=cache_seqlens, page_table=page_table,
+            return _replay(hit, q, k_cache, v_cache, out, return_lse, cu_seqlens_q=cu_seqlens_q,
+                           seqused_k=cache_seqlens, page_table=page_table, learnable_sink=learnable_sink,
                            aux_tensors=_aux_of(aux_tensors, block_mask))
     inputs = (q, k_cache, v_cache, out)
-    checks.check_tensor("q", q, 4, _Q4)
+    call, seqlens_fill = _kvcache_call(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, max_seqlen_q,
+                                       learnable_sink, return_lse, out, check_cache_bounds, option_args, variant_args)
+    return _run(call, call_cache.same(key, inputs, (call.q, call.k, call.v, call.out)), seqlens_fill)
+
+
+def _kvcache_call(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, max_seqlen_q, learnable_sink,
+                  return_lse, out, check_cache_bounds, option_args, variant_args, min_tokens: int = 0) -> tuple:
+    """(validated call, int cache_seqlens or None) of ``flash_attn_with_kvcache`` without an
+    append: the keys are the cache's first ``cache_seqlens`` tokens. ``min_tokens`` (an
+    append's new tokens) is added to what the cache must hold."""
+    varlen_q = cu_seqlens_q is not None
+    q_form = _Q3 if varlen_q else _Q4
+    checks.check_tensor("q", q, 3 if varlen_q else 4, q_form)
     paged = page_table is not None
     kv_form = "(num_pages, page_size, nheads_kv, {})" if paged else "(batch, max_seqlen_k, nheads_kv, {})"
     nheads, nheads_kv, d, d_v, q, k_cache, v_cache = checks.qkv(
-        q, k_cache, v_cache, _Q4, 4, kv_form.format("headdim"), kv_form.format("headdim_v"))
-    batch, seqlen_q = q.shape[:2]
+        q, k_cache, v_cache, q_form, 4, kv_form.format("headdim"), kv_form.format("headdim_v"))
+    if varlen_q:
+        checks.check_tensor("cu_seqlens_q", cu_seqlens_q, 1, "(batch + 1,)")
+        batch = cu_seqlens_q.shape[0] - 1
+        if batch < 0:
+            raise ValueError("cu_seqlens_q must have shape (batch + 1,) with at least one entry, got (0,)")
+        checks.int32_vector("cu_seqlens_q", cu_seqlens_q, batch + 1, "(batch + 1,)")
+        seqlen_q = q.shape[0] if max_seqlen_q is None else checks.int_arg("max_seqlen_q", max_seqlen_q, 0, INT32_MAX)
+    else:
+        batch, seqlen_q = q.shape[:2]
     if paged:
         checks.page_table(page_table, batch, k_cache.shape[1], "k_cache")
         capacity = page_table.shape[1] * k_cache.shape[1]
@@ -282,28 +490,32 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=No
                              f"with batch = {batch}, got {tuple(k_cache.shape)}")
         capacity = k_cache.shape[1]
     seqlens_fill = None
+    if cache_seqlens is None:
+        cache_seqlens = capacity  # the whole cache
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
-        max_seqlen_k = seqlens_fill = checks.int_arg("cache_seqlens", cache_seqlens, 0, capacity)
+        max_seqlen_k = seqlens_fill = checks.int_arg("cache_seqlens", cache_seqlens, 0, capacity - min_tokens)
         cache_seqlens = torch.full((batch,), max_seqlen_k, dtype=torch.int32, device=q.device)
     else:
         checks.int32_vector("cache_seqlens", cache_seqlens, batch, "(batch,) or an int")
         max_seqlen_k = None
-    opts = checks.options(d, softmax_scale, causal, window_size, softcap, num_splits, pack_gqa, backend)
-    out = checks.check_out(out, (batch, seqlen_q, nheads, d_v), q.dtype, "(batch, seqlen_q, nheads, headdim_v)")
+    checks.learnable_sink(learnable_sink, nheads)
+    opts = checks.options(d, *option_args)
+    out = checks.check_out(out, (*q.shape[:-1], d_v), q.dtype,
+                           "(total_q, nheads, headdim_v)" if varlen_q else "(batch, seqlen_q, nheads, headdim_v)")
     checks.check_device({"q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens,
-                         "page_table": page_table, "out": out})
+                         "page_table": page_table, "cu_seqlens_q": cu_seqlens_q, "learnable_sink": learnable_sink,
+                         "out": out})
     if max_seqlen_k is None:  # lengths live on the device
         if check_cache_bounds:  # opt-in: one device -> host read
-            max_seqlen_k = checks.cache_bounds(cache_seqlens, capacity, page_table, k_cache.shape)
+            max_seqlen_k = checks.cache_bounds(cache_seqlens, capacity, page_table, k_cache.shape, min_tokens)
         else:
             max_seqlen_k = capacity
-    opts, variant = checks.user_variant(score_mod, mask_mod, aux_tensors, block_mask, opts, q.device, batch=batch,
-                             nheads=nheads, max_seqlen_q=seqlen_q, max_seqlen_k=capacity)
-    return _flash_attn_fwd(q, k_cache, v_cache, out, opts, batch=batch, max_seqlen_q=seqlen_q,
-                           max_seqlen_k=max_seqlen_k, nheads=nheads, nheads_kv=nheads_kv, d_v=d_v,
-                           return_lse=bool(return_lse), seqused_k=cache_seqlens, page_table=page_table,
-                           fast_key=call_cache.same(key, inputs, (q, k_cache, v_cache, out)), seqlens_fill=seqlens_fill,
-                           variant=variant)
+    opts, variant = checks.user_variant(*variant_args, opts, q.device, batch=batch, nheads=nheads,
+                                        max_seqlen_q=seqlen_q, max_seqlen_k=capacity)
+    call = _Call(q, k_cache, v_cache, out, opts, batch, seqlen_q, max_seqlen_k, nheads, nheads_kv, d_v,
+                 bool(return_lse), cu_seqlens_q=cu_seqlens_q, seqused_k=cache_seqlens, page_table=page_table,
+                 learnable_sink=learnable_sink, variant=variant)
+    return call, seqlens_fill
 
 
 def flash_attn_combine(out_partial, lse_partial, *, out=None, out_dtype=None, return_lse=False):

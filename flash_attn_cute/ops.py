@@ -28,10 +28,12 @@ def fwd(
     out: torch.Tensor,
     cu_seqlens_q: Optional[torch.Tensor],
     cu_seqlens_k: Optional[torch.Tensor],
-    cache_seqlens: Optional[torch.Tensor],
+    seqused_q: Optional[torch.Tensor],
+    seqused_k: Optional[torch.Tensor],  # kvcache: cache_seqlens
     page_table: Optional[torch.Tensor],
-    max_seqlen_q: int,
-    max_seqlen_k: int,  # varlen: the bound; kvcache with int lengths: the length; else unused
+    learnable_sink: Optional[torch.Tensor],
+    max_seqlen_q: Optional[int],
+    max_seqlen_k: Optional[int],  # varlen: the bound; kvcache with int lengths: the length
     softmax_scale: Optional[float],
     causal: bool,
     window_left: int,
@@ -41,47 +43,56 @@ def fwd(
     pack_gqa: Optional[bool],
     return_lse: bool,
     backend: Optional[str],
+    batch_invariant: bool,
 ) -> torch.Tensor:
     """Writes attention into ``out``; returns the LSE (an empty tensor unless ``return_lse``)."""
     from . import interface
 
     opts = dict(softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
-                softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa, return_lse=True, out=out,
-                backend=backend)
+                learnable_sink=learnable_sink, softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa,
+                return_lse=True, out=out, backend=backend, batch_invariant=batch_invariant)
     if kind == "func":
         _, lse = interface.flash_attn_func(q, k, v, **opts)
     elif kind == "varlen":
         _, lse = interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                  seqused_q=seqused_q, seqused_k=seqused_k, page_table=page_table,
                                                   **opts)
     elif kind == "kvcache":
-        seqlens = cache_seqlens if cache_seqlens is not None else max_seqlen_k
-        _, lse = interface.flash_attn_with_kvcache(q, k, v, seqlens, page_table=page_table, **opts)
+        seqlens = seqused_k if seqused_k is not None else max_seqlen_k
+        _, lse = interface.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, page_table=page_table,
+                                                   cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, **opts)
     else:
         raise ValueError(f"kind must be one of {_KINDS}, got {kind!r}")
     return lse if return_lse else lse.new_empty((0,))
 
 
 @fwd.register_fake
-def _(kind, q, k, v, out, cu_seqlens_q, cu_seqlens_k, cache_seqlens, page_table, max_seqlen_q, max_seqlen_k,
-      softmax_scale, causal, window_left, window_right, softcap, num_splits, pack_gqa, return_lse, backend):
+def _(kind, q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, learnable_sink, max_seqlen_q,
+      max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, num_splits, pack_gqa, return_lse,
+      backend, batch_invariant):
     if not return_lse:
         return q.new_empty((0,), dtype=torch.float32)
-    if kind == "varlen":
+    if q.dim() == 3:  # packed queries
         return q.new_empty((q.shape[-2], q.shape[0]), dtype=torch.float32)
     return q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
 
 
-def traced_call(kind: str, q, k, v, out, *, cu_seqlens_q=None, cu_seqlens_k=None, cache_seqlens=None, page_table=None,
-                max_seqlen_q=0, max_seqlen_k=0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                num_splits=1, pack_gqa=None, return_lse=False, backend=None):
+def traced_call(kind: str, q, k, v, out, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
+                cache_seqlens=None, page_table=None, learnable_sink=None, max_seqlen_q=None, max_seqlen_k=None,
+                softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, num_splits=1, pack_gqa=None,
+                return_lse=False, backend=None, batch_invariant=False):
     """The public entry points' body under ``torch.compile``: output allocated in the
-    graph, then the op. An int ``cache_seqlens`` travels as ``max_seqlen_k``."""
+    graph, then the op. ``cache_seqlens`` travels as ``seqused_k`` (an int as ``max_seqlen_k``)."""
     if out is None:
         out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-    if isinstance(cache_seqlens, int):
-        cache_seqlens, max_seqlen_k = None, cache_seqlens
+    if cache_seqlens is not None:
+        if isinstance(cache_seqlens, int):
+            max_seqlen_k = cache_seqlens
+        else:
+            seqused_k = cache_seqlens
     left, right = (-1 if w is None else w for w in window_size)
     lse = torch.ops.flash_attn_cute.fwd(
-        kind, q, k, v, out, cu_seqlens_q, cu_seqlens_k, cache_seqlens, page_table, max_seqlen_q, max_seqlen_k,
-        softmax_scale, causal, left, right, float(softcap), num_splits, pack_gqa, return_lse, backend)
+        kind, q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, learnable_sink,
+        max_seqlen_q, max_seqlen_k, softmax_scale, causal, left, right, float(softcap), num_splits, pack_gqa,
+        return_lse, backend, batch_invariant)
     return (out, lse) if return_lse else out

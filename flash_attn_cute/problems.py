@@ -44,6 +44,9 @@ class FwdProblem(NamedTuple):
     page_size: int  # 0: not paged
     has_lse: bool
     variant: Optional[object] = None  # user_variants.VariantSpec (score_mod / mask_mod / block mask)
+    has_seqused_q: bool = False  # per-sequence query counts (dense queries, rows past them unwritten)
+    has_sink: bool = False  # learnable_sink: one logit per query head in every denominator
+    batch_invariant: bool = False  # fixed keys per split and batch-independent tiles
 
     kind = "fwd"
 

@@ -71,13 +71,15 @@ def jit_cache_dir(tmp_path, monkeypatch):
 def fake_device(monkeypatch):
     """CPU tensors pass as a 132-SM Hopper GPU (capability 9.0, device check off, caches
     cleared around the test); ``use(backend_module)`` installs a stand-in for
-    ``fwd.backend_module(name, kind)`` (fake launchers: the launch contract without a kernel)."""
+    ``fwd.backend_module(name, kind)`` (fake launchers: the launch contract without a kernel);
+    the split-KV combine is a no-op unless the test installs its own."""
     from flash_attn_cute import call_cache, checks, fwd, heuristics
 
     call_cache.clear()
     monkeypatch.setattr(checks, "check_device", lambda tensors: None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(heuristics, "num_sms", lambda device: 132)
+    monkeypatch.setattr(fwd, "combine_launcher", lambda out_dtype, d_v, has_lse: lambda *tensors: None)
     monkeypatch.delenv("FLASH_ATTN_CUTE_BACKEND", raising=False)
     yield lambda backend_module: monkeypatch.setattr(fwd, "backend_module", backend_module)
     call_cache.clear()

@@ -61,7 +61,8 @@ def test_opcheck(fake_gpu):
     q, k, v = make_qkv(dtype=F16)
     out = torch.empty(2, 5, 4, 64, dtype=F16)
     for return_lse in (True, False):
-        args = ("func", q, k, v, out, None, None, None, None, 5, 7, None, True, -1, 0, 0.0, 2, None, return_lse, None)
+        args = ("func", q, k, v, out, None, None, None, None, None, None, 5, 7, None, True, -1, 0, 0.0, 2, None,
+                return_lse, None, False)
         torch.library.opcheck(torch.ops.flash_attn_cute.fwd.default, args)
 
 

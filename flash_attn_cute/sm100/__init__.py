@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple, Optional
 
-from ..backend_kit import fwd_entry_points, head_groups, plan_rows, plan_splits
+from ..backend_kit import feature_refusal, fwd_entry_points, head_groups, plan_rows, plan_splits
 from ..keys import DTYPE_NAMES
 from ..problems import FwdPlan, FwdProblem
 from ..tuning import NO_TUNING, Tuning
@@ -34,6 +34,7 @@ _SPLIT_TOLERANCE = 0.95
 # check refuses runs the SM80 kernel (fwd.select_backend logs why). Compiled and SASS-checked
 # for sm_100a on CPU, not yet run on Blackwell hardware.
 AUTO = True
+FEATURES = frozenset()  # backend_kit.FEATURES this kernel implements
 
 log = logging.getLogger("flash_attn_cute")
 
@@ -58,7 +59,7 @@ def check(problem: FwdProblem) -> Optional[str]:
                 f"got {problem.page_size}")
     if DTYPE_NAMES.get(problem.dtype) not in ("fp16", "bf16"):
         return f"dtype {problem.dtype} is not fp16 or bf16"
-    return None
+    return feature_refusal(problem, FEATURES)
 
 
 def select_q_stage(rows: int, num_splits: int) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from ..backend_kit import fwd_entry_points, head_groups, plan_rows, plan_splits
+from ..backend_kit import feature_refusal, fwd_entry_points, head_groups, plan_rows, plan_splits
 from ..problems import FwdPlan, FwdProblem
 from ..tuning import NO_TUNING, Tuning
 from .config import select_tile
@@ -24,6 +24,7 @@ _SPLIT_TOLERANCE = 0.95
 
 # Every GPU of compute capability >= 8.0 runs mma.sync and cp.async.
 AUTO = True
+FEATURES = frozenset()  # backend_kit.FEATURES this kernel implements
 
 
 class Sm80Config(NamedTuple):
@@ -43,7 +44,7 @@ def check(problem: FwdProblem) -> Optional[str]:
     for what, d in (("q/k", problem.d), ("v", problem.d_v)):
         if d not in HEAD_DIMS:
             return f"{what} head dimension {d} is not one of {HEAD_DIMS}"
-    return None
+    return feature_refusal(problem, FEATURES)
 
 
 def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms: Optional[int],

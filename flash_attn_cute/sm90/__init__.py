@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 from .. import heuristics
-from ..backend_kit import fwd_entry_points, head_groups, plan_rows, plan_splits
+from ..backend_kit import feature_refusal, fwd_entry_points, head_groups, plan_rows, plan_splits
 from ..problems import FwdPlan, FwdProblem
 from ..tuning import NO_TUNING, Tuning
 from . import config
@@ -25,6 +25,7 @@ _SPLIT_TOLERANCE = 0.95
 
 # wgmma and setmaxnreg exist on sm_90a only.
 AUTO = True
+FEATURES = frozenset()  # backend_kit.FEATURES this kernel implements
 
 
 class Sm90Config(NamedTuple):
@@ -46,7 +47,7 @@ def check(problem: FwdProblem) -> Optional[str]:
     for what, d in (("q/k", problem.d), ("v", problem.d_v)):
         if d not in HEAD_DIMS:
             return f"{what} head dimension {d} is not one of {HEAD_DIMS}"
-    return config.unsupported_reason(problem.d, problem.d_v)
+    return config.unsupported_reason(problem.d, problem.d_v) or feature_refusal(problem, FEATURES)
 
 
 def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms: Optional[int],

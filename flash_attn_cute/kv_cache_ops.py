@@ -1,0 +1,214 @@
+"""``flash_attn_with_kvcache``'s append path: new keys and values written into the cache,
+rotary embedding of q and the new keys, then the attention over the grown cache.
+
+One CuTe-DSL kernel (``kv_append.py``) appends and rotates, and writes what the attention
+then needs on the device (each sequence's key count, and for a remapped contiguous cache,
+``cache_batch_idx`` / ``cache_leftpad``, each sequence's first cache row): no host sync, so
+the whole step is capturable in a CUDA graph. The attention is the ordinary call:
+
+- without a remap, the cache itself (contiguous or paged) with ``seqused_k``;
+- with ``cache_batch_idx`` / ``cache_leftpad``, the contiguous cache viewed as packed rows
+  ``(batch_cache * max_seqlen_k, nheads_kv, d)`` with per-sequence offsets as
+  ``cu_seqlens_k`` and the key counts as ``seqused_k``: no kernel reads a cache row it was
+  not pointed at.
+
+A repeated call (same shapes, strides, dtypes and arguments: a decode loop) skips
+validation and planning here too (``call_cache``).
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import call_cache, checks
+from .constants import INT32_MAX
+
+
+class _AppendEntry(NamedTuple):
+    append: object  # the compiled kv_append launcher
+    attention: call_cache.Entry
+    rotary: bool
+    remap: bool
+    seqlens_fill: Optional[int]
+
+
+def _check_new_kv(k, v, q, batch: int, nheads_kv: int, d: int, d_v: int):
+    if (k is None) != (v is None):
+        raise ValueError("k and v (the new tokens) must be given together, or neither")
+    if k is None:
+        return None, None, 0
+    checks.check_tensor("k", k, 4, "(batch, seqlen_new, nheads_kv, headdim)")
+    checks.check_tensor("v", v, 4, "(batch, seqlen_new, nheads_kv, headdim_v)")
+    want_k, want_v = (batch, k.shape[1], nheads_kv, d), (batch, k.shape[1], nheads_kv, d_v)
+    if tuple(k.shape) != want_k:
+        raise ValueError(f"k must have shape (batch, seqlen_new, nheads_kv, headdim) = {want_k}, got {tuple(k.shape)}")
+    if tuple(v.shape) != want_v:
+        raise ValueError(f"v must have shape (batch, seqlen_new, nheads_kv, headdim_v) = {want_v}, "
+                         f"got {tuple(v.shape)}")
+    checks.check_dtype("k", k, q.dtype, f"{q.dtype} like q")
+    checks.check_dtype("v", v, q.dtype, f"{q.dtype} like q")
+    return checks.aligned("k", k), checks.aligned("v", v), k.shape[1]
+
+
+def _check_rotary(cos, sin, q, d: int, capacity: int) -> int:
+    """Returns rotary_dim (0 without rotary)."""
+    if (cos is None) != (sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together, or neither")
+    if cos is None:
+        return 0
+    checks.check_tensor("rotary_cos", cos, 2, "(seqlen_ro, rotary_dim / 2)")
+    checks.check_tensor("rotary_sin", sin, 2, "(seqlen_ro, rotary_dim / 2)")
+    if tuple(sin.shape) != tuple(cos.shape):
+        raise ValueError(f"rotary_sin must have the shape of rotary_cos {tuple(cos.shape)}, got {tuple(sin.shape)}")
+    rotary_dim = 2 * cos.shape[1]
+    if rotary_dim == 0 or rotary_dim > d or rotary_dim % 16:
+        raise ValueError(f"rotary_cos must have shape (seqlen_ro, rotary_dim / 2) with rotary_dim a multiple of 16 "
+                         f"in [16, headdim = {d}], got rotary_dim {rotary_dim}")
+    if cos.shape[0] < capacity:
+        raise ValueError(f"rotary_cos and rotary_sin must cover every cache position: seqlen_ro "
+                         f"(rotary_cos.shape[0]) must be >= the cache capacity {capacity}, got {cos.shape[0]}")
+    checks.check_dtype("rotary_cos", cos, q.dtype, f"{q.dtype} like q")
+    checks.check_dtype("rotary_sin", sin, q.dtype, f"{q.dtype} like q")
+    for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
+        if t.shape[1] > 1 and t.stride(1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
+    return rotary_dim
+
+
+def append_and_attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                      cache_leftpad, page_table, cu_seqlens_q, learnable_sink, rotary_interleaved: bool,
+                      return_lse: bool, out, check_cache_bounds: bool, option_args: tuple, variant_args: tuple):
+    """``flash_attn_with_kvcache`` with ``k``/``v``, rotary, ``cache_batch_idx`` or
+    ``cache_leftpad`` (arguments as there; ``option_args`` / ``variant_args`` are the shared
+    keyword arguments of ``checks.options`` and ``checks.user_variant``)."""
+    from .interface import _Call, _execute
+
+    key = None
+    if not check_cache_bounds:
+        int_seqlens = cache_seqlens if not isinstance(cache_seqlens, torch.Tensor) else None
+        scalars = (int_seqlens, rotary_interleaved, return_lse, *option_args[:2], *option_args[3:], *variant_args[:2],
+                   variant_args[3])
+        hit, key = call_cache.lookup(call_cache.key(
+            "kvcache_append", (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                               None if int_seqlens is not None else cache_seqlens, cache_batch_idx, cache_leftpad,
+                               page_table, learnable_sink, out, *(variant_args[2] or ())), scalars, option_args[2]))
+        if hit is not None:
+            return _replay(hit, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                           cache_leftpad, page_table, learnable_sink, return_lse, out, variant_args)
+    if cu_seqlens_q is not None:
+        raise NotImplementedError("appending k/v, rotary, cache_batch_idx or cache_leftpad with packed queries "
+                                  "(cu_seqlens_q) is not supported: pass q as (batch, seqlen_q, nheads, headdim)")
+    inputs = (q, k_cache, v_cache, k, v, out)
+    checks.check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+    paged = page_table is not None
+    kv_form = "(num_pages, page_size, nheads_kv, {})" if paged else "(batch_cache, max_seqlen_k, nheads_kv, {})"
+    nheads, nheads_kv, d, d_v, q, k_cache, v_cache = checks.qkv(
+        q, k_cache, v_cache, "(batch, seqlen_q, nheads, headdim)", 4, kv_form.format("headdim"),
+        kv_form.format("headdim_v"))
+    batch, seqlen_q = q.shape[:2]
+    remap = cache_batch_idx is not None or cache_leftpad is not None
+    if paged:
+        if remap:
+            raise ValueError("cache_batch_idx and cache_leftpad apply to a contiguous cache; with a page_table, "
+                             "point each sequence's page_table row at its pages instead (as in FA2)")
+        checks.page_table(page_table, batch, k_cache.shape[1], "k_cache")
+        capacity = page_table.shape[1] * k_cache.shape[1]
+    else:
+        if cache_batch_idx is None and k_cache.shape[0] != batch:
+            raise ValueError(f"k_cache and v_cache must have shape (batch, max_seqlen_k, nheads_kv, headdim) with "
+                             f"batch = {batch} (or pass cache_batch_idx), got {tuple(k_cache.shape)}")
+        capacity = k_cache.shape[1]
+    k, v, seqlen_new = _check_new_kv(k, v, q, batch, nheads_kv, d, d_v)
+    rotary_dim = _check_rotary(rotary_cos, rotary_sin, q, d, capacity)
+    for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if t is not None:
+            checks.int32_vector(name, t, batch, "(batch,)")
+    seqlens_fill = None
+    if cache_seqlens is None:
+        cache_seqlens = capacity - seqlen_new
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        seqlens_fill = checks.int_arg("cache_seqlens", cache_seqlens, 0, capacity - seqlen_new)
+        cache_seqlens = torch.full((batch,), seqlens_fill, dtype=torch.int32, device=q.device)
+    else:
+        checks.int32_vector("cache_seqlens", cache_seqlens, batch, "(batch,) or an int")
+    checks.learnable_sink(learnable_sink, nheads)
+    opts = checks.options(d, *option_args)
+    out = checks.check_out(out, (batch, seqlen_q, nheads, d_v), q.dtype, "(batch, seqlen_q, nheads, headdim_v)")
+    if remap and not _flattenable(k_cache, v_cache):
+        raise ValueError("cache_batch_idx / cache_leftpad need caches whose (batch_cache, max_seqlen_k) dims can be "
+                         "viewed as one (a contiguous slice of rows: call .contiguous() on k_cache and v_cache)")
+    if remap and k_cache.shape[0] * capacity > INT32_MAX:
+        raise ValueError("cache_batch_idx / cache_leftpad address cache rows as int32: batch_cache * max_seqlen_k "
+                         f"must be <= 2**31 - 1, got {k_cache.shape[0] * capacity}")
+    checks.check_device({"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "rotary_cos": rotary_cos,
+                         "rotary_sin": rotary_sin, "cache_seqlens": cache_seqlens, "cache_batch_idx": cache_batch_idx,
+                         "cache_leftpad": cache_leftpad, "page_table": page_table, "learnable_sink": learnable_sink,
+                         "out": out})
+    max_seqlen_k = capacity
+    if check_cache_bounds:
+        max_seqlen_k = checks.cache_bounds(cache_seqlens, capacity, page_table, k_cache.shape, seqlen_new)
+    opts, variant = checks.user_variant(*variant_args, opts, q.device, batch=batch, nheads=nheads,
+                                        max_seqlen_q=seqlen_q, max_seqlen_k=capacity)
+    from . import kv_append
+
+    append = kv_append.append_launcher(
+        q.dtype, d, d_v, rotary_dim, rotary_interleaved, opts.causal or opts.window_left >= 0 or opts.window_right >= 0,
+        rotary_dim > 0, k is not None, paged, cache_batch_idx is not None, cache_leftpad is not None)
+    q_att, seqused, k_offsets = _append(append, q, k, v, k_cache, v_cache, cache_seqlens, page_table, cache_batch_idx,
+                                        cache_leftpad, rotary_cos, rotary_sin, rotary_dim > 0, remap)
+    k_att, v_att = (_flat(k_cache), _flat(v_cache)) if remap else (k_cache, v_cache)
+    call = _Call(q_att, k_att, v_att, out, opts, batch, seqlen_q, max_seqlen_k, nheads, nheads_kv, d_v, return_lse,
+                 cu_seqlens_k=k_offsets, seqused_k=seqused, page_table=page_table, learnable_sink=learnable_sink,
+                 variant=variant)
+    result, entry = _execute(call)
+    if entry is not None and all(a is b for a, b in zip(inputs, (q, k_cache, v_cache, k, v, out))):
+        call_cache.store(key, _AppendEntry(append, entry, rotary_dim > 0, remap, seqlens_fill))
+    return result
+
+
+def _flattenable(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    return all(t.shape[0] <= 1 or t.stride(0) == t.shape[1] * t.stride(1) for t in (k_cache, v_cache))
+
+
+def _flat(cache: torch.Tensor) -> torch.Tensor:
+    """(batch_cache, s, h, d) -> (batch_cache * s, h, d), a view."""
+    return cache.view(cache.shape[0] * cache.shape[1], *cache.shape[2:])
+
+
+def _append(append, q, k, v, k_cache, v_cache, cache_seqlens, page_table, cache_batch_idx, cache_leftpad, cos, sin,
+            rotary: bool, remap: bool):
+    """Runs the append kernel; returns (the queries to attend with, key counts, key offsets or None)."""
+    batch = q.shape[0]
+    q_rot = torch.empty_like(q) if rotary else None
+    seqused = torch.empty((batch,), dtype=torch.int32, device=q.device)
+    k_offsets = torch.empty((batch + 1,), dtype=torch.int32, device=q.device) if remap else None
+    append(q if rotary else None, q_rot, k, v, k_cache, v_cache, cache_seqlens, page_table, cache_batch_idx,
+           cache_leftpad, cos, sin, seqused, k_offsets)
+    return (q_rot if rotary else q), seqused, k_offsets
+
+
+def _replay(hit: _AppendEntry, q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            page_table, learnable_sink, return_lse, out, variant_args):
+    from . import user_variants
+    from .backend_kit import NO_VARIANT
+    from .interface import _aux_of, _launch
+
+    if hit.seqlens_fill is not None:
+        cache_seqlens = torch.full((q.shape[0],), hit.seqlens_fill, dtype=torch.int32, device=q.device)
+    q_att, seqused, k_offsets = _append(hit.append, q, k, v, k_cache, v_cache, cache_seqlens, page_table,
+                                        cache_batch_idx, cache_leftpad, cos, sin, hit.rotary, hit.remap)
+    entry = hit.attention
+    if out is None:
+        out = q.new_empty(entry.out_shape)
+    lse = q.new_empty(entry.lse_shape, dtype=torch.float32) if return_lse else None
+    k_att, v_att = (_flat(k_cache), _flat(v_cache)) if hit.remap else (k_cache, v_cache)
+    variant_tensors = NO_VARIANT
+    if entry.problem.variant is not None:
+        aux = _aux_of(variant_args[2], variant_args[3])
+        variant_tensors = user_variants.kernel_aux(aux or ()) + (entry.block_ranges,)
+    _launch(entry, q_att, k_att, v_att, out, lse, None, k_offsets, None, seqused, page_table, learnable_sink,
+            variant_tensors)
+    return (out, lse) if return_lse else out
