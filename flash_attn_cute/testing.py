@@ -75,11 +75,14 @@ def visible_mask(seqlen_q, seqlen_k, seqlens_k=None, *, causal=False, window_siz
 
 
 def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                  seqlens_k=None, upcast=True, score_mod=None, mask_mod=None, aux_tensors=None, batch_idx=None):
+                  seqlens_k=None, upcast=True, score_mod=None, mask_mod=None, aux_tensors=None, batch_idx=None,
+                  learnable_sink=None):
     """Returns (out (b, sq, h, dv), lse (b, h, sq) float32).
 
     ``out`` is float32 when ``upcast`` (the default), else in the input dtype.
     ``seqlens_k`` (batch,) int: only the first seqlens_k[b] keys of row b exist.
+    ``learnable_sink`` (h,): one more logit per head in each denominator, value 0 (the LSE
+    includes it; a row that sees no key has out 0 and lse = the sink).
     ``score_mod`` / ``mask_mod`` (``user_variants.py``) run here on broadcast index
     tensors: b (b,1,1,1), h (1,h,1,1), q_idx (1,1,sq,1), kv_idx (1,1,1,sk), with
     ``aux_tensors``; ``batch_idx`` renumbers the batch rows (varlen calls one at a time).
@@ -109,6 +112,8 @@ def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1,
             mask = mask & mask_mod(b_idx, h_idx, q_idx, kv_idx, aux)
         scores = scores.masked_fill(~mask, float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)  # -inf on fully masked rows
+        if learnable_sink is not None:
+            lse = torch.logaddexp(lse, learnable_sink.float().view(1, -1, 1))
         # exp(s - lse) is the softmax; on fully masked rows it is exp(-inf) = 0, not NaN
         probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
         out = torch.einsum("bhqk,bkhd->bqhd", probs.to(v.dtype), v)
@@ -139,6 +144,47 @@ def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
         o_b, lse_b = attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], batch_idx=[b], **kwargs)
         out[q0:q1] = o_b[0]
         lse[:, q0:q1] = lse_b[0]
+    return out, lse
+
+
+def attention_serving_ref(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
+                          page_table=None, **kwargs):
+    """``flash_attn_varlen_func``'s general call, one sequence at a time: q packed
+    (total_q, h, d) with ``cu_seqlens_q`` or dense (b, sq, h, d); k/v packed with
+    ``cu_seqlens_k``, dense (b, sk, hkv, d*) or paged (num_pages, page_size, hkv, d*) with
+    ``page_table``; ``seqused_q`` / ``seqused_k`` (b,): the sequence's query / key counts.
+    Returns (out, lse) in the layouts of the call (packed: (total_q, h, dv), (h, total_q));
+    rows past ``seqused_q`` are left 0 (out) and -inf (lse)."""
+    if page_table is not None:
+        k, v = gather_paged_kv(k, page_table), gather_paged_kv(v, page_table)
+    varlen_q = cu_seqlens_q is not None
+    batch = cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
+    nheads, dv = q.shape[-2], v.shape[-1]
+    out_dtype = torch.float32 if kwargs.get("upcast", True) else q.dtype
+    out = torch.zeros(*q.shape[:-1], dv, dtype=out_dtype, device=q.device)
+    lse = torch.full((nheads, q.shape[0]) if varlen_q else (batch, nheads, q.shape[1]), float("-inf"),
+                     dtype=torch.float32, device=q.device)
+    cq = cu_seqlens_q.tolist() if varlen_q else None
+    ck = cu_seqlens_k.tolist() if cu_seqlens_k is not None else None
+    for b in range(batch):
+        q0, q1 = (cq[b], cq[b + 1]) if varlen_q else (0, q.shape[1])
+        if seqused_q is not None:
+            q1 = q0 + min(int(seqused_q[b]), q1 - q0)
+        if ck is not None:
+            k0, k1 = ck[b], ck[b + 1]
+            k_b, v_b = k[k0:k1], v[k0:k1]
+        else:
+            k_b, v_b = k[b], v[b]
+        if seqused_k is not None:
+            k_b, v_b = k_b[:int(seqused_k[b])], v_b[:int(seqused_k[b])]
+        q_b = q[q0:q1] if varlen_q else q[b, q0:q1]
+        if q_b.shape[0] == 0:
+            continue
+        o_b, lse_b = attention_ref(q_b[None], k_b[None], v_b[None], batch_idx=[b], **kwargs)
+        if varlen_q:
+            out[q0:q1], lse[:, q0:q1] = o_b[0], lse_b[0]
+        else:
+            out[b, q0:q1], lse[b, :, q0:q1] = o_b[0], lse_b[0]
     return out, lse
 
 
