@@ -70,6 +70,8 @@ def _validate(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, sof
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     num_splits = checks.int_arg("num_splits", num_splits, 0, MAX_SPLITS)
+    if not isinstance(batch_invariant, bool):
+        raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__}")
     backend = _backend(backend)
     tensors = [checks.aligned(n, t) for n, t in (("q_nope", q_nope), ("q_pe", q_pe), ("ckv_cache", ckv_cache),
                                                   ("kpe_cache", kpe_cache))]
@@ -80,7 +82,7 @@ def _validate(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, sof
 
 
 def flash_mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, *, softmax_scale=None,
-                     causal=False, num_splits=0, return_lse=False, out=None, backend=None):
+                     causal=False, num_splits=0, return_lse=False, out=None, backend=None, batch_invariant=False):
     """MLA decode against a paged latent cache.
 
     q_nope ``(batch, seqlen_q, nheads, 512)``, q_pe ``(batch, seqlen_q, nheads, 64)``;
@@ -93,13 +95,15 @@ def flash_mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_tab
     nheads, 512)`` in the input dtype, or ``(out, lse)`` with lse ``(batch, nheads,
     seqlen_q)`` fp32, natural log (-inf and out 0 for a query that sees no key).
     ``num_splits``: 0 = heuristic from the shapes, 1 = none, n = n KV splits.
+    ``batch_invariant=True``: a sequence's output and LSE are bitwise the same whatever else
+    is in the batch (a fixed number of keys per KV split; ``num_splits`` is then ignored).
 
     No device synchronisation: lengths beyond the table's capacity and page ids outside
     the pool are clamped in the kernel (wrong results, never an illegal read). A
     repeated call (same shapes, strides, dtypes, arguments) skips validation and planning."""
     hit, key = call_cache.lookup(call_cache.key(
         "mla", (q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, out),
-        (softmax_scale, causal, num_splits, return_lse, backend)))
+        (softmax_scale, causal, num_splits, return_lse, backend, batch_invariant)))
     if hit is not None:
         if out is None:
             out = q_nope.new_empty(hit.out_shape)
@@ -125,7 +129,8 @@ def flash_mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_tab
             lse.fill_(-math.inf)
         return (out, lse) if return_lse else out
     problem = MlaProblem(dtype=q_nope.dtype, batch=batch, max_seqlen_q=seqlen_q, max_seqlen_k=capacity, nheads=nheads,
-                         page_size=ckv_cache.shape[1], softmax_scale=scale, causal=causal, has_lse=bool(return_lse))
+                         page_size=ckv_cache.shape[1], softmax_scale=scale, causal=causal, has_lse=bool(return_lse),
+                         batch_invariant=batch_invariant)
     resolved = fwd.resolve(problem, name, num_splits, None, q_nope.device, tuning.from_env())
     fwd.run_resolved(resolved, problem, (q_nope, q_pe, ckv_cache, kpe_cache), out, lse, (cache_seqlens, page_table))
     call_cache.store(fast_key, call_cache.Entry(problem, resolved, out_shape, lse_shape))

@@ -105,6 +105,7 @@ class MlaProblem(NamedTuple):
     softmax_scale: float
     causal: bool  # bottom-right aligned
     has_lse: bool
+    batch_invariant: bool = False  # fixed keys per split: bitwise the same in any batch
 
     kind = "mla"
     nheads_kv = 1  # one latent cache shared by every head

@@ -16,6 +16,7 @@ from .config import MLA_SMEM_KB, MlaWarpRoles, mla_stages_for
 NAME = "sm80"
 NHEADS = MLA_NHEADS
 AUTO = True
+FEATURES = frozenset()  # what this kernel implements of backend_kit.FEATURES
 # One CTA per SM (72 KB of Q and 36 KB per stage): the split heuristic counts the grid in
 # 64-row tiles of 32-key blocks against num_sms resident CTAs, last wave at least 90% full.
 _CTAS_PER_SM = 1
@@ -33,6 +34,8 @@ def runs_on(capability: tuple) -> bool:
 def check(problem: MlaProblem) -> Optional[str]:
     if problem.nheads not in NHEADS:
         return f"nheads {problem.nheads} is not one of {NHEADS}"
+    if problem.batch_invariant and "batch_invariant" not in FEATURES:
+        return "batch_invariant is not implemented by this kernel"
     return None
 
 

@@ -18,6 +18,7 @@ NHEADS = MLA_NHEADS
 # Automatic on 9.x (preferred to SM80): all GPU tests pass on the H200 in both Q K^T
 # modes (2026-11-29), and it reads 3.06 TB/s at 768 x 2048 where the SM80 kernel reads 2.31.
 AUTO = True
+FEATURES = frozenset()  # what this kernel implements of backend_kit.FEATURES
 # 224 KB of shared memory and 384 threads at 504 registers per thread-slot: one CTA per
 # SM. The split heuristic counts 64-row tiles of 32-key blocks against num_sms.
 _CTAS_PER_SM = 1
@@ -40,6 +41,8 @@ def runs_on(capability: tuple) -> bool:
 def check(problem: MlaProblem) -> Optional[str]:
     if problem.nheads not in NHEADS:
         return f"nheads {problem.nheads} is not one of {NHEADS}"
+    if problem.batch_invariant and "batch_invariant" not in FEATURES:
+        return "batch_invariant is not implemented by this kernel"
     return None
 
 
