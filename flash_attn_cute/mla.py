@@ -38,7 +38,7 @@ def _backend(backend) -> Optional[str]:
 
 
 def _validate(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, softmax_scale, causal, num_splits,
-              out, backend):
+              out, backend, batch_invariant=False):
     """Shapes, then dtypes, then scalars, then the device; errors name the argument."""
     q_form = "(batch, seqlen_q, nheads, {})"
     checks.check_tensor("q_nope", q_nope, 4, q_form.format(D_CKV))
@@ -114,7 +114,7 @@ def flash_mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_tab
     inputs = (q_nope, q_pe, ckv_cache, kpe_cache, out)
     q_nope, q_pe, ckv_cache, kpe_cache, out, scale, num_splits, name = _validate(
         q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, softmax_scale, causal, num_splits, out,
-        backend)
+        backend, batch_invariant)
     # Cacheable when validation handed the tensors through unchanged (checked before out is allocated).
     fast_key = call_cache.same(key, inputs, (q_nope, q_pe, ckv_cache, kpe_cache, out))
     batch, seqlen_q, nheads, _ = q_nope.shape
