@@ -24,7 +24,8 @@ sync, no allocation: CUDA-graph capturable)::
     fn(q, k_new, v_new, k_cache, v_cache, cache_seqlens, page_table, cache_batch_idx,
        cache_leftpad, rotary_cos, rotary_sin, q_out, seqused_out, k_offsets_out)
 
-  q, q_out          (b, sq, h, d), or both None when the key has no q
+  q, q_out          (b, sq, h, d), or both None when the key has no q; q_out may be q
+                    itself (each thread reads its chunks before writing them)
   k_new, v_new      (b, s_new, h_kv, d) and (b, s_new, h_kv, d_v), or both None
   k_cache, v_cache  (b_cache, s_cache, h_kv, d*) or paged (num_pages, page_size, h_kv, d*);
                     always given (they define the capacity)
@@ -39,8 +40,10 @@ sync, no allocation: CUDA-graph capturable)::
 Last dims contiguous; the other strides and the base addresses 16-byte aligned. Shapes are
 the caller's to validate (the public API does); device data never is trusted: cache rows,
 page ids and rotary rows are clamped into their tensors and positions outside the cache
-are not written, so wrong values give wrong results, never an access out of bounds. Sizes:
-each of q, k_new, v_new below 2^31 16-byte chunks, positions and capacities below 2^30.
+are not written, so wrong values give wrong results, never an access out of bounds. Sizes
+(the caller's to check, on the host): q, k_new and v_new together below 2^31 16-byte
+chunks (32 GiB), capacities and rotary tables below 2^30 rows, b_cache * s_cache below
+2^31 (k_offsets_out is int32, as is the attention's cu_seqlens_k).
 
 Bytes per appended token (16-bit dtype): k and v are read once and written once,
 4 * h_kv * (d + d_v) bytes (8 KiB at h_kv = 8, d = d_v = 128); each query token adds
@@ -52,11 +55,12 @@ every thread owns one 16-byte chunk of one (token, head) row of q, k or v (two c
 the two halves of its rotary pairs, for GPT-NeoX), loads it with one 128-bit load, rotates
 it in fp32 registers and stores it with one 128-bit store. No shared memory, no
 cooperation between threads: a decode step (s_new = 1) is one launch of
-b * (h * d + h_kv * (d + d_v)) / 8 threads, short enough that its cost is the launch and
-one DRAM round trip. The flat thread index runs over [q | k | v] segments (row-major over
-(b, t, head, chunk), so consecutive threads touch consecutive bytes), with the batch on
-grid x: any batch size. Divisions by runtime sizes are FastDivmod multiplications set up
-once on the host side of the launch.
+about b * (h * d + h_kv * (d + d_v)) / 8 threads, short enough that its cost is the launch
+and two dependent DRAM round trips (cache_seqlens, then cos / sin or the page id). The
+flat thread index runs over [q | k | v] segments (row-major over (b, t, head, chunk), so
+consecutive threads touch consecutive bytes), with the batch on grid x: any batch size.
+Divisions by runtime sizes are FastDivmod multiplications set up once on the host side of
+the launch.
 """
 
 from typing import Optional, Type
