@@ -155,13 +155,13 @@ class KVAppendRotary:
         batch = mSeqlens.shape[0]
         # Every thread index below batch + 1 also writes that entry's metadata.
         total = cutlass.max(n_q + n_kv * (self.items_qk + self.items_v), batch + 1)
-        # Divisors of the flat row index; at least 1 so that an empty segment (never
-        # indexed) still makes a valid divisor.
+        # Divisors of the flat row index and of positions into pages; at least 1, so that
+        # an empty segment or cache (never indexed) still makes a valid divisor.
         div_q_heads = cute.fast_divmod_create_divisor_v2(cutlass.max(q_heads, 1))
         div_q_len = cute.fast_divmod_create_divisor_v2(cutlass.max(q_len, 1))
         div_kv_heads = cute.fast_divmod_create_divisor_v2(cutlass.max(kv_heads, 1))
         div_kv_len = cute.fast_divmod_create_divisor_v2(cutlass.max(s_new, 1))
-        div_page = cute.fast_divmod_create_divisor_v2(mKCache.shape[1])
+        div_page = cute.fast_divmod_create_divisor_v2(cutlass.max(mKCache.shape[1], 1))
         self.kernel(
             mQ, mK, mV, mKCache, mVCache, mSeqlens, mPageTable, mBatchIdx, mLeftpad, mCos, mSin, mQOut, mSeqused,
             mKOffsets, n_q, n_kv, s_new, div_q_heads, div_q_len, div_kv_heads, div_kv_len, div_page,

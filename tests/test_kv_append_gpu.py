@@ -22,7 +22,7 @@ fails by orders of magnitude.
 """
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import pytest
 import torch
