@@ -310,3 +310,97 @@ def compile_variant_case(case: tuple):
     module = fwd.backend_module(backend)
     plan = module.plan(problem, num_splits, pack_gqa, 132)
     return module.compile(module.compile_key(problem, plan))
+
+
+# ---------------------------------------------------------------------------------------
+# KV-cache append with rotary embedding (kv_append.py; tests/test_kv_append_gpu.py)
+# ---------------------------------------------------------------------------------------
+
+
+def apply_rotary_ref(x, cos, sin, positions, interleaved, rotary_dim):
+    """x (b, s, h, d) rotated by position: returns float32 (b, s, h, d), computed in fp32.
+
+    ``cos`` / ``sin`` (seqlen_ro, rotary_dim / 2); ``positions`` (b, s) ints, absolute,
+    clamped into [0, seqlen_ro) as the kernel does. The first ``rotary_dim`` channels are
+    rotated in pairs, (x[2i], x[2i+1]) when ``interleaved`` (GPT-J), else (x[i],
+    x[i + rotary_dim / 2]) (GPT-NeoX): (x0 cos - x1 sin, x0 sin + x1 cos) with column i of
+    the tables; the other channels pass through."""
+    out = x.float().clone()
+    if rotary_dim == 0:
+        return out
+    half = rotary_dim // 2
+    rows = positions.to(device=x.device, dtype=torch.long).clamp(0, cos.shape[0] - 1)
+    c = cos.float()[rows][:, :, None, :]  # (b, s, 1, rotary_dim / 2)
+    s = sin.float()[rows][:, :, None, :]
+    xr = out[..., :rotary_dim]
+    x0, x1 = (xr[..., 0::2], xr[..., 1::2]) if interleaved else (xr[..., :half], xr[..., half:])
+    o0, o1 = x0 * c - x1 * s, x0 * s + x1 * c
+    if interleaved:
+        out[..., 0:rotary_dim:2], out[..., 1:rotary_dim:2] = o0, o1
+    else:
+        out[..., :half], out[..., half:rotary_dim] = o0, o1
+    return out
+
+
+def kv_append_ref(q, k_new, v_new, k_cache, v_cache, cache_seqlens, page_table=None, cache_batch_idx=None,
+                  cache_leftpad=None, rotary_cos=None, rotary_sin=None, interleaved=True, q_positions_per_query=True,
+                  upcast=False):
+    """What ``kv_append`` computes, without modifying any input: returns (q_rot, k_cache
+    after, v_cache after, seqused (b,) int32, k_offsets (b + 1,) int32 or None).
+
+    New token t of row b goes to absolute position p = cache_seqlens[b] + t, of cache row
+    cache_batch_idx[b] (clamped into the cache; b without it) or of page
+    page_table[b, p // page_size] (clamped into the pool), row p % page_size; positions
+    outside [0, capacity) are dropped. q and the new k are rotated (``apply_rotary_ref``)
+    at their absolute positions: k token t at p, query i at cache_seqlens[b] + i when
+    ``q_positions_per_query`` else at cache_seqlens[b]. seqused = end - leftpad with end =
+    clamp(cache_seqlens + s_new, 0, capacity) and leftpad clamped into [0, end];
+    k_offsets (contiguous caches with cache_batch_idx or cache_leftpad) = cache row *
+    s_cache + leftpad, then 0. Rotated values are rounded once to the input dtype, or
+    kept in float32 (and the caches upcast) with ``upcast``. Several tokens landing on
+    one slot (only possible with out-of-range indices) leave one of them, unspecified."""
+    rotary_dim = 0 if rotary_cos is None else 2 * rotary_cos.shape[1]
+    start = cache_seqlens.long()
+    batch = start.shape[0]
+    device = k_cache.device
+    paged = page_table is not None
+    capacity = page_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+
+    def rotate(x, positions):
+        y = apply_rotary_ref(x, rotary_cos, rotary_sin, positions, interleaved, rotary_dim)
+        return y if upcast else y.to(x.dtype)
+
+    q_rot = None
+    if q is not None:
+        t = torch.arange(q.shape[1], device=device)
+        q_rot = rotate(q, start[:, None] + (t[None] if q_positions_per_query else 0))
+    k_out = k_cache.float().clone() if upcast else k_cache.clone()
+    v_out = v_cache.float().clone() if upcast else v_cache.clone()
+    s_new = 0
+    if k_new is not None:
+        s_new = k_new.shape[1]
+        pos = start[:, None] + torch.arange(s_new, device=device)[None]  # (b, s_new)
+        k_rot = rotate(k_new, pos)
+        bs, ts = ((pos >= 0) & (pos < capacity)).nonzero(as_tuple=True)
+        p = pos[bs, ts]
+        if paged:
+            page = page_table.long()[bs, p // k_cache.shape[1]].clamp(0, k_cache.shape[0] - 1)
+            slot = (page, p % k_cache.shape[1])
+        else:
+            row = bs.clamp(max=k_cache.shape[0] - 1)
+            if cache_batch_idx is not None:
+                row = cache_batch_idx.long()[bs].clamp(0, k_cache.shape[0] - 1)
+            slot = (row, p)
+        k_out[slot] = k_rot[bs, ts].to(k_out.dtype)
+        v_out[slot] = v_new[bs, ts].to(v_out.dtype)
+    end = (start + s_new).clamp(0, capacity)
+    leftpad = torch.zeros_like(end) if cache_leftpad is None else torch.minimum(cache_leftpad.long().clamp(min=0), end)
+    seqused = (end - leftpad).int()
+    k_offsets = None
+    if not paged and (cache_batch_idx is not None or cache_leftpad is not None):
+        row = torch.arange(batch, device=device).clamp(max=k_cache.shape[0] - 1)
+        if cache_batch_idx is not None:
+            row = cache_batch_idx.long().clamp(0, k_cache.shape[0] - 1)
+        k_offsets = torch.cat([row * k_cache.shape[1] + leftpad, torch.zeros(1, dtype=torch.long, device=device)])
+        k_offsets = k_offsets.int()
+    return q_rot, k_out, v_out, seqused, k_offsets

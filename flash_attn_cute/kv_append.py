@@ -1,0 +1,415 @@
+"""KV-cache append with rotary embedding: the step before every ``flash_attn_with_kvcache``.
+
+One launch writes the new tokens into the cache, rotates q and the new k at their absolute
+positions, and writes the per-sequence metadata the attention then reads:
+
+  - k_cache[row(b), p] = rotary(k_new[b, t], p)  and  v_cache[row(b), p] = v_new[b, t],
+    p = cache_seqlens[b] + t, for every new token t with 0 <= p < capacity (others are
+    dropped); paged caches: page page_table[b, p // page_size], row p % page_size;
+  - q_out[b, i] = rotary(q[b, i], cache_seqlens[b] + (i if q_positions_per_query else 0));
+  - seqused_out[b] = end - leftpad, end = clamp(cache_seqlens[b] + s_new, 0, capacity),
+    leftpad = clamp(cache_leftpad[b], 0, end) (0 without cache_leftpad);
+  - k_offsets_out[b] = row(b) * s_cache + leftpad and k_offsets_out[batch] = 0, only for
+    contiguous caches with cache_batch_idx or cache_leftpad: the attention then reads the
+    flattened (b_cache * s_cache, h_kv, d) cache with cu_seqlens_k = k_offsets_out and
+    seqused_k = seqused_out.
+
+Rotary over the first rotary_dim channels, in fp32, rounded once: interleaved (GPT-J) pairs
+(x[2i], x[2i+1]), otherwise (GPT-NeoX) pairs (x[i], x[i + rotary_dim / 2]), each rotated by
+cos / sin of column i of row clamp(position, 0, seqlen_ro - 1) of rotary_cos / rotary_sin.
+
+Launch contract (``append_launcher(...)`` returns ``fn``; torch's current stream, no host
+sync, no allocation: CUDA-graph capturable)::
+
+    fn(q, k_new, v_new, k_cache, v_cache, cache_seqlens, page_table, cache_batch_idx,
+       cache_leftpad, rotary_cos, rotary_sin, q_out, seqused_out, k_offsets_out)
+
+  q, q_out          (b, sq, h, d), or both None when the key has no q; q_out may be q
+                    itself (each thread reads its chunks before writing them)
+  k_new, v_new      (b, s_new, h_kv, d) and (b, s_new, h_kv, d_v), or both None
+  k_cache, v_cache  (b_cache, s_cache, h_kv, d*) or paged (num_pages, page_size, h_kv, d*);
+                    always given (they define the capacity)
+  cache_seqlens     (b,) int32, always given; seqused_out (b,) int32, always given
+  page_table        (b, max_pages) int32 when paged, else None
+  cache_batch_idx, cache_leftpad   (b,) int32 or None (contiguous caches only)
+  rotary_cos, rotary_sin           (seqlen_ro >= 1, rotary_dim / 2) in q's dtype, or None
+                                   when rotary_dim is 0
+  k_offsets_out     (b + 1,) int32 when contiguous and (cache_batch_idx or cache_leftpad)
+                    is given, else None
+
+Last dims contiguous; the other strides and the base addresses 16-byte aligned. Shapes are
+the caller's to validate (the public API does); device data never is trusted: cache rows,
+page ids and rotary rows are clamped into their tensors and positions outside the cache
+are not written, so wrong values give wrong results, never an access out of bounds. Sizes
+(the caller's to check, on the host): q, k_new and v_new together below 2^31 16-byte
+chunks (32 GiB), capacities and rotary tables below 2^30 rows, b_cache * s_cache below
+2^31 (k_offsets_out is int32, as is the attention's cu_seqlens_k).
+
+Bytes per appended token (16-bit dtype): k and v are read once and written once,
+4 * h_kv * (d + d_v) bytes (8 KiB at h_kv = 8, d = d_v = 128); each query token adds
+4 * h * d bytes for q -> q_out, and each distinct position 2 * rotary_dim bytes of
+cos / sin (shared by all heads of that token, so they come from L1 / L2).
+
+Design. The work is pure data movement, so the kernel is a flat, memory-bound SIMT copy:
+every thread owns one 16-byte chunk of one (token, head) row of q, k or v (two chunks,
+the two halves of its rotary pairs, for GPT-NeoX), loads it with one 128-bit load, rotates
+it in fp32 registers and stores it with one 128-bit store. No shared memory, no
+cooperation between threads: a decode step (s_new = 1) is one launch of
+about b * (h * d + h_kv * (d + d_v)) / 8 threads, short enough that its cost is the launch
+and two dependent DRAM round trips (cache_seqlens, then cos / sin or the page id). The
+flat thread index runs over [q | k | v] segments (row-major over (b, t, head, chunk), so
+consecutive threads touch consecutive bytes), with the batch on grid x: any batch size.
+Divisions by runtime sizes are FastDivmod multiplications set up once on the host side of
+the launch.
+"""
+
+from typing import Optional, Type
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from . import jit_cache
+from .cute_utils import CUTE_DTYPE_BY_NAME, compile_options, fake_stream, fake_tensor
+from .keys import DTYPE_NAMES, target_arch
+
+# Positions are clamped into [-POS_LIMIT, POS_LIMIT] before any arithmetic: cache_seqlens
+# + token index can then never overflow int32, whatever cache_seqlens holds.
+POS_LIMIT = 1 << 30
+
+
+class KVAppendRotary:
+    def __init__(
+        self,
+        dtype: Type[cutlass.Numeric],
+        head_dim: int,
+        head_dim_v: int,
+        rotary_dim: int,
+        interleaved: bool,
+        q_positions_per_query: bool,
+        paged: bool,
+        num_threads: int = 128,
+    ):
+        assert dtype in (cutlass.Float16, cutlass.BFloat16), dtype
+        self.dtype = dtype
+        self.vec = 128 // dtype.width  # elements of one 128-bit chunk
+        assert head_dim % self.vec == 0 and head_dim_v % self.vec == 0, (head_dim, head_dim_v)
+        # A multiple of 16: a NeoX half (rotary_dim / 2) is whole chunks, so a thread's two
+        # partner chunks are both 16-byte aligned, and so are its cos / sin columns.
+        assert rotary_dim % 16 == 0 and 0 <= rotary_dim <= head_dim, rotary_dim
+        self.head_dim, self.head_dim_v, self.rotary_dim = head_dim, head_dim_v, rotary_dim
+        self.interleaved = interleaved and rotary_dim > 0
+        self.neox = not interleaved and rotary_dim > 0
+        self.q_positions_per_query = q_positions_per_query
+        self.paged = paged
+        self.num_threads = num_threads
+        self.rot_chunks = rotary_dim // self.vec
+        # NeoX: item j < half owns chunks j and j + half (the two halves of its pairs);
+        # the other items own one pass-through chunk each. Interleaved or no rotary: item
+        # j owns chunk j (an interleaved chunk holds whole pairs).
+        self.half = self.rot_chunks // 2 if self.neox else 0
+        self.items_qk = head_dim // self.vec - self.half
+        self.items_v = head_dim_v // self.vec
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: Optional[cute.Tensor],  # (b, sq, h, d)
+        mK: Optional[cute.Tensor],  # (b, s_new, h_kv, d)
+        mV: Optional[cute.Tensor],  # (b, s_new, h_kv, d_v)
+        mKCache: cute.Tensor,  # (b_cache, s_cache, h_kv, d) or (num_pages, page_size, h_kv, d)
+        mVCache: cute.Tensor,  # same, d_v
+        mSeqlens: cute.Tensor,  # (b,) int32
+        mPageTable: Optional[cute.Tensor],  # (b, max_pages) int32
+        mBatchIdx: Optional[cute.Tensor],  # (b,) int32
+        mLeftpad: Optional[cute.Tensor],  # (b,) int32
+        mCos: Optional[cute.Tensor],  # (seqlen_ro, rotary_dim / 2)
+        mSin: Optional[cute.Tensor],
+        mQOut: Optional[cute.Tensor],  # (b, sq, h, d)
+        mSeqused: cute.Tensor,  # (b,) int32
+        mKOffsets: Optional[cute.Tensor],  # (b + 1,) int32
+        stream,
+    ):
+        if const_expr((mQ is None) != (mQOut is None) or (mK is None) != (mV is None)):
+            raise ValueError("q and q_out, k_new and v_new come in pairs")
+        if const_expr((mCos is None) != (self.rotary_dim == 0) or (mSin is None) != (mCos is None)):
+            raise ValueError("rotary_cos / rotary_sin are given exactly when rotary_dim > 0")
+        if const_expr((mPageTable is not None) != self.paged):
+            raise ValueError("page_table is given exactly for paged caches")
+        if const_expr(self.paged and (mBatchIdx is not None or mLeftpad is not None)):
+            raise ValueError("cache_batch_idx and cache_leftpad are for contiguous caches")
+        if const_expr((mKOffsets is not None) != (mBatchIdx is not None or mLeftpad is not None)):
+            raise ValueError("k_offsets_out is written exactly with cache_batch_idx or cache_leftpad")
+        for t in (mQ, mK, mV, mKCache, mVCache, mCos, mSin, mQOut):
+            if const_expr(t is not None and t.element_type != self.dtype):
+                raise TypeError(f"q, k, v, caches and cos / sin must all be {self.dtype}")
+        # Segment sizes in items: rows x items per row (items_* are compile-time constants).
+        n_q, n_kv, s_new = Int32(0), Int32(0), Int32(0)
+        q_heads, q_len, kv_heads = Int32(1), Int32(1), Int32(1)
+        if const_expr(mQ is not None):
+            n_q = cute.size(mQ.shape[:3]) * self.items_qk
+            q_heads, q_len = mQ.shape[2], mQ.shape[1]
+        if const_expr(mK is not None):
+            n_kv = cute.size(mK.shape[:3])
+            kv_heads, s_new = mK.shape[2], mK.shape[1]
+        batch = mSeqlens.shape[0]
+        # Every thread index below batch + 1 also writes that entry's metadata.
+        total = cutlass.max(n_q + n_kv * (self.items_qk + self.items_v), batch + 1)
+        # Divisors of the flat row index and of positions into pages; at least 1, so that
+        # an empty segment or cache (never indexed) still makes a valid divisor.
+        div_q_heads = cute.fast_divmod_create_divisor_v2(cutlass.max(q_heads, 1))
+        div_q_len = cute.fast_divmod_create_divisor_v2(cutlass.max(q_len, 1))
+        div_kv_heads = cute.fast_divmod_create_divisor_v2(cutlass.max(kv_heads, 1))
+        div_kv_len = cute.fast_divmod_create_divisor_v2(cutlass.max(s_new, 1))
+        div_page = cute.fast_divmod_create_divisor_v2(cutlass.max(mKCache.shape[1], 1))
+        self.kernel(
+            mQ, mK, mV, mKCache, mVCache, mSeqlens, mPageTable, mBatchIdx, mLeftpad, mCos, mSin, mQOut, mSeqused,
+            mKOffsets, n_q, n_kv, s_new, div_q_heads, div_q_len, div_kv_heads, div_kv_len, div_page,
+        ).launch(grid=[cute.ceil_div(total, self.num_threads), 1, 1], block=[self.num_threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: Optional[cute.Tensor],
+        mK: Optional[cute.Tensor],
+        mV: Optional[cute.Tensor],
+        mKCache: cute.Tensor,
+        mVCache: cute.Tensor,
+        mSeqlens: cute.Tensor,
+        mPageTable: Optional[cute.Tensor],
+        mBatchIdx: Optional[cute.Tensor],
+        mLeftpad: Optional[cute.Tensor],
+        mCos: Optional[cute.Tensor],
+        mSin: Optional[cute.Tensor],
+        mQOut: Optional[cute.Tensor],
+        mSeqused: cute.Tensor,
+        mKOffsets: Optional[cute.Tensor],
+        n_q: Int32,  # items of the q segment
+        n_kv: Int32,  # (b, s_new, h_kv) rows of the k and of the v segment
+        s_new: Int32,
+        div_q_heads: cute.FastDivmodDivisorV2,
+        div_q_len: cute.FastDivmodDivisorV2,
+        div_kv_heads: cute.FastDivmodDivisorV2,
+        div_kv_len: cute.FastDivmodDivisorV2,
+        div_page: cute.FastDivmodDivisorV2,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        g = bidx * self.num_threads + tidx
+        self.write_metadata(g, mKCache, mSeqlens, mPageTable, mBatchIdx, mLeftpad, mSeqused, mKOffsets, s_new)
+        if const_expr(mQ is not None):
+            if g < n_q:
+                row, item = g // self.items_qk, g % self.items_qk
+                bt, head = divmod(row, div_q_heads)
+                b, t = divmod(bt, div_q_len)
+                pos = self.start_position(mSeqlens, b)
+                if const_expr(self.q_positions_per_query):
+                    pos += t
+                self.rotate_item(mQ[b, t, head, None], mQOut[b, t, head, None], item, mCos, mSin, pos)
+        if const_expr(mK is not None):
+            gk = g - n_q
+            n_k = n_kv * self.items_qk
+            if gk >= 0 and gk < n_k:
+                row, item = gk // self.items_qk, gk % self.items_qk
+                bt, head = divmod(row, div_kv_heads)
+                b, t = divmod(bt, div_kv_len)
+                pos = self.start_position(mSeqlens, b) + t
+                if self.in_cache(mKCache, mPageTable, pos):
+                    gDst = self.cache_row(mKCache, mPageTable, mBatchIdx, b, pos, head, div_page)
+                    self.rotate_item(mK[b, t, head, None], gDst, item, mCos, mSin, pos)
+            gv = gk - n_k
+            if gv >= 0 and gv < n_kv * self.items_v:
+                row, item = gv // self.items_v, gv % self.items_v
+                bt, head = divmod(row, div_kv_heads)
+                b, t = divmod(bt, div_kv_len)
+                pos = self.start_position(mSeqlens, b) + t
+                if self.in_cache(mVCache, mPageTable, pos):
+                    gDst = self.cache_row(mVCache, mPageTable, mBatchIdx, b, pos, head, div_page)
+                    self.copy_chunk(mV[b, t, head, None], gDst, item)
+
+    @cute.jit
+    def start_position(self, mSeqlens: cute.Tensor, b: Int32) -> Int32:
+        return cutlass.max(cutlass.min(mSeqlens[b], POS_LIMIT), -POS_LIMIT)
+
+    @cute.jit
+    def capacity(self, mCache: cute.Tensor, mPageTable: Optional[cute.Tensor]) -> Int32:
+        if const_expr(self.paged):
+            return mPageTable.shape[1] * mCache.shape[1]
+        return mCache.shape[1]
+
+    @cute.jit
+    def in_cache(self, mCache: cute.Tensor, mPageTable: Optional[cute.Tensor], pos: Int32):
+        # Each cache against its own capacity: a v_cache shorter than k_cache still stays
+        # in bounds.
+        return pos >= 0 and pos < self.capacity(mCache, mPageTable)
+
+    @cute.jit
+    def cache_row(
+        self,
+        mCache: cute.Tensor,
+        mPageTable: Optional[cute.Tensor],
+        mBatchIdx: Optional[cute.Tensor],
+        b: Int32,
+        pos: Int32,  # 0 <= pos < capacity
+        head: Int32,
+        div_page: cute.FastDivmodDivisorV2,
+    ) -> cute.Tensor:
+        """(d*,) gmem row of token position ``pos`` of sequence ``b`` for ``head``."""
+        last = mCache.shape[0] - 1
+        if const_expr(self.paged):
+            page_idx, r = divmod(pos, div_page)  # page_idx < max_pages since pos < capacity
+            page = cutlass.max(cutlass.min(mPageTable[b, page_idx], last), 0)
+            return mCache[page, r, head, None]
+        cache_b = cutlass.min(b, last)
+        if const_expr(mBatchIdx is not None):
+            cache_b = cutlass.max(cutlass.min(mBatchIdx[b], last), 0)
+        return mCache[cache_b, pos, head, None]
+
+    @cute.jit
+    def load_chunk(self, gRow: cute.Tensor, c: Int32) -> cute.TensorSSA:
+        """Chunk ``c`` of a (d,) gmem row, one 128-bit load, as fp32."""
+        rX = cute.make_rmem_tensor((self.vec,), self.dtype)
+        cute.autovec_copy(cute.flat_divide(gRow, (self.vec,))[None, c], rX)
+        return rX.load().to(Float32)
+
+    @cute.jit
+    def store_chunk(self, x: cute.TensorSSA, gRow: cute.Tensor, c: Int32):
+        """fp32 values rounded once to the dtype, one 128-bit store to chunk ``c``."""
+        rX = cute.make_rmem_tensor((self.vec,), self.dtype)
+        rX.store(x.to(self.dtype))
+        cute.autovec_copy(rX, cute.flat_divide(gRow, (self.vec,))[None, c])
+
+    @cute.jit
+    def copy_chunk(self, gSrc: cute.Tensor, gDst: cute.Tensor, c: Int32):
+        rX = cute.make_rmem_tensor((self.vec,), self.dtype)
+        cute.autovec_copy(cute.flat_divide(gSrc, (self.vec,))[None, c], rX)
+        cute.autovec_copy(rX, cute.flat_divide(gDst, (self.vec,))[None, c])
+
+    @cute.jit
+    def load_cos_sin(self, mCos: cute.Tensor, mSin: cute.Tensor, pos: Int32, c: Int32, n: cutlass.Constexpr[int]):
+        """Columns [c * n, (c + 1) * n) of cos / sin at row ``pos`` clamped into the table, fp32."""
+        row = cutlass.max(cutlass.min(pos, mCos.shape[0] - 1), 0)
+        rCos = cute.make_rmem_tensor((n,), self.dtype)
+        rSin = cute.make_rmem_tensor((n,), self.dtype)
+        cute.autovec_copy(cute.flat_divide(mCos[row, None], (n,))[None, c], rCos)
+        cute.autovec_copy(cute.flat_divide(mSin[row, None], (n,))[None, c], rSin)
+        return rCos.load().to(Float32), rSin.load().to(Float32)
+
+    @cute.jit
+    def rotate_item(
+        self,
+        gSrc: cute.Tensor,  # (d,) gmem row
+        gDst: cute.Tensor,  # (d,) gmem row
+        item: Int32,
+        mCos: Optional[cute.Tensor],
+        mSin: Optional[cute.Tensor],
+        pos: Int32,  # absolute position, unclamped
+    ):
+        if const_expr(self.neox):
+            if item < self.half:
+                # Pairs (x[i], x[i + rotary_dim / 2]): chunk item and chunk item + half,
+                # cos / sin columns of chunk item.
+                cos, sin = self.load_cos_sin(mCos, mSin, pos, item, self.vec)
+                x0 = self.load_chunk(gSrc, item)
+                x1 = self.load_chunk(gSrc, item + self.half)
+                self.store_chunk(x0 * cos - x1 * sin, gDst, item)
+                self.store_chunk(x0 * sin + x1 * cos, gDst, item + self.half)
+            else:
+                self.copy_chunk(gSrc, gDst, item + self.half)
+        elif const_expr(self.interleaved):
+            if item < self.rot_chunks:
+                # Pairs (x[2i], x[2i + 1]) inside the chunk: vec / 2 cos / sin columns.
+                cos, sin = self.load_cos_sin(mCos, mSin, pos, item, self.vec // 2)
+                rX = cute.make_rmem_tensor((self.vec,), Float32)
+                rX.store(self.load_chunk(gSrc, item))
+                rCos = cute.make_rmem_tensor((self.vec // 2,), Float32)
+                rSin = cute.make_rmem_tensor((self.vec // 2,), Float32)
+                rCos.store(cos)
+                rSin.store(sin)
+                for i in cutlass.range_constexpr(self.vec // 2):
+                    x0, x1 = rX[2 * i], rX[2 * i + 1]
+                    rX[2 * i] = x0 * rCos[i] - x1 * rSin[i]
+                    rX[2 * i + 1] = x0 * rSin[i] + x1 * rCos[i]
+                self.store_chunk(rX.load(), gDst, item)
+            else:
+                self.copy_chunk(gSrc, gDst, item)
+        else:
+            self.copy_chunk(gSrc, gDst, item)
+
+    @cute.jit
+    def write_metadata(
+        self,
+        g: Int32,
+        mKCache: cute.Tensor,
+        mSeqlens: cute.Tensor,
+        mPageTable: Optional[cute.Tensor],
+        mBatchIdx: Optional[cute.Tensor],
+        mLeftpad: Optional[cute.Tensor],
+        mSeqused: cute.Tensor,
+        mKOffsets: Optional[cute.Tensor],
+        s_new: Int32,
+    ):
+        batch = mSeqlens.shape[0]
+        if g < batch:
+            end = self.start_position(mSeqlens, g) + s_new
+            end = cutlass.max(cutlass.min(end, self.capacity(mKCache, mPageTable)), 0)
+            leftpad = Int32(0)
+            if const_expr(mLeftpad is not None):
+                leftpad = cutlass.max(cutlass.min(mLeftpad[g], end), 0)
+            mSeqused[g] = end - leftpad
+            if const_expr(mKOffsets is not None):
+                cache_b = cutlass.min(g, mKCache.shape[0] - 1)
+                if const_expr(mBatchIdx is not None):
+                    cache_b = cutlass.max(cutlass.min(mBatchIdx[g], mKCache.shape[0] - 1), 0)
+                mKOffsets[g] = cache_b * mKCache.shape[1] + leftpad
+        if const_expr(mKOffsets is not None):
+            if g == batch:
+                mKOffsets[g] = 0  # the end of the offsets: never read as a length
+
+
+# ---------------------------------------------------------------------------------------
+# Host side: compile key, compilation against fake tensors, launch
+# ---------------------------------------------------------------------------------------
+
+
+def append_key(arch: str, dtype_name: str, d: int, d_v: int, rotary_dim: int, interleaved: bool,
+               q_positions_per_query: bool, has_q: bool, has_new_kv: bool, paged: bool, has_batch_idx: bool,
+               has_leftpad: bool) -> tuple:
+    """``("kv_append", arch, dtype, d, d_v, rotary_dim, interleaved, q_positions_per_query,
+    has_q, has_new_kv, paged, has_batch_idx, has_leftpad)``; flags that change nothing
+    (interleaved without rotary, q positions without a rotated q) are normalised to False
+    so that they do not make distinct binaries."""
+    assert not (paged and (has_batch_idx or has_leftpad)), "batch idx / leftpad are for contiguous caches"
+    rotary_dim = int(rotary_dim)
+    return ("kv_append", arch, dtype_name, int(d), int(d_v), rotary_dim, bool(interleaved) and rotary_dim > 0,
+            bool(q_positions_per_query) and rotary_dim > 0 and bool(has_q), bool(has_q), bool(has_new_kv),
+            bool(paged), bool(has_batch_idx), bool(has_leftpad))
+
+
+def compile_append(key: tuple):
+    """Compile for ``key`` = append_key(...). Pure function of the key: sizes and leading
+    strides are symbolic, so no batch, length, head count or page size recompiles."""
+    (name, arch, dtype_name, d, d_v, rotary_dim, interleaved, q_per_query, has_q, has_new_kv, paged, has_batch_idx,
+     has_leftpad) = key
+    assert name == "kv_append"
+    dtype = CUTE_DTYPE_BY_NAME[dtype_name]
+    x = lambda dim: fake_tensor(dtype, 4, shape=(None, None, None, dim))
+    i32 = lambda rank: fake_tensor(Int32, rank, align=4)
+    rot = lambda: fake_tensor(dtype, 2, shape=(None, rotary_dim // 2)) if rotary_dim > 0 else None
+    tensors = (
+        x(d) if has_q else None, x(d) if has_new_kv else None, x(d_v) if has_new_kv else None,
+        x(d), x(d_v), i32(1), i32(2) if paged else None, i32(1) if has_batch_idx else None,
+        i32(1) if has_leftpad else None, rot(), rot(), x(d) if has_q else None, i32(1),
+        i32(1) if (has_batch_idx or has_leftpad) else None,
+    )
+    kernel = KVAppendRotary(dtype, d, d_v, rotary_dim, interleaved, q_per_query, paged)
+    return cute.compile(kernel, *tensors, fake_stream(), options=compile_options(arch))
+
+
+def append_launcher(dtype, d: int, d_v: int, rotary_dim: int, interleaved: bool, q_positions_per_query: bool,
+                    has_q: bool, has_new_kv: bool, paged: bool, has_batch_idx: bool, has_leftpad: bool):
+    """The compiled append for a torch dtype and the static flags of ``append_key``, called
+    as in the module docstring (None where absent). Runs on torch's current stream."""
+    key = append_key(target_arch(), DTYPE_NAMES[dtype], d, d_v, rotary_dim, interleaved, q_positions_per_query,
+                     has_q, has_new_kv, paged, has_batch_idx, has_leftpad)
+    return jit_cache.get_or_compile("kv_append", key, lambda: compile_append(key))
