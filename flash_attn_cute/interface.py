@@ -368,7 +368,8 @@ def _varlen_call(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, *, page_table=None,
-                            block_table=None, cu_seqlens_q=None, max_seqlen_q=None, softmax_scale=None, causal=False,
+                            block_table=None, cu_seqlens_q=None, cu_seqlens_k_new=None, max_seqlen_q=None,
+                            softmax_scale=None, causal=False,
                             window_size=(-1, -1), learnable_sink=None, softcap=0.0, rotary_interleaved=True,
                             num_splits=0, pack_gqa=None, return_lse=False, return_softmax_lse=False, out=None,
                             backend=None, check_cache_bounds=False, batch_invariant=False, score_mod=None,
@@ -389,10 +390,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     ``k``'s place is taken as ``cache_seqlens``.)
 
     Append: ``k`` ``(batch, seqlen_new, nheads_kv, d)`` and ``v`` ``(batch, seqlen_new,
-    nheads_kv, d_v)`` are written into the cache at positions ``cache_seqlens[b] ..
-    + seqlen_new`` (in place; the attention then covers ``cache_seqlens + seqlen_new``
-    keys; the caller advances ``cache_seqlens`` itself). ``rotary_cos`` / ``rotary_sin``
-    ``(seqlen_ro, rotary_dim / 2)`` in q's dtype, ``seqlen_ro`` covering every cache
+    nheads_kv, d_v)`` (with packed queries: ``(total_new, nheads_kv, d*)`` with
+    ``cu_seqlens_k_new``, FA3's name, default ``cu_seqlens_q``: the new tokens are the query
+    tokens, a serving engine's mixed step) are written into the cache at positions
+    ``cache_seqlens[b] .. + seqlen_new`` (in place; the attention then covers
+    ``cache_seqlens + seqlen_new`` keys; the caller advances ``cache_seqlens`` itself).
+    ``rotary_cos`` / ``rotary_sin`` ``(seqlen_ro, rotary_dim / 2)`` in q's dtype, ``seqlen_ro`` covering every cache
     position: rotary embedding (``rotary_interleaved``: GPT-J pairs, else GPT-NeoX halves)
     of the first ``rotary_dim`` channels of the new k at its positions and of q (at
     ``cache_seqlens + i`` for causal/local, else at ``cache_seqlens``; q itself is left
@@ -435,13 +438,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                batch_invariant=batch_invariant)
     option_args = (softmax_scale, causal, window_size, softcap, num_splits, pack_gqa, backend, batch_invariant)
     variant_args = (score_mod, mask_mod, aux_tensors, block_mask)
+    if cu_seqlens_k_new is not None and k is None:
+        raise ValueError("cu_seqlens_k_new is given without k and v (the new tokens it describes)")
     if appends or remaps:
         from . import kv_cache_ops
 
         return kv_cache_ops.append_and_attend(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-            page_table, cu_seqlens_q, learnable_sink, bool(rotary_interleaved), return_lse, out, check_cache_bounds,
-            option_args, variant_args)
+            page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, learnable_sink, bool(rotary_interleaved),
+            return_lse, out, check_cache_bounds, option_args, variant_args)
     key = None
     if not check_cache_bounds:
         int_seqlens = cache_seqlens if not isinstance(cache_seqlens, torch.Tensor) else None

@@ -35,22 +35,26 @@ class _AppendEntry(NamedTuple):
     seqlens_fill: Optional[int]
 
 
-def _check_new_kv(k, v, q, batch: int, nheads_kv: int, d: int, d_v: int):
+def _check_new_kv(k, v, q, rows: tuple, nheads_kv: int, d: int, d_v: int, varlen: bool):
+    """The new tokens: (batch, seqlen_new, ...) or packed (total_new, ...) with ``rows`` the
+    leading dims they must have beyond the token count (``(batch,)`` or ``()``). Returns the
+    aligned views and seqlen_new (the packed token count when varlen)."""
     if (k is None) != (v is None):
         raise ValueError("k and v (the new tokens) must be given together, or neither")
     if k is None:
         return None, None, 0
-    checks.check_tensor("k", k, 4, "(batch, seqlen_new, nheads_kv, headdim)")
-    checks.check_tensor("v", v, 4, "(batch, seqlen_new, nheads_kv, headdim_v)")
-    want_k, want_v = (batch, k.shape[1], nheads_kv, d), (batch, k.shape[1], nheads_kv, d_v)
+    lead = "total_new" if varlen else "batch, seqlen_new"
+    rank = 3 if varlen else 4
+    checks.check_tensor("k", k, rank, f"({lead}, nheads_kv, headdim)")
+    checks.check_tensor("v", v, rank, f"({lead}, nheads_kv, headdim_v)")
+    want_k, want_v = (*rows, k.shape[len(rows)], nheads_kv, d), (*rows, k.shape[len(rows)], nheads_kv, d_v)
     if tuple(k.shape) != want_k:
-        raise ValueError(f"k must have shape (batch, seqlen_new, nheads_kv, headdim) = {want_k}, got {tuple(k.shape)}")
+        raise ValueError(f"k must have shape ({lead}, nheads_kv, headdim) = {want_k}, got {tuple(k.shape)}")
     if tuple(v.shape) != want_v:
-        raise ValueError(f"v must have shape (batch, seqlen_new, nheads_kv, headdim_v) = {want_v}, "
-                         f"got {tuple(v.shape)}")
+        raise ValueError(f"v must have shape ({lead}, nheads_kv, headdim_v) = {want_v}, got {tuple(v.shape)}")
     checks.check_dtype("k", k, q.dtype, f"{q.dtype} like q")
     checks.check_dtype("v", v, q.dtype, f"{q.dtype} like q")
-    return checks.aligned("k", k), checks.aligned("v", v), k.shape[1]
+    return checks.aligned("k", k), checks.aligned("v", v), k.shape[len(rows)]
 
 
 def _check_rotary(cos, sin, q, d: int, capacity: int) -> int:
@@ -79,36 +83,49 @@ def _check_rotary(cos, sin, q, d: int, capacity: int) -> int:
 
 
 def append_and_attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                      cache_leftpad, page_table, cu_seqlens_q, learnable_sink, rotary_interleaved: bool,
-                      return_lse: bool, out, check_cache_bounds: bool, option_args: tuple, variant_args: tuple):
+                      cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, learnable_sink,
+                      rotary_interleaved: bool, return_lse: bool, out, check_cache_bounds: bool, option_args: tuple,
+                      variant_args: tuple):
     """``flash_attn_with_kvcache`` with ``k``/``v``, rotary, ``cache_batch_idx`` or
     ``cache_leftpad`` (arguments as there; ``option_args`` / ``variant_args`` are the shared
-    keyword arguments of ``checks.options`` and ``checks.user_variant``)."""
+    keyword arguments of ``checks.options`` and ``checks.user_variant``). Packed queries
+    (``cu_seqlens_q``) come with packed new tokens (``cu_seqlens_k_new``, default
+    ``cu_seqlens_q``: the new tokens are the query tokens)."""
     from .interface import _Call, _execute
 
+    varlen = cu_seqlens_q is not None
+    if varlen and cu_seqlens_k_new is None and k is not None:
+        cu_seqlens_k_new = cu_seqlens_q
     key = None
     if not check_cache_bounds:
         int_seqlens = cache_seqlens if not isinstance(cache_seqlens, torch.Tensor) else None
-        scalars = (int_seqlens, rotary_interleaved, return_lse, *option_args[:2], *option_args[3:], *variant_args[:2],
-                   variant_args[3])
+        scalars = (int_seqlens, max_seqlen_q, rotary_interleaved, return_lse, *option_args[:2], *option_args[3:],
+                   *variant_args[:2], variant_args[3])
         hit, key = call_cache.lookup(call_cache.key(
             "kvcache_append", (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
                                None if int_seqlens is not None else cache_seqlens, cache_batch_idx, cache_leftpad,
-                               page_table, learnable_sink, out, *(variant_args[2] or ())), scalars, option_args[2]))
+                               page_table, cu_seqlens_q, cu_seqlens_k_new, learnable_sink, out,
+                               *(variant_args[2] or ())), scalars, option_args[2]))
         if hit is not None:
             return _replay(hit, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                           cache_leftpad, page_table, learnable_sink, return_lse, out, variant_args)
-    if cu_seqlens_q is not None:
-        raise NotImplementedError("appending k/v, rotary, cache_batch_idx or cache_leftpad with packed queries "
-                                  "(cu_seqlens_q) is not supported: pass q as (batch, seqlen_q, nheads, headdim)")
+                           cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new, learnable_sink, return_lse,
+                           out, variant_args)
     inputs = (q, k_cache, v_cache, k, v, out)
-    checks.check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+    q_form = "(total_q, nheads, headdim)" if varlen else "(batch, seqlen_q, nheads, headdim)"
+    checks.check_tensor("q", q, 3 if varlen else 4, q_form)
     paged = page_table is not None
     kv_form = "(num_pages, page_size, nheads_kv, {})" if paged else "(batch_cache, max_seqlen_k, nheads_kv, {})"
     nheads, nheads_kv, d, d_v, q, k_cache, v_cache = checks.qkv(
-        q, k_cache, v_cache, "(batch, seqlen_q, nheads, headdim)", 4, kv_form.format("headdim"),
-        kv_form.format("headdim_v"))
-    batch, seqlen_q = q.shape[:2]
+        q, k_cache, v_cache, q_form, 4, kv_form.format("headdim"), kv_form.format("headdim_v"))
+    if varlen:
+        checks.check_tensor("cu_seqlens_q", cu_seqlens_q, 1, "(batch + 1,)")
+        batch = cu_seqlens_q.shape[0] - 1
+        if batch < 0:
+            raise ValueError("cu_seqlens_q must have shape (batch + 1,) with at least one entry, got (0,)")
+        checks.int32_vector("cu_seqlens_q", cu_seqlens_q, batch + 1, "(batch + 1,)")
+        seqlen_q = q.shape[0] if max_seqlen_q is None else checks.int_arg("max_seqlen_q", max_seqlen_q, 0, INT32_MAX)
+    else:
+        batch, seqlen_q = q.shape[:2]
     remap = cache_batch_idx is not None or cache_leftpad is not None
     if paged:
         if remap:
@@ -121,48 +138,61 @@ def append_and_attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
             raise ValueError(f"k_cache and v_cache must have shape (batch, max_seqlen_k, nheads_kv, headdim) with "
                              f"batch = {batch} (or pass cache_batch_idx), got {tuple(k_cache.shape)}")
         capacity = k_cache.shape[1]
-    k, v, seqlen_new = _check_new_kv(k, v, q, batch, nheads_kv, d, d_v)
+    k, v, seqlen_new = _check_new_kv(k, v, q, () if varlen else (batch,), nheads_kv, d, d_v, varlen)
+    if varlen and k is not None:
+        checks.int32_vector("cu_seqlens_k_new", cu_seqlens_k_new, batch + 1, "(batch + 1,) like cu_seqlens_q")
+    # A packed step's sequences each append their own count: only the capacity bounds them.
+    new_per_seq = 0 if varlen else seqlen_new
     rotary_dim = _check_rotary(rotary_cos, rotary_sin, q, d, capacity)
     for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
         if t is not None:
             checks.int32_vector(name, t, batch, "(batch,)")
     seqlens_fill = None
     if cache_seqlens is None:
-        cache_seqlens = capacity - seqlen_new
+        cache_seqlens = capacity - new_per_seq
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
-        seqlens_fill = checks.int_arg("cache_seqlens", cache_seqlens, 0, capacity - seqlen_new)
+        seqlens_fill = checks.int_arg("cache_seqlens", cache_seqlens, 0, capacity - new_per_seq)
         cache_seqlens = torch.full((batch,), seqlens_fill, dtype=torch.int32, device=q.device)
     else:
         checks.int32_vector("cache_seqlens", cache_seqlens, batch, "(batch,) or an int")
     checks.learnable_sink(learnable_sink, nheads)
     opts = checks.options(d, *option_args)
-    out = checks.check_out(out, (batch, seqlen_q, nheads, d_v), q.dtype, "(batch, seqlen_q, nheads, headdim_v)")
+    out = checks.check_out(out, (*q.shape[:-1], d_v), q.dtype,
+                           "(total_q, nheads, headdim_v)" if varlen else "(batch, seqlen_q, nheads, headdim_v)")
     if remap and not _flattenable(k_cache, v_cache):
         raise ValueError("cache_batch_idx / cache_leftpad need caches whose (batch_cache, max_seqlen_k) dims can be "
                          "viewed as one (a contiguous slice of rows: call .contiguous() on k_cache and v_cache)")
     if remap and k_cache.shape[0] * capacity > INT32_MAX:
         raise ValueError("cache_batch_idx / cache_leftpad address cache rows as int32: batch_cache * max_seqlen_k "
                          f"must be <= 2**31 - 1, got {k_cache.shape[0] * capacity}")
+    if max(capacity, rotary_cos.shape[0] if rotary_dim else 0) >= 1 << 30:
+        raise ValueError(f"the append kernel takes cache capacities and rotary tables below 2**30 positions, got "
+                         f"{max(capacity, rotary_cos.shape[0] if rotary_dim else 0)}")
+    chunks = sum(t.numel() for t in (q, k, v) if t is not None) * q.element_size() // 16
+    if chunks >= 1 << 31:
+        raise ValueError(f"q, k and v of one append call must hold fewer than 2**31 16-byte chunks (32 GiB), "
+                         f"got {chunks}")
     checks.check_device({"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "rotary_cos": rotary_cos,
                          "rotary_sin": rotary_sin, "cache_seqlens": cache_seqlens, "cache_batch_idx": cache_batch_idx,
-                         "cache_leftpad": cache_leftpad, "page_table": page_table, "learnable_sink": learnable_sink,
-                         "out": out})
+                         "cache_leftpad": cache_leftpad, "page_table": page_table, "cu_seqlens_q": cu_seqlens_q,
+                         "cu_seqlens_k_new": cu_seqlens_k_new, "learnable_sink": learnable_sink, "out": out})
     max_seqlen_k = capacity
     if check_cache_bounds:
-        max_seqlen_k = checks.cache_bounds(cache_seqlens, capacity, page_table, k_cache.shape, seqlen_new)
+        max_seqlen_k = checks.cache_bounds(cache_seqlens, capacity, page_table, k_cache.shape, new_per_seq)
     opts, variant = checks.user_variant(*variant_args, opts, q.device, batch=batch, nheads=nheads,
                                         max_seqlen_q=seqlen_q, max_seqlen_k=capacity)
     from . import kv_append
 
     append = kv_append.append_launcher(
         q.dtype, d, d_v, rotary_dim, rotary_interleaved, opts.causal or opts.window_left >= 0 or opts.window_right >= 0,
-        rotary_dim > 0, k is not None, paged, cache_batch_idx is not None, cache_leftpad is not None)
+        rotary_dim > 0, k is not None, paged, cache_batch_idx is not None, cache_leftpad is not None, varlen)
     q_att, seqused, k_offsets = _append(append, q, k, v, k_cache, v_cache, cache_seqlens, page_table, cache_batch_idx,
-                                        cache_leftpad, rotary_cos, rotary_sin, rotary_dim > 0, remap)
+                                        cache_leftpad, rotary_cos, rotary_sin, cu_seqlens_q, cu_seqlens_k_new,
+                                        batch, rotary_dim > 0, remap)
     k_att, v_att = (_flat(k_cache), _flat(v_cache)) if remap else (k_cache, v_cache)
     call = _Call(q_att, k_att, v_att, out, opts, batch, seqlen_q, max_seqlen_k, nheads, nheads_kv, d_v, return_lse,
-                 cu_seqlens_k=k_offsets, seqused_k=seqused, page_table=page_table, learnable_sink=learnable_sink,
-                 variant=variant)
+                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=k_offsets, seqused_k=seqused, page_table=page_table,
+                 learnable_sink=learnable_sink, variant=variant)
     result, entry = _execute(call)
     if entry is not None and all(a is b for a, b in zip(inputs, (q, k_cache, v_cache, k, v, out))):
         call_cache.store(key, _AppendEntry(append, entry, rotary_dim > 0, remap, seqlens_fill))
@@ -179,28 +209,30 @@ def _flat(cache: torch.Tensor) -> torch.Tensor:
 
 
 def _append(append, q, k, v, k_cache, v_cache, cache_seqlens, page_table, cache_batch_idx, cache_leftpad, cos, sin,
-            rotary: bool, remap: bool):
+            cu_seqlens_q, cu_seqlens_k_new, batch: int, rotary: bool, remap: bool):
     """Runs the append kernel; returns (the queries to attend with, key counts, key offsets or None)."""
-    batch = q.shape[0]
     q_rot = torch.empty_like(q) if rotary else None
     seqused = torch.empty((batch,), dtype=torch.int32, device=q.device)
     k_offsets = torch.empty((batch + 1,), dtype=torch.int32, device=q.device) if remap else None
-    append(q if rotary else None, q_rot, k, v, k_cache, v_cache, cache_seqlens, page_table, cache_batch_idx,
-           cache_leftpad, cos, sin, seqused, k_offsets)
+    append(q if rotary else None, k, v, k_cache, v_cache, cache_seqlens, page_table, cache_batch_idx, cache_leftpad,
+           cos, sin, q_rot, seqused, k_offsets, cu_seqlens_q if rotary else None, cu_seqlens_k_new if k is not None
+           else None)
     return (q_rot if rotary else q), seqused, k_offsets
 
 
 def _replay(hit: _AppendEntry, q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-            page_table, learnable_sink, return_lse, out, variant_args):
+            page_table, cu_seqlens_q, cu_seqlens_k_new, learnable_sink, return_lse, out, variant_args):
     from . import user_variants
     from .backend_kit import NO_VARIANT
     from .interface import _aux_of, _launch
 
-    if hit.seqlens_fill is not None:
-        cache_seqlens = torch.full((q.shape[0],), hit.seqlens_fill, dtype=torch.int32, device=q.device)
-    q_att, seqused, k_offsets = _append(hit.append, q, k, v, k_cache, v_cache, cache_seqlens, page_table,
-                                        cache_batch_idx, cache_leftpad, cos, sin, hit.rotary, hit.remap)
     entry = hit.attention
+    batch = entry.problem.batch
+    if hit.seqlens_fill is not None:
+        cache_seqlens = torch.full((batch,), hit.seqlens_fill, dtype=torch.int32, device=q.device)
+    q_att, seqused, k_offsets = _append(hit.append, q, k, v, k_cache, v_cache, cache_seqlens, page_table,
+                                        cache_batch_idx, cache_leftpad, cos, sin, cu_seqlens_q, cu_seqlens_k_new,
+                                        batch, hit.rotary, hit.remap)
     if out is None:
         out = q.new_empty(entry.out_shape)
     lse = q.new_empty(entry.lse_shape, dtype=torch.float32) if return_lse else None
@@ -209,6 +241,6 @@ def _replay(hit: _AppendEntry, q, k_cache, v_cache, k, v, cos, sin, cache_seqlen
     if entry.problem.variant is not None:
         aux = _aux_of(variant_args[2], variant_args[3])
         variant_tensors = user_variants.kernel_aux(aux or ()) + (entry.block_ranges,)
-    _launch(entry, q_att, k_att, v_att, out, lse, None, k_offsets, None, seqused, page_table, learnable_sink,
+    _launch(entry, q_att, k_att, v_att, out, lse, cu_seqlens_q, k_offsets, None, seqused, page_table, learnable_sink,
             variant_tensors)
     return (out, lse) if return_lse else out

@@ -178,8 +178,12 @@ APPEND_CASES = [
     ("leftpad_int64", False, lambda a: a.update(cache_leftpad=torch.tensor([1, 0])), TypeError,
      "cache_leftpad must be int32"),
     ("seqlens_no_room", False, lambda a: a.update(cache_seqlens=48), ValueError, r"cache_seqlens must be in \[0, 47\]"),
-    ("packed_q", False, lambda a: a.update(q=a["q"][:, 0], cu_seqlens_q=torch.tensor([0, 1, 1], dtype=torch.int32)),
-     NotImplementedError, "with packed queries"),
+    ("packed_q_dense_k", False, lambda a: a.update(q=a["q"][:, 0], cu_seqlens_q=torch.tensor([0, 1, 2],
+                                                                                           dtype=torch.int32)),
+     ValueError, r"k must have shape \(total_new, nheads_kv, headdim\)"),
+    ("cu_k_new_without_k", False, lambda a: a.update(k=None, v=None, cu_seqlens_k_new=torch.tensor([0, 1, 2],
+                                                                                                  dtype=torch.int32)),
+     ValueError, "cu_seqlens_k_new is given without k"),
 ]
 
 
