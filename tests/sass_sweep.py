@@ -39,11 +39,13 @@ from typing import NamedTuple
 # ----------------------------------------------------------------------------- ADAPTER
 # Every call into the package's planning API is here and nowhere else; after an API change
 # edit only this section. Problems are keyword dicts (FwdProblem / MlaProblem field names,
-# see fwd_problem and mla_problems); fwd_key and mla_key return (key, resolved
-# num_splits), or None when the backend's ``check`` refuses the problem. Handled already:
-# any FwdPlan layout (only ``plan.num_splits`` is read); MlaProblem in ``fwd`` or ``mla``
-# (a new home: add "module:MlaProblem" to the _pkg call); MLA ``plan`` with or without the
-# forward's ``pack_gqa`` argument (read from its signature).
+# see fwd_problem and mla_problems); fwd_key and mla_key return (key, resolved num_splits),
+# or None when the backend's ``check`` refuses the problem. Both API forms work: bc8ffb0's
+# (MlaProblem, MLA_BACKENDS in ``mla``; MLA ``plan(problem, num_splits, num_sms)``;
+# DTYPE_NAMES in ``cute_utils``) and the one-seam form (MlaProblem, MLA_BACKENDS in ``fwd``;
+# every ``plan(problem, num_splits, pack_gqa, num_sms, tuning, arch)``; ``keys.py``). Only
+# ``plan.num_splits`` is read, so the FwdPlan layout does not matter. Something moved
+# again: put its new "module:attr" first in the _pkg call.
 
 
 def _pkg(*names):
@@ -57,44 +59,43 @@ def _pkg(*names):
     raise ImportError(f"none of {names}")
 
 
-def _plan(module, problem, num_splits, pack_gqa, num_sms):
-    """``plan(problem, num_splits, pack_gqa, num_sms)`` (the forward's; MLA's after the
-    refactor), else today's MLA ``plan(problem, num_splits, num_sms)``."""
-    if "pack_gqa" in inspect.signature(module.plan).parameters:
-        return module.plan(problem, num_splits, pack_gqa, num_sms)
-    return module.plan(problem, num_splits, num_sms)
+def _registry(kind):
+    if kind == "fwd":
+        return _pkg("flash_attn_cute.fwd:BACKENDS")
+    return _pkg("flash_attn_cute.fwd:MLA_BACKENDS", "flash_attn_cute.mla:MLA_BACKENDS")
+
+
+def _key(kind, backend, problem, num_splits, pack_gqa, num_sms, arch):
+    module = importlib.import_module(_registry(kind)[backend])
+    if module.check(problem) is not None:
+        return None
+    params = inspect.signature(module.plan).parameters
+    if "pack_gqa" not in params:  # bc8ffb0's MLA plan
+        plan = module.plan(problem, num_splits, num_sms)
+    else:  # default tuning; the key's arch also for a config that depends on it
+        plan = module.plan(problem, num_splits, pack_gqa, num_sms, **({"arch": arch} if "arch" in params else {}))
+    return module.compile_key(problem, plan, arch), plan.num_splits
 
 
 def fwd_key(backend, problem_kwargs, num_splits, pack_gqa, num_sms, arch):
-    module = _pkg("flash_attn_cute.fwd:backend_module")(backend)
     problem = _pkg("flash_attn_cute.fwd:FwdProblem")(**problem_kwargs)
-    if module.check(problem) is not None:
-        return None
-    plan = _plan(module, problem, num_splits, pack_gqa, num_sms)
-    return module.compile_key(problem, plan, arch), plan.num_splits
+    return _key("fwd", backend, problem, num_splits, pack_gqa, num_sms, arch)
 
 
 def mla_key(backend, problem_kwargs, num_splits, num_sms, arch):
-    module = _pkg("flash_attn_cute.mla:backend_module")(backend)
     problem = _pkg("flash_attn_cute.fwd:MlaProblem", "flash_attn_cute.mla:MlaProblem")(**problem_kwargs)
-    if module.check(problem) is not None:
-        return None
-    plan = _plan(module, problem, num_splits, True, num_sms)  # MLA always packs its heads
-    return module.compile_key(problem, plan, arch), plan.num_splits
+    return _key("mla", backend, problem, num_splits, True, num_sms, arch)  # MLA always packs its heads
 
 
 def combine_key(dtype, d_v, has_lse, arch):  # the key alone
-    return _pkg("flash_attn_cute.combine:combine_key")(_pkg("flash_attn_cute.cute_utils:DTYPE_NAMES")[dtype], d_v,
-                                                         has_lse, arch)
+    dtype_name = _pkg("flash_attn_cute.keys:DTYPE_NAMES", "flash_attn_cute.cute_utils:DTYPE_NAMES")[dtype]
+    return _pkg("flash_attn_cute.keys:combine_key", "flash_attn_cute.combine:combine_key")(dtype_name, d_v, has_lse,
+                                                                                            arch)
 
 
 def compile_target(kind, backend):
     """The "module:function" compiling a key of ``kind`` (fwd, mla, combine)."""
-    if kind == "fwd":
-        return _pkg("flash_attn_cute.fwd:BACKENDS")[backend] + ":compile"
-    if kind == "mla":
-        return _pkg("flash_attn_cute.mla:MLA_BACKENDS")[backend] + ":compile"
-    return "flash_attn_cute.combine:compile_combine"
+    return "flash_attn_cute.combine:compile_combine" if kind == "combine" else _registry(kind)[backend] + ":compile"
 
 
 # ------------------------------------------------------------------------------ sweeps
@@ -119,7 +120,7 @@ def fwd_problem(dtype, batch, sq, sk, h, hkv, d, dv=None, causal=False, window=(
                 has_seqused_k=kind in ("kvcache", "paged"), page_size=page_size, has_lse=has_lse)
 
 
-def test_problems():
+def gpu_test_problems():
     """(name, kwargs, num_splits, pack_gqa) of every problem test_flash_attn_gpu.compile_keys
     plans, in its order (its loops over its tables, problems built by keyword)."""
     import test_flash_attn_gpu as t
@@ -218,7 +219,7 @@ def sweep():
                 combines[f"combine/{arch}/{dt}_dv{dv}_{'lse' if lse else 'nolse'}"] = combine_key(kw["dtype"], dv, lse,
                                                                                                   arch)
 
-    tests, (bench, sm100_extra) = test_problems(), bench_problems()
+    tests, (bench, sm100_extra) = gpu_test_problems(), bench_problems()
     for backend, archs in ARCHS.items():
         for arch in archs:
             start = len(rows)
