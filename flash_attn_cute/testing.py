@@ -345,19 +345,25 @@ def apply_rotary_ref(x, cos, sin, positions, interleaved, rotary_dim):
 def varlen_rows_ref(cu_seqlens, batch, rows):
     """(b, t, found) of every packed row r in [0, rows): the sequence b whose rows
     [cu[b], cu[b + 1]) hold r, t = r - max(cu[b], 0), and whether the row lies in that
-    sequence at all. Found by the kernel's bisection, step for step (lo = 0, hi = nb =
-    min(len(cu) - 1, batch); while hi - lo > 1: mid = (lo + hi) // 2, lo = mid if cu[mid]
-    <= r else hi = mid; then found = cu[lo] <= r < cu[lo + 1]), so that cumulative
-    lengths that are not monotone give the same rows as on the GPU; for monotone ones b
-    is the one sequence holding r (tests/test_kv_append_compile.py checks that)."""
+    sequence at all. Found by the kernel's search, step for step (nb = min(len(cu) - 1,
+    batch); probe g = min(r, nb - 1): found if cu[g] <= r < cu[g + 1]; else bisect
+    [lo, hi) = [0, g) if cu[g] > r, else [g + 1, nb): while hi - lo > 1, mid = (lo + hi)
+    // 2, lo = mid if cu[mid] <= r else hi = mid; then, if lo < hi, found = cu[lo] <= r <
+    cu[lo + 1]), so that cumulative lengths that are not monotone give the same rows as
+    on the GPU; for monotone ones b is the one sequence holding r
+    (tests/test_kv_append_compile.py checks that)."""
     cu = cu_seqlens.long()
     device = cu.device
     nb = min(cu.shape[0] - 1, batch)
     r = torch.arange(rows, device=device)
-    lo = torch.zeros(rows, dtype=torch.long, device=device)
     if nb <= 0:
-        return lo, torch.zeros_like(lo), torch.zeros(rows, dtype=torch.bool, device=device)
-    hi = torch.full((rows,), nb, dtype=torch.long, device=device)
+        zeros = torch.zeros(rows, dtype=torch.long, device=device)
+        return zeros, r, torch.zeros(rows, dtype=torch.bool, device=device)
+    g = r.clamp(max=nb - 1)
+    hit = (cu[g] <= r) & (r < cu[g + 1])
+    after = cu[g] <= r
+    lo = torch.where(hit, g, torch.where(after, g + 1, 0))
+    hi = torch.where(hit, g + 1, torch.where(after, nb, g))
     while True:
         active = hi - lo > 1
         if not active.any():
@@ -366,8 +372,10 @@ def varlen_rows_ref(cu_seqlens, batch, rows):
         go = cu[mid.clamp(max=nb)] <= r
         lo = torch.where(active & go, mid, lo)
         hi = torch.where(active & ~go, mid, hi)
-    first = cu[lo]
-    return lo, r - first.clamp(min=0), (first <= r) & (r < cu[lo + 1])
+    b = lo.clamp(max=nb - 1)
+    first = torch.where(lo < hi, cu[b], 0)
+    found = (lo < hi) & (first <= r) & (r < cu[b + 1])
+    return b, r - first.clamp(min=0), found
 
 
 def kv_append_ref(q, k_new, v_new, k_cache, v_cache, cache_seqlens, page_table=None, cache_batch_idx=None,

@@ -417,7 +417,9 @@ class VarlenCase:
     h: int = 4
     h_kv: int = 2
     batch: int = 16
-    lengths: str = "ragged"  # "ragged": 0..600 new tokens, every other sequence 1; "decode": 1 each
+    # "ragged": 0..600 new tokens, every other sequence 1; "decode": 1 each; "shifted": 3
+    # for the first sequence, then 1 each (no row is where a decode step would put it)
+    lengths: str = "ragged"
     # "same": the query rows are the new rows (one cu tensor for both); "decode": one query
     # per sequence (its own cu tensor); "only": q without new k / v
     q: str = "same"
@@ -431,8 +433,8 @@ class VarlenCase:
 
 
 def new_lengths(c: VarlenCase, gen):
-    if c.lengths == "decode":
-        return [1] * c.batch
+    if c.lengths in ("decode", "shifted"):
+        return [3 if i == 0 and c.lengths == "shifted" else 1 for i in range(c.batch)]
     long = torch.randint(2, 601, (c.batch,), generator=gen).tolist()
     lengths = [[1, 0, long[i], 1][i % 4] for i in range(c.batch)]
     lengths[2] = 600
@@ -522,11 +524,13 @@ def test_append_varlen(case):
     run_and_check(case, t, bufs)
 
 
-def test_varlen_200k_one_token_sequences():
-    """200,000 one-token sequences (a decode step in varlen form): the 18-step search
-    over a cu tensor of 200,001 entries, more CTAs than a grid y / z dimension allows;
-    small paged caches keep the references small."""
-    c = VarlenCase(d=64, d_v=64, h=2, h_kv=1, batch=200_000, lengths="decode", rotary="gptj", page_size=4, slack=3)
+@pytest.mark.parametrize("lengths", ["decode", "shifted"])
+def test_varlen_200k_sequences(lengths):
+    """200,000 sequences of one token (a decode step in varlen form: every row found by
+    the first probe), or the first of three ("shifted": every other row found by a
+    bisection of ~18 steps over the 200,001 entries); more CTAs than a grid y / z
+    dimension allows. Small paged caches keep the references small."""
+    c = VarlenCase(d=64, d_v=64, h=2, h_kv=1, batch=200_000, lengths=lengths, rotary="gptj", page_size=4, slack=3)
     t, bufs = build_varlen(c, seed=1)
     run_and_check(c, t, bufs)
 
