@@ -342,9 +342,45 @@ def apply_rotary_ref(x, cos, sin, positions, interleaved, rotary_dim):
     return out
 
 
+def varlen_rows_ref(cu_seqlens, batch, rows):
+    """(b, t, found) of every packed row r in [0, rows): the sequence b whose rows
+    [cu[b], cu[b + 1]) hold r, t = r - max(cu[b], 0), and whether the row lies in that
+    sequence at all. Found by the kernel's search, step for step (nb = min(len(cu) - 1,
+    batch); probe g = min(r, nb - 1): found if cu[g] <= r < cu[g + 1]; else bisect
+    [lo, hi) = [0, g) if cu[g] > r, else [g + 1, nb): while hi - lo > 1, mid = (lo + hi)
+    // 2, lo = mid if cu[mid] <= r else hi = mid; then, if lo < hi, found = cu[lo] <= r <
+    cu[lo + 1]), so that cumulative lengths that are not monotone give the same rows as
+    on the GPU; for monotone ones b is the one sequence holding r
+    (tests/test_kv_append_compile.py checks that)."""
+    cu = cu_seqlens.long()
+    device = cu.device
+    nb = min(cu.shape[0] - 1, batch)
+    r = torch.arange(rows, device=device)
+    if nb <= 0:
+        zeros = torch.zeros(rows, dtype=torch.long, device=device)
+        return zeros, r, torch.zeros(rows, dtype=torch.bool, device=device)
+    g = r.clamp(max=nb - 1)
+    hit = (cu[g] <= r) & (r < cu[g + 1])
+    after = cu[g] <= r
+    lo = torch.where(hit, g, torch.where(after, g + 1, 0))
+    hi = torch.where(hit, g + 1, torch.where(after, nb, g))
+    while True:
+        active = hi - lo > 1
+        if not active.any():
+            break
+        mid = (lo + hi) // 2
+        go = cu[mid.clamp(max=nb)] <= r
+        lo = torch.where(active & go, mid, lo)
+        hi = torch.where(active & ~go, mid, hi)
+    b = lo.clamp(max=nb - 1)
+    first = torch.where(lo < hi, cu[b], 0)
+    found = (lo < hi) & (first <= r) & (r < cu[b + 1])
+    return b, r - first.clamp(min=0), found
+
+
 def kv_append_ref(q, k_new, v_new, k_cache, v_cache, cache_seqlens, page_table=None, cache_batch_idx=None,
                   cache_leftpad=None, rotary_cos=None, rotary_sin=None, interleaved=True, q_positions_per_query=True,
-                  upcast=False):
+                  upcast=False, cu_seqlens_q=None, cu_seqlens_k_new=None):
     """What ``kv_append`` computes, without modifying any input: returns (q_rot, k_cache
     after, v_cache after, seqused (b,) int32, k_offsets (b + 1,) int32 or None).
 
@@ -358,31 +394,53 @@ def kv_append_ref(q, k_new, v_new, k_cache, v_cache, cache_seqlens, page_table=N
     k_offsets (contiguous caches with cache_batch_idx or cache_leftpad) = cache row *
     s_cache + leftpad, then 0. Rotated values are rounded once to the input dtype, or
     kept in float32 (and the caches upcast) with ``upcast``. Several tokens landing on
-    one slot (only possible with out-of-range indices) leave one of them, unspecified."""
+    one slot (only possible with out-of-range indices) leave one of them, unspecified.
+
+    Varlen (packed) mode: ``cu_seqlens_q`` with q (total_q, h, d), ``cu_seqlens_k_new``
+    with k_new / v_new (total_new, h_kv, d*), (b + 1,) cumulative row counts; row r of
+    sequence b (``varlen_rows_ref``) is token t = r - cu[b] of b. Rows outside every
+    sequence are not written: their q_rot rows are NaN (the kernel leaves q_out there as
+    it was). s_new of sequence b is max(c[b + 1] - c[b], 0) with c = cu_seqlens_k_new
+    clamped into [0, total_new] (0 for b >= len(cu) - 1)."""
     rotary_dim = 0 if rotary_cos is None else 2 * rotary_cos.shape[1]
     start = cache_seqlens.long()
     batch = start.shape[0]
     device = k_cache.device
     paged = page_table is not None
     capacity = page_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    start_of = lambda b: start[b] if batch else torch.zeros_like(b)  # b is 0 when batch is 0
 
     def rotate(x, positions):
         y = apply_rotary_ref(x, rotary_cos, rotary_sin, positions, interleaved, rotary_dim)
         return y if upcast else y.to(x.dtype)
 
     q_rot = None
-    if q is not None:
+    if q is not None and cu_seqlens_q is not None:
+        bq, tq, found = varlen_rows_ref(cu_seqlens_q, batch, q.shape[0])
+        q_rot = rotate(q[None], (start_of(bq) + (tq if q_positions_per_query else 0))[None])[0]
+        q_rot[~found] = float("nan")
+    elif q is not None:
         t = torch.arange(q.shape[1], device=device)
         q_rot = rotate(q, start[:, None] + (t[None] if q_positions_per_query else 0))
     k_out = k_cache.float().clone() if upcast else k_cache.clone()
     v_out = v_cache.float().clone() if upcast else v_cache.clone()
-    s_new = 0
+    s_new = torch.zeros(batch, dtype=torch.long, device=device)
     if k_new is not None:
-        s_new = k_new.shape[1]
-        pos = start[:, None] + torch.arange(s_new, device=device)[None]  # (b, s_new)
-        k_rot = rotate(k_new, pos)
-        bs, ts = ((pos >= 0) & (pos < capacity)).nonzero(as_tuple=True)
-        p = pos[bs, ts]
+        if cu_seqlens_k_new is not None:
+            bk, tk, found = varlen_rows_ref(cu_seqlens_k_new, batch, k_new.shape[0])
+            pos = start_of(bk) + tk  # (total_new,)
+            k_rot = rotate(k_new[None], pos[None])[0]
+            (rows,) = (found & (pos >= 0) & (pos < capacity)).nonzero(as_tuple=True)
+            bs, p, k_src, v_src = bk[rows], pos[rows], k_rot[rows], v_new[rows]
+            c = cu_seqlens_k_new.long().clamp(0, k_new.shape[0])
+            nb = max(min(c.shape[0] - 1, batch), 0)
+            s_new[:nb] = (c[1:nb + 1] - c[:nb]).clamp(min=0)
+        else:
+            s_new += k_new.shape[1]
+            pos = start[:, None] + torch.arange(k_new.shape[1], device=device)[None]  # (b, s_new)
+            k_rot = rotate(k_new, pos)
+            bs, ts = ((pos >= 0) & (pos < capacity)).nonzero(as_tuple=True)
+            p, k_src, v_src = pos[bs, ts], k_rot[bs, ts], v_new[bs, ts]
         if paged:
             page = page_table.long()[bs, p // k_cache.shape[1]].clamp(0, k_cache.shape[0] - 1)
             slot = (page, p % k_cache.shape[1])
@@ -391,8 +449,8 @@ def kv_append_ref(q, k_new, v_new, k_cache, v_cache, cache_seqlens, page_table=N
             if cache_batch_idx is not None:
                 row = cache_batch_idx.long()[bs].clamp(0, k_cache.shape[0] - 1)
             slot = (row, p)
-        k_out[slot] = k_rot[bs, ts].to(k_out.dtype)
-        v_out[slot] = v_new[bs, ts].to(v_out.dtype)
+        k_out[slot] = k_src.to(k_out.dtype)
+        v_out[slot] = v_src.to(v_out.dtype)
     end = (start + s_new).clamp(0, capacity)
     leftpad = torch.zeros_like(end) if cache_leftpad is None else torch.minimum(cache_leftpad.long().clamp(min=0), end)
     seqused = (end - leftpad).int()

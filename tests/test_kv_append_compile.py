@@ -17,7 +17,7 @@ import pytest
 import torch
 from compile_harness import compile_entries, covering_subset
 
-from flash_attn_cute.testing import apply_rotary_ref, gather_paged_kv, kv_append_ref
+from flash_attn_cute.testing import apply_rotary_ref, gather_paged_kv, kv_append_ref, varlen_rows_ref
 
 # sm_80: the lowest supported arch; sm_90a: the main target (H200); sm_100a: Blackwell.
 ARCHS = ["sm_80", "sm_90a", "sm_100a"]
@@ -33,20 +33,20 @@ def key_space(arch):
     from flash_attn_cute.kv_append import append_key
 
     keys = set()
-    for dtype, (d, d_v), (rd, inter), per_query, has_q, has_kv, paged, idx, leftpad in itertools.product(
+    for dtype, (d, d_v), (rd, inter), per_query, has_q, has_kv, paged, idx, leftpad, varlen in itertools.product(
             ["fp16", "bf16"], [(64, 128), (128, 64)], ROTARY, [True, False], [True, False], [True, False],
-            [True, False], [True, False], [True, False]):
+            [True, False], [True, False], [True, False], [True, False]):
         if paged and (idx or leftpad):
             continue
-        keys.add(append_key(arch, dtype, d, d_v, rd, inter, per_query, has_q, has_kv, paged, idx, leftpad))
+        keys.add(append_key(arch, dtype, d, d_v, rd, inter, per_query, has_q, has_kv, paged, idx, leftpad, varlen))
     return keys
 
 
 def entry_name(key):
-    _, _, dtype, d, d_v, rd, inter, per_query, has_q, has_kv, paged, idx, leftpad = key
+    _, _, dtype, d, d_v, rd, inter, per_query, has_q, has_kv, paged, idx, leftpad, varlen = key
     rot = "norot" if rd == 0 else f"{'gptj' if inter else 'neox'}{rd}"
     flags = [n for n, f in (("perq", per_query), ("q", has_q), ("kv", has_kv), ("paged", paged), ("idx", idx),
-                            ("leftpad", leftpad)) if f]
+                            ("leftpad", leftpad), ("varlen", varlen)) if f]
     return "_".join([dtype, f"d{d}x{d_v}", rot] + flags)
 
 
@@ -54,11 +54,24 @@ def rotary_kind(key):
     return "none" if key[5] == 0 else "gptj" if key[6] else "neox"
 
 
+def varlen_parts(k):
+    """Of a varlen key (Nones for a dense one): its (q, new kv), its cache kind when it
+    has new kv, its per-query positions when it has q: the branches varlen changes (q
+    rows, k / v rows into either cache, the metadata)."""
+    if not k[13]:
+        return None, None, None
+    cache = "paged" if k[10] else "idx" if k[11] else "contig"
+    return (k[8], k[9]), cache if k[9] else None, k[7] if k[8] else None
+
+
 def entries(arch):
-    """A covering subset of the key space: every value of every field, and every rotary
-    kind with every (q, new kv) combination and with both cache kinds (the branches that
-    change the code most) and with both cache kinds, with and without new kv. Field 1 (the arch) is the same for all."""
-    combos = {k + ((rotary_kind(k), k[8], k[9]), (rotary_kind(k), k[9], k[10])): k for k in key_space(arch)}
+    """A covering subset of the key space: every value of every field, every rotary kind
+    with every (q, new kv) combination and with both cache kinds, with and without new kv
+    (the branches that change the code most), and varlen with q only, new kv only and
+    both, into paged, batch-indexed and plain contiguous caches, with and without
+    per-query positions. Field 1 (the arch) is the same for all."""
+    combos = {k + ((rotary_kind(k), k[8], k[9]), (rotary_kind(k), k[9], k[10])) + varlen_parts(k): k
+              for k in key_space(arch)}
     return [(entry_name(combos[c]), "flash_attn_cute.kv_append:compile_append", combos[c])
             for c in covering_subset(combos, fixed_fields=2)]
 
@@ -66,12 +79,16 @@ def entries(arch):
 def test_covering_subset_spans_every_value():
     chosen = [k for *_, k in entries("sm_90a")]
     assert len(chosen) <= 16
-    for i in range(2, 13):
+    for i in range(2, 14):
         assert {k[i] for k in chosen} == {k[i] for k in key_space("sm_90a")}, i
     assert {(rotary_kind(k), k[8], k[9]) for k in chosen} == {(r, q, kv) for r in ("none", "gptj", "neox")
                                                                for q in (True, False) for kv in (True, False)}
     assert {(rotary_kind(k), k[9], k[10]) for k in chosen} == {(r, kv, p) for r in ("none", "gptj", "neox")
                                                                 for kv in (True, False) for p in (True, False)}
+    parts = [varlen_parts(k) for k in chosen]
+    assert {p[0] for p in parts} == {None, (True, True), (True, False), (False, True)}
+    assert {p[1] for p in parts} == {None, "paged", "idx", "contig"}
+    assert {p[2] for p in parts} == {None, True, False}
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +119,7 @@ def test_cubin_ptx_and_sass(artifacts, arch, name, key):
     if not sass_files:
         pytest.skip("no usable nvdisasm (pip install nvidia-cuda-nvdisasm): no SASS to check")
     sass = sass_files[0].read_text()
-    _, _, _, _, _, rd, interleaved, _, has_q, has_kv, _, _, _ = key
+    _, _, _, _, _, rd, interleaved, _, has_q, has_kv, _, _, _, varlen = key
     moves_data = has_q or has_kv
     # q / k / v chunks: one 128-bit load and one 128-bit store each.
     assert bool(re.search(r"\bLDG\.E(\.\w+)*\.128\b", sass)) == moves_data
@@ -115,8 +132,44 @@ def test_cubin_ptx_and_sass(artifacts, arch, name, key):
     assert bool(re.search(r"\bLDG\.E(\.\w+)*\.64\b", sass)) == (interleaved and rd > 0 and moves_data)
     # Rotary in fp32 registers: FFMA only when something is rotated.
     assert ("FFMA" in sass) == (rd > 0 and moves_data)
-    # No local memory (spills) and no shared memory.
+    # No local memory (spills) and no shared memory; no subroutine (no division routine:
+    # every division by a runtime size is a FastDivmod multiplication).
     assert not re.search(r"\b(LDL|STL|LDS|STS)\b", sass)
+    assert not re.search(r"\bCALL\b", sass)
+    # Varlen: one bisection loop per segment (q, k, v; a thread runs one segment, so one
+    # search), each iteration one 32-bit load of the cumulative lengths and nothing else
+    # that touches memory. Dense: no loop at all.
+    loops = backward_loops(sass)
+    assert len(loops) == (has_q + 2 * has_kv if varlen else 0), len(loops)
+    for body in loops:
+        mem = [ins for ins in body if re.search(r"\b(LDG|STG|LD|ST|ATOM|RED)\b", ins)]
+        assert len(mem) == 1 and re.search(r"\bLDG\.E\s", mem[0]), mem
+
+
+def backward_loops(sass):
+    """Instruction lists of the loops of a SASS listing: from a label to a later branch
+    back to it (the trailing self-branch after EXIT is no loop)."""
+    lines = sass.splitlines()
+    labels, addr_of_line, pending = {}, {}, []
+    for i, line in enumerate(lines):
+        m = re.match(r"^(\.L_x_\d+):", line)
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = re.search(r"/\*([0-9a-f]{4,})\*/", line)
+        if m:
+            addr_of_line[i] = int(m.group(1), 16)
+            for name in pending:
+                labels[name] = i
+            pending = []
+    loops = []
+    for i, line in enumerate(lines):
+        m = re.search(r"\bBRA\s+`\((\.L_x_\d+)\)", line)
+        if m and i in addr_of_line and m.group(1) in labels:
+            start = labels[m.group(1)]
+            if addr_of_line[start] < addr_of_line[i]:
+                loops.append([lines[j] for j in range(start, i + 1) if j in addr_of_line])
+    return loops
 
 
 def test_compile_times_recorded(artifacts):
@@ -133,7 +186,13 @@ def test_key_fields_and_normalisation():
     from flash_attn_cute.kv_append import append_key
 
     key = append_key("sm_90a", "bf16", 128, 128, 64, True, True, True, True, False, True, False)
-    assert key == ("kv_append", "sm_90a", "bf16", 128, 128, 64, True, True, True, True, False, True, False)
+    assert key == ("kv_append", "sm_90a", "bf16", 128, 128, 64, True, True, True, True, False, True, False, False)
+    # varlen is the last field of every key (dense: False, its default).
+    assert append_key("sm_90a", "bf16", 128, 128, 64, True, True, True, True, False, True, False, True) == \
+        key[:-1] + (True,)
+    # Varlen without q and without new k / v writes metadata only, as dense does: one binary.
+    assert append_key("sm_90a", "bf16", 128, 128, 64, True, True, False, False, True, False, False, True) == \
+        append_key("sm_90a", "bf16", 128, 128, 64, True, True, False, False, True, False, False, False)
     # Without rotary, interleaving and query positions change nothing: one binary.
     no_rot = {append_key("sm_90a", "bf16", 128, 128, 0, i, p, True, True, False, False, False)
               for i in (True, False) for p in (True, False)}
@@ -152,8 +211,10 @@ def test_launcher_goes_through_jit_cache(monkeypatch):
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     monkeypatch.setattr(jit_cache, "get_or_compile", lambda name, key, fn: seen.append((name, key)) or "fn")
     assert kv_append.append_launcher(torch.float16, 128, 64, 32, False, True, True, True, True, False, False) == "fn"
+    assert kv_append.append_launcher(torch.float16, 128, 64, 32, False, True, True, True, True, False, False,
+                                     varlen=True) == "fn"
     assert seen == [("kv_append", ("kv_append", "sm_90a", "fp16", 128, 64, 32, False, True, True, True, True,
-                                   False, False))]
+                                   False, False, varlen)) for varlen in (False, True)]
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
@@ -273,3 +334,150 @@ def test_kv_append_ref_metadata_and_positions():
     same = apply_rotary_ref(q, cos, sin, seqlens.long()[:, None].expand(b, 2), True, d).half()
     assert torch.equal(q_rot, same)
     assert not math.isnan(q_rot.float().sum().item())
+
+
+# ---------------------------------------------------------------------------------------
+# Varlen (packed) references
+# ---------------------------------------------------------------------------------------
+
+
+def cumulative(lengths, first=0):
+    return torch.tensor([first] + lengths, dtype=torch.int32).cumsum(0).int()
+
+
+def test_varlen_rows_ref_is_searchsorted():
+    """Monotone cumulative lengths (empty sequences, a first offset, rows past the end,
+    entries past the batch): the bisection finds the one sequence holding each row."""
+    gen = torch.Generator().manual_seed(3)
+    for batch in (1, 2, 3, 7, 64, 1000):
+        lengths = (torch.randint(0, 6, (batch,), generator=gen) * torch.randint(0, 2, (batch,), generator=gen))
+        for first, extra in ((0, 0), (2, 0), (0, 3)):
+            cu = cumulative(lengths.tolist() + [4] * extra, first)  # extra: entries past the batch, ignored
+            end = int(cu[batch])
+            rows = end + 3
+            b, t, found = varlen_rows_ref(cu, batch, rows)
+            r = torch.arange(rows)
+            assert torch.equal(found, (r >= first) & (r < end)), (batch, first)
+            expect = torch.searchsorted(cu[1:batch + 1].long(), r, right=True)
+            assert torch.equal(b[found], expect[found])
+            assert torch.equal(t[found], (r - cu.long()[expect])[found])
+    # No sequence, or a cumulative tensor too short for one: nothing found.
+    for cu, batch in ((torch.tensor([0, 4], dtype=torch.int32), 0), (torch.tensor([0], dtype=torch.int32), 3)):
+        assert not varlen_rows_ref(cu, batch, 5)[2].any()
+
+
+def test_varlen_rows_ref_untrusted_lengths():
+    """Non-monotone, negative and too large cumulative lengths: a row found for b lies in
+    [cu[b], cu[b + 1]), and t is its offset from max(cu[b], 0)."""
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(200):
+        batch = int(torch.randint(1, 12, (1,), generator=gen))
+        cu = torch.randint(-6, 40, (batch + 1,), generator=gen, dtype=torch.int32)
+        rows = int(torch.randint(0, 30, (1,), generator=gen))
+        b, t, found = varlen_rows_ref(cu, batch, rows)
+        r = torch.arange(rows)
+        c = cu.long()
+        assert bool(((b >= 0) & (b < batch)).all())
+        assert bool(((c[b] <= r) & (r < c[b + 1]) | ~found).all())
+        assert torch.equal(t[found], (r - c[b].clamp(min=0))[found])
+        assert bool(((t >= 0) & (t <= r))[found].all())
+
+
+def varlen_problem(paged, lengths_q, lengths_k, seed):
+    """Packed inputs and caches: page size 4 x 4 pages (shuffled) or contiguous rows
+    permuted by cache_batch_idx, with leftpad. Start positions: random, one negative,
+    one that overflows the capacity (16)."""
+    gen = torch.Generator().manual_seed(seed)
+    b, h, h_kv, d, d_v, ps, max_pages = len(lengths_k), 3, 2, 32, 16, 4, 4
+    cap = ps * max_pages
+    rnd = lambda *shape: torch.randn(*shape, generator=gen).to(torch.bfloat16)
+    q = rnd(sum(lengths_q), h, d)
+    k_new, v_new = rnd(sum(lengths_k), h_kv, d), rnd(sum(lengths_k), h_kv, d_v)
+    seqlens = torch.tensor([int(torch.randint(0, cap - n + 1, (1,), generator=gen)) for n in lengths_k])
+    seqlens[1], seqlens[2] = -2, cap - 1  # partly before the cache; partly past its end
+    kw = {}
+    if paged:
+        kw["page_table"] = torch.randperm(b * max_pages, generator=gen).view(b, max_pages).int()
+        rows = b * max_pages + 1
+    else:
+        kw["cache_batch_idx"] = torch.randperm(b + 2, generator=gen)[:b].int()
+        kw["cache_leftpad"] = torch.randint(0, 5, (b,), generator=gen).int()
+        rows = b + 2
+    k_cache, v_cache = rnd(rows, ps if paged else cap, h_kv, d), rnd(rows, ps if paged else cap, h_kv, d_v)
+    return q, k_new, v_new, k_cache, v_cache, seqlens.int(), kw
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("per_query", [False, True])
+def test_kv_append_ref_varlen_is_dense_per_sequence(paged, per_query):
+    """Ragged packed rows (empty sequences, one-token rows, q lengths other than the new
+    k / v lengths) against one dense call per sequence, applied one after another."""
+    lengths_q = [1, 1, 5, 0, 2, 3, 1]
+    lengths_k = [0, 3, 5, 1, 1, 4, 1]
+    q, k_new, v_new, k_cache, v_cache, seqlens, kw = varlen_problem(paged, lengths_q, lengths_k, 5)
+    cos, sin, _ = rope_tables(40, 16, torch.bfloat16)
+    rot = dict(rotary_cos=cos, rotary_sin=sin, interleaved=paged, q_positions_per_query=per_query)
+    cu_q, cu_k = cumulative(lengths_q), cumulative(lengths_k)
+    out = kv_append_ref(q, k_new, v_new, k_cache, v_cache, seqlens, cu_seqlens_q=cu_q, cu_seqlens_k_new=cu_k,
+                        **kw, **rot)
+    k_now, v_now = k_cache, v_cache
+    for b in range(len(lengths_k)):
+        one = {name: x[b:b + 1] for name, x in kw.items()}
+        if not paged:
+            one.setdefault("cache_batch_idx", torch.tensor([b], dtype=torch.int32))
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        dense = kv_append_ref(q[None, qs], k_new[None, ks], v_new[None, ks], k_now, v_now, seqlens[b:b + 1], **one,
+                              **rot)
+        assert torch.equal(out[0][qs], dense[0][0]), b
+        assert out[3][b] == dense[3][0]
+        if out[4] is not None:
+            assert out[4][b] == dense[4][0]
+        k_now, v_now = dense[1], dense[2]
+    assert torch.equal(out[1], k_now) and torch.equal(out[2], v_now)
+    assert not torch.equal(out[1], k_cache)  # something was written
+    if out[4] is not None:
+        assert out[4][-1] == 0
+
+
+def test_kv_append_ref_varlen_equal_lengths_is_dense():
+    """Every sequence 3 tokens, the same cumulative tensor for q and new k / v: exactly
+    the dense result, fp32 (upcast) too."""
+    q, k_new, v_new, k_cache, v_cache, seqlens, kw = varlen_problem(True, [3] * 5, [3] * 5, 6)
+    cos, sin, _ = rope_tables(40, 32, torch.bfloat16)
+    cu = cumulative([3] * 5)
+    for upcast in (False, True):
+        args = dict(kw, rotary_cos=cos, rotary_sin=sin, interleaved=False, upcast=upcast)
+        packed = kv_append_ref(q, k_new, v_new, k_cache, v_cache, seqlens, cu_seqlens_q=cu, cu_seqlens_k_new=cu,
+                               **args)
+        dense = kv_append_ref(q.view(5, 3, *q.shape[1:]), k_new.view(5, 3, *k_new.shape[1:]),
+                              v_new.view(5, 3, *v_new.shape[1:]), k_cache, v_cache, seqlens, **args)
+        assert torch.equal(packed[0], dense[0].flatten(0, 1))
+        for x, y in zip(packed[1:4], dense[1:4]):
+            assert torch.equal(x, y)
+
+
+def test_kv_append_ref_varlen_untrusted_lengths():
+    """Non-monotone cumulative lengths, some past the rows: only rows found by the
+    search are written (others: q_rot NaN, cache untouched), seqused counts the clamped,
+    non-negative lengths."""
+    q, k_new, v_new, k_cache, v_cache, seqlens, kw = varlen_problem(False, [2] * 6, [2] * 6, 7)
+    seqlens = torch.tensor([0, 3, 5, 0, 2, 1], dtype=torch.int32)
+    total = k_new.shape[0]  # 12
+    cu = torch.tensor([2, 5, 3, 9, 10, 40, -2], dtype=torch.int32)  # rows 0, 1 in no sequence
+    cos, sin, _ = rope_tables(40, 16, torch.bfloat16)
+    out = kv_append_ref(q, k_new, v_new, k_cache, v_cache, seqlens, cu_seqlens_q=cu, cu_seqlens_k_new=cu,
+                        rotary_cos=cos, rotary_sin=sin, **kw)
+    b, t, found = varlen_rows_ref(cu, 6, total)
+    assert found.any() and not found.all()
+    assert torch.isnan(out[0][~found].float()).all() and not torch.isnan(out[0][found].float()).any()
+    c = cu.long().clamp(0, total)
+    n_new = (c[1:] - c[:-1]).clamp(min=0)
+    assert out[3].tolist() == (seqlens.long() + n_new).clamp(0, k_cache.shape[1]).sub(
+        torch.minimum(kw["cache_leftpad"].long(), (seqlens.long() + n_new).clamp(0, k_cache.shape[1]))).tolist()
+    written = set()
+    for r in found.nonzero()[:, 0].tolist():
+        p = int(seqlens[b[r]] + t[r])
+        written.add((int(kw["cache_batch_idx"][b[r]]), p))
+        assert torch.equal(out[2][int(kw["cache_batch_idx"][b[r]]), p], v_new[r])
+    changed = {tuple(i) for i in (out[2] != v_cache).any(-1).any(-1).nonzero().tolist()}
+    assert changed <= written and len(written) == int(found.sum())

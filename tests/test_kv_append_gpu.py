@@ -37,15 +37,15 @@ POISON_INT = -7
 
 
 def launch(q, k_new, v_new, k_cache, v_cache, seqlens, page_table, batch_idx, leftpad, cos, sin, q_out, seqused,
-           k_offsets, *, interleaved, per_query):
+           k_offsets, cu_q=None, cu_k=None, *, interleaved, per_query):
     from flash_attn_cute.kv_append import append_launcher
 
     rotary_dim = 0 if cos is None else 2 * cos.shape[1]
     fn = append_launcher(k_cache.dtype, k_cache.shape[-1], v_cache.shape[-1], rotary_dim, interleaved, per_query,
                          q is not None, k_new is not None, page_table is not None, batch_idx is not None,
-                         leftpad is not None)
+                         leftpad is not None, varlen=cu_q is not None or cu_k is not None)
     fn(q, k_new, v_new, k_cache, v_cache, seqlens, page_table, batch_idx, leftpad, cos, sin, q_out, seqused,
-       k_offsets)
+       k_offsets, cu_q, cu_k)
 
 
 def guarded(shape, dtype, gen, fill=None):
@@ -180,7 +180,7 @@ def build(c: Case, seed=0):
         bufs["k_offsets"], k_offsets = guarded((c.batch + 1,), torch.int32, gen, POISON_INT)
     t = dict(q=q, k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache, seqlens=seqlens.int(),
              page_table=page_table, batch_idx=batch_idx, leftpad=None if leftpad is None else leftpad.int(),
-             cos=cos, sin=sin, q_out=q_out, seqused=seqused, k_offsets=k_offsets)
+             cos=cos, sin=sin, q_out=q_out, seqused=seqused, k_offsets=k_offsets, cu_q=None, cu_k=None)
     poison_slots(t, c)
     return t, bufs
 
@@ -195,7 +195,7 @@ def poison_slots(t, c):
     if t["k_new"] is None:
         return
     nan_k, nan_v = torch.full_like(t["k_new"], float("nan")), torch.full_like(t["v_new"], float("nan"))
-    _, k_poisoned, v_poisoned, _, _ = kv_append_ref(None, nan_k, nan_v, *ref_args(t)[3:9])
+    _, k_poisoned, v_poisoned, _, _ = kv_append_ref(None, nan_k, nan_v, *ref_args(t)[3:9], cu_seqlens_k_new=t["cu_k"])
     t["k_cache"].copy_(k_poisoned)
     t["v_cache"].copy_(v_poisoned)
 
@@ -210,7 +210,8 @@ def expected(c: Case, t):
     channels of q and of the cache slots the new keys land in."""
     rd, interleaved = rotary_dim_of(t), c.rotary == "gptj"
     kw = dict(page_table=t["page_table"], cache_batch_idx=t["batch_idx"], cache_leftpad=t["leftpad"],
-              rotary_cos=t["cos"], rotary_sin=t["sin"], interleaved=interleaved, q_positions_per_query=c.per_query)
+              rotary_cos=t["cos"], rotary_sin=t["sin"], interleaved=interleaved, q_positions_per_query=c.per_query,
+              cu_seqlens_q=t["cu_q"], cu_seqlens_k_new=t["cu_k"])
     args = (t["q"], t["k_new"], t["v_new"], t["k_cache"], t["v_cache"], t["seqlens"])
     e = dict(ref16=kv_append_ref(*args, **kw), ref32=kv_append_ref(*args, upcast=True, **kw), k_mag=None)
     if t["q"] is not None:
@@ -246,8 +247,8 @@ def verify(c: Case, t, e):
 
 def launch_case(c: Case, t):
     launch(t["q"], t["k_new"], t["v_new"], t["k_cache"], t["v_cache"], t["seqlens"], t["page_table"],
-           t["batch_idx"], t["leftpad"], t["cos"], t["sin"], t["q_out"], t["seqused"], t["k_offsets"],
-           interleaved=c.rotary == "gptj", per_query=c.per_query)
+           t["batch_idx"], t["leftpad"], t["cos"], t["sin"], t["q_out"], t["seqused"], t["k_offsets"], t["cu_q"],
+           t["cu_k"], interleaved=c.rotary == "gptj", per_query=c.per_query)
 
 
 def run_and_check(c: Case, t, bufs):
@@ -398,3 +399,160 @@ def test_decode_append_costs_a_few_microseconds():
     us = sorted(times)[len(times) // 2]
     print(f"\nkv_append decode b=128 h=32 h_kv=8 d=128 paged: {us:.2f} us per launch")
     assert us <= 12.5, us
+
+
+# ---------------------------------------------------------------------------------------
+# Varlen (packed) mode: q (total_q, h, d) with cu_seqlens_q, new k / v (total_new, h_kv, d*)
+# with cu_seqlens_k_new, as a serving engine's mixed step passes them
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VarlenCase:
+    dtype: torch.dtype = torch.bfloat16
+    d: int = 128
+    d_v: int = 128
+    rotary: str = "neox"
+    rotary_dim: int = 0  # 0: all of d
+    h: int = 4
+    h_kv: int = 2
+    batch: int = 16
+    # "ragged": 0..600 new tokens, every other sequence 1; "decode": 1 each; "shifted": 3
+    # for the first sequence, then 1 each (no row is where a decode step would put it)
+    lengths: str = "ragged"
+    # "same": the query rows are the new rows (one cu tensor for both); "decode": one query
+    # per sequence (its own cu tensor); "only": q without new k / v
+    q: str = "same"
+    page_size: int = 0
+    batch_idx: bool = False
+    leftpad: bool = False
+    per_query: bool = True
+    packed_qkv: bool = False  # q, k_new, v_new: strided views of one (total, h + 2 h_kv, d) tensor
+    q_inplace: bool = False
+    slack: int = 24
+
+
+def new_lengths(c: VarlenCase, gen):
+    if c.lengths in ("decode", "shifted"):
+        return [3 if i == 0 and c.lengths == "shifted" else 1 for i in range(c.batch)]
+    long = torch.randint(2, 601, (c.batch,), generator=gen).tolist()
+    lengths = [[1, 0, long[i], 1][i % 4] for i in range(c.batch)]
+    lengths[2] = 600
+    return lengths
+
+
+def build_varlen(c: VarlenCase, seed=0):
+    """Inputs of a varlen case (tensors dict for ``launch`` and the reference, guarded
+    buffers): every append fits, the last sequence fills its cache exactly."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    lengths_k = new_lengths(c, torch.Generator().manual_seed(seed))
+    lengths_q = lengths_k if c.q == "same" else [1] * c.batch
+    cum = lambda lengths: torch.tensor([0] + lengths, device=DEVICE).cumsum(0).int()
+    cu_k = cum(lengths_k) if c.q != "only" else None
+    cu_q = cu_k if c.q == "same" else cum(lengths_q)
+    total_q, total_k = sum(lengths_q), sum(lengths_k)
+    rd = 0 if c.rotary == "none" else (c.rotary_dim or c.d)
+    capacity = max(lengths_k) + c.slack
+    if c.page_size:
+        max_pages = -(-capacity // c.page_size)
+        capacity = max_pages * c.page_size
+    rnd = lambda *shape: torch.randn(*shape, dtype=c.dtype, device=DEVICE, generator=gen)
+    if c.packed_qkv:
+        assert c.q == "same" and c.d == c.d_v
+        qkv = rnd(total_k, c.h + 2 * c.h_kv, c.d)
+        q, k_new, v_new = qkv[:, :c.h], qkv[:, c.h:c.h + c.h_kv], qkv[:, c.h + c.h_kv:]
+    else:
+        q = rnd(total_q, c.h, c.d)
+        k_new = rnd(total_k, c.h_kv, c.d) if cu_k is not None else None
+        v_new = rnd(total_k, c.h_kv, c.d_v) if cu_k is not None else None
+    n_new = torch.tensor(lengths_k, device=DEVICE) if cu_k is not None else torch.zeros(c.batch, device=DEVICE)
+    seqlens = (torch.rand(c.batch, device=DEVICE, generator=gen) * (capacity - n_new + 1)).long()
+    seqlens[-1] = capacity - n_new[-1]
+    leftpad = (torch.rand(c.batch, device=DEVICE, generator=gen) * (seqlens + 1)).int() if c.leftpad else None
+    page_table = batch_idx = None
+    if c.page_size:
+        num_pages = c.batch * max_pages + 5
+        page_table = torch.randperm(num_pages, device=DEVICE, generator=gen)[:c.batch * max_pages]
+        page_table = page_table.view(c.batch, max_pages).int()
+        cache_rows = (num_pages, c.page_size)
+    else:
+        b_cache = c.batch + 2 if c.batch_idx else c.batch
+        if c.batch_idx:
+            batch_idx = torch.randperm(b_cache, device=DEVICE, generator=gen)[:c.batch].int()
+        cache_rows = (b_cache, capacity)
+    bufs = {}
+    bufs["k_cache"], k_cache = guarded(cache_rows + (c.h_kv, c.d), c.dtype, gen)
+    bufs["v_cache"], v_cache = guarded(cache_rows + (c.h_kv, c.d_v), c.dtype, gen)
+    cos = sin = None
+    if rd:
+        cos, sin = rope_tables(capacity + 1, rd, c.dtype)
+    if c.q_inplace:
+        q_out = q
+    else:
+        bufs["q_out"], q_out = guarded(tuple(q.shape), c.dtype, gen, float("nan"))
+    bufs["seqused"], seqused = guarded((c.batch,), torch.int32, gen, POISON_INT)
+    k_offsets = None
+    if c.batch_idx or c.leftpad:
+        bufs["k_offsets"], k_offsets = guarded((c.batch + 1,), torch.int32, gen, POISON_INT)
+    t = dict(q=q, k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache, seqlens=seqlens.int(),
+             page_table=page_table, batch_idx=batch_idx, leftpad=leftpad, cos=cos, sin=sin, q_out=q_out,
+             seqused=seqused, k_offsets=k_offsets, cu_q=cu_q, cu_k=cu_k)
+    poison_slots(t, c)
+    return t, bufs
+
+
+VARLEN = [
+    # Mixed step, the engine's layout: one qkv tensor, one cu tensor, contiguous cache.
+    VarlenCase(packed_qkv=True, batch_idx=True, leftpad=True),
+    VarlenCase(dtype=torch.float16, d=64, d_v=128, rotary="gptj", page_size=16),
+    VarlenCase(rotary_dim=64, page_size=64, h=8, h_kv=1, q="decode", per_query=False),
+    VarlenCase(rotary="none", page_size=16, d_v=64),
+    VarlenCase(dtype=torch.float16, rotary="gptj", rotary_dim=32, q="only", q_inplace=True, leftpad=True),
+]
+
+
+def varlen_id(c):
+    fields = {f: getattr(c, f) for f in c.__dataclass_fields__}
+    base = VarlenCase()
+    changed = [f"{k}={str(v).replace('torch.', '')}" for k, v in fields.items() if v != getattr(base, k)]
+    return "-".join(changed) or "default"
+
+
+@pytest.mark.parametrize("case", VARLEN, ids=varlen_id)
+def test_append_varlen(case):
+    t, bufs = build_varlen(case)
+    run_and_check(case, t, bufs)
+
+
+@pytest.mark.parametrize("lengths", ["decode", "shifted"])
+def test_varlen_200k_sequences(lengths):
+    """200,000 sequences of one token (a decode step in varlen form: every row found by
+    the first probe), or the first of three ("shifted": every other row found by a
+    bisection of ~18 steps over the 200,001 entries); more CTAs than a grid y / z
+    dimension allows. Small paged caches keep the references small."""
+    c = VarlenCase(d=64, d_v=64, h=2, h_kv=1, batch=200_000, lengths=lengths, rotary="gptj", page_size=4, slack=3)
+    t, bufs = build_varlen(c, seed=1)
+    run_and_check(c, t, bufs)
+
+
+def test_varlen_untrusted_cumulative_lengths():
+    """Cumulative lengths that are not monotone, negative, past the packed rows, and a
+    cu_seqlens_q shorter than batch + 1: no access out of bounds (guard regions around
+    every output, caches included, come out bit-identical), rows outside every sequence
+    unwritten (q_out keeps its NaN there), and exactly the reference's search otherwise.
+    Sequences have distinct cache rows, so no two written rows share a slot."""
+    c = VarlenCase(dtype=torch.float16, rotary="gptj", q="decode", batch=8, batch_idx=True, leftpad=True, slack=40)
+    t, bufs = build_varlen(c, seed=2)
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=DEVICE)
+    total_k, total_q = t["k_new"].shape[0], t["q"].shape[0]
+    t["cu_k"] = i32([3, 10, 5, total_k + 1000, 7, 2**31 - 1, -2**31, 12, total_k - 1])
+    # 5 sequences' worth for a batch of 8; rows 0 and 1 in no sequence, the others in 0 and 2.
+    t["cu_q"] = i32([2, 4, 3, 9, -1, total_q + 6])
+    poison_slots(t, c)
+    e = expected(c, t)
+    assert torch.isnan(e["ref16"][0].float()).any() and not torch.isnan(e["ref16"][0].float()).all()
+    before = {name: buf.clone() for name, buf in bufs.items()}
+    launch_case(c, t)
+    torch.cuda.synchronize()
+    check_guards(before, bufs)
+    verify(c, t, e)
