@@ -2,6 +2,7 @@
 # One batched GPU session: sharded GPU tests in parallel (compiles spread over cores),
 # then the benchmarks. Logs and CSVs go to $OUT (the device tool brings them back).
 #   bash benchmarks/gpu_run.sh [tests|variants|bench|all] [extra pytest args]
+# TESTS="tests/test_a.py ..." narrows the test run (default: every GPU test under tests/).
 set -u
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -19,7 +20,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   logs=$(mktemp -d)
   for i in $(seq 0 $((n - 1))); do
     FLASH_ATTN_CUTE_TEST_SHARD=$i/$n timeout ${TEST_TIMEOUT:-420} python -m pytest -q -m gpu -p no:cacheprovider \
-      tests/test_flash_attn_gpu.py tests/test_combine_gpu.py tests/test_torch_compile.py tests/test_mla_gpu.py tests/test_variants_gpu.py "$@" > "$logs/test_$i.log" 2>&1 &
+      ${TESTS:-tests} "$@" > "$logs/test_$i.log" 2>&1 &
   done
   wait
   echo "tests took $(( $(date +%s) - start )) s"
@@ -46,6 +47,8 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 200 python benchmarks/bench_paged_decode.py --csv "$OUT/paged_decode.csv" 2>&1 | tail -40
   timeout 90 python benchmarks/bench_host.py --csv "$OUT/host.csv" 2>&1 | tail -16
   timeout 240 python benchmarks/bench_mla.py --csv "$OUT/mla.csv" 2>&1 | tail -12
+  timeout 240 python benchmarks/bench_serving_step.py --sinks --csv "$OUT/serving_step.csv" 2>&1 | tail -14
+  timeout 120 python examples/serve_paged.py --steps 64 2>&1 | tail -6
   python benchmarks/plot_splits.py "$OUT"/decode_splits*.csv --out "$OUT/decode_splits.png" 2>&1 | tail -2
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
 fi

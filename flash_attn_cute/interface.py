@@ -438,8 +438,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                batch_invariant=batch_invariant)
     option_args = (softmax_scale, causal, window_size, softcap, num_splits, pack_gqa, backend, batch_invariant)
     variant_args = (score_mod, mask_mod, aux_tensors, block_mask)
-    if cu_seqlens_k_new is not None and k is None:
-        raise ValueError("cu_seqlens_k_new is given without k and v (the new tokens it describes)")
+    if k is None:
+        cu_seqlens_k_new = None  # it describes the new tokens only (FA3, SGLang pass it regardless)
     if appends or remaps:
         from . import kv_cache_ops
 

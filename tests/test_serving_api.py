@@ -181,9 +181,10 @@ APPEND_CASES = [
     ("packed_q_dense_k", False, lambda a: a.update(q=a["q"][:, 0], cu_seqlens_q=torch.tensor([0, 1, 2],
                                                                                            dtype=torch.int32)),
      ValueError, r"k must have shape \(total_new, nheads_kv, headdim\)"),
-    ("cu_k_new_without_k", False, lambda a: a.update(k=None, v=None, cu_seqlens_k_new=torch.tensor([0, 1, 2],
-                                                                                                  dtype=torch.int32)),
-     ValueError, "cu_seqlens_k_new is given without k"),
+    ("cu_k_new_bad_length", False, lambda a: a.update(q=a["q"][:, 0], k=a["k"][:, 0], v=a["v"][:, 0],
+                                                       cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32),
+                                                       cu_seqlens_k_new=torch.tensor([0, 2], dtype=torch.int32)),
+     ValueError, r"cu_seqlens_k_new must have shape"),
 ]
 
 
