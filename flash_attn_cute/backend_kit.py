@@ -9,6 +9,7 @@ import importlib
 from typing import Callable, Optional
 
 from . import heuristics, jit_cache
+from .constants import MLA_NHEADS
 from .keys import DTYPE_NAMES, make_key, mla_key, target_arch
 from .problems import FwdPlan, FwdProblem, MlaProblem
 
@@ -27,6 +28,16 @@ def feature_refusal(problem: FwdProblem, supported: frozenset) -> Optional[str]:
     for field, name in FEATURES:
         if getattr(problem, field) and name not in supported:
             return f"{name} is not implemented by this kernel"
+    return None
+
+
+def mla_refusal(problem: MlaProblem, supported: frozenset) -> Optional[str]:
+    """An MLA backend's ``check``: the query heads its kernels pack, and the features it
+    implements (``supported``)."""
+    if problem.nheads not in MLA_NHEADS:
+        return f"nheads {problem.nheads} is not one of {MLA_NHEADS}"
+    if problem.batch_invariant and "batch_invariant" not in supported:
+        return "batch_invariant is not implemented by this kernel"
     return None
 
 

@@ -95,7 +95,7 @@ def softmax_scale(scale, default: float) -> float:
     return float(scale)
 
 
-def page_table(table, batch: int, page_size: int, cache_name: str) -> None:
+def page_table_arg(table, batch: int, page_size: int, cache_name: str) -> None:
     """``(batch, max_pages_per_seq)`` int32 with a contiguous last dim; ``page_size``
     (``<cache_name>.shape[1]``) at least 1."""
     check_tensor("page_table", table, 2, "(batch, max_pages_per_seq)")
@@ -123,6 +123,63 @@ def learnable_sink(sink, nheads: int) -> None:
     check_dtype("learnable_sink", sink, SINK_DTYPES, "float32, bfloat16 or float16")
     if nheads > 1 and sink.stride(0) != 1:
         raise ValueError(f"learnable_sink must be contiguous, got stride {sink.stride()}")
+
+
+def packed_queries(q: torch.Tensor, cu_seqlens_q, max_seqlen_q) -> tuple:
+    """(batch, max_seqlen_q) of packed queries ``(total_q, ...)`` with ``cu_seqlens_q``
+    ``(batch + 1,)`` int32; ``max_seqlen_q`` None bounds the lengths by ``total_q`` (never
+    read from the device)."""
+    check_tensor("cu_seqlens_q", cu_seqlens_q, 1, "(batch + 1,)")
+    batch = cu_seqlens_q.shape[0] - 1
+    if batch < 0:
+        raise ValueError("cu_seqlens_q must have shape (batch + 1,) with at least one entry, got (0,)")
+    int32_vector("cu_seqlens_q", cu_seqlens_q, batch + 1, "(batch + 1,)")
+    if max_seqlen_q is None:
+        return batch, q.shape[0]
+    return batch, int_arg("max_seqlen_q", max_seqlen_q, 0, INT32_MAX)
+
+
+def queries_and_cache(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, page_table, cache_batch: str):
+    """``flash_attn_with_kvcache``'s q (packed ``(total_q, nheads, headdim)`` with
+    ``cu_seqlens_q``, else dense) and caches (paged with ``page_table``, else
+    ``(<cache_batch>, max_seqlen_k, nheads_kv, headdim*)``): returns (nheads, nheads_kv, d,
+    d_v, q, k_cache, v_cache (aligned views), batch, max_seqlen_q)."""
+    varlen_q = cu_seqlens_q is not None
+    q_form = "(total_q, nheads, headdim)" if varlen_q else "(batch, seqlen_q, nheads, headdim)"
+    check_tensor("q", q, 3 if varlen_q else 4, q_form)
+    kv_form = ("(num_pages, page_size, nheads_kv, {})" if page_table is not None
+               else f"({cache_batch}, max_seqlen_k, nheads_kv, {{}})")
+    dims = qkv(q, k_cache, v_cache, q_form, 4, kv_form.format("headdim"), kv_form.format("headdim_v"))
+    q = dims[4]
+    batch, seqlen_q = packed_queries(q, cu_seqlens_q, max_seqlen_q) if varlen_q else q.shape[:2]
+    return (*dims, batch, seqlen_q)
+
+
+def cache_capacity(k, batch: int, page_table, name: str, rows_per_sequence: bool = True,
+                   why: str = "") -> int:
+    """Keys one sequence of a cache can hold: ``max_pages_per_seq * page_size`` with a
+    ``page_table`` (checked), else the cache's length mode, the cache having one row per
+    sequence (``rows_per_sequence``; ``why`` says how else it may be laid out)."""
+    if page_table is not None:
+        page_table_arg(page_table, batch, k.shape[1], name)
+        return page_table.shape[1] * k.shape[1]
+    if rows_per_sequence and k.shape[0] != batch:
+        raise ValueError(f"{name} must have shape (batch, max_seqlen_k, nheads_kv, headdim) with batch = {batch}"
+                         f"{why}, got {tuple(k.shape)}")
+    return k.shape[1]
+
+
+def cache_lengths(cache_seqlens, batch: int, capacity: int, room: int, device) -> tuple:
+    """(lengths (batch,) int32, the int they were filled with or None): ``cache_seqlens`` as
+    a tensor, an int in [0, capacity - room] for every sequence, or None (the whole cache,
+    less ``room`` for the tokens an append adds)."""
+    if cache_seqlens is None:
+        cache_seqlens = capacity - room
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        fill = int_arg("cache_seqlens", cache_seqlens, 0, capacity - room)
+        return torch.full((batch,), fill, dtype=torch.int32, device=device), fill
+    int32_vector("cache_seqlens", cache_seqlens, batch, "(batch,) or an int")
+    return cache_seqlens, None
 
 
 class Options(NamedTuple):

@@ -321,25 +321,12 @@ def _varlen_call(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                else "(batch, seqlen_k, nheads_kv, {})")
     nheads, nheads_kv, d, d_v, q, k, v = checks.qkv(q, k, v, _Q3 if varlen_q else _Q4, 3 if varlen_k else 4,
                                                     kv_form.format("headdim"), kv_form.format("headdim_v"))
-    if varlen_q:
-        checks.check_tensor("cu_seqlens_q", cu_seqlens_q, 1, "(batch + 1,)")
-        batch = cu_seqlens_q.shape[0] - 1
-        if batch < 0:
-            raise ValueError("cu_seqlens_q must have shape (batch + 1,) with at least one entry, got (0,)")
-        checks.int32_vector("cu_seqlens_q", cu_seqlens_q, batch + 1, "(batch + 1,)")
-    else:
-        batch = q.shape[0]
+    batch = checks.packed_queries(q, cu_seqlens_q, None)[0] if varlen_q else q.shape[0]
     if varlen_k:
         checks.int32_vector("cu_seqlens_k", cu_seqlens_k, batch + 1, "(batch + 1,) like cu_seqlens_q")
         capacity = k.shape[0]
-    elif paged:
-        checks.page_table(page_table, batch, k.shape[1], "k")
-        capacity = page_table.shape[1] * k.shape[1]
     else:
-        if k.shape[0] != batch:
-            raise ValueError(f"k and v must have shape (batch, seqlen_k, nheads_kv, headdim) with batch = {batch} "
-                             f"(the batch of q), got {tuple(k.shape)}")
-        capacity = k.shape[1]
+        capacity = checks.cache_capacity(k, batch, page_table, "k and v", why=" (the batch of q)")
     for name, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
         if t is not None:
             checks.int32_vector(name, t, batch, "(batch,)")
@@ -471,38 +458,11 @@ def _kvcache_call(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, 
     append: the keys are the cache's first ``cache_seqlens`` tokens. ``min_tokens`` (an
     append's new tokens) is added to what the cache must hold."""
     varlen_q = cu_seqlens_q is not None
-    q_form = _Q3 if varlen_q else _Q4
-    checks.check_tensor("q", q, 3 if varlen_q else 4, q_form)
-    paged = page_table is not None
-    kv_form = "(num_pages, page_size, nheads_kv, {})" if paged else "(batch, max_seqlen_k, nheads_kv, {})"
-    nheads, nheads_kv, d, d_v, q, k_cache, v_cache = checks.qkv(
-        q, k_cache, v_cache, q_form, 4, kv_form.format("headdim"), kv_form.format("headdim_v"))
-    if varlen_q:
-        checks.check_tensor("cu_seqlens_q", cu_seqlens_q, 1, "(batch + 1,)")
-        batch = cu_seqlens_q.shape[0] - 1
-        if batch < 0:
-            raise ValueError("cu_seqlens_q must have shape (batch + 1,) with at least one entry, got (0,)")
-        checks.int32_vector("cu_seqlens_q", cu_seqlens_q, batch + 1, "(batch + 1,)")
-        seqlen_q = q.shape[0] if max_seqlen_q is None else checks.int_arg("max_seqlen_q", max_seqlen_q, 0, INT32_MAX)
-    else:
-        batch, seqlen_q = q.shape[:2]
-    if paged:
-        checks.page_table(page_table, batch, k_cache.shape[1], "k_cache")
-        capacity = page_table.shape[1] * k_cache.shape[1]
-    else:
-        if k_cache.shape[0] != batch:
-            raise ValueError(f"k_cache and v_cache must have shape (batch, max_seqlen_k, nheads_kv, headdim) "
-                             f"with batch = {batch}, got {tuple(k_cache.shape)}")
-        capacity = k_cache.shape[1]
-    seqlens_fill = None
-    if cache_seqlens is None:
-        cache_seqlens = capacity  # the whole cache
-    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
-        max_seqlen_k = seqlens_fill = checks.int_arg("cache_seqlens", cache_seqlens, 0, capacity - min_tokens)
-        cache_seqlens = torch.full((batch,), max_seqlen_k, dtype=torch.int32, device=q.device)
-    else:
-        checks.int32_vector("cache_seqlens", cache_seqlens, batch, "(batch,) or an int")
-        max_seqlen_k = None
+    nheads, nheads_kv, d, d_v, q, k_cache, v_cache, batch, seqlen_q = checks.queries_and_cache(
+        q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, page_table, "batch")
+    capacity = checks.cache_capacity(k_cache, batch, page_table, "k_cache and v_cache")
+    cache_seqlens, seqlens_fill = checks.cache_lengths(cache_seqlens, batch, capacity, min_tokens, q.device)
+    max_seqlen_k = seqlens_fill
     checks.learnable_sink(learnable_sink, nheads)
     opts = checks.options(d, *option_args)
     out = checks.check_out(out, (*q.shape[:-1], d_v), q.dtype,

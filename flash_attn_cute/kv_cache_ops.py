@@ -18,7 +18,6 @@ validation and planning here too (``call_cache``).
 
 from __future__ import annotations
 
-import numbers
 from typing import NamedTuple, Optional
 
 import torch
@@ -111,33 +110,15 @@ def append_and_attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
                            cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new, learnable_sink, return_lse,
                            out, variant_args)
     inputs = (q, k_cache, v_cache, k, v, out)
-    q_form = "(total_q, nheads, headdim)" if varlen else "(batch, seqlen_q, nheads, headdim)"
-    checks.check_tensor("q", q, 3 if varlen else 4, q_form)
     paged = page_table is not None
-    kv_form = "(num_pages, page_size, nheads_kv, {})" if paged else "(batch_cache, max_seqlen_k, nheads_kv, {})"
-    nheads, nheads_kv, d, d_v, q, k_cache, v_cache = checks.qkv(
-        q, k_cache, v_cache, q_form, 4, kv_form.format("headdim"), kv_form.format("headdim_v"))
-    if varlen:
-        checks.check_tensor("cu_seqlens_q", cu_seqlens_q, 1, "(batch + 1,)")
-        batch = cu_seqlens_q.shape[0] - 1
-        if batch < 0:
-            raise ValueError("cu_seqlens_q must have shape (batch + 1,) with at least one entry, got (0,)")
-        checks.int32_vector("cu_seqlens_q", cu_seqlens_q, batch + 1, "(batch + 1,)")
-        seqlen_q = q.shape[0] if max_seqlen_q is None else checks.int_arg("max_seqlen_q", max_seqlen_q, 0, INT32_MAX)
-    else:
-        batch, seqlen_q = q.shape[:2]
+    nheads, nheads_kv, d, d_v, q, k_cache, v_cache, batch, seqlen_q = checks.queries_and_cache(
+        q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, page_table, "batch_cache")
     remap = cache_batch_idx is not None or cache_leftpad is not None
-    if paged:
-        if remap:
-            raise ValueError("cache_batch_idx and cache_leftpad apply to a contiguous cache; with a page_table, "
-                             "point each sequence's page_table row at its pages instead (as in FA2)")
-        checks.page_table(page_table, batch, k_cache.shape[1], "k_cache")
-        capacity = page_table.shape[1] * k_cache.shape[1]
-    else:
-        if cache_batch_idx is None and k_cache.shape[0] != batch:
-            raise ValueError(f"k_cache and v_cache must have shape (batch, max_seqlen_k, nheads_kv, headdim) with "
-                             f"batch = {batch} (or pass cache_batch_idx), got {tuple(k_cache.shape)}")
-        capacity = k_cache.shape[1]
+    if paged and remap:
+        raise ValueError("cache_batch_idx and cache_leftpad apply to a contiguous cache; with a page_table, "
+                         "point each sequence's page_table row at its pages instead (as in FA2)")
+    capacity = checks.cache_capacity(k_cache, batch, page_table, "k_cache and v_cache",
+                                     rows_per_sequence=cache_batch_idx is None, why=" (or pass cache_batch_idx)")
     k, v, seqlen_new = _check_new_kv(k, v, q, () if varlen else (batch,), nheads_kv, d, d_v, varlen)
     if varlen and k is not None:
         checks.int32_vector("cu_seqlens_k_new", cu_seqlens_k_new, batch + 1, "(batch + 1,) like cu_seqlens_q")
@@ -147,14 +128,7 @@ def append_and_attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
     for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
         if t is not None:
             checks.int32_vector(name, t, batch, "(batch,)")
-    seqlens_fill = None
-    if cache_seqlens is None:
-        cache_seqlens = capacity - new_per_seq
-    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
-        seqlens_fill = checks.int_arg("cache_seqlens", cache_seqlens, 0, capacity - new_per_seq)
-        cache_seqlens = torch.full((batch,), seqlens_fill, dtype=torch.int32, device=q.device)
-    else:
-        checks.int32_vector("cache_seqlens", cache_seqlens, batch, "(batch,) or an int")
+    cache_seqlens, seqlens_fill = checks.cache_lengths(cache_seqlens, batch, capacity, new_per_seq, q.device)
     checks.learnable_sink(learnable_sink, nheads)
     opts = checks.options(d, *option_args)
     out = checks.check_out(out, (*q.shape[:-1], d_v), q.dtype,

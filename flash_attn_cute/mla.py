@@ -61,7 +61,7 @@ def _validate(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, sof
         raise ValueError(f"nheads (q_nope.shape[2]) must be one of {MLA_NHEADS}, got {nheads}")
     if seqlen_q < 1:
         raise ValueError(f"seqlen_q (q_nope.shape[1]) must be >= 1, got {seqlen_q}")
-    checks.page_table(page_table, batch, ckv_cache.shape[1], "ckv_cache")
+    checks.page_table_arg(page_table, batch, ckv_cache.shape[1], "ckv_cache")
     checks.int32_vector("cache_seqlens", cache_seqlens, batch, "(batch,)")
     checks.check_dtype("q_nope", q_nope, checks.SUPPORTED_DTYPES, "float16 or bfloat16")
     for name, t in (("q_pe", q_pe), ("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):

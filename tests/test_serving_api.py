@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flash_attn_cute import fwd, sm80
+from flash_attn_cute import sm80
 from flash_attn_cute.interface import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
 BF16 = torch.bfloat16

@@ -6,21 +6,18 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from ..backend_kit import mla_entry_points, plan_splits
+from ..backend_kit import mla_entry_points, mla_refusal, plan_splits
 from ..constants import MLA_NHEADS
 from ..keys import target_arch
 from ..problems import FwdPlan, MlaProblem
 from ..tuning import NO_TUNING, Tuning
 from .config import MLA_SMEM_KB, MlaWarpRoles, mla_stages_for
 
-NAME = "sm80"
-NHEADS = MLA_NHEADS
-AUTO = True
+NAME, NHEADS, AUTO = "sm80", MLA_NHEADS, True
 FEATURES = frozenset()  # what this kernel implements of backend_kit.FEATURES
 # One CTA per SM (72 KB of Q and 36 KB per stage): the split heuristic counts the grid in
 # 64-row tiles of 32-key blocks against num_sms resident CTAs, last wave at least 90% full.
-_CTAS_PER_SM = 1
-_SPLIT_TOLERANCE = 0.9
+_CTAS_PER_SM, _SPLIT_TOLERANCE = 1, 0.9
 
 
 class MlaSm80Config(NamedTuple):
@@ -32,11 +29,7 @@ def runs_on(capability: tuple) -> bool:
 
 
 def check(problem: MlaProblem) -> Optional[str]:
-    if problem.nheads not in NHEADS:
-        return f"nheads {problem.nheads} is not one of {NHEADS}"
-    if problem.batch_invariant and "batch_invariant" not in FEATURES:
-        return "batch_invariant is not implemented by this kernel"
-    return None
+    return mla_refusal(problem, FEATURES)
 
 
 def plan(problem: MlaProblem, num_splits: int, pack_gqa: Optional[bool], num_sms: Optional[int],

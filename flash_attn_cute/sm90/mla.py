@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from ..backend_kit import mla_entry_points, plan_splits
+from ..backend_kit import mla_entry_points, mla_refusal, plan_splits
 from ..constants import MLA_NHEADS
 from ..problems import FwdPlan, MlaProblem
 from ..tuning import NO_TUNING, Tuning
@@ -39,11 +39,7 @@ def runs_on(capability: tuple) -> bool:
 
 
 def check(problem: MlaProblem) -> Optional[str]:
-    if problem.nheads not in NHEADS:
-        return f"nheads {problem.nheads} is not one of {NHEADS}"
-    if problem.batch_invariant and "batch_invariant" not in FEATURES:
-        return "batch_invariant is not implemented by this kernel"
-    return None
+    return mla_refusal(problem, FEATURES)
 
 
 def roles(qk: Optional[str] = None) -> MlaRoles:
