@@ -48,6 +48,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 90 python benchmarks/bench_host.py --csv "$OUT/host.csv" 2>&1 | tail -16
   timeout 240 python benchmarks/bench_mla.py --csv "$OUT/mla.csv" 2>&1 | tail -12
   timeout 240 python benchmarks/bench_serving_step.py --sinks --csv "$OUT/serving_step.csv" 2>&1 | tail -14
+  timeout 240 python benchmarks/bench_serving_costs.py --csv "$OUT/serving_costs.csv" 2>&1 | tail -12
   timeout 120 python examples/serve_paged.py --steps 64 2>&1 | tail -6
   python benchmarks/plot_splits.py "$OUT"/decode_splits*.csv --out "$OUT/decode_splits.png" 2>&1 | tail -2
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
