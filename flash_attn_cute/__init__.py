@@ -21,6 +21,7 @@ from .interface import (
 )
 from . import mods
 from .block_mask import BlockMask, create_block_mask
+from .fp8 import quantize_fp8
 from .mla import flash_mla_decode
 from .user_variants import VariantCompileError
 
@@ -36,6 +37,7 @@ __all__ = [
     "flash_attn_combine",
     "flash_mla_decode",
     "create_block_mask",
+    "quantize_fp8",
     "BlockMask",
     "VariantCompileError",
     "mods",
