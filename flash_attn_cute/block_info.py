@@ -22,10 +22,10 @@ class BlockInfo:
 
     def query_range(self, m_block: Int32, ctx: AttnCtx):
         """First and last query position held by the rows of this M tile."""
-        pack = self.qhead_per_kvhead_packed
+        packed = self.qhead_per_kvhead_packed
         row_lo = m_block * self.tile_m
-        row_hi = cutlass.min((m_block + 1) * self.tile_m, ctx.seqlen_q * pack) - 1
-        return row_lo // pack, row_hi // pack
+        row_hi = cutlass.min((m_block + 1) * self.tile_m, ctx.seqlen_q * packed) - 1
+        return row_lo // packed, row_hi // packed
 
     @cute.jit
     def get_n_block_min_max(
@@ -71,3 +71,19 @@ class BlockInfo:
         n_mid_hi = cutlass.max(cutlass.min(n_hi, n_block_max), n_block_min)
         n_mid_lo = cutlass.min(cutlass.max(n_lo, n_block_min), n_mid_hi)
         return n_mid_hi, n_mid_lo
+
+    @cute.jit
+    def walk_n_blocks(self, step, n_block_min: Int32, n_block_max: Int32, runs: tuple, carry=None):
+        """The KV walk of every kernel: ``carry = step(carry, n_block, masked)`` on the
+        blocks [n_block_min, n_block_max) from the last to the first, in the three runs
+        ``runs`` = ``get_n_block_runs(..., n_block_min, n_block_max)`` split them into
+        (``masked`` static per run); returns the carry."""
+        n_mid_hi, n_mid_lo = runs
+        for i in cutlass.range(n_block_max - n_mid_hi, unroll=1):
+            carry = step(carry, n_block_max - 1 - i, True)
+        for i in cutlass.range(n_mid_hi - n_mid_lo, unroll=1):
+            carry = step(carry, n_mid_hi - 1 - i, False)
+        if cutlass.const_expr(self.variant.has_mask):
+            for i in cutlass.range(n_mid_lo - n_block_min, unroll=1):
+                carry = step(carry, n_mid_lo - 1 - i, True)
+        return carry

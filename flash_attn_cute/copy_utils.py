@@ -1,15 +1,23 @@
-"""Global-memory row copies shared by the kernels: 128-bit cp.async tiled copies and
-row pointers that keep the alignment their layout guarantees (gathered rows: paged KV,
-packed GQA, epilogues that store from registers)."""
+"""Global-memory row copies shared by the kernels: 128-bit cp.async tiled copies, the
+shared-memory swizzle their rows are laid out in, and row copies that keep the alignment
+their layout guarantees (gathered rows: paged KV, packed GQA, epilogues that store from
+registers)."""
 
+import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
+
+
+def swizzle_atom_cols(cols: int) -> int:
+    """Columns of the 8-row swizzle atom that rows of ``cols`` 16-bit elements are laid out
+    in: 64 (128 bytes, one bank sweep) when they divide the row, else 32."""
+    return 64 if cols % 64 == 0 else 32
 
 
 def gmem_tiled_copy(dtype, cols: int, num_threads: int):
     """128-bit cp.async, consecutive threads along a row of the smem atom."""
     elems = 128 // dtype.width
-    threads_per_row = (64 if cols % 64 == 0 else 32) // elems
+    threads_per_row = swizzle_atom_cols(cols) // elems
     atom = cute.make_copy_atom(
         cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype, num_bits_per_copy=128
     )
@@ -22,3 +30,41 @@ def aligned_row_ptr(row: cute.Tensor, col, align_bytes: int):
     column offset would otherwise drop it to one element)."""
     ptr = row.iterator + col
     return cute.make_ptr(row.element_type, ptr.toint(), cute.AddressSpace.gmem, assumed_align=align_bytes)
+
+
+@cute.jit
+def copy_row(tiled_copy: cute.TiledCopy, tXsX_row: cute.Tensor, tXcX_row: cute.Tensor, g_row: cute.Tensor):
+    """One thread's 16-byte chunks of one row: ``tXsX_row`` (CPY, chunks) its smem
+    destinations, ``tXcX_row`` their (row, col) coordinates, ``g_row`` the (cols,) gmem
+    row. One cp.async (LDGSTS) per chunk, each from a 16-byte aligned pointer."""
+    for k in cutlass.range_constexpr(cute.size(tXsX_row, mode=[1])):
+        src = cute.make_tensor(aligned_row_ptr(g_row, tXcX_row[0, k][1], 16), tXsX_row[None, k].layout)
+        cute.copy(tiled_copy, src, tXsX_row[None, k])
+
+
+@cute.jit
+def copy_rows(tiled_copy: cute.TiledCopy, tXsX: cute.Tensor, tXcX: cute.Tensor, src_of, rows_valid=None):
+    """A thread's rows of a (rows, cols) smem tile: ``tXsX`` (CPY, M, chunks) partitioned
+    by ``tiled_copy``, ``tXcX`` the same partition of the tile's coordinates.
+    ``src_of(row, m)`` is the source of tile row ``row``, the thread's partition row m: a
+    (cols,) gmem row (``copy_row``) or this thread's (CPY, chunks) partition of it (one
+    tiled copy). With ``rows_valid``, tile rows at or past it are zero-filled instead: a
+    NaN left in V would survive a zero probability, and zero Q rows keep the scores of
+    padding rows finite."""
+    for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+        row = tXcX[0, m, 0][0]
+        if cutlass.const_expr(rows_valid is None):
+            _copy_src(tiled_copy, tXsX[None, m, None], tXcX[None, m, None], src_of(row, m))
+        else:
+            if row < rows_valid:
+                _copy_src(tiled_copy, tXsX[None, m, None], tXcX[None, m, None], src_of(row, m))
+            else:
+                tXsX[None, m, None].fill(0.0)
+
+
+@cute.jit
+def _copy_src(tiled_copy: cute.TiledCopy, tXsX_row: cute.Tensor, tXcX_row: cute.Tensor, src):
+    if cutlass.const_expr(cute.rank(src) > 1):
+        cute.copy(tiled_copy, src, tXsX_row)
+    else:
+        copy_row(tiled_copy, tXsX_row, tXcX_row, src)

@@ -1,4 +1,5 @@
-"""Compile-side helpers shared by every kernel: DSL dtypes, fake tensors, compile options.
+"""Compile-side helpers shared by every kernel: DSL dtypes, fake tensors, compile options,
+the launch of a kernel's grid.
 
 Compilation is a pure function of a compile key: every kernel is compiled against
 fake tensors whose sizes and leading strides are symbolic (``cute.sym_int``), so a
@@ -9,6 +10,8 @@ from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
+
+from flash_attn_cute.constants import D_CKV, D_KPE
 
 CUTE_DTYPE_BY_NAME = {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16, "fp32": cutlass.Float32, "i32": cutlass.Int32}
 
@@ -80,6 +83,43 @@ def compile_fwd(kernel, dtype, d: int, dv: int, arch: str, *, is_split: bool, ha
     F32, I32 = cutlass.Float32, cutlass.Int32
     scalars = (F32(1.0), I32(-1), I32(-1), F32(0.0), I32(1), I32(1), I32(1)) + tuple(extra_scalars)
     return cute.compile(kernel, *tensors, *scalars, fake_stream(), options=compile_options(arch))
+
+
+def fake_mla_tensors(dtype, nheads: int, *, is_split: bool, has_lse: bool) -> tuple:
+    """The MLA kernels' tensor arguments as fake tensors, in their order (``mla_kernel.MlaArgs``):
+    q_nope, q_pe, ckv, kpe, O, LSE (None when absent), cache lengths, page table. Heads
+    and head dims are static; a split kernel writes fp32 partials with a leading split mode
+    and always an LSE."""
+    split_mode = (None,) if is_split else ()
+    out_dtype = cutlass.Float32 if is_split else dtype
+    return (
+        fake_tensor(dtype, 4, shape=(None, None, nheads, D_CKV)),
+        fake_tensor(dtype, 4, shape=(None, None, nheads, D_KPE)),
+        fake_tensor(dtype, 3, shape=(None, None, D_CKV)),
+        fake_tensor(dtype, 3, shape=(None, None, D_KPE)),
+        fake_tensor(out_dtype, len(split_mode) + 4, shape=split_mode + (None, None, nheads, D_CKV)),
+        fake_tensor(cutlass.Float32, len(split_mode) + 3, align=4) if (has_lse or is_split) else None,
+        fake_tensor(cutlass.Int32, 1, align=4),
+        fake_tensor(cutlass.Int32, 2, align=4),
+    )
+
+
+def compile_mla(kernel, dtype, nheads: int, arch: str, *, is_split: bool, has_lse: bool):
+    """``cute.compile`` of an MLA kernel on its fake arguments: the tensors of
+    ``fake_mla_tensors``, then softmax_scale, num_splits, max_seqlen_q, batch (runtime
+    values; placeholders here), then the stream."""
+    tensors = fake_mla_tensors(dtype, nheads, is_split=is_split, has_lse=has_lse)
+    F32, I32 = cutlass.Float32, cutlass.Int32
+    return cute.compile(kernel, *tensors, F32(1.0), I32(1), I32(1), I32(1), fake_stream(), options=compile_options(arch))
+
+
+def launch_ctas(kernel, grid, num_threads: int, SharedStorage, stream, setmaxnreg: bool = False):
+    """Launches a ``@cute.kernel`` call on ``grid``: CTAs of ``num_threads`` threads with the
+    dynamic shared memory of ``SharedStorage``. ``setmaxnreg``: the kernel's warp roles
+    trade registers (setmaxnreg), which needs a register cap at entry
+    (``min_blocks_per_mp=1``)."""
+    kernel.launch(grid=grid, block=(num_threads, 1, 1), smem=SharedStorage.size_in_bytes(), stream=stream,
+                  min_blocks_per_mp=1 if setmaxnreg else 0)
 
 
 def fake_stream():

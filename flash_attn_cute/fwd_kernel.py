@@ -9,7 +9,7 @@ travels as one value (into the ``@cute.kernel`` too, where it is a tuple of its 
 No base class: the kernels share this entry point and helpers, never a mainloop.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple, Optional
 
 import cutlass
@@ -89,6 +89,13 @@ class FwdArgs(NamedTuple):
         """(query heads, KV heads), from the tensors' head modes."""
         return self.mQ.shape[cute.rank(self.mQ) - 2], self.mK.shape[cute.rank(self.mK) - 2]
 
+    def row_blocks(self, tile_m: int, qhead_per_kvhead_packed: int) -> tuple:
+        """(M blocks of the longest (packed) query sequence, head groups: the KV heads under
+        pack_gqa, else the query heads): the grid's extent over output rows."""
+        heads_q, heads_kv = self.heads()
+        heads = heads_kv if cutlass.const_expr(qhead_per_kvhead_packed > 1) else heads_q
+        return cute.ceil_div(self.max_seqlen_q * qhead_per_kvhead_packed, tile_m), heads
+
 
 def set_fwd_config(kernel, dtype, head_dim: int, head_dim_v: int, variant: AttentionVariant,
                    qhead_per_kvhead_packed: int = 1, is_split: bool = False) -> None:
@@ -98,7 +105,7 @@ def set_fwd_config(kernel, dtype, head_dim: int, head_dim_v: int, variant: Atten
     kernel.head_dim = head_dim
     kernel.head_dim_v = head_dim_v
     kernel.variant = variant
-    kernel.pack = qhead_per_kvhead_packed  # rows per query position in the M tile
+    kernel.qhead_per_kvhead_packed = qhead_per_kvhead_packed  # rows per query position in the M tile
     kernel.is_split = is_split
 
 
@@ -123,7 +130,8 @@ def fwd_call(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.T
 
 def compile_from_key(key: tuple, tile_len: int, make_kernel: Callable, extra_scalars: tuple = ()):
     """Compiles a forward kernel for a compile key (``fwd.make_key``) on fake tensors (no GPU
-    needed): ``make_kernel(dtype, d, d_v, tile, variant, pack, is_split, *key_extra)`` builds
+    needed): ``make_kernel(dtype, d, d_v, tile, variant, qhead_per_kvhead_packed, is_split,
+    *key_extra)`` builds
     the kernel object; ``extra_scalars`` are placeholders of its extra runtime scalars."""
     f = parse_key(key, tile_len)
     dtype = CUTE_DTYPE_BY_NAME[f.dtype_name]
@@ -156,7 +164,9 @@ def split_slice(mX: cute.Tensor, split_idx: Int32) -> cute.Tensor:
 @dataclass(frozen=True)
 class FwdTile:
     """The output tile one CTA computes: its sequence, variant context, (packed) rows and
-    KV block range, from the scheduler's work tile (``create``)."""
+    KV block range. ``create`` makes it from a forward kernel's arguments and a work tile
+    of the scheduler, ``of_work`` from a sequence and a context built otherwise (the MLA
+    kernels' ``mla_kernel.MlaTile``)."""
 
     ctx: AttnCtx
     seqlen: SeqlenInfo
@@ -165,40 +175,86 @@ class FwdTile:
     split_idx: Int32
     rows_valid: Int32  # rows of the tile inside the (packed) sequence; <= 0: no work
     softmax_scale: Float32
-    n_block_min: Int32
-    n_block_max: Int32
+    n_block_min: Optional[Int32]
+    n_block_max: Optional[Int32]
 
     @staticmethod
     @cute.jit
     def create(args: FwdArgs, work: WorkTile, block_info: BlockInfo, is_split: cutlass.Constexpr[bool]) -> "FwdTile":
-        pack = block_info.qhead_per_kvhead_packed
+        head_kv = FwdTile.head_kv_of(args, work, block_info)
+        seqlen = FwdTile.seqlen_of(args, work)
+        ctx = FwdTile.ctx_of(args, work, seqlen, block_info)
+        return FwdTile.of_work(work, ctx, seqlen, head_kv, args.softmax_scale, args.num_splits, block_info, is_split)
+
+    # ``create`` in steps, for a kernel that checks for rows before it builds the rest
+    # (``FwdTile(..., None, None)``, then ``with_n_block_range``).
+
+    @staticmethod
+    def head_kv_of(args: FwdArgs, work: WorkTile, block_info: BlockInfo) -> Int32:
+        """The KV head of a work tile (whose head is the KV head already under pack_gqa)."""
         heads_q, heads_kv = args.heads()
-        head_kv = work.head
-        if cutlass.const_expr(pack == 1):
-            head_kv = work.head // (heads_q // heads_kv)
-        # A paged cache has no offsets; its lengths come from seqused_k (or cu_seqlens_k).
-        seqlen = SeqlenInfo.create_for(work.batch, args.mQ, args.mK, args.mCuSeqlensQ, args.mCuSeqlensK,
-                                       args.mSeqUsedK, args.mPageTable)
-        ctx = args.variant_ctx(work.batch, work.head, seqlen.seqlen_q, seqlen.seqlen_k,
-                               block_info.variant.has_score_mod)
-        n_block_min, n_block_max = block_info.get_n_block_min_max(work.m_block, ctx, work.split_idx, args.num_splits,
+        if cutlass.const_expr(block_info.qhead_per_kvhead_packed > 1):
+            return work.head
+        return work.head // (heads_q // heads_kv)
+
+    @staticmethod
+    def seqlen_of(args: FwdArgs, work: WorkTile) -> SeqlenInfo:
+        """The work tile's sequence. A paged cache has no offsets; its lengths come from
+        seqused_k (or cu_seqlens_k)."""
+        return SeqlenInfo.create_for(work.batch, args.mQ, args.mK, args.mCuSeqlensQ, args.mCuSeqlensK,
+                                     args.mSeqUsedK, args.mPageTable)
+
+    @staticmethod
+    def ctx_of(args: FwdArgs, work: WorkTile, seqlen: SeqlenInfo, block_info: BlockInfo) -> AttnCtx:
+        return args.variant_ctx(work.batch, work.head, seqlen.seqlen_q, seqlen.seqlen_k,
+                                block_info.variant.has_score_mod)
+
+    @staticmethod
+    def rows_valid_of(seqlen: SeqlenInfo, m_block: Int32, block_info: BlockInfo) -> Int32:
+        """Rows of M block ``m_block`` inside the (packed) sequence; <= 0: none."""
+        return seqlen.seqlen_q * block_info.qhead_per_kvhead_packed - m_block * block_info.tile_m
+
+    @staticmethod
+    @cute.jit
+    def of_work(work: WorkTile, ctx: AttnCtx, seqlen: SeqlenInfo, head_kv: Int32, softmax_scale: Float32,
+                num_splits: Int32, block_info: BlockInfo, is_split: cutlass.Constexpr[bool]) -> "FwdTile":
+        """The tile of ``work`` in a sequence whose lengths, context and KV head are known."""
+        n_block_min, n_block_max = block_info.get_n_block_min_max(work.m_block, ctx, work.split_idx, num_splits,
                                                                   is_split)
-        rows_valid = seqlen.seqlen_q * pack - work.m_block * block_info.tile_m
-        return FwdTile(ctx, seqlen, work.m_block, head_kv, work.split_idx, rows_valid, args.softmax_scale,
+        rows_valid = FwdTile.rows_valid_of(seqlen, work.m_block, block_info)
+        return FwdTile(ctx, seqlen, work.m_block, head_kv, work.split_idx, rows_valid, softmax_scale,
                        n_block_min, n_block_max)
 
-    def head_rows(self, pack: int):
-        """The head the tile's rows index: the KV head under pack_gqa, else the query head."""
-        return self.head_kv if pack > 1 else self.ctx.head
+    def with_n_block_range(self, block_info: BlockInfo, num_splits: Int32, is_split: bool) -> "FwdTile":
+        """This tile with its KV block range, for a tile made without one (its fields None)."""
+        n_block_min, n_block_max = block_info.get_n_block_min_max(self.m_block, self.ctx, self.split_idx, num_splits,
+                                                                  is_split)
+        return replace(self, n_block_min=n_block_min, n_block_max=n_block_max)
 
-    def out_rows(self, mO: cute.Tensor, pack: int, is_split: bool, varlen_q: bool) -> cute.Tensor:
+    def n_block_runs(self, block_info: BlockInfo, n_block_max=None):
+        """(n_mid_hi, n_mid_lo) of ``BlockInfo.get_n_block_runs`` over [n_block_min,
+        ``n_block_max``) (default: the tile's)."""
+        n_block_max = self.n_block_max if n_block_max is None else n_block_max
+        return block_info.get_n_block_runs(self.m_block, self.ctx, self.n_block_min, n_block_max)
+
+    def head_rows(self, qhead_per_kvhead_packed: int):
+        """The head the tile's rows index: the KV head under pack_gqa, else the query head."""
+        return self.head_kv if qhead_per_kvhead_packed > 1 else self.ctx.head
+
+    def q_rows(self, mQ: cute.Tensor, qhead_per_kvhead_packed: int, varlen_q: bool) -> cute.Tensor:
+        """(rows, d) view of the query rows of this tile's head group (packed under pack_gqa)."""
+        return packed_rows(self.seqlen.q_view(mQ, self.ctx.batch, varlen_q), self.head_rows(qhead_per_kvhead_packed),
+                           qhead_per_kvhead_packed)
+
+    def out_rows(self, mO: cute.Tensor, qhead_per_kvhead_packed: int, is_split: bool, varlen_q: bool) -> cute.Tensor:
         """(rows, d_v) view of the output rows of this tile's head group (its split's partial)."""
         if cutlass.const_expr(is_split):
             mO = split_slice(mO, self.split_idx)
-        return packed_rows(self.seqlen.q_view(mO, self.ctx.batch, varlen_q), self.head_rows(pack), pack)
+        return self.q_rows(mO, qhead_per_kvhead_packed, varlen_q)
 
-    def lse_rows(self, mLSE: cute.Tensor, pack: int, is_split: bool, varlen_q: bool) -> cute.Tensor:
+    def lse_rows(self, mLSE: cute.Tensor, qhead_per_kvhead_packed: int, is_split: bool, varlen_q: bool) -> cute.Tensor:
         """(rows,) view of the LSE of this tile's head group (its split's partial)."""
         if cutlass.const_expr(is_split):
             mLSE = split_slice(mLSE, self.split_idx)
-        return packed_lse_rows(self.seqlen.lse_view(mLSE, self.ctx.batch, varlen_q), self.head_rows(pack), pack)
+        return packed_lse_rows(self.seqlen.lse_view(mLSE, self.ctx.batch, varlen_q),
+                               self.head_rows(qhead_per_kvhead_packed), qhead_per_kvhead_packed)

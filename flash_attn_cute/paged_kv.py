@@ -20,6 +20,22 @@ def page_and_row(mPageTable: cute.Tensor, batch: Int32, t: Int32, page_size: Int
     return page, t - page_idx * page_size
 
 
+@cute.jit
+def page_lookups(mPageTable: cute.Tensor, batch: Int32, tXcX: cute.Tensor, t0: Int32, last: Int32,
+                 first: cutlass.Constexpr[int], count: cutlass.Constexpr[int], page_size: Int32, num_pages: Int32):
+    """(pages, rows in page): two (count,) register tensors for the partition rows [first,
+    first + count) of a KV block whose first key is ``t0`` (``tXcX``: a thread's (CPY, M,
+    chunks) coordinates of the block). The lookups are issued together, before any copy
+    needs one, so their latencies overlap (one after another, page size 1 read 1.65 TB/s
+    on the H200). Keys past ``last``, the sequence's last, look ``last`` up: a real page."""
+    tPrPage = cute.make_rmem_tensor((count,), Int32)
+    tPrRow = cute.make_rmem_tensor((count,), Int32)
+    for i in cutlass.range_constexpr(count):
+        t = cutlass.min(t0 + tXcX[0, first + i, 0][0], last)
+        tPrPage[i], tPrRow[i] = page_and_row(mPageTable, batch, t, page_size, num_pages)
+    return tPrPage, tPrRow
+
+
 def paged_row_fns(mK: cute.Tensor, mV: cute.Tensor, mPageTable: cute.Tensor, batch: Int32, head_kv: Int32):
     """Row functions over paged caches ``mK``/``mV`` (num_pages, page_size, h_kv, d*): key
     position -> 1-D gmem tensor (d*,) of that key for ``head_kv``. Both take the page

@@ -16,7 +16,7 @@ from cutlass import Float32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from flash_attn_cute.layout_utils import acc_mn_view, acc_to_operand_a  # noqa: F401  (re-exported)
+from flash_attn_cute.layout_utils import acc_mn_view
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -145,26 +145,37 @@ class OnlineSoftmax:
         for r in cutlass.range_constexpr(self.num_rows):
             o_mn[r, None].store(o_mn[r, None].load() * row_scale[r])
 
-    def step_and_rescale(self, acc_S: cute.Tensor, acc_O: cute.Tensor):
-        """``step`` then ``rescale_o``: one block when nothing overlaps the rescale."""
-        self.rescale_o(acc_O, self.step(acc_S))
-
     @cute.jit
     def finalize(self, acc_O: cute.Tensor, lse: cute.Tensor):
         """Normalises acc_O and writes the natural-log LSE per row into ``lse`` (rmem,
         num_rows). A row that saw no key gets O = 0 and LSE = -inf."""
         o_mn = acc_mn_view(acc_O)
         for r in cutlass.range_constexpr(self.num_rows):
-            total = _row_allreduce(self.row_sum[r], _add, self.threads_per_row)
-            empty = total == 0.0 or total != total
-            inv = cute.arch.rcp_approx(total)
-            if empty:
-                inv = Float32(0.0)
+            total, empty, inv = self._row_total(r)
             o_mn[r, None].store(o_mn[r, None].load() * inv)
             lse_r = (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
             if empty:
                 lse_r = -Float32.inf
             lse[r] = lse_r
+
+    @cute.jit
+    def inv_row_sums(self) -> cute.Tensor:
+        """(num_rows,) 1 / row sum, 0 for a row that saw no key: what ``finalize`` scales O
+        by, for a warp that holds O without the statistics."""
+        inv = cute.make_rmem_tensor((self.num_rows,), Float32)
+        for r in cutlass.range_constexpr(self.num_rows):
+            inv[r] = self._row_total(r)[2]
+        return inv
+
+    @cute.jit
+    def _row_total(self, r: cutlass.Constexpr[int]):
+        """(row sum over the lanes sharing row r, whether the row saw no key, 1 / row sum or 0)."""
+        total = _row_allreduce(self.row_sum[r], _add, self.threads_per_row)
+        empty = total == 0.0 or total != total
+        inv = cute.arch.rcp_approx(total)
+        if empty:
+            inv = Float32(0.0)
+        return total, empty, inv
 
 
 def _add(a, b):

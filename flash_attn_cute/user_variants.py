@@ -17,9 +17,10 @@ Host side (``VariantSpec``): a call's functions are identified by a digest of th
 code, constants, closure values and the simple globals they read, plus the aux tensors'
 dtypes and ranks. That digest is part of the compile key (new slopes or document ids
 never recompile; an edited function does), and the spec is registered under it so that
-``compile(key)`` finds the functions. Kernel side (``UserVariant``): an
-``AttentionVariant`` composing the user's functions with the built-in causal/local mask
-and, with a block mask, the key ranges ``block_mask.create_block_mask`` computed.
+``compile(key)`` finds the functions. Kernel side (``user_variant_kernel.UserVariant``,
+its own module: this one is host code): an ``AttentionVariant`` composing the user's
+functions with the built-in causal/local mask and, with a block mask, the key ranges
+``block_mask.create_block_mask`` computed.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import linecache
 import os
-import sys
 import types
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -52,8 +52,6 @@ _PROCESS_NONCE = os.urandom(8).hex()
 class VariantCompileError(TypeError):
     """A score_mod / mask_mod the kernel compiler cannot translate."""
 
-
-# ------------------------------------------------------------------------------ host
 
 
 def function_digest(fn: Callable) -> str:
@@ -223,151 +221,3 @@ def describe_error(kind: str, fn, err: BaseException) -> str:
         where = f" at {code.co_filename}:{line}: `{src}`"
     return (f"{kind} {_fn_name(fn)} cannot be compiled into the kernel{where}: {type(err).__name__}: {err}. "
             f"{SUPPORTED}")
-
-
-# ------------------------------------------------------------------------------ kernel
-
-def kernel_variant(user_key: tuple, base_mask):
-    """The kernel-side variant of a registered spec, over the built-in ``base_mask``."""
-    return UserVariant(registered_spec(user_key), base_mask)
-
-
-def _dsl():
-    import cutlass
-    import cutlass.cute as cute
-
-    return cutlass, cute
-
-
-class AuxTensor:
-    """One aux tensor inside a kernel: ``t[i, j]`` (a full index) loads the element as
-    ``Float32`` (floating types), ``Int32`` (integers) or ``Boolean`` (bool); a partial
-    index ``t[i]`` of a rank-2 tensor selects a row (kernel only: in torch that indexes
-    the first dimension with a broadcast tensor, so write ``t[i, j]``)."""
-
-    def __init__(self, t, dtype_name: str):
-        self._t, self._dtype_name = t, dtype_name
-
-    def __getitem__(self, idx):
-        cutlass, cute = _dsl()
-        idx = idx if isinstance(idx, tuple) else (idx,)
-        rank = cute.rank(self._t)
-        if len(idx) > rank:
-            raise IndexError(f"aux tensor of rank {rank} indexed with {len(idx)} indices")
-        idx = tuple(cutlass.Int32(i) for i in idx)
-        if len(idx) < rank:
-            return AuxTensor(self._t[idx + (None,) * (rank - len(idx))], self._dtype_name)
-        value = self._t[idx]
-        if self._dtype_name == "Boolean":
-            return value != cutlass.Uint8(0)
-        if self._dtype_name.startswith(("Float", "BFloat")):
-            return cutlass.Float32(value)
-        return cutlass.Int32(value)
-
-
-class UserVariant:
-    """``AttentionVariant`` interface over a ``VariantSpec``: the user's score modifier,
-    the built-in mask (causal / local, may be None) AND the user's mask, and key ranges
-    from the built-in mask intersected with the block mask's (``ctx.block_ranges``:
-    (batch, heads, q blocks, 4) int32 = kept keys [lo, hi), keys kept by every row
-    [full_lo, full_hi), per ``block_q`` query rows; see block_mask.py)."""
-
-    def __init__(self, spec: VariantSpec, base_mask):
-        self.spec, self.base = spec, base_mask
-        self.has_score_mod = spec.score_mod is not None
-        self.has_mask = base_mask is not None or spec.mask_mod is not None
-
-    def key(self) -> tuple:
-        return self.spec.key + ((self.base.key(),) if self.base is not None else ())
-
-    def _aux(self, ctx) -> tuple:
-        return tuple(AuxTensor(t, name) for t, (name, _) in zip(ctx.aux, self.spec.aux_sig))
-
-    def _call(self, kind: str, fn, args: tuple):
-        try:
-            return fn(*args)
-        except VariantCompileError:
-            raise
-        except Exception as err:  # the DSL refused an expression while tracing the user's code
-            raise VariantCompileError(describe_error(kind, fn, err)) from err
-
-    def score_mod(self, s, q_idx, k_idx, head, ctx):
-        cutlass, _ = _dsl()
-        out = self._call("score_mod", self.spec.score_mod, (s, ctx.batch, head, q_idx, k_idx, self._aux(ctx)))
-        return cutlass.Float32(out)
-
-    def mask(self, q_idx, k_idx, head, ctx):
-        cutlass, _ = _dsl()
-        keep = None
-        if self.base is not None:
-            keep = self.base.mask(q_idx, k_idx, head, ctx)
-        if self.spec.mask_mod is not None:
-            user = self._call("mask_mod", self.spec.mask_mod, (ctx.batch, head, q_idx, k_idx, self._aux(ctx)))
-            if isinstance(user, bool):
-                user = cutlass.Boolean(user)
-            keep = user if keep is None else keep & user
-        return keep
-
-    def key_range(self, q_min, q_max, ctx):
-        lo, hi = (None, None) if self.base is None else self.base.key_range(q_min, q_max, ctx)
-        if self.spec.block_q > 0:
-            b_lo, b_hi, _, _ = self._block_ranges(q_min, q_max, ctx)
-            lo, hi = _intersect(lo, hi, b_lo, b_hi)
-        return lo, hi
-
-    def unmasked_key_range(self, q_min, q_max, ctx):
-        cutlass, _ = _dsl()
-        lo, hi = (None, None) if self.base is None else self.base.unmasked_key_range(q_min, q_max, ctx)
-        if self.spec.mask_mod is None:
-            return lo, hi
-        if self.spec.block_q == 0:  # no block mask: every block takes the predicate
-            return cutlass.Int32(0), cutlass.Int32(0)
-        _, _, f_lo, f_hi = self._block_ranges(q_min, q_max, ctx)
-        return _intersect(lo, hi, f_lo, f_hi)
-
-    def _block_ranges(self, q_min, q_max, ctx):
-        return _block_ranges(ctx.block_ranges, ctx.batch, ctx.head, q_min, q_max, self.spec.block_q)
-
-
-def _intersect(lo, hi, lo2, hi2):
-    cutlass, _ = _dsl()
-    lo = lo2 if lo is None else cutlass.max(lo, lo2)
-    hi = hi2 if hi is None else cutlass.min(hi, hi2)
-    return lo, hi
-
-
-def _make_block_ranges():
-    cutlass, cute = _dsl()
-    Int32 = cutlass.Int32
-
-    @cute.jit
-    def block_ranges(mRanges: cute.Tensor, batch: Int32, head: Int32, q_min: Int32, q_max: Int32,
-                     block_q: cutlass.Constexpr[int]):
-        """Union of the kept-key ranges and intersection of the every-row-kept ranges of
-        the block-mask entries covering queries [q_min, q_max] (one entry per ``block_q``
-        rows; a kernel tile of ``tile_m`` rows spans ceil(tile_m / block_q) or one more)."""
-        lo, hi = mRanges[batch, head, q_min // block_q, 0], mRanges[batch, head, q_min // block_q, 1]
-        f_lo, f_hi = mRanges[batch, head, q_min // block_q, 2], mRanges[batch, head, q_min // block_q, 3]
-        for qb in cutlass.range(q_min // block_q + 1, q_max // block_q + 1, unroll=1):
-            lo = cutlass.min(lo, mRanges[batch, head, qb, 0])
-            hi = cutlass.max(hi, mRanges[batch, head, qb, 1])
-            f_lo = cutlass.max(f_lo, mRanges[batch, head, qb, 2])
-            f_hi = cutlass.min(f_hi, mRanges[batch, head, qb, 3])
-        return lo, hi, f_lo, f_hi
-
-    return block_ranges
-
-
-_block_ranges_fn = None
-
-
-def _block_ranges(mRanges, batch, head, q_min, q_max, block_q):
-    global _block_ranges_fn
-    if _block_ranges_fn is None:  # built on first use: importing this module must not need the DSL
-        _block_ranges_fn = _make_block_ranges()
-    return _block_ranges_fn(mRanges, batch, head, q_min, q_max, block_q)
-
-
-def is_dsl_value(x) -> bool:
-    """Whether ``x`` is a DSL scalar (kernel tracing) rather than a torch tensor / number."""
-    return "cutlass" in sys.modules and not isinstance(x, (torch.Tensor, bool, int, float))

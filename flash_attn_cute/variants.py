@@ -22,6 +22,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from flash_attn_cute.pack_gqa import query_and_head_of_row
+
 
 @dataclass(frozen=True)
 class VariantParams:
@@ -43,7 +45,7 @@ class AttnCtx:
     seqlen_q: Int32
     seqlen_k: Int32
     params: VariantParams
-    aux: tuple = ()  # the user variant's auxiliary gmem tensors (user_variants.UserVariant)
+    aux: tuple = ()  # the user variant's auxiliary gmem tensors (user_variant_kernel.UserVariant)
     block_ranges: Optional[cute.Tensor] = None  # a block mask's key ranges (block_mask.py)
 
 
@@ -52,6 +54,9 @@ class AttentionVariant:
 
     has_score_mod = False
     has_mask = False
+    # Whether each query q keeps exactly the keys ``key_range(q, q)`` (causal, sliding
+    # window): a kernel may then mask a row with two bounds instead of calling ``mask``.
+    mask_is_key_interval = False
 
     def key(self) -> tuple:
         return ("base",)
@@ -80,6 +85,7 @@ class AttentionVariant:
 
 class Causal(AttentionVariant):
     has_mask = True
+    mask_is_key_interval = True
 
     def key(self):
         return ("causal",)
@@ -99,6 +105,7 @@ class Local(AttentionVariant):
     """Sliding window; a negative side is unbounded (the host passes -1)."""
 
     has_mask = True
+    mask_is_key_interval = True
 
     def key(self):
         return ("local",)
@@ -158,6 +165,7 @@ class Compose(AttentionVariant):
         self._mod, self._mask = mod, mask
         self.has_score_mod = True
         self.has_mask = True
+        self.mask_is_key_interval = mask.mask_is_key_interval
 
     def key(self):
         return self._mod.key() + self._mask.key()
@@ -183,23 +191,19 @@ def apply_to_scores(
     ctx: AttnCtx,
     row0: Int32,  # first tile row (a packed row under pack_gqa)
     col0: Int32,  # first key of the block
-    qhead_per_kvhead: cutlass.Constexpr[int],  # packed rows per query position (1: unpacked)
+    qhead_per_kvhead_packed: cutlass.Constexpr[int],  # packed rows per query position (1: unpacked)
     softmax_scale: Float32,
     masked: cutlass.Constexpr[bool],
 ):
     """The variant over one block of scores, in place, for every kernel that holds S in
     registers: the score modifier on every block (on the scaled score), and on a masked
     block the sequence end and the variant's mask (-inf where a score is dropped).
-    Under pack_gqa (``qhead_per_kvhead`` > 1) ``ctx.head`` is the KV head and a row's
-    query head is ``ctx.head * qhead_per_kvhead + row % qhead_per_kvhead``."""
+    Under pack_gqa ``ctx.head`` is the KV head; a row's query position and query head
+    come from ``pack_gqa.query_and_head_of_row``."""
     has_mod = cutlass.const_expr(variant.has_score_mod)
     if cutlass.const_expr(has_mod or masked):
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-            row = row0 + tScS_mn[r, 0][0]
-            q_idx = row // qhead_per_kvhead
-            head = ctx.head
-            if cutlass.const_expr(qhead_per_kvhead > 1):
-                head = ctx.head * qhead_per_kvhead + row - q_idx * qhead_per_kvhead
+            q_idx, head = query_and_head_of_row(row0 + tScS_mn[r, 0][0], ctx.head, qhead_per_kvhead_packed)
             for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
                 k_idx = col0 + tScS_mn[0, c][1]
                 s = s_mn[r, c]
@@ -220,7 +224,7 @@ def make_variant(causal: bool, local: bool, softcap: bool, user_key: Optional[tu
     (``user_variants.VariantSpec.key``), composed with the built-in mask."""
     mask = Local() if local else (Causal() if causal else None)
     if user_key is not None:
-        from flash_attn_cute.user_variants import kernel_variant
+        from flash_attn_cute.user_variant_kernel import kernel_variant  # it imports this module
 
         return kernel_variant(user_key, mask)
     mod = Softcap() if softcap else None

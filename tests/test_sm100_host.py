@@ -199,8 +199,9 @@ def test_split_uses_the_shared_block_info():
 
     # The tile (split bounds included) comes from the shared FwdTile.create, on BlockInfo.
     src = inspect.getsource(flash_fwd)
-    assert "FwdTile.create(" in src and "get_n_block_runs" in src and "BlockInfo(" in src
-    assert "get_n_block_min_max" in inspect.getsource(fwd_kernel.FwdTile.create)
+    assert "FwdTile.create(" in src and "n_block_runs(" in src and "BlockInfo(" in src
+    assert "get_n_block_min_max" in inspect.getsource(fwd_kernel.FwdTile.of_work)
+    assert "get_n_block_runs" in inspect.getsource(fwd_kernel.FwdTile.n_block_runs)
 
 
 # ---------------------------------------------------------------------------------------

@@ -51,10 +51,6 @@ class WarpRoles:
         return 32 * self.num_warps
 
     @property
-    def epilogue_warps(self) -> tuple:
-        return self.correction_warps  # O leaves TMEM through the correction warps
-
-    @property
     def softmax_regs(self) -> int:
         return 184 if self.q_stage == 2 else 192
 

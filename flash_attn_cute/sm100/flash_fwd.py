@@ -39,17 +39,16 @@ from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 
 from flash_attn_cute.block_info import BlockInfo
 from flash_attn_cute.copy_utils import aligned_row_ptr
+from flash_attn_cute.cute_utils import launch_ctas
 from flash_attn_cute.fwd_kernel import FwdArgs, FwdTile, compile_from_key, fwd_call, set_fwd_config, zero_rows_from
 from flash_attn_cute.layout_utils import select
+from flash_attn_cute.named_barrier import Sm100FwdBarrier
 from flash_attn_cute.pack_gqa import query_of_row
 from flash_attn_cute.paged_kv import page_and_row
+from flash_attn_cute.sm100.config import SMEM_LIMIT, TILE_M, TMEM_COLUMNS, WarpRoles, tmem_alloc_columns, tmem_columns
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
 from flash_attn_cute.tile_scheduler import SingleTileScheduler
-from flash_attn_cute.variants import AttentionVariant, Causal, Local, apply_to_scores
-
-from flash_attn_cute.sm100.config import (  # noqa: F401  (re-exported)
-    SMEM_LIMIT, TILE_M, TMEM_COLUMNS, WarpRoles, kv_stages_for, smem_bytes, tmem_alloc_columns, tmem_columns,
-)
+from flash_attn_cute.variants import AttentionVariant, apply_to_scores
 
 
 # ---------------------------------------------------------------------------------------
@@ -154,15 +153,16 @@ class FlashAttnFwdSm100:
         tP_layout = sm100_utils.make_smem_layout_a(tiled_mma_pv, self.mma_tiler_pv, self.dtype, 1)
 
         # TMA views, the head (and batch / page) modes last:
-        #   Q: (rows, d, h[, b]); packed GQA rows are ((pack, s), d, h_kv[, b]): the qhead_per_kvhead
-        #      query heads of a KV head are one box mode, so the 128-row box is a 3-D TMA box.
+        #   Q: (rows, d, h[, b]); packed GQA rows are ((g, s), d, h_kv[, b]): the g =
+        #      qhead_per_kvhead_packed query heads of a KV head are one box mode, so the 128-row
+        #      box is a 3-D TMA box.
         #   K: (s_k, d, h_kv[, b | pages]);  V: (d_v, s_k, h_kv[, b | pages]) (the MN-major B of P V).
         if cutlass.const_expr(args.varlen_q):
             q_modes = [0, 2, 1]
         else:
             q_modes = [1, 3, 2, 0]
         mQ_t = select(args.mQ, q_modes)
-        if cutlass.const_expr(self.pack > 1):
+        if cutlass.const_expr(self.qhead_per_kvhead_packed > 1):
             mQ_t = self._pack_q_view(mQ_t)
         if cutlass.const_expr(args.varlen_k):
             k_modes, v_modes = [0, 2, 1], [2, 0, 1]
@@ -198,26 +198,20 @@ class FlashAttnFwdSm100:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
 
         assert SharedStorage.size_in_bytes() <= SMEM_LIMIT, (SharedStorage.size_in_bytes(), SMEM_LIMIT)
-        heads_q, heads_kv = args.heads()
-        heads_rows = heads_kv if cutlass.const_expr(self.pack > 1) else heads_q
-        num_m_blocks = cute.ceil_div(args.max_seqlen_q * self.pack, self.tile_m)
-        self.kernel(
+        num_m_blocks, heads_rows = args.row_blocks(self.tile_m, self.qhead_per_kvhead_packed)
+        kernel = self.kernel(
             args, (tma_Q, tma_K, tma_V), (tma_atom_Q, tma_atom_K, tma_atom_V),
             (sQ_layout, sK_layout, sV_layout, tP_layout), tiled_mma_qk, tiled_mma_pv, tx_bytes, SharedStorage,
-        ).launch(
-            grid=SingleTileScheduler.grid(num_m_blocks, heads_rows, args.num_splits, args.batch_size),
-            block=(self.roles.num_threads, 1, 1),
-            smem=SharedStorage.size_in_bytes(),
-            stream=stream,
-            min_blocks_per_mp=1,  # a register count at entry, which setmaxnreg needs
         )
+        launch_ctas(kernel, SingleTileScheduler.grid(num_m_blocks, heads_rows, args.num_splits, args.batch_size),
+                    self.roles.num_threads, SharedStorage, stream, setmaxnreg=True)
 
     def _pack_q_view(self, mQ_t: cute.Tensor) -> cute.Tensor:
-        """(s, d, h[, b]) -> ((pack, s), d, h_kv[, b]): row (j, i) is query i of head
-        h_kv * pack + j (the packed row order of ``pack_gqa.packed_rows``)."""
+        """(s, d, h[, b]) -> ((g, s), d, h_kv[, b]), g = qhead_per_kvhead_packed: row (j, i)
+        is query i of head h_kv * g + j (the packed row order of ``pack_gqa.packed_rows``)."""
         shape, stride = mQ_t.shape, mQ_t.stride
-        rows = ((self.pack, shape[0]), (stride[2], stride[0]))
-        heads = (shape[2] // self.pack, stride[2] * self.pack)
+        rows = ((self.qhead_per_kvhead_packed, shape[0]), (stride[2], stride[0]))
+        heads = (shape[2] // self.qhead_per_kvhead_packed, stride[2] * self.qhead_per_kvhead_packed)
         modes = [rows, (shape[1], stride[1]), heads] + ([(shape[3], stride[3])] if cute.rank(mQ_t) == 4 else [])
         layout = cute.make_layout(tuple(m[0] for m in modes), stride=tuple(m[1] for m in modes))
         return cute.make_tensor(mQ_t.iterator, layout)
@@ -259,7 +253,7 @@ class FlashAttnFwdSm100:
         bars = _Barriers(storage.mbar_roles.data_ptr(), self.q_stage)
         # Softmax, correction and MMA warps touch TMEM: they meet once the MMA warp allocated it.
         tmem_users = 32 * (roles.num_softmax_warps + 4 + 1)
-        tmem_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=tmem_users)
+        tmem_barrier = pipeline.NamedBarrier(barrier_id=int(Sm100FwdBarrier.TMEM_ALLOC), num_threads=tmem_users)
         tmem = cutlass.utils.TmemAllocator(
             storage.tmem_holding_buf.ptr, barrier_for_retrieve=tmem_barrier, allocator_warp_id=roles.mma_warp,
         )
@@ -314,7 +308,7 @@ class FlashAttnFwdSm100:
                 tmem_barrier.arrive()
 
     def block_info(self) -> BlockInfo:
-        return BlockInfo(self.tile_m, self.tile_n, self.pack, self.variant)
+        return BlockInfo(self.tile_m, self.tile_n, self.qhead_per_kvhead_packed, self.variant)
 
     # -----------------------------------------------------------------------------------
     # Load warp
@@ -329,9 +323,11 @@ class FlashAttnFwdSm100:
         ctx, seqlen = tile.ctx, tile.seqlen
         thr_mma_qk = tiled_mma_qk.get_slice(0)
         thr_mma_pv = tiled_mma_pv.get_slice(0)
-        head_q = tile.head_kv if cutlass.const_expr(self.pack > 1) else ctx.head
+        head_q = tile.head_rows(self.qhead_per_kvhead_packed)
         if cutlass.const_expr(varlen_q):
-            q_off = (seqlen.offset_q, 0) if cutlass.const_expr(self.pack == 1) else ((0, seqlen.offset_q), 0)
+            # Packed rows are ((qhead_per_kvhead_packed, s), ...): the offset is on s.
+            q_off = ((0, seqlen.offset_q), 0) if cutlass.const_expr(self.qhead_per_kvhead_packed > 1) else (
+                seqlen.offset_q, 0)
             mQ_cur = cute.domain_offset(q_off, tma_Q[None, None, head_q])
         else:
             mQ_cur = tma_Q[None, None, head_q, ctx.batch]
@@ -535,19 +531,14 @@ class FlashAttnFwdSm100:
         acc_view = cute.make_layout(((n_cols, 1), 1, 1), stride=((1, 0), 0, 0))
         tScS_mn = cute.make_tensor(tScS_t2r.iterator, cute.composition(tScS_t2r.layout, row_view))
 
-        ctx = tile.ctx
-        n_mid_hi, n_mid_lo = self.block_info().get_n_block_runs(tile.m_block, ctx, tile.n_block_min, tile.n_block_max)
+        block_info = self.block_info()
+        runs = tile.n_block_runs(block_info)
         row0 = tile.m_block * self.tile_m + s * TILE_M
-        step = lambda n_block, masked: self._softmax_step(
-            thr_load, tStS_t2r, thr_store, tStP_r2t, p_shape, tScS_mn, row_view, acc_view, softmax, sStats,
-            bars, tile, row0, s, tidx, n_block, masked)
-        for i in cutlass.range(tile.n_block_max - n_mid_hi, unroll=1):
-            step(tile.n_block_max - 1 - i, True)
-        for i in cutlass.range(n_mid_hi - n_mid_lo, unroll=1):
-            step(n_mid_hi - 1 - i, False)
-        if cutlass.const_expr(self.variant.has_mask):
-            for i in cutlass.range(n_mid_lo - tile.n_block_min, unroll=1):
-                step(n_mid_lo - 1 - i, True)
+        block_info.walk_n_blocks(
+            lambda _, n_block, masked: self._softmax_step(
+                thr_load, tStS_t2r, thr_store, tStP_r2t, p_shape, tScS_mn, row_view, acc_view, softmax, sStats,
+                bars, tile, row0, s, tidx, n_block, masked),
+            tile.n_block_min, tile.n_block_max, runs)
 
         # The last PV_s completed, so the correction consumed the last row correction:
         # hand it 1 / rowsum and the LSE in the same slots.
@@ -571,11 +562,12 @@ class FlashAttnFwdSm100:
         cute.copy(thr_load, tStS_t2r, tSrS)
         s_mn = cute.make_tensor(tSrS.iterator, cute.composition(tSrS.layout, row_view))
         col0 = n_block * self.tile_n
-        if cutlass.const_expr(masked and not _mask_is_key_interval(self.variant)):
-            apply_to_scores(self.variant, s_mn, tScS_mn, tile.ctx, row0, col0, self.pack, tile.softmax_scale, True)
+        packed = self.qhead_per_kvhead_packed
+        if cutlass.const_expr(masked and not self.variant.mask_is_key_interval):
+            apply_to_scores(self.variant, s_mn, tScS_mn, tile.ctx, row0, col0, packed, tile.softmax_scale, True)
         else:
             # The score modifier through the shared helper; the mask below, per row.
-            apply_to_scores(self.variant, s_mn, tScS_mn, tile.ctx, row0, col0, self.pack, tile.softmax_scale, False)
+            apply_to_scores(self.variant, s_mn, tScS_mn, tile.ctx, row0, col0, packed, tile.softmax_scale, False)
             if cutlass.const_expr(masked):
                 self._mask_row(s_mn, tScS_mn, tile.ctx, row0, col0)
         row_scale = softmax.step(cute.make_tensor(tSrS.iterator, cute.composition(tSrS.layout, acc_view)))
@@ -597,7 +589,7 @@ class FlashAttnFwdSm100:
         """Sequence end and mask of one thread's row, for a variant whose kept keys are
         the interval ``key_range(q, q)``: two bounds per row, then one compare of each
         (static) column against them, with no per-element index arithmetic."""
-        q_idx = query_of_row(row0 + tScS_mn[0, 0][0], self.pack)
+        q_idx = query_of_row(row0 + tScS_mn[0, 0][0], self.qhead_per_kvhead_packed)
         lo, hi = self.variant.key_range(q_idx, q_idx, ctx)
         hi_rel = ctx.seqlen_k - col0
         if cutlass.const_expr(hi is not None):
@@ -670,7 +662,7 @@ class FlashAttnFwdSm100:
         """Row ``tidx`` of stage s: O * (1 / rowsum) from TMEM straight to global memory
         (128-bit stores), and its LSE. A split with no key writes O = 0, LSE = -inf."""
         row = s * TILE_M + tidx
-        o_rows = tile.out_rows(mO, self.pack, self.is_split, varlen_q)
+        o_rows = tile.out_rows(mO, self.qhead_per_kvhead_packed, self.is_split, varlen_q)
         row_g = tile.m_block * self.tile_m + row
         cols = self.epi_cols
         tOtO_i = cute.composition(tOtO, cute.make_layout((TILE_M, cols)))
@@ -697,16 +689,9 @@ class FlashAttnFwdSm100:
                     dst = cute.make_tensor(aligned_row_ptr(g_row, i * cols + v * vec, 16), cute.make_layout(vec))
                     cute.copy(store_atom, out[None, v], dst)
         if cutlass.const_expr(mLSE is not None):
-            lse_rows = tile.lse_rows(mLSE, self.pack, self.is_split, varlen_q)
+            lse_rows = tile.lse_rows(mLSE, self.qhead_per_kvhead_packed, self.is_split, varlen_q)
             if row < tile.rows_valid:
                 lse_rows[row_g] = lse
-
-
-def _mask_is_key_interval(variant) -> bool:
-    """Whether the variant keeps exactly the keys ``key_range(q, q)`` of each query (causal
-    and sliding-window masks, alone or under a score modifier)."""
-    mask = getattr(variant, "_mask", variant)  # Compose(mod, mask) keeps its mask here
-    return isinstance(mask, (Causal, Local))
 
 
 # ---------------------------------------------------------------------------------------

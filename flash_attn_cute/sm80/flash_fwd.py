@@ -13,36 +13,24 @@ batch tensors, packed (varlen) tensors, query heads packed into the M tile
 (pack_gqa) and paged KV caches (a page-table lookup per row).
 """
 
-import functools
 from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32
 from cutlass.cute.nvgpu import warp
 
 from flash_attn_cute.block_info import BlockInfo
-from flash_attn_cute.copy_utils import aligned_row_ptr, gmem_tiled_copy
-from flash_attn_cute.fwd_kernel import FwdArgs, compile_from_key, fwd_call, set_fwd_config
-from flash_attn_cute.pack_gqa import packed_lse_rows, packed_rows
+from flash_attn_cute.copy_utils import copy_rows, gmem_tiled_copy
+from flash_attn_cute.cute_utils import launch_ctas
+from flash_attn_cute.epilogue import store_lse, store_o
+from flash_attn_cute.fwd_kernel import FwdArgs, FwdTile, compile_from_key, fwd_call, set_fwd_config
+from flash_attn_cute.layout_utils import acc_mn_view, acc_to_operand_a
 from flash_attn_cute.paged_kv import paged_row_fns
-from flash_attn_cute.seqlen_info import SeqlenInfo
-from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax, acc_mn_view, acc_to_operand_a
-from flash_attn_cute.sm80.gemm import gemm_rs, gemm_ss
+from flash_attn_cute.sm80.gemm import gemm_rs, gemm_ss, smem_layout
+from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
 from flash_attn_cute.tile_scheduler import SingleTileScheduler
-from flash_attn_cute.variants import AttentionVariant, AttnCtx, apply_to_scores
-
-
-def _smem_layout(dtype, rows: int, cols: int):
-    """Swizzled (rows, cols) tile: 8-row atoms 64 (or 32) columns wide so that ldmatrix
-    and the 128-bit cp.async writes are both bank-conflict free."""
-    atom_cols = 64 if cols % 64 == 0 else 32
-    atom = cute.make_composed_layout(
-        cute.make_swizzle(3 if atom_cols == 64 else 2, 3, 3),
-        0,
-        cute.make_layout((8, atom_cols), stride=(atom_cols, 1)),
-    )
-    return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+from flash_attn_cute.variants import AttentionVariant, apply_to_scores
 
 
 class FlashAttnFwdSm80:
@@ -63,9 +51,9 @@ class FlashAttnFwdSm80:
 
     @cute.jit
     def launch(self, args: FwdArgs, stream):
-        sQ_layout = _smem_layout(self.dtype, self.tile_m, self.head_dim)
-        sK_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim)
-        sV_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim_v)
+        sQ_layout = smem_layout(self.tile_m, self.head_dim)
+        sK_layout = smem_layout(self.tile_n, self.head_dim)
+        sV_layout = smem_layout(self.tile_n, self.head_dim_v)
 
         @cute.struct
         class SharedStorage:
@@ -78,21 +66,16 @@ class FlashAttnFwdSm80:
             (self.num_threads // 32, 1, 1),
             permutation_mnk=(self.num_threads // 32 * 16, 16, 16),
         )
-        heads_q, heads_kv = args.heads()
-        heads_rows = heads_kv if cutlass.const_expr(self.pack > 1) else heads_q
-        num_m_blocks = cute.ceil_div(args.max_seqlen_q * self.pack, self.tile_m)
-        self.kernel(
+        num_m_blocks, heads_rows = args.row_blocks(self.tile_m, self.qhead_per_kvhead_packed)
+        kernel = self.kernel(
             args, (sQ_layout, sK_layout, sV_layout),
             gmem_tiled_copy(self.dtype, self.head_dim, self.num_threads),
             gmem_tiled_copy(self.dtype, self.head_dim_v, self.num_threads),
             tiled_mma,
             SharedStorage,
-        ).launch(
-            grid=SingleTileScheduler.grid(num_m_blocks, heads_rows, args.num_splits, args.batch_size),
-            block=(self.num_threads, 1, 1),
-            smem=SharedStorage.size_in_bytes(),
-            stream=stream,
         )
+        launch_ctas(kernel, SingleTileScheduler.grid(num_m_blocks, heads_rows, args.num_splits, args.batch_size),
+                    self.num_threads, SharedStorage, stream)
 
     @cute.kernel
     def kernel(
@@ -104,38 +87,24 @@ class FlashAttnFwdSm80:
         tiled_mma: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
     ):
-        sQ_layout, sK_layout, sV_layout = smem_layouts
-        mQ, mK, mV, mO, mLSE = args.mQ, args.mK, args.mV, args.mO, args.mLSE
-        mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable = args.mCuSeqlensQ, args.mCuSeqlensK, args.mSeqUsedK, args.mPageTable
-        softmax_scale, num_splits = args.softmax_scale, args.num_splits
         tidx, _, _ = cute.arch.thread_idx()
-        work = SingleTileScheduler.get_work(num_splits)
-        varlen_q = cutlass.const_expr(mCuSeqlensQ is not None)
-        varlen_k = cutlass.const_expr(mCuSeqlensK is not None)
-        paged = cutlass.const_expr(mPageTable is not None)
-        if cutlass.const_expr(self.pack > 1):
-            head_kv = work.head
-        else:
-            head_kv = work.head // (mQ.shape[cute.rank(mQ) - 2] // mK.shape[cute.rank(mK) - 2])
-        seqlen = SeqlenInfo.create_for(work.batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable)
-        rows_valid = seqlen.seqlen_q * self.pack - work.m_block * self.tile_m
+        block_info = BlockInfo(self.tile_m, self.tile_n, self.qhead_per_kvhead_packed, self.variant)
+        # The tile (``FwdTile.create``) in steps: its context and KV range only once it has rows.
+        work = SingleTileScheduler.get_work(args.num_splits)
+        head_kv = FwdTile.head_kv_of(args, work, block_info)
+        seqlen = FwdTile.seqlen_of(args, work)
+        rows_valid = FwdTile.rows_valid_of(seqlen, work.m_block, block_info)
         if rows_valid > 0:
-            ctx = args.variant_ctx(work.batch, work.head, seqlen.seqlen_q, seqlen.seqlen_k,
-                                   self.variant.has_score_mod)
-            tile = _Tile(ctx, seqlen, work.m_block, head_kv, work.split_idx, rows_valid, softmax_scale)
-            self.attend(
-                tile, num_splits, mQ, mK, mV, mO, mLSE, mPageTable,
-                sQ_layout, sK_layout, sV_layout, gmem_copy_QK, gmem_copy_V, tiled_mma, SharedStorage,
-                varlen_q, varlen_k, paged, tidx,
-            )
+            ctx = FwdTile.ctx_of(args, work, seqlen, block_info)
+            tile = FwdTile(ctx, seqlen, work.m_block, head_kv, work.split_idx, rows_valid, args.softmax_scale,
+                           None, None)
+            self.attend(args, tile, block_info, smem_layouts, gmem_copy_QK, gmem_copy_V, tiled_mma, SharedStorage,
+                        tidx)
 
     @cute.jit
-    def attend(
-        self, tile, num_splits, mQ, mK, mV, mO, mLSE, mPageTable,
-        sQ_layout, sK_layout, sV_layout, gmem_copy_QK, gmem_copy_V, tiled_mma, SharedStorage,
-        varlen_q: cutlass.Constexpr, varlen_k: cutlass.Constexpr, paged: cutlass.Constexpr, tidx,
-    ):
-        ctx, seqlen, m_block = tile.ctx, tile.seqlen, tile.m_block
+    def attend(self, args: FwdArgs, tile: FwdTile, block_info: BlockInfo, smem_layouts: tuple, gmem_copy_QK,
+               gmem_copy_V, tiled_mma, SharedStorage: cutlass.Constexpr, tidx):
+        sQ_layout, sK_layout, sV_layout = smem_layouts
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(sQ_layout)
@@ -146,23 +115,17 @@ class FlashAttnFwdSm80:
             sV, cute.make_layout((self.head_dim_v, self.tile_n), stride=(self.tile_n, 1))
         )
 
-        # Q rows of this head group (packed under pack_gqa): row index -> (d,) gmem row.
-        packed = self.pack
-        mQ_rows = packed_rows(seqlen.q_view(mQ, ctx.batch, varlen_q), tile.head_rows(packed), packed)
-        q_rows = lambda r: mQ_rows[r, None]
-
-        block_info = BlockInfo(self.tile_m, self.tile_n, self.pack, self.variant)
-        n_block_min, n_block_max = block_info.get_n_block_min_max(
-            m_block, ctx, tile.split_idx, num_splits, self.is_split
-        )
-        n_mid_hi, n_mid_lo = block_info.get_n_block_runs(m_block, ctx, n_block_min, n_block_max)
+        # Q rows of this head group (packed under pack_gqa).
+        mQ_rows = tile.q_rows(args.mQ, self.qhead_per_kvhead_packed, args.varlen_q)
+        row0 = tile.m_block * self.tile_m
+        tile = tile.with_n_block_range(block_info, args.num_splits, self.is_split)
+        runs = tile.n_block_runs(block_info)
 
         thr_copy_QK = gmem_copy_QK.get_slice(tidx)
         thr_copy_V = gmem_copy_V.get_slice(tidx)
         tQsQ = thr_copy_QK.partition_D(sQ)
         tQcQ = thr_copy_QK.partition_S(cute.make_identity_tensor((self.tile_m, self.head_dim)))
-        k_src, v_src = self.kv_sources(mK, mV, mPageTable, ctx.batch, seqlen, tile.head_kv, varlen_k, paged,
-                                       thr_copy_QK, thr_copy_V)
+        k_src, v_src = self.kv_sources(args, tile, thr_copy_QK, thr_copy_V)
         kv = _KVLoader(
             gmem_copy_QK, gmem_copy_V,
             thr_copy_QK.partition_D(sK),
@@ -200,28 +163,31 @@ class FlashAttnFwdSm80:
         softmax = OnlineSoftmax(acc_O.shape[0][0] * acc_O.shape[1], Float32(scale_log2))
 
         # Prologue: Q, then the last K block (the only one the sequence end may cut).
-        self.load_rows(gmem_copy_QK, tQsQ, tQcQ, q_rows, m_block * self.tile_m, tile.rows_valid)
+        n_block_min, n_block_max = tile.n_block_min, tile.n_block_max
+        copy_rows(gmem_copy_QK, tQsQ, tQcQ, lambda r, m: mQ_rows[row0 + r, None], tile.rows_valid)
         if n_block_max > n_block_min:
             self.load_kv(kv.copy_K, kv.tKsK, kv.tKcK, kv.k_src, n_block_max - 1,
-                         seqlen.seqlen_k - (n_block_max - 1) * self.tile_n)
+                         tile.seqlen.seqlen_k - (n_block_max - 1) * self.tile_n)
         cute.arch.cp_async_commit_group()
         if cutlass.const_expr(self.q_in_regs):
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
             cute.copy(smem_thr_copy_Q, mma.tSsQ, smem_thr_copy_Q.retile(mma.tSrQ))
 
-        step = functools.partial(self.one_block, tile, mma, kv, softmax, acc_O, n_block_min)
-        for i in cutlass.range(n_block_max - n_mid_hi, unroll=1):
-            step(n_block_max - 1 - i, masked=True)
-        for i in cutlass.range(n_mid_hi - n_mid_lo, unroll=1):
-            step(n_mid_hi - 1 - i, masked=False)
-        if cutlass.const_expr(self.variant.has_mask):
-            for i in cutlass.range(n_mid_lo - n_block_min, unroll=1):
-                step(n_mid_lo - 1 - i, masked=True)
+        block_info.walk_n_blocks(
+            lambda _, n_block, masked: self.one_block(tile, mma, kv, softmax, acc_O, n_block_min, n_block, masked),
+            n_block_min, n_block_max, runs)
 
         lse = cute.make_rmem_tensor((softmax.num_rows,), Float32)
         softmax.finalize(acc_O, lse)
-        self.epilogue(acc_O, lse, mO, mLSE, tile, thr_mma, varlen_q)
+        # O (two consecutive columns per store) and the LSE straight from registers.
+        packed = self.qhead_per_kvhead_packed
+        o_rows = tile.out_rows(args.mO, packed, self.is_split, args.varlen_q)
+        tOcO_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
+        store_o(acc_O, self.out_dtype, tOcO_mn, o_rows, row0, tile.rows_valid)
+        if cutlass.const_expr(args.mLSE is not None):
+            store_lse(lse, tOcO_mn, tile.lse_rows(args.mLSE, packed, self.is_split, args.varlen_q), row0,
+                      tile.rows_valid)
 
     @cute.jit
     def one_block(self, tile, mma, kv, softmax, acc_O, n_block_min, n_block, masked: cutlass.Constexpr):
@@ -244,7 +210,7 @@ class FlashAttnFwdSm80:
             gemm_ss(tiled_mma, acc_S, mma.tSrQ, mma.tSrK, mma.tSsQ, mma.tSsK, mma.smem_thr_copy_Q,
                     mma.smem_thr_copy_K)
         apply_to_scores(self.variant, acc_mn_view(acc_S), mma.tScS_mn, tile.ctx, tile.m_block * self.tile_m,
-                        n_block * self.tile_n, self.pack, tile.softmax_scale, masked)
+                        n_block * self.tile_n, self.qhead_per_kvhead_packed, tile.softmax_scale, masked)
 
         # V(n) has landed and every warp is done reading K(n): prefetch K(n-1).
         cute.arch.cp_async_wait_group(0)
@@ -258,113 +224,28 @@ class FlashAttnFwdSm80:
         rP.store(acc_S.load().to(self.dtype))
         gemm_rs(tiled_mma, acc_O, acc_to_operand_a(rP), mma.tOrVt, mma.tOsVt, mma.smem_thr_copy_V)
 
-    @cute.jit
-    def load_rows(self, tiled_copy, tXsX, tXcX, row_fn, row_base, rows_valid):
-        """cp.async rows [row_base, row_base + tile) of a gmem operand into smem; with
-        ``rows_valid`` given, rows past it are zero-filled instead (a NaN left in V
-        would survive a zero probability)."""
-        for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
-            if cutlass.const_expr(rows_valid is None):
-                self._copy_row(tiled_copy, tXsX, tXcX, row_fn(row_base + tXcX[0, m, 0][0]), m)
-            else:
-                self._copy_row_or_zero(tiled_copy, tXsX, tXcX, m, rows_valid,
-                                       lambda: row_fn(row_base + tXcX[0, m, 0][0]))
-
-    @cute.jit
-    def _copy_row_or_zero(self, tiled_copy, tXsX, tXcX, m, rows_valid, src_fn):
-        """Row m of the partition from ``src_fn()`` if it is below ``rows_valid``, else zeros."""
-        if tXcX[0, m, 0][0] < rows_valid:
-            src = src_fn()
-            if cutlass.const_expr(isinstance(src, cute.Tensor) and cute.rank(src) > 1):
-                cute.copy(tiled_copy, src, tXsX[None, m, None])
-            else:
-                self._copy_row(tiled_copy, tXsX, tXcX, src, m)
-        else:
-            tXsX[None, m, None].fill(0.0)
-
-    @cute.jit
-    def _copy_row(self, tiled_copy, tXsX, tXcX, g_row, m):
-        for k in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
-            ptr = aligned_row_ptr(g_row, tXcX[0, m, k][1], 16)
-            src = cute.make_tensor(ptr, tXsX[None, m, k].layout)
-            cute.copy(tiled_copy, src, tXsX[None, m, k])
-
-    def kv_sources(self, mK, mV, mPageTable, batch, seqlen, head_kv, varlen_k: bool, paged: bool,
-                   thr_copy_QK, thr_copy_V):
+    def kv_sources(self, args: FwdArgs, tile: FwdTile, thr_copy_QK, thr_copy_V):
         """K and V as load sources: a row function through the page table for a paged
         cache, else the thread's partition of the (tile_n, d, n_blocks) tiling, whose
         per-block address is one multiply-add on a few hoisted offsets."""
-        if cutlass.const_expr(paged):
-            return paged_row_fns(mK, mV, mPageTable, batch, head_kv)
-        mK_h = seqlen.k_view(mK, batch, varlen_k)[None, head_kv, None]
-        mV_h = seqlen.k_view(mV, batch, varlen_k)[None, head_kv, None]
+        batch, head_kv = tile.ctx.batch, tile.head_kv
+        if cutlass.const_expr(args.paged):
+            return paged_row_fns(args.mK, args.mV, args.mPageTable, batch, head_kv)
+        mK_h = tile.seqlen.k_view(args.mK, batch, args.varlen_k)[None, head_kv, None]
+        mV_h = tile.seqlen.k_view(args.mV, batch, args.varlen_k)[None, head_kv, None]
         gK = cute.local_tile(mK_h, (self.tile_n, self.head_dim), (None, 0))
         gV = cute.local_tile(mV_h, (self.tile_n, self.head_dim_v), (None, 0))
         return thr_copy_QK.partition_S(gK), thr_copy_V.partition_S(gV)
 
     @cute.jit
     def load_kv(self, tiled_copy, tXsX, tXcX, src, n_block, rows_valid):
-        """Loads KV block n_block into smem from a tiled partition or a row function."""
+        """cp.async of KV block n_block into smem, from a tiled partition or a row function
+        (key -> gmem row); with ``rows_valid``, rows past it are zero-filled."""
         if cutlass.const_expr(isinstance(src, cute.Tensor)):
-            for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
-                if cutlass.const_expr(rows_valid is None):
-                    cute.copy(tiled_copy, src[None, m, None, n_block], tXsX[None, m, None])
-                else:
-                    self._copy_row_or_zero(tiled_copy, tXsX, tXcX, m, rows_valid,
-                                           lambda: src[None, m, None, n_block])
+            copy_rows(tiled_copy, tXsX, tXcX, lambda r, m: src[None, m, None, n_block], rows_valid)
         else:
-            self.load_rows(tiled_copy, tXsX, tXcX, src, n_block * self.tile_n, rows_valid)
-
-    @cute.jit
-    def epilogue(self, acc_O, lse, mO, mLSE, tile, thr_mma, varlen_q: cutlass.Constexpr):
-        """Stores O (two consecutive columns per store) and the LSE straight from registers."""
-        ctx, seqlen = tile.ctx, tile.seqlen
-        if cutlass.const_expr(self.is_split):
-            mO = mO[(tile.split_idx,) + (None,) * (cute.rank(mO) - 1)]
-        head = tile.head_rows(self.pack)
-        mO_rows = packed_rows(seqlen.q_view(mO, ctx.batch, varlen_q), head, self.pack)
-        rO = cute.make_fragment_like(acc_O, self.out_dtype)
-        rO.store(acc_O.load().to(self.out_dtype))
-        rO_mn = acc_mn_view(rO)
-        tOcO_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
-        pair_bits = 2 * self.out_dtype.width
-        store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype, num_bits_per_copy=pair_bits)
-        row0 = tile.m_block * self.tile_m
-        for r in cutlass.range_constexpr(cute.size(rO_mn, mode=[0])):
-            row = tOcO_mn[r, 0][0]
-            if row < tile.rows_valid:
-                g_row = mO_rows[row0 + row, None]
-                for j in cutlass.range_constexpr(cute.size(rO_mn.shape[1][1])):
-                    col = tOcO_mn[r, (0, j)][1]
-                    dst = cute.make_tensor(aligned_row_ptr(g_row, col, pair_bits // 8), cute.make_layout(2))
-                    cute.copy(store_atom, rO_mn[r, (None, j)], dst)
-        if cutlass.const_expr(mLSE is not None):
-            if cutlass.const_expr(self.is_split):
-                mLSE = mLSE[(tile.split_idx,) + (None,) * (cute.rank(mLSE) - 1)]
-            mLSE_rows = packed_lse_rows(seqlen.lse_view(mLSE, ctx.batch, varlen_q), head,
-                                        self.pack)
-            for r in cutlass.range_constexpr(cute.size(rO_mn, mode=[0])):
-                row = tOcO_mn[r, 0][0]
-                # The four lanes sharing a row hold the same LSE; the one at column 0 writes it.
-                if tOcO_mn[0, 0][1] == 0 and row < tile.rows_valid:
-                    mLSE_rows[row0 + row] = lse[r]
-
-
-@dataclass(frozen=True)
-class _Tile:
-    """The output tile one CTA computes, with its sequence and variant context."""
-
-    ctx: AttnCtx
-    seqlen: SeqlenInfo
-    m_block: Int32
-    head_kv: Int32
-    split_idx: Int32
-    rows_valid: Int32  # rows of the tile inside the (packed) sequence
-    softmax_scale: Float32
-
-    def head_rows(self, qhead_per_kvhead_packed: int):
-        """The head the tile's rows index: the KV head under pack_gqa, else the query head."""
-        return self.head_kv if qhead_per_kvhead_packed > 1 else self.ctx.head
+            key0 = n_block * self.tile_n
+            copy_rows(tiled_copy, tXsX, tXcX, lambda r, m: src(key0 + r), rows_valid)
 
 
 @dataclass(frozen=True)
@@ -407,5 +288,5 @@ class _MmaOperands:
 
 def compile_fwd_sm80(key: tuple):
     """Compiles the kernel for ``key`` (``sm80.compile_key``) on fake tensors: no GPU needed."""
-    return compile_from_key(key, 4, lambda dtype, d, dv, tile, variant, pack, is_split: FlashAttnFwdSm80(
-        dtype, d, dv, *tile[:3], variant, qhead_per_kvhead_packed=pack, is_split=is_split, q_in_regs=tile[3]))
+    return compile_from_key(key, 4, lambda dtype, d, dv, tile, variant, packed, is_split: FlashAttnFwdSm80(
+        dtype, d, dv, *tile[:3], variant, qhead_per_kvhead_packed=packed, is_split=is_split, q_in_regs=tile[3]))

@@ -1,8 +1,28 @@
-"""mma.sync GEMM loops over a K-sliced tile, with the next slice's ldmatrix issued
-before the current slice's MMAs (register double buffering)."""
+"""mma.sync building blocks shared by the SM80 kernels (forward and MLA decode): the
+swizzled shared-memory tiles ldmatrix reads, and GEMM loops over a K-sliced tile with the
+next slice's ldmatrix issued before the current slice's MMAs (register double buffering)."""
+
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
+
+from flash_attn_cute.copy_utils import swizzle_atom_cols
+
+
+def smem_layout(rows: int, cols: int, stages: Optional[int] = None):
+    """(rows, cols[, stages]) of 16-bit elements in 8-row swizzled atoms 64 (or 32) columns
+    wide (``copy_utils.swizzle_atom_cols``): ldmatrix reads and the 128-bit cp.async writes
+    of ``copy_utils.gmem_tiled_copy`` are both bank-conflict free."""
+    atom_cols = swizzle_atom_cols(cols)
+    atom = cute.make_composed_layout(
+        cute.make_swizzle(3 if atom_cols == 64 else 2, 3, 3),
+        0,
+        cute.make_layout((8, atom_cols), stride=(atom_cols, 1)),
+    )
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
 
 
 @cute.jit

@@ -37,7 +37,7 @@ tile's 36.9 KB at the H200's 9 B/clk per SM of HBM bandwidth. The tensor work pe
 Hopper (about two thirds of wgmma peak). So neither bounds the kernel: the pipeline has
 to keep ~37 KB in flight per SM, which is what the S-ahead-of-O overlap buys.
 
-Synchronisation (named barriers, ``bar.sync`` / ``bar.arrive``; id 0 unused):
+Synchronisation (named barriers ``named_barrier.Sm80MlaBarrier``, ``bar.sync`` / ``bar.arrive``):
 
     FULL[s]      O warps arrive once their gathers of tile i landed; S warps sync.
     P_FULL[b]    S warps arrive after writing P(i) and its row corrections; O warps sync
@@ -51,7 +51,6 @@ consume are skipped, so no barrier is left half-arrived at exit.
 """
 
 from dataclasses import dataclass
-from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -59,77 +58,44 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warp
 
 from flash_attn_cute.block_info import BlockInfo
-from flash_attn_cute.copy_utils import aligned_row_ptr, gmem_tiled_copy
 from flash_attn_cute.constants import D_CKV, D_KPE
-from flash_attn_cute.cute_utils import CUTE_DTYPE_BY_NAME, compile_options, fake_stream, fake_tensor
-from flash_attn_cute.keys import parse_mla_key
-from flash_attn_cute.mla_tile import MlaTile
-from flash_attn_cute.pack_gqa import packed_lse_rows, packed_rows
+from flash_attn_cute.copy_utils import copy_row, copy_rows, gmem_tiled_copy
+from flash_attn_cute.cute_utils import launch_ctas
+from flash_attn_cute.epilogue import store_lse, store_o
+from flash_attn_cute.layout_utils import acc_mn_view
+from flash_attn_cute.mla_kernel import MlaArgs, MlaTile, compile_mla_from_key, mla_call, set_mla_config
+from flash_attn_cute.named_barrier import Sm80MlaBarrier
 from flash_attn_cute.paged_kv import page_and_row
 from flash_attn_cute.sm80.config import MlaWarpRoles
-from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax, acc_mn_view
+from flash_attn_cute.sm80.gemm import smem_layout
+from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
 from flash_attn_cute.tile_scheduler import SingleTileScheduler
-from flash_attn_cute.variants import apply_to_scores, make_variant
-
-class _Bar:
-    """Named barrier ids (0 is __syncthreads, left alone)."""
-
-    def __init__(self, stages: int):
-        self.full = 1  # + stage
-        self.p_full = 1 + stages  # + P buffer
-        self.p_empty = 3 + stages
-        self.o_done = 5 + stages
-        self.final = 6 + stages
-        assert self.final < 16
-
-
-def _staged_smem_layout(rows: int, cols: int, stages: int):
-    """(rows, cols, stages) of 16-bit elements in 8 x 64 swizzled atoms (8 x 32 when cols
-    is 32): ldmatrix reads and 128-bit cp.async writes bank-conflict free."""
-    wide = cols % 64 == 0
-    atom = cute.make_composed_layout(
-        cute.make_swizzle(3 if wide else 2, 3, 3), 0,
-        cute.make_layout((8, 64 if wide else 32), stride=(64 if wide else 32, 1)),
-    )
-    return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+from flash_attn_cute.variants import apply_to_scores
 
 
 class MlaDecodeSm80:
+    __call__ = mla_call  # the MLA kernels' shared entry point: MlaArgs -> launch
+
     def __init__(self, dtype, nheads: int, causal: bool, is_split: bool, stages: int,
                  roles: MlaWarpRoles = MlaWarpRoles()):
-        self.dtype = dtype
-        self.nheads = nheads  # packed rows per query position
-        self.variant = make_variant(causal, False, False)
-        self.is_split = is_split
-        self.out_dtype = Float32 if is_split else dtype
+        set_mla_config(self, dtype, nheads, causal, is_split)
         self.stages = stages
         self.roles = roles
         self.tile_m, self.tile_n = roles.tile_m, roles.tile_n
-        self.bar = _Bar(stages)
+        assert Sm80MlaBarrier.FINAL.id(stages) < 16
+
+    def bar(self, member: Sm80MlaBarrier) -> int:
+        """A named barrier's id in this kernel (``Sm80MlaBarrier.id``)."""
+        return member.id(self.stages)
 
     @cute.jit
-    def __call__(
-        self,
-        mQn: cute.Tensor,  # (b, s_q, h, 512)
-        mQp: cute.Tensor,  # (b, s_q, h, 64)
-        mCkv: cute.Tensor,  # (num_pages, page_size, 512)
-        mKpe: cute.Tensor,  # (num_pages, page_size, 64)
-        mO: cute.Tensor,  # (b, s_q, h, 512); split: (num_splits, ...) fp32
-        mLSE: Optional[cute.Tensor],  # (b, h, s_q); split: (num_splits, ...)
-        mSeqlens: cute.Tensor,  # (b,) int32
-        mPageTable: cute.Tensor,  # (b, max_pages) int32
-        softmax_scale: Float32,
-        num_splits: Int32,
-        max_seqlen_q: Int32,
-        batch_size: Int32,
-        stream,
-    ):
+    def launch(self, args: MlaArgs, stream):
         m, n, st = self.tile_m, self.tile_n, self.stages
-        sQn_layout = _staged_smem_layout(m, D_CKV, 1)
-        sQp_layout = _staged_smem_layout(m, D_KPE, 1)
-        sC_layout = _staged_smem_layout(n, D_CKV, st)
-        sKp_layout = _staged_smem_layout(n, D_KPE, st)
-        sP_layout = _staged_smem_layout(m, n, 2)
+        sQn_layout = smem_layout(m, D_CKV, 1)
+        sQp_layout = smem_layout(m, D_KPE, 1)
+        sC_layout = smem_layout(n, D_CKV, st)
+        sKp_layout = smem_layout(n, D_KPE, st)
+        sP_layout = smem_layout(m, n, 2)
 
         @cute.struct
         class SharedStorage:
@@ -147,33 +113,32 @@ class MlaDecodeSm80:
         mma_S = cute.make_tiled_mma(op, (self.roles.s_warps, 1, 1), permutation_mnk=(m, 16, 16))
         mma_O = cute.make_tiled_mma(op, (1, self.roles.o_warps, 1),
                                     permutation_mnk=(16, 16 * self.roles.o_warps, 16))
-        num_m_blocks = cute.ceil_div(max_seqlen_q * self.nheads, m)
-        self.kernel(
-            mQn, mQp, mCkv, mKpe, mO, mLSE, mSeqlens, mPageTable, softmax_scale, num_splits,
-            sQn_layout, sQp_layout, sC_layout, sKp_layout, sP_layout, mma_S, mma_O,
+        num_m_blocks = cute.ceil_div(args.max_seqlen_q * self.qhead_per_kvhead_packed, m)
+        kernel = self.kernel(
+            args, (sQn_layout, sQp_layout, sC_layout, sKp_layout, sP_layout), mma_S, mma_O,
             gmem_tiled_copy(self.dtype, D_CKV, self.roles.o_threads),
             gmem_tiled_copy(self.dtype, D_KPE, self.roles.o_threads),
             SharedStorage,
-        ).launch(
-            grid=SingleTileScheduler.grid(num_m_blocks, 1, num_splits, batch_size),
-            block=(self.roles.threads, 1, 1),
-            smem=SharedStorage.size_in_bytes(),
-            stream=stream,
         )
+        launch_ctas(kernel, SingleTileScheduler.grid(num_m_blocks, 1, args.num_splits, args.batch_size),
+                    self.roles.threads, SharedStorage, stream)
 
     @cute.kernel
     def kernel(
-        self, mQn, mQp, mCkv, mKpe, mO, mLSE, mSeqlens, mPageTable,
-        softmax_scale: Float32, num_splits: Int32,
-        sQn_layout: cute.ComposedLayout, sQp_layout: cute.ComposedLayout, sC_layout: cute.ComposedLayout,
-        sKp_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout,
-        mma_S: cute.TiledMma, mma_O: cute.TiledMma, copy_C: cute.TiledCopy, copy_Kp: cute.TiledCopy,
+        self,
+        args: MlaArgs,
+        smem_layouts: tuple,  # Qn, Qp, ckv, kpe, P
+        mma_S: cute.TiledMma,
+        mma_O: cute.TiledMma,
+        copy_C: cute.TiledCopy,
+        copy_Kp: cute.TiledCopy,
         SharedStorage: cutlass.Constexpr,
     ):
+        sQn_layout, sQp_layout, sC_layout, sKp_layout, sP_layout = smem_layouts
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        tile = MlaTile.create(mQn, mCkv, mSeqlens, mPageTable, num_splits,
-                              BlockInfo(self.tile_m, self.tile_n, self.nheads, self.variant), self.is_split)
+        tile = MlaTile.create(
+            args, BlockInfo(self.tile_m, self.tile_n, self.qhead_per_kvhead_packed, self.variant), self.is_split)
         if tile.rows_valid > 0:
             storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
             smem = _MlaSmem(
@@ -184,15 +149,14 @@ class MlaDecodeSm80:
                 storage.sInv.get_tensor(cute.make_layout((self.tile_m,))),
             )
             if warp_idx < self.roles.s_warps:
-                self.score_warps(tile, smem, mma_S, softmax_scale, mLSE, tidx)
+                self.score_warps(tile, smem, mma_S, args.mLSE, tidx)
             else:
-                self.output_warps(tile, smem, mma_O, copy_C, copy_Kp, mQn, mQp, mCkv, mKpe, mPageTable, mO,
-                                  tidx - self.roles.s_threads)
+                self.output_warps(tile, smem, mma_O, copy_C, copy_Kp, args, tidx - self.roles.s_threads)
 
     # ------------------------------------------------------------------ S warps
 
     @cute.jit
-    def score_warps(self, tile, smem, mma_S, softmax_scale: Float32, mLSE, tidx):
+    def score_warps(self, tile, smem, mma_S, mLSE, tidx):
         """QK^T over [ckv, kpe] for 16 rows per warp, mask, online softmax; P and the row
         corrections to smem for the O warps; at the end 1 / row sum and the LSE."""
         n_all = self.roles.threads
@@ -209,11 +173,11 @@ class MlaDecodeSm80:
         tScS_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
         tSsP = thr_mma.partition_C(smem.sP)  # (MMA, MMA_M, MMA_N, 2)
 
-        softmax = OnlineSoftmax(2 * cute.size(tSrQn, mode=[1]), Float32(softmax_scale * LOG2_E))
+        softmax = OnlineSoftmax(2 * cute.size(tSrQn, mode=[1]), Float32(tile.softmax_scale * LOG2_E))
         acc_shape = thr_mma.partition_shape_C((self.tile_m, self.tile_n))
         ops = _ScoreOps(mma_S, copy_A, copy_B, tSrQn, tSrQp, tSrC, tSrKp, tSsQn, tSsQp, tSsC, tSsKp, tScS_mn, tSsP)
         for i in cutlass.range(tile.n_tiles, unroll=1):
-            self.score_tile(tile, smem, ops, softmax, softmax_scale, i)
+            self.score_tile(tile, smem, ops, softmax, i)
 
         # 1 / row sum as a "row of ones" through finalize, which normalises its argument.
         rInv = cute.make_rmem_tensor(acc_shape, Float32)
@@ -225,30 +189,31 @@ class MlaDecodeSm80:
         for r in cutlass.range_constexpr(softmax.num_rows):
             inv[r] = rInv_mn[r, 0]
         self.write_rows(smem.sInv, inv, tScS_mn)
-        cute.arch.barrier_arrive(barrier_id=self.bar.final, number_of_threads=n_all)
+        cute.arch.barrier_arrive(barrier_id=self.bar(Sm80MlaBarrier.FINAL), number_of_threads=n_all)
         if cutlass.const_expr(mLSE is not None):
-            self.store_lse(mLSE, lse, tScS_mn, tile)
+            store_lse(lse, tScS_mn, tile.lse_rows(mLSE, self.qhead_per_kvhead_packed, self.is_split, False),
+                      tile.m_block * self.tile_m, tile.rows_valid)
 
     @cute.jit
-    def score_tile(self, tile, smem, ops, softmax, softmax_scale: Float32, i):
+    def score_tile(self, tile, smem, ops, softmax, i):
         """Tile i: wait for its KV, S = Q K^T, mask (edge blocks only), softmax step,
         then P and the row corrections into P buffer i % 2 once the O warps freed it."""
         n_all = self.roles.threads
         stage, buf = i % self.stages, i % 2
-        n_block = tile.n_max - 1 - i
-        cute.arch.barrier(barrier_id=self.bar.full + stage, number_of_threads=n_all)
+        n_block = tile.n_block_max - 1 - i
+        cute.arch.barrier(barrier_id=self.bar(Sm80MlaBarrier.FULL) + stage, number_of_threads=n_all)
         acc_S = self.qk(ops, stage)
         if n_block >= tile.n_mid_hi or n_block < tile.n_mid_lo:
             apply_to_scores(self.variant, acc_mn_view(acc_S), ops.tScS_mn, tile.ctx, tile.m_block * self.tile_m,
-                            n_block * self.tile_n, self.nheads, softmax_scale, True)
+                            n_block * self.tile_n, self.qhead_per_kvhead_packed, tile.softmax_scale, True)
         row_scale = softmax.step(acc_S)
         if i >= 2:
-            cute.arch.barrier(barrier_id=self.bar.p_empty + buf, number_of_threads=n_all)
+            cute.arch.barrier(barrier_id=self.bar(Sm80MlaBarrier.P_EMPTY) + buf, number_of_threads=n_all)
         rP = cute.make_fragment_like(acc_S, self.dtype)
         rP.store(acc_S.load().to(self.dtype))
         cute.autovec_copy(rP, ops.tSsP[None, None, None, buf])
         self.write_rows(smem.sScale[None, buf], row_scale, ops.tScS_mn)
-        cute.arch.barrier_arrive(barrier_id=self.bar.p_full + buf, number_of_threads=n_all)
+        cute.arch.barrier_arrive(barrier_id=self.bar(Sm80MlaBarrier.P_FULL) + buf, number_of_threads=n_all)
 
     @cute.jit
     def qk(self, ops, stage):
@@ -280,21 +245,10 @@ class MlaDecodeSm80:
             for r in cutlass.range_constexpr(cute.size(vals)):
                 sRow[tScS_mn[r, 0][0]] = vals[r]
 
-    @cute.jit
-    def store_lse(self, mLSE, lse, tScS_mn, tile):
-        if cutlass.const_expr(self.is_split):
-            mLSE = mLSE[tile.split_idx, None, None, None]
-        mLSE_rows = packed_lse_rows(mLSE[tile.ctx.batch, None, None], Int32(0), self.nheads)
-        row0 = tile.m_block * self.tile_m
-        for r in cutlass.range_constexpr(cute.size(lse)):
-            row = tScS_mn[r, 0][0]
-            if tScS_mn[0, 0][1] == 0 and row < tile.rows_valid:
-                mLSE_rows[row0 + row] = lse[r]
-
     # ------------------------------------------------------------------ O warps
 
     @cute.jit
-    def output_warps(self, tile, smem, mma_O, copy_C, copy_Kp, mQn, mQp, mCkv, mKpe, mPageTable, mO, otidx):
+    def output_warps(self, tile, smem, mma_O, copy_C, copy_Kp, args: MlaArgs, otidx):
         """Gathers Q and the KV tiles (cp.async), O += P V over 64 columns per warp,
         rescaled by the S warps' corrections; at the end O / row sum to gmem."""
         n_all, n_o = self.roles.threads, self.roles.o_threads
@@ -302,18 +256,18 @@ class MlaDecodeSm80:
         gather = _Gather(
             thr_C.partition_D(smem.sC), thr_Kp.partition_D(smem.sKp),
             thr_C.partition_S(cute.make_identity_tensor((self.tile_n, D_CKV))),
-            mCkv, mKpe, mPageTable, tile.ctx.batch,
+            args.mCkv, args.mKpe, args.mPageTable, tile.ctx.batch,
         )
         # Q rows of this tile (packed: heads of one position adjacent), zero past the end.
-        mQn_rows = packed_rows(mQn[tile.ctx.batch, None, None, None], Int32(0), self.nheads)
-        mQp_rows = packed_rows(mQp[tile.ctx.batch, None, None, None], Int32(0), self.nheads)
+        packed = self.qhead_per_kvhead_packed
+        mQn_rows, mQp_rows = tile.q_rows(args.mQn, packed, False), tile.q_rows(args.mQp, packed, False)
         row0 = tile.m_block * self.tile_m
-        self.copy_rows(copy_C, thr_C.partition_D(smem.sQn),
-                       thr_C.partition_S(cute.make_identity_tensor((self.tile_m, D_CKV))),
-                       lambda r: mQn_rows[row0 + r, None], tile.rows_valid)
-        self.copy_rows(copy_Kp, thr_Kp.partition_D(smem.sQp),
-                       thr_Kp.partition_S(cute.make_identity_tensor((self.tile_m, D_KPE))),
-                       lambda r: mQp_rows[row0 + r, None], tile.rows_valid)
+        copy_rows(copy_C, thr_C.partition_D(smem.sQn),
+                  thr_C.partition_S(cute.make_identity_tensor((self.tile_m, D_CKV))),
+                  lambda r, m: mQn_rows[row0 + r, None], tile.rows_valid)
+        copy_rows(copy_Kp, thr_Kp.partition_D(smem.sQp),
+                  thr_Kp.partition_S(cute.make_identity_tensor((self.tile_m, D_KPE))),
+                  lambda r, m: mQp_rows[row0 + r, None], tile.rows_valid)
         cute.arch.cp_async_commit_group()
         for j in cutlass.range_constexpr(self.stages):
             if j < tile.n_tiles:
@@ -322,7 +276,7 @@ class MlaDecodeSm80:
         # Q and tile 0 landed (the older groups): S may start.
         cute.arch.cp_async_wait_group(self.stages - 1)
         if tile.n_tiles > 0:
-            cute.arch.barrier_arrive(barrier_id=self.bar.full, number_of_threads=n_all)
+            cute.arch.barrier_arrive(barrier_id=self.bar(Sm80MlaBarrier.FULL), number_of_threads=n_all)
 
         thr_mma = mma_O.get_slice(otidx)
         ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
@@ -342,10 +296,11 @@ class MlaDecodeSm80:
 
         for i in cutlass.range(tile.n_tiles, unroll=1):
             stage, buf = i % self.stages, i % 2
-            cute.arch.barrier(barrier_id=self.bar.p_full + buf, number_of_threads=n_all)
+            cute.arch.barrier(barrier_id=self.bar(Sm80MlaBarrier.P_FULL) + buf, number_of_threads=n_all)
             if i + 1 < tile.n_tiles:  # let the S warps start tile i + 1 while PV(i) runs
                 cute.arch.cp_async_wait_group(self.stages - 2)
-                cute.arch.barrier_arrive(barrier_id=self.bar.full + (i + 1) % self.stages, number_of_threads=n_all)
+                cute.arch.barrier_arrive(barrier_id=self.bar(Sm80MlaBarrier.FULL) + (i + 1) % self.stages,
+                                         number_of_threads=n_all)
             self.scale_rows(acc_O, smem.sScale[None, buf], tOcO_mn)
             # One k16 slice of P and of V live at a time: 128 + 16 + 16 registers.
             for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
@@ -353,15 +308,18 @@ class MlaDecodeSm80:
                 cute.copy(copy_V, tOsV[None, None, k, stage], tOrV_cv[None, None, k])
                 cute.gemm(mma_O, acc_O, tOrP[None, None, k], tOrV[None, None, k], acc_O)
             if i + 2 < tile.n_tiles:
-                cute.arch.barrier_arrive(barrier_id=self.bar.p_empty + buf, number_of_threads=n_all)
-            cute.arch.barrier(barrier_id=self.bar.o_done, number_of_threads=n_o)
+                cute.arch.barrier_arrive(barrier_id=self.bar(Sm80MlaBarrier.P_EMPTY) + buf, number_of_threads=n_all)
+            cute.arch.barrier(barrier_id=self.bar(Sm80MlaBarrier.O_DONE), number_of_threads=n_o)
             if i + self.stages < tile.n_tiles:
                 self.load_tile(copy_C, copy_Kp, gather, tile, i + self.stages)
             cute.arch.cp_async_commit_group()
 
-        cute.arch.barrier(barrier_id=self.bar.final, number_of_threads=n_all)
+        cute.arch.barrier(barrier_id=self.bar(Sm80MlaBarrier.FINAL), number_of_threads=n_all)
         self.scale_rows(acc_O, smem.sInv, tOcO_mn)
-        self.store_o(acc_O, tOcO_mn, mO, tile)
+        # Each row as the first + a static offset: one register for all rows of O (a row index
+        # each was spilled across the mainloop: 3 STL / LDL).
+        store_o(acc_O, self.out_dtype, tOcO_mn, tile.out_rows(args.mO, packed, self.is_split, False), row0,
+                tile.rows_valid, rows_from_first=True)
 
     @cute.jit
     def scale_rows(self, acc_O: cute.Tensor, sRow: cute.Tensor, tOcO_mn: cute.Tensor):
@@ -371,8 +329,8 @@ class MlaDecodeSm80:
 
     @cute.jit
     def load_tile(self, copy_C, copy_Kp, gather, tile, i):
-        """cp.async of tile i (KV block n_max - 1 - i, walked last to first) into its stage."""
-        n_block = tile.n_max - 1 - i
+        """cp.async of tile i (KV block n_block_max - 1 - i, walked last to first) into its stage."""
+        n_block = tile.n_block_max - 1 - i
         stage = i % self.stages
         key0 = n_block * self.tile_n
         rows_valid = tile.ctx.seqlen_k - key0
@@ -381,52 +339,13 @@ class MlaDecodeSm80:
             r = gather.tCcC[0, m, 0][0]
             if r < rows_valid:
                 page, row = page_and_row(gather.mPageTable, gather.batch, key0 + r, page_size, num_pages)
-                self.copy_row(copy_C, gather.tCsC[None, m, None, stage], gather.tCcC[None, m, None],
-                              gather.mCkv[page, row, None])
-                self.copy_row(copy_Kp, gather.tKsKp[None, m, None, stage], gather.tCcC[None, m, None],
-                              gather.mKpe[page, row, None])
+                copy_row(copy_C, gather.tCsC[None, m, None, stage], gather.tCcC[None, m, None],
+                         gather.mCkv[page, row, None])
+                copy_row(copy_Kp, gather.tKsKp[None, m, None, stage], gather.tCcC[None, m, None],
+                         gather.mKpe[page, row, None])
             else:  # a NaN left in V would survive a zero probability
                 gather.tCsC[None, m, None, stage].fill(0.0)
                 gather.tKsKp[None, m, None, stage].fill(0.0)
-
-    @cute.jit
-    def copy_rows(self, tiled_copy, tXsX, tXcX, row_fn, rows_valid):
-        """Rows of a (rows, cols) smem tile from ``row_fn(row)`` (1-D gmem rows); zeros past ``rows_valid``."""
-        for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
-            r = tXcX[0, m, 0][0]
-            if r < rows_valid:
-                self.copy_row(tiled_copy, tXsX[None, m, None], tXcX[None, m, None], row_fn(r))
-            else:
-                tXsX[None, m, None].fill(0.0)
-
-    @cute.jit
-    def copy_row(self, tiled_copy, tXsX_row, tXcX_row, g_row):
-        """One thread's 16-byte chunks of one gathered row (LDGSTS each)."""
-        for k in cutlass.range_constexpr(cute.size(tXsX_row, mode=[1])):
-            src = cute.make_tensor(aligned_row_ptr(g_row, tXcX_row[0, k][1], 16), tXsX_row[None, k].layout)
-            cute.copy(tiled_copy, src, tXsX_row[None, k])
-
-    @cute.jit
-    def store_o(self, acc_O, tOcO_mn, mO, tile):
-        """O rows to gmem, two adjacent columns per store, rows past the sequence skipped."""
-        if cutlass.const_expr(self.is_split):
-            mO = mO[tile.split_idx, None, None, None, None]
-        mO_rows = packed_rows(mO[tile.ctx.batch, None, None, None], Int32(0), self.nheads)
-        rO = cute.make_fragment_like(acc_O, self.out_dtype)
-        rO.store(acc_O.load().to(self.out_dtype))
-        rO_mn = acc_mn_view(rO)
-        pair_bits = 2 * self.out_dtype.width
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype, num_bits_per_copy=pair_bits)
-        # Row r of the thread is its first row + a static offset: one live register for all
-        # eight rows (separate row values were spilled across the mainloop, 3 STL/LDL).
-        row_base = tile.m_block * self.tile_m + tOcO_mn[0, 0][0]
-        rows_left = tile.rows_valid - tOcO_mn[0, 0][0]
-        for r in cutlass.range_constexpr(cute.size(rO_mn, mode=[0])):
-            if _acc_row_offset(r) < rows_left:
-                g_row = mO_rows[row_base + _acc_row_offset(r), None]
-                for j in cutlass.range_constexpr(cute.size(rO_mn.shape[1][1])):
-                    ptr = aligned_row_ptr(g_row, tOcO_mn[r, (0, j)][1], pair_bits // 8)
-                    cute.copy(atom, rO_mn[r, (None, j)], cute.make_tensor(ptr, cute.make_layout(2)))
 
 
 def _acc_row_offset(r: int) -> int:
@@ -488,21 +407,4 @@ class _Gather:
 def compile_mla_sm80(key: tuple):
     """Compiles the kernel for ``key`` (``keys.mla_key``; config ``(stages,)``) on fake
     tensors: no GPU needed."""
-    arch, dtype_name, nheads, causal, is_split, has_lse, (stages,) = parse_mla_key(key)
-    dtype = CUTE_DTYPE_BY_NAME[dtype_name]
-    F32, I32 = cutlass.Float32, cutlass.Int32
-    split = (None,) if is_split else ()
-    out_dtype = F32 if is_split else dtype
-    tensors = (
-        fake_tensor(dtype, 4, shape=(None, None, nheads, D_CKV)),
-        fake_tensor(dtype, 4, shape=(None, None, nheads, D_KPE)),
-        fake_tensor(dtype, 3, shape=(None, None, D_CKV)),
-        fake_tensor(dtype, 3, shape=(None, None, D_KPE)),
-        fake_tensor(out_dtype, len(split) + 4, shape=split + (None, None, nheads, D_CKV)),
-        fake_tensor(F32, len(split) + 3, align=4) if (has_lse or is_split) else None,
-        fake_tensor(I32, 1, align=4),
-        fake_tensor(I32, 2, align=4),
-    )
-    kernel = MlaDecodeSm80(dtype, nheads, causal, is_split, stages)
-    return cute.compile(kernel, *tensors, F32(1.0), I32(1), I32(1), I32(1), fake_stream(),
-                        options=compile_options(arch))
+    return compile_mla_from_key(key, MlaDecodeSm80)

@@ -32,7 +32,8 @@ unmasked range, the unmasked range, masked blocks below it. Per-score masking an
 modification go through the variant (``variants.apply_to_scores``).
 """
 
-import enum
+from dataclasses import dataclass
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -42,24 +43,18 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from flash_attn_cute.block_info import BlockInfo
-from flash_attn_cute.copy_utils import aligned_row_ptr, gmem_tiled_copy
-from flash_attn_cute.fwd_kernel import FwdArgs, compile_from_key, fwd_call, set_fwd_config, split_slice, zero_rows_from
+from flash_attn_cute.copy_utils import copy_row, copy_rows, gmem_tiled_copy
+from flash_attn_cute.cute_utils import launch_ctas
+from flash_attn_cute.epilogue import store_lse, store_o
+from flash_attn_cute.fwd_kernel import FwdArgs, FwdTile, compile_from_key, fwd_call, set_fwd_config, zero_rows_from
 from flash_attn_cute.layout_utils import acc_mn_view, acc_to_operand_a, select, transpose_view
-from flash_attn_cute.pack_gqa import packed_lse_rows, packed_rows
-from flash_attn_cute.paged_kv import page_and_row
-from flash_attn_cute.seqlen_info import SeqlenInfo
+from flash_attn_cute.named_barrier import Sm90FwdBarrier
+from flash_attn_cute.paged_kv import page_and_row, page_lookups
 from flash_attn_cute.sm90.config import WarpRoles
-from flash_attn_cute.sm90.wgmma_utils import convert_pairs, smem_layout, wgmma_gemm
+from flash_attn_cute.sm90.wgmma_utils import convert_pairs, kv_release, kv_wait, smem_layout, wgmma_gemm
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
 from flash_attn_cute.tile_scheduler import LptScheduler, PersistentScheduler, SingleTileScheduler
 from flash_attn_cute.variants import AttentionVariant, apply_to_scores
-
-
-class NamedBarrier(enum.IntEnum):
-    """Hardware named barriers (0 is __syncthreads)."""
-
-    CONSUMERS = 1  # all consumer threads: Q loaded by cp.async, epilogue
-    SCHEDULER = 2  # 2 + i: consumer warpgroup i may issue its MMAs (ping-pong)
 
 
 class FlashAttnFwdSm90:
@@ -87,7 +82,7 @@ class FlashAttnFwdSm90:
         # at d=256 the MMAs dominate and the turn-taking only adds waits.
         self.use_scheduler_barrier = self.roles.num_consumer_wgs >= 2 and max(head_dim, head_dim_v) <= 128
         # Packed GQA rows do not form a TMA box; those Q tiles are gathered by cp.async.
-        self.use_tma_q = self.pack == 1
+        self.use_tma_q = self.qhead_per_kvhead_packed == 1
         # With a large O (d_v > 128) the rescale of O by the new row max is moved off the
         # critical path: it runs while Q K^T of the next block is in flight, just before
         # the P V that needs it (the correction of block n is carried to iteration n-1).
@@ -175,9 +170,7 @@ class FlashAttnFwdSm90:
             cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1])),
         )
 
-        heads_q, heads_kv = args.heads()
-        heads_eff = heads_kv if cutlass.const_expr(self.pack > 1) else heads_q
-        num_m_blocks = cute.ceil_div(args.max_seqlen_q * self.pack, self.tile_m)
+        num_m_blocks, heads_eff = args.row_blocks(self.tile_m, self.qhead_per_kvhead_packed)
         if cutlass.const_expr(self.persistent):
             grid = PersistentScheduler.grid(
                 PersistentScheduler.num_tiles(num_m_blocks, heads_eff, args.num_splits, args.batch_size), max_ctas
@@ -186,18 +179,13 @@ class FlashAttnFwdSm90:
             grid = (LptScheduler if self.use_lpt else SingleTileScheduler).grid(
                 num_m_blocks, heads_eff, args.num_splits, args.batch_size
             )
-        self.kernel(
+        kernel = self.kernel(
             args, (tma_Q, tma_K, tma_V, tma_O), (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O),
             (sQ_layout, sK_layout, sV_layout, sO_layout), tiled_mma_qk, tiled_mma_pv,
             gmem_tiled_copy(self.dtype, self.head_dim, self.roles.num_consumer_threads),
             tx_bytes, SharedStorage, num_m_blocks, heads_eff, l2_heads,
-        ).launch(
-            grid=grid,
-            block=(self.roles.num_threads, 1, 1),
-            smem=SharedStorage.size_in_bytes(),
-            stream=stream,
-            min_blocks_per_mp=1,  # a register cap at entry, which setmaxnreg needs
         )
+        launch_ctas(kernel, grid, self.roles.num_threads, SharedStorage, stream, setmaxnreg=True)
 
     @cute.kernel
     def kernel(
@@ -215,13 +203,12 @@ class FlashAttnFwdSm90:
         heads_eff: Int32,
         l2_heads: Int32,
     ):
-        tma_Q, tma_K, tma_V, mO = tma_views
         tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O = tma_atoms
         sQ_layout, sK_layout, sV_layout, sO_layout = smem_layouts
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
-            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
+            for atom in tma_atoms:
                 if cutlass.const_expr(atom is not None):
                     cpasync.prefetch_descriptor(atom)
 
@@ -236,7 +223,7 @@ class FlashAttnFwdSm90:
         )
         if cutlass.const_expr(self.gather_kv):
             # Full: one cp.async arrive per producer thread, once its copies landed. Empty:
-            # one arrive per consumer warp (``kv_release``), as for TMA.
+            # one arrive per consumer warp (``wgmma_utils.kv_release``), as for TMA.
             gatherers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.roles.num_producer_threads)
             pipeline_k, pipeline_v = (
                 pipeline.PipelineCpAsync.create(
@@ -260,143 +247,103 @@ class FlashAttnFwdSm90:
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         o_storage = storage.sO if cutlass.const_expr(self.separate_o) else storage.sQ
         sO = o_storage.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        io = _Io(*tma_views, *tma_atoms, sQ, sK, sV, sO, pipeline_q, pipeline_k, pipeline_v, gmem_copy_Q)
 
-        block_info = BlockInfo(self.tile_m, self.tile_n, self.pack, self.variant)
-        sched = (num_m_blocks, heads_eff, l2_heads)
+        block_info = BlockInfo(self.tile_m, self.tile_n, self.qhead_per_kvhead_packed, self.variant)
+        sched = _Sched(num_m_blocks, heads_eff, l2_heads)
         pipeline.pipeline_init_wait()
 
         if warp_idx < len(self.roles.producer_warps):
             cute.arch.setmaxregister_decrease(self.roles.producer_regs)
             if warp_idx == 0 or cutlass.const_expr(self.gather_kv):
-                self.load(
-                    args, tma_Q, tma_K, tma_V, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                    pipeline_q, pipeline_k, pipeline_v, sched, block_info, warp_idx, tidx,
-                )
+                self.load(args, io, sched, block_info, warp_idx, tidx)
         else:
             cute.arch.setmaxregister_increase(self.roles.consumer_regs)
-            self.mma(
-                args, mO, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv, gmem_copy_Q,
-                pipeline_q, pipeline_k, pipeline_v, sched, block_info, tidx - 128,
-            )
+            self.mma(args, io, (tiled_mma_qk, tiled_mma_pv), sched, block_info, tidx - 128)
 
     # -----------------------------------------------------------------------------------
     # Tiles
     # -----------------------------------------------------------------------------------
 
     @cute.jit
-    def work_at(self, idx, args: FwdArgs, sched):
+    def work_at(self, idx, args: FwdArgs, sched: "_Sched"):
         """The tile of persistent step ``idx`` (``PersistentScheduler``), or of this CTA."""
-        num_m_blocks, heads_eff, l2_heads = sched
         work = None
         if cutlass.const_expr(self.persistent and self.use_lpt):
-            work = LptScheduler.work_of(idx, num_m_blocks, heads_eff, args.batch_size, l2_heads)
+            work = LptScheduler.work_of(idx, sched.num_m_blocks, sched.heads, args.batch_size, sched.l2_heads)
         elif cutlass.const_expr(self.persistent):
-            work = SingleTileScheduler.work_of(idx, num_m_blocks, heads_eff, args.num_splits)
+            work = SingleTileScheduler.work_of(idx, sched.num_m_blocks, sched.heads, args.num_splits)
         elif cutlass.const_expr(self.use_lpt):
-            work = LptScheduler.get_work(num_m_blocks, heads_eff, args.batch_size, l2_heads)
+            work = LptScheduler.get_work(sched.num_m_blocks, sched.heads, args.batch_size, sched.l2_heads)
         else:
             work = SingleTileScheduler.get_work(args.num_splits)
         return work
 
-    def num_tiles(self, args: FwdArgs, sched):
-        num_m_blocks, heads_eff, _ = sched
-        return PersistentScheduler.num_tiles(num_m_blocks, heads_eff, args.num_splits, args.batch_size)
-
     @cute.jit
-    def tile_info(self, args: FwdArgs, work, block_info: BlockInfo):
-        """(ctx, seqlen, head_kv, rows_valid, n_block_min, n_block_max) of a work tile: its
-        variant context (batch, head, lengths, the user variant's tensors), its sequence,
-        its rows inside the (packed) sequence (<= 0: none) and its KV block range."""
-        mQ, mK, mPageTable = args.mQ, args.mK, args.mPageTable
-        paged = cutlass.const_expr(mPageTable is not None)
-        heads_q, heads_kv = args.heads()
-        head_kv = work.head if cutlass.const_expr(self.pack > 1) else work.head // (heads_q // heads_kv)
-        seqlen = SeqlenInfo.create_for(work.batch, mQ, mK, args.mCuSeqlensQ,
-                                       args.mCuSeqlensK if not paged else None, args.mSeqUsedK, mPageTable)
-        ctx = args.variant_ctx(work.batch, work.head, seqlen.seqlen_q, seqlen.seqlen_k, self.variant.has_score_mod)
-        n_block_min, n_block_max = block_info.get_n_block_min_max(work.m_block, ctx, work.split_idx,
-                                                                  args.num_splits, self.is_split)
-        rows_valid = seqlen.seqlen_q * self.pack - work.m_block * self.tile_m
-        return ctx, seqlen, head_kv, rows_valid, n_block_min, n_block_max
+    def for_each_tile(self, args: FwdArgs, sched: "_Sched", tile_fn, q_state, state):
+        """The CTA's tiles, ``(q_state, state) = tile_fn(work, q_state, state)`` each: one,
+        or (persistent) every gridDim.x-th from blockIdx.x, the pipeline states carried from
+        one to the next. Producer and consumers walk the same tiles in the same order."""
+        if cutlass.const_expr(self.persistent):
+            idx = cute.arch.block_idx()[0]
+            num_tiles = PersistentScheduler.num_tiles(sched.num_m_blocks, sched.heads, args.num_splits,
+                                                      args.batch_size)
+            while idx < num_tiles:
+                q_state, state = tile_fn(self.work_at(idx, args, sched), q_state, state)
+                idx += cute.arch.grid_dim()[0]
+        else:
+            q_state, state = tile_fn(self.work_at(None, args, sched), q_state, state)
+        return q_state, state
 
     # -----------------------------------------------------------------------------------
     # Producer
     # -----------------------------------------------------------------------------------
 
     @cute.jit
-    def load(
-        self, args: FwdArgs, tma_Q, tma_K, tma_V, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-        pipeline_q, pipeline_k, pipeline_v, sched, block_info: BlockInfo, warp_idx, tidx,
-    ):
-        """The producer's tiles: one, or (persistent) every gridDim.x-th from blockIdx.x, the
-        pipeline states carried from one to the next (a stage of the next tile is loaded as
-        soon as the consumers free it)."""
+    def load(self, args: FwdArgs, io: "_Io", sched: "_Sched", block_info: BlockInfo, warp_idx, tidx):
+        """The producer's tiles (``for_each_tile``): a stage of the next tile is loaded as
+        soon as the consumers free it."""
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        load_tile = lambda work, q_st, st: self.load_tile(
-            args, tma_Q, tma_K, tma_V, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, pipeline_q, pipeline_k,
-            pipeline_v, work, block_info, q_st, st, warp_idx, tidx,
-        )
-        if cutlass.const_expr(self.persistent):
-            idx = cute.arch.block_idx()[0]
-            num_tiles = self.num_tiles(args, sched)
-            while idx < num_tiles:
-                q_state, state = load_tile(self.work_at(idx, args, sched), q_state, state)
-                idx += cute.arch.grid_dim()[0]
-        else:
-            q_state, state = load_tile(self.work_at(None, args, sched), q_state, state)
+        q_state, state = self.for_each_tile(
+            args, sched, lambda work, q_st, st: self.load_tile(args, io, work, block_info, q_st, st, warp_idx, tidx),
+            q_state, state)
         # Keep the CTA alive until the consumers released every stage it filled.
-        pipeline_v.producer_tail(state)
+        io.pipeline_v.producer_tail(state)
 
     @cute.jit
-    def load_tile(
-        self, args: FwdArgs, tma_Q, tma_K, tma_V, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-        pipeline_q, pipeline_k, pipeline_v, work, block_info: BlockInfo, q_state, state, warp_idx, tidx,
-    ):
+    def load_tile(self, args: FwdArgs, io: "_Io", work, block_info: BlockInfo, q_state, state, warp_idx, tidx):
         """Q once (warp 0), then K one block ahead of V, so that the consumers' Q K^T of
         block n can start while P V of block n+1 still waits for V. KV blocks go by TMA from
         warp 0, or are gathered row by row by the whole warpgroup (``gather_kv``). Nothing
         for a tile without rows or KV blocks (the consumers skip its loads alike)."""
-        ctx, seqlen, head_kv, rows_valid, n_block_min, n_block_max = self.tile_info(args, work, block_info)
-        varlen_q = cutlass.const_expr(args.mCuSeqlensQ is not None)
-        paged = cutlass.const_expr(args.mPageTable is not None)
-        varlen_k = cutlass.const_expr(args.mCuSeqlensK is not None and not paged)
-        if rows_valid > 0:
-            if n_block_max > n_block_min:
-                q_state, state = self.load_blocks(
-                    tma_Q, tma_K, tma_V, args.mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                    pipeline_q, pipeline_k, pipeline_v, seqlen, work.m_block, work.head, head_kv, work.batch,
-                    n_block_min, n_block_max, q_state, state, varlen_q, varlen_k, paged, warp_idx, tidx,
-                )
+        tile = FwdTile.create(args, work, block_info, self.is_split)
+        if tile.rows_valid > 0:
+            if tile.n_block_max > tile.n_block_min:
+                q_state, state = self.load_blocks(args, io, tile, q_state, state, warp_idx, tidx)
         return q_state, state
 
     @cute.jit
-    def load_blocks(
-        self, tma_Q, tma_K, tma_V, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-        pipeline_q, pipeline_k, pipeline_v, seqlen, m_block, head, head_kv, batch, n_block_min, n_block_max,
-        q_state, state, varlen_q: cutlass.Constexpr, varlen_k: cutlass.Constexpr, paged: cutlass.Constexpr,
-        warp_idx, tidx,
-    ):
+    def load_blocks(self, args: FwdArgs, io: "_Io", tile: FwdTile, q_state, state, warp_idx, tidx):
         if cutlass.const_expr(self.gather_kv):
-            load_k, load_v = self.kv_gatherers(tma_K, tma_V, mPageTable, sK, sV, pipeline_k, pipeline_v, seqlen,
-                                               head_kv, batch, tidx)
+            load_k, load_v = self.kv_gatherers(args, io, tile, tidx)
         else:
-            load_k, load_v = self.kv_tma_loaders(tma_K, tma_V, mPageTable, sK, sV, tma_atom_K, tma_atom_V,
-                                                 pipeline_k, pipeline_v, seqlen, head_kv, batch, varlen_k, paged)
+            load_k, load_v = self.kv_tma_loaders(args, io, tile)
+        n_block_min, n_block_max = tile.n_block_min, tile.n_block_max
         load_k(n_block_max - 1, state)
         if cutlass.const_expr(self.use_tma_q):
             if warp_idx == 0:
-                if cutlass.const_expr(varlen_q):
-                    mQ_cur = cute.domain_offset((seqlen.offset_q, 0), tma_Q[None, None, head])
+                if cutlass.const_expr(args.varlen_q):
+                    mQ_cur = cute.domain_offset((tile.seqlen.offset_q, 0), io.tma_Q[None, None, tile.ctx.head])
                 else:
-                    mQ_cur = tma_Q[None, None, head, batch]
-                gQ = cute.local_tile(mQ_cur, (self.tile_m, self.head_dim), (m_block, 0))
+                    mQ_cur = io.tma_Q[None, None, tile.ctx.head, tile.ctx.batch]
+                gQ = cute.local_tile(mQ_cur, (self.tile_m, self.head_dim), (tile.m_block, 0))
                 tQsQ, tQgQ = cpasync.tma_partition(
-                    tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+                    io.tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(io.sQ, 0, 2), cute.group_modes(gQ, 0, 2)
                 )
                 # Waits (persistent) until every consumer warp finished the last tile's Q K^T.
-                pipeline_q.producer_acquire(q_state)
-                cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+                io.pipeline_q.producer_acquire(q_state)
+                cute.copy(io.tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=io.pipeline_q.producer_get_barrier(q_state))
             q_state.advance()
         for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
             n_block = n_block_max - 2 - i
@@ -408,31 +355,34 @@ class FlashAttnFwdSm90:
         state.advance()
         return q_state, state
 
-    def kv_tma_loaders(self, tma_K, tma_V, mPageTable, sK, sV, tma_atom_K, tma_atom_V, pipeline_k, pipeline_v,
-                       seqlen, head_kv, batch, varlen_k: bool, paged: bool):
+    def kv_tma_loaders(self, args: FwdArgs, io: "_Io", tile: FwdTile):
         """(load_k, load_v): ``(n_block, state) ->`` one TMA of the block into the stage."""
-        if cutlass.const_expr(paged):
-            mK_cur = tma_K[None, None, head_kv, None]  # (page_size, d, num_pages)
-            mV_cur = tma_V[None, None, head_kv, None]
+        head_kv, batch = tile.head_kv, tile.ctx.batch
+        if cutlass.const_expr(args.paged):
+            mK_cur = io.tma_K[None, None, head_kv, None]  # (page_size, d, num_pages)
+            mV_cur = io.tma_V[None, None, head_kv, None]
             gK = cute.local_tile(mK_cur, (self.tile_n, self.head_dim), (None, 0, None))
             gV = cute.local_tile(mV_cur, (self.tile_n, self.head_dim_v), (None, 0, None))
         else:
-            if cutlass.const_expr(varlen_k):
-                mK_cur = cute.domain_offset((seqlen.offset_k, 0), tma_K[None, None, head_kv])
-                mV_cur = cute.domain_offset((seqlen.offset_k, 0), tma_V[None, None, head_kv])
+            if cutlass.const_expr(args.varlen_k):
+                mK_cur = cute.domain_offset((tile.seqlen.offset_k, 0), io.tma_K[None, None, head_kv])
+                mV_cur = cute.domain_offset((tile.seqlen.offset_k, 0), io.tma_V[None, None, head_kv])
             else:
-                mK_cur = tma_K[None, None, head_kv, batch]
-                mV_cur = tma_V[None, None, head_kv, batch]
+                mK_cur = io.tma_K[None, None, head_kv, batch]
+                mV_cur = io.tma_V[None, None, head_kv, batch]
             gK = cute.local_tile(mK_cur, (self.tile_n, self.head_dim), (None, 0))
             gV = cute.local_tile(mV_cur, (self.tile_n, self.head_dim_v), (None, 0))
         tKsK, tKgK = cpasync.tma_partition(
-            tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+            io.tma_atom_K, 0, cute.make_layout(1), cute.group_modes(io.sK, 0, 2), cute.group_modes(gK, 0, 2)
         )
         tVsV, tVgV = cpasync.tma_partition(
-            tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+            io.tma_atom_V, 0, cute.make_layout(1), cute.group_modes(io.sV, 0, 2), cute.group_modes(gV, 0, 2)
         )
-        load_k = lambda n_block, st: self.load_kv(tma_atom_K, tKgK, tKsK, pipeline_k, n_block, st, mPageTable, batch)
-        load_v = lambda n_block, st: self.load_kv(tma_atom_V, tVgV, tVsV, pipeline_v, n_block, st, mPageTable, batch)
+        mPageTable = args.mPageTable
+        load_k = lambda n_block, st: self.load_kv(io.tma_atom_K, tKgK, tKsK, io.pipeline_k, n_block, st, mPageTable,
+                                                  batch)
+        load_v = lambda n_block, st: self.load_kv(io.tma_atom_V, tVgV, tVsV, io.pipeline_v, n_block, st, mPageTable,
+                                                  batch)
         return load_k, load_v
 
     @cute.jit
@@ -449,7 +399,7 @@ class FlashAttnFwdSm90:
             src = tXgX[None, n_block]
         cute.copy(tma_atom, src, tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
 
-    def kv_gatherers(self, mK, mV, mPageTable, sK, sV, pipeline_k, pipeline_v, seqlen, head_kv, batch, tidx):
+    def kv_gatherers(self, args: FwdArgs, io: "_Io", tile: FwdTile, tidx):
         """(load_k, load_v) for ``gather_kv``: each producer thread copies its 16-byte chunks
         of the block's rows, each row through its own page lookup (``page_and_row``)."""
         nthreads = self.roles.num_producer_threads
@@ -459,19 +409,20 @@ class FlashAttnFwdSm90:
             thr_copy = tiled_copy.get_slice(tidx)
             tXsX = thr_copy.partition_D(sX)
             tXcX = thr_copy.partition_S(cute.make_identity_tensor((self.tile_n, cols)))
-            mX_h = mX[None, None, head_kv, None]  # (num_pages, page_size, cols)
-            return lambda n_block, st: self.gather_kv_block(tiled_copy, tXsX, tXcX, mX_h, mPageTable, batch, pipe,
-                                                            n_block, st, seqlen.seqlen_k)
+            mX_h = mX[None, None, tile.head_kv, None]  # (num_pages, page_size, cols)
+            return lambda n_block, st: self.gather_kv_block(tiled_copy, tXsX, tXcX, mX_h, args.mPageTable,
+                                                            tile.ctx.batch, pipe, n_block, st, tile.seqlen.seqlen_k)
 
-        return loader(mK, sK, self.head_dim, pipeline_k), loader(mV, sV, self.head_dim_v, pipeline_v)
+        return loader(io.tma_K, io.sK, self.head_dim, io.pipeline_k), loader(io.tma_V, io.sV, self.head_dim_v,
+                                                                             io.pipeline_v)
 
     @cute.jit
     def gather_kv_block(self, tiled_copy, tXsX, tXcX, mX_h, mPageTable, batch, pipe, n_block, state, seqlen_k):
         """cp.async of this thread's chunks of block n_block, then a cp.async arrive on the
-        stage's full barrier (it fires when they land). All page lookups of the block are
-        issued before the first copy, so their latencies overlap (one after another, page
-        size 1 read 1.65 TB/s on the H200). Rows past the sequence end are not read: their
-        scores are masked, and the consumers zero the V tail (``zero_v_tail``)."""
+        stage's full barrier (it fires when they land). The page lookups of a group of rows
+        are issued before its first copy (``paged_kv.page_lookups``). Rows past the
+        sequence end are not read: their scores are masked, and the consumers zero the V
+        tail (``zero_v_tail``)."""
         page_size, num_pages = mX_h.shape[1], mX_h.shape[0]
         tXsX_s = tXsX[None, None, None, state.index]
         rows = cute.size(tXsX_s, mode=[1])
@@ -480,22 +431,15 @@ class FlashAttnFwdSm90:
         group = rows if cutlass.const_expr(self.roles.producer_regs >= 96) else min(rows, 4)
         t0 = n_block * self.tile_n
         last = seqlen_k - 1
-        tPrPage = cute.make_rmem_tensor((group,), Int32)
-        tPrRow = cute.make_rmem_tensor((group,), Int32)
         for g in cutlass.range_constexpr(cute.ceil_div(rows, group)):
-            for i in cutlass.range_constexpr(min(group, rows - g * group)):
-                t = cutlass.min(t0 + tXcX[0, g * group + i, 0][0], last)
-                tPrPage[i], tPrRow[i] = page_and_row(mPageTable, batch, t, page_size, num_pages)
+            count = min(group, rows - g * group)
+            tPrPage, tPrRow = page_lookups(mPageTable, batch, tXcX, t0, last, g * group, count, page_size, num_pages)
             if cutlass.const_expr(g == 0):
                 pipe.producer_acquire(state)
-            for i in cutlass.range_constexpr(min(group, rows - g * group)):
+            for i in cutlass.range_constexpr(count):
                 m = g * group + i
                 if t0 + tXcX[0, m, 0][0] <= last:
-                    g_row = mX_h[tPrPage[i], tPrRow[i], None]
-                    for k in cutlass.range_constexpr(cute.size(tXsX_s, mode=[2])):
-                        src = cute.make_tensor(aligned_row_ptr(g_row, tXcX[0, m, k][1], 16),
-                                               tXsX_s[None, m, k].layout)
-                        cute.copy(tiled_copy, src, tXsX_s[None, m, k])
+                    copy_row(tiled_copy, tXsX_s[None, m, None], tXcX[None, m, None], mX_h[tPrPage[i], tPrRow[i], None])
         pipe.producer_commit(state)
 
     # -----------------------------------------------------------------------------------
@@ -503,43 +447,30 @@ class FlashAttnFwdSm90:
     # -----------------------------------------------------------------------------------
 
     @cute.jit
-    def mma(
-        self, args: FwdArgs, mO, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv, gmem_copy_Q,
-        pipeline_q, pipeline_k, pipeline_v, sched, block_info: BlockInfo, cidx,
-    ):
+    def mma(self, args: FwdArgs, io: "_Io", tiled_mmas: tuple, sched: "_Sched", block_info: BlockInfo, cidx):
         """Consumer warpgroups: for each of the CTA's tiles (``load``'s), the KV loop
-        (wgmma + softmax), then the epilogue."""
+        (wgmma + softmax), then the epilogue. ``tiled_mmas``: Q K^T and P V."""
         wg_idx = cute.arch.make_warp_uniform(cidx // 128)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        mma_tile = lambda work, q_st, st: self.mma_tile(
-            args, mO, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv, gmem_copy_Q, pipeline_q, pipeline_k,
-            pipeline_v, work, block_info, q_st, st, cidx, wg_idx,
-        )
         if cutlass.const_expr(self.persistent):
             # The first warpgroup opens its turn once: every tile leaves the ping-pong barriers
             # as it found them (each warpgroup issues the same number of blocks; the last
             # turn's arrive on the first warpgroup's barrier opens the next tile).
             self.scheduler_open(wg_idx)
-            idx = cute.arch.block_idx()[0]
-            num_tiles = self.num_tiles(args, sched)
-            while idx < num_tiles:
-                q_state, state = mma_tile(self.work_at(idx, args, sched), q_state, state)
-                idx += cute.arch.grid_dim()[0]
-        else:
-            q_state, state = mma_tile(self.work_at(None, args, sched), q_state, state)
+        q_state, state = self.for_each_tile(
+            args, sched,
+            lambda work, q_st, st: self.mma_tile(args, io, tiled_mmas, work, block_info, q_st, st, cidx, wg_idx),
+            q_state, state)
 
     @cute.jit
-    def mma_tile(
-        self, args: FwdArgs, mO, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv, gmem_copy_Q,
-        pipeline_q, pipeline_k, pipeline_v, work, block_info: BlockInfo, q_state, state, cidx, wg_idx,
-    ):
+    def mma_tile(self, args: FwdArgs, io: "_Io", tiled_mmas: tuple, work, block_info: BlockInfo, q_state, state,
+                 cidx, wg_idx):
         """One tile: the KV loop when it has KV blocks, then O and the LSE (zero and -inf
         rows without blocks)."""
-        ctx, seqlen, head_kv, rows_valid, n_block_min, n_block_max = self.tile_info(args, work, block_info)
-        varlen_q = cutlass.const_expr(args.mCuSeqlensQ is not None)
-        m_block = work.m_block
-        if rows_valid > 0:
+        tiled_mma_qk, tiled_mma_pv = tiled_mmas
+        tile = FwdTile.create(args, work, block_info, self.is_split)
+        if tile.rows_valid > 0:
             thr_mma_qk = tiled_mma_qk.get_slice(cidx)
             acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((self.tile_m, self.head_dim_v)), Float32)
             acc_O.fill(0.0)
@@ -548,35 +479,29 @@ class FlashAttnFwdSm90:
             has_mod = cutlass.const_expr(self.variant.has_score_mod)
             # With a score modifier the kernel scales S before calling it; otherwise the
             # scale folds into the exp2 argument (one FFMA per score).
-            scale_log2 = LOG2_E if has_mod else args.softmax_scale * LOG2_E
+            scale_log2 = LOG2_E if has_mod else tile.softmax_scale * LOG2_E
             softmax = OnlineSoftmax(cute.size(tScS_mn, mode=[0]), Float32(scale_log2))
-            if n_block_max > n_block_min:
-                q_state, state = self.mainloop(
-                    args.mQ, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, gmem_copy_Q, pipeline_q, pipeline_k,
-                    pipeline_v, acc_O, softmax, tScS_mn, ctx, seqlen, block_info, m_block, head_kv, n_block_min,
-                    n_block_max, rows_valid, args.softmax_scale, q_state, state, cidx, wg_idx, varlen_q,
-                )
+            if tile.n_block_max > tile.n_block_min:
+                q_state, state = self.mainloop(args, io, tiled_mmas, acc_O, softmax, tScS_mn, tile, block_info,
+                                               q_state, state, cidx, wg_idx)
             lse = cute.make_rmem_tensor((softmax.num_rows,), Float32)
             softmax.finalize(acc_O, lse)
-            self.epilogue(acc_O, lse, mO, args.mLSE, sO, tma_atom_O, ctx, seqlen, m_block, head_kv, work.split_idx,
-                          rows_valid, tiled_mma_pv, cidx, varlen_q)
+            self.epilogue(args, io, acc_O, lse, tile, tiled_mma_pv, cidx)
         return q_state, state
 
     @cute.jit
-    def mainloop(
-        self, mQ, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, gmem_copy_Q, pipeline_q, pipeline_k, pipeline_v,
-        acc_O, softmax, tScS_mn, ctx, seqlen, block_info, m_block, head_kv, n_block_min, n_block_max, rows_valid,
-        softmax_scale, q_state, state, cidx, wg_idx, varlen_q: cutlass.Constexpr,
-    ):
+    def mainloop(self, args: FwdArgs, io: "_Io", tiled_mmas: tuple, acc_O, softmax: OnlineSoftmax, tScS_mn,
+                 tile: FwdTile, block_info: BlockInfo, q_state, state, cidx, wg_idx):
         """The KV blocks of one tile, from the last to the first; returns the pipeline
         states advanced past them."""
+        tiled_mma_qk, tiled_mma_pv = tiled_mmas
         wg_layout = cute.make_layout(self.roles.num_consumer_wgs, stride=128)
         # wgmma fragments are warpgroup-wide descriptors: partition by the warpgroup's first thread.
         wg_mma_qk = tiled_mma_qk.get_slice(wg_layout(wg_idx))
         wg_mma_pv = tiled_mma_pv.get_slice(wg_layout(wg_idx))
-        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
-        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
-        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(transpose_view(sV)))
+        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(io.sQ))
+        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(io.sK))
+        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(transpose_view(io.sV)))
         # P in 16 bits, laid out like S (so the conversion packs adjacent columns pairwise),
         # read by the RS wgmma through the A-operand view.
         rP = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), self.dtype)
@@ -585,99 +510,88 @@ class FlashAttnFwdSm90:
         scale_carry = None
         if cutlass.const_expr(self.rescale_o_before_pv):
             scale_carry = cute.make_rmem_tensor((softmax.num_rows,), Float32)
+        mma = _MmaState(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, tScS_mn, acc_O, softmax, scale_carry)
 
         if cutlass.const_expr(self.use_tma_q):
-            pipeline_q.consumer_wait(q_state)
+            io.pipeline_q.consumer_wait(q_state)
         else:
             if cutlass.const_expr(self.persistent):
                 # Every warpgroup finished the last tile's Q K^T before Q is overwritten.
-                cute.arch.barrier(barrier_id=int(NamedBarrier.CONSUMERS),
-                                  number_of_threads=self.roles.num_consumer_threads)
-            self.load_q_packed(mQ, sQ, gmem_copy_Q, ctx.batch, seqlen, head_kv, m_block, rows_valid,
-                               cidx, varlen_q)
+                self.consumers_sync()
+            self.load_q_packed(args, io, tile, cidx)
         if cutlass.const_expr(not self.persistent):
             self.scheduler_open(wg_idx)
-        row0 = m_block * self.tile_m
+        row0 = tile.m_block * self.tile_m
+        n_block_min, n_block_max = tile.n_block_min, tile.n_block_max
 
         # First block: S only (its P V is issued with the next block's Q K^T).
-        self.kv_wait(pipeline_k, state)
+        kv_wait(io.pipeline_k, state, self.gather_kv)
         acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         wgmma_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], True, 0)
-        self.kv_release(pipeline_k, state)
-        apply_to_scores(self.variant, acc_mn_view(acc_S), tScS_mn, ctx, row0, (n_block_max - 1) * self.tile_n,
-                        self.pack, softmax_scale, True)
-        self.softmax(softmax, acc_S, acc_O, tOrP, None, scale_carry)
+        kv_release(io.pipeline_k, state, self.gather_kv)
+        apply_to_scores(self.variant, acc_mn_view(acc_S), tScS_mn, tile.ctx, row0, (n_block_max - 1) * self.tile_n,
+                        self.qhead_per_kvhead_packed, tile.softmax_scale, True)
+        self.softmax(mma, acc_S, None)
         if cutlass.const_expr(self.cache_tail_may_be_garbage):
-            self.zero_v_tail(pipeline_v, state, sV, ctx.seqlen_k - (n_block_max - 1) * self.tile_n, cidx)
+            self.zero_v_tail(io.pipeline_v, state, io.sV, tile.ctx.seqlen_k - (n_block_max - 1) * self.tile_n, cidx)
 
-        step = lambda st, n_block, masked: self.mma_one_block(
-            st, n_block, masked, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, softmax,
-            pipeline_k, pipeline_v, tScS_mn, ctx, row0, softmax_scale, wg_idx, scale_carry,
-        )
         # The first block is done: the runs cover [n_block_min, n_block_max - 1).
         n_hi = n_block_max - 1
-        n_mid_hi, n_mid_lo = block_info.get_n_block_runs(m_block, ctx, n_block_min, n_hi)
-        for i in cutlass.range(n_hi - n_mid_hi, unroll=1):
-            state = step(state, n_hi - 1 - i, True)
-        for i in cutlass.range(n_mid_hi - n_mid_lo, unroll=1):
-            state = step(state, n_mid_hi - 1 - i, False)
-        if cutlass.const_expr(self.variant.has_mask):
-            for i in cutlass.range(n_mid_lo - n_block_min, unroll=1):
-                state = step(state, n_mid_lo - 1 - i, True)
+        state = block_info.walk_n_blocks(
+            lambda st, n_block, masked: self.mma_one_block(mma, io, tile, row0, st, n_block, masked, wg_idx),
+            n_block_min, n_hi, tile.n_block_runs(block_info, n_hi), state)
         # Every Q K^T of the tile completed (waited on in its step): the producer may load
         # the next tile's Q into sQ while the last P V and the epilogue run.
         if cutlass.const_expr(self.use_tma_q):
-            pipeline_q.consumer_release(q_state)
+            io.pipeline_q.consumer_release(q_state)
             q_state.advance()
 
         # Last P V.
-        self.rescale_carried(softmax, acc_O, scale_carry)
-        self.kv_wait(pipeline_v, state)
+        self.rescale_carried(mma)
+        kv_wait(io.pipeline_v, state, self.gather_kv)
         wgmma_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], False, 0)
-        self.kv_release(pipeline_v, state)
+        kv_release(io.pipeline_v, state, self.gather_kv)
         state.advance()
         return q_state, state
 
     @cute.jit
-    def mma_one_block(
-        self, state, n_block, masked: cutlass.Constexpr, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP,
-        acc_O, softmax, pipeline_k, pipeline_v, tScS_mn, ctx, row0, softmax_scale, wg_idx, scale_carry,
-    ):
+    def mma_one_block(self, mma: "_MmaState", io: "_Io", tile: FwdTile, row0, state, n_block,
+                      masked: cutlass.Constexpr, wg_idx):
         """S(n) = Q K(n)^T and O += P(n+1) V(n+1) in flight together; the softmax of S(n)
         starts once S lands, while P V still runs."""
         state_v = state.clone()
         state.advance()
-        self.kv_wait(pipeline_k, state)
+        kv_wait(io.pipeline_k, state, self.gather_kv)
         self.scheduler_sync(wg_idx)
-        acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-        wgmma_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], True, -1)
-        self.rescale_carried(softmax, acc_O, scale_carry)  # while Q K^T runs
-        self.kv_wait(pipeline_v, state_v)
-        wgmma_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state_v.index], False, -1)
+        acc_S = cute.make_rmem_tensor(mma.tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        wgmma_gemm(mma.tiled_mma_qk, acc_S, mma.tSrQ, mma.tSrK[None, None, None, state.index], True, -1)
+        self.rescale_carried(mma)  # while Q K^T runs
+        kv_wait(io.pipeline_v, state_v, self.gather_kv)
+        wgmma_gemm(mma.tiled_mma_pv, mma.acc_O, mma.tOrP, mma.tOrVt[None, None, None, state_v.index], False, -1)
         self.scheduler_arrive(wg_idx)
         warpgroup.wait_group(1)  # S landed; P V may still run
-        self.kv_release(pipeline_k, state)
-        apply_to_scores(self.variant, acc_mn_view(acc_S), tScS_mn, ctx, row0, n_block * self.tile_n, self.pack,
-                        softmax_scale, masked)
-        row_scale = softmax.step(acc_S, ex2_emulate_every=0 if masked else self.ex2_emulate_every)
+        kv_release(io.pipeline_k, state, self.gather_kv)
+        apply_to_scores(self.variant, acc_mn_view(acc_S), mma.tScS_mn, tile.ctx, row0, n_block * self.tile_n,
+                        self.qhead_per_kvhead_packed, tile.softmax_scale, masked)
+        row_scale = mma.softmax.step(acc_S, ex2_emulate_every=0 if masked else self.ex2_emulate_every)
         warpgroup.wait_group(0)  # P V landed: acc_O and tOrP are free
-        self.kv_release(pipeline_v, state_v)
-        self.softmax(softmax, acc_S, acc_O, tOrP, row_scale, scale_carry)
+        kv_release(io.pipeline_v, state_v, self.gather_kv)
+        self.softmax(mma, acc_S, row_scale)
         return state
 
     @cute.jit
-    def softmax(self, softmax: OnlineSoftmax, acc_S, acc_O, tOrP, row_scale, scale_carry):
+    def softmax(self, mma: "_MmaState", acc_S, row_scale):
         """P in the RS operand registers, O rescaled (or its correction carried to the next
         P V); without ``row_scale`` (first block) the softmax step runs here and O, still
         zero, needs no rescale."""
         first = cutlass.const_expr(row_scale is None)
         if cutlass.const_expr(first):
-            row_scale = softmax.step(acc_S)
-        convert_pairs(acc_S, cute.make_tensor(tOrP.iterator, acc_S.layout))
-        if cutlass.const_expr(scale_carry is not None):
-            scale_carry.store(row_scale.load())
+            row_scale = mma.softmax.step(acc_S)
+        convert_pairs(acc_S, cute.make_tensor(mma.tOrP.iterator, acc_S.layout))
+        if cutlass.const_expr(mma.scale_carry is not None):
+            mma.scale_carry.store(row_scale.load())
         elif cutlass.const_expr(not first):
-            softmax.rescale_o(acc_O, row_scale)
+            mma.softmax.rescale_o(mma.acc_O, row_scale)
 
     @cute.jit
     def zero_v_tail(self, pipeline_v, state, sV, rows_valid, cidx):
@@ -685,46 +599,32 @@ class FlashAttnFwdSm90:
         whatever was there past seqused_k (the TMA box reads it); P is 0 there, but 0 * NaN
         is NaN. K needs nothing: its scores are masked to -inf."""
         if rows_valid < self.tile_n:
-            self.kv_wait(pipeline_v, state)
+            kv_wait(pipeline_v, state, self.gather_kv)
             zero_rows_from(sV[None, None, state.index], rows_valid, cidx, self.roles.num_consumer_threads)
             # Generic-proxy stores, read next by wgmma (async proxy), by every warpgroup.
             cute.arch.fence_view_async_shared()
-            cute.arch.barrier(barrier_id=int(NamedBarrier.CONSUMERS), number_of_threads=self.roles.num_consumer_threads)
+            self.consumers_sync()
 
     @cute.jit
-    def kv_wait(self, pipe, state):
-        """Waits for a K or V stage. Gathered rows were written by cp.async, in the generic
-        proxy; wgmma reads shared memory through the async proxy, hence the proxy fence."""
-        pipe.consumer_wait(state)
-        if cutlass.const_expr(self.gather_kv):
-            cute.arch.fence_view_async_shared()
-
-    @cute.jit
-    def kv_release(self, pipe, state):
-        """Frees a K or V stage: one arrive per consumer warp (the TMA pipeline elects its
-        lane itself; the cp.async pipeline would count every thread)."""
-        if cutlass.const_expr(self.gather_kv):
-            if cute.arch.lane_idx() == 0:
-                pipe.consumer_release(state)
-        else:
-            pipe.consumer_release(state)
-
-    @cute.jit
-    def rescale_carried(self, softmax: OnlineSoftmax, acc_O, scale_carry):
+    def rescale_carried(self, mma: "_MmaState"):
         """The deferred rescale of O (rescale_o_before_pv), just before its next P V."""
-        if cutlass.const_expr(scale_carry is not None):
-            softmax.rescale_o(acc_O, scale_carry)
+        if cutlass.const_expr(mma.scale_carry is not None):
+            mma.softmax.rescale_o(mma.acc_O, mma.scale_carry)
+
+    def consumers_sync(self):
+        """Every consumer thread meets (``Sm90FwdBarrier.CONSUMERS``)."""
+        cute.arch.barrier(barrier_id=int(Sm90FwdBarrier.CONSUMERS), number_of_threads=self.roles.num_consumer_threads)
 
     @cute.jit
     def scheduler_open(self, wg_idx):
         """The first warpgroup opens its own turn."""
         if cutlass.const_expr(self.use_scheduler_barrier):
             if wg_idx == 0:
-                cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.SCHEDULER), number_of_threads=2 * 128)
+                cute.arch.barrier_arrive(barrier_id=int(Sm90FwdBarrier.SCHEDULER), number_of_threads=2 * 128)
 
     def scheduler_sync(self, wg_idx):
         if cutlass.const_expr(self.use_scheduler_barrier):
-            cute.arch.barrier(barrier_id=int(NamedBarrier.SCHEDULER) + wg_idx, number_of_threads=2 * 128)
+            cute.arch.barrier(barrier_id=int(Sm90FwdBarrier.SCHEDULER) + wg_idx, number_of_threads=2 * 128)
 
     def scheduler_arrive(self, wg_idx):
         if cutlass.const_expr(self.use_scheduler_barrier):
@@ -733,108 +633,122 @@ class FlashAttnFwdSm90:
                 nxt = 1 - wg_idx
             else:
                 nxt = nxt - self.roles.num_consumer_wgs * (nxt // self.roles.num_consumer_wgs)
-            cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.SCHEDULER) + nxt, number_of_threads=2 * 128)
+            cute.arch.barrier_arrive(barrier_id=int(Sm90FwdBarrier.SCHEDULER) + nxt, number_of_threads=2 * 128)
 
     @cute.jit
-    def load_q_packed(self, mQ, sQ, gmem_copy_Q, batch, seqlen, head_kv, m_block, rows_valid, cidx,
-                      varlen_q: cutlass.Constexpr):
+    def load_q_packed(self, args: FwdArgs, io: "_Io", tile: FwdTile, cidx):
         """Packed-GQA Q tile gathered row by row with cp.async by the consumers themselves,
         rows past the sequence zero-filled; then made visible to wgmma (async proxy)."""
-        q_rows = packed_rows(seqlen.q_view(mQ, batch, varlen_q), head_kv, self.pack)
-        thr_copy = gmem_copy_Q.get_slice(cidx)
-        tQsQ = thr_copy.partition_D(sQ)
+        q_rows = tile.q_rows(args.mQ, self.qhead_per_kvhead_packed, args.varlen_q)
+        thr_copy = io.gmem_copy_Q.get_slice(cidx)
+        tQsQ = thr_copy.partition_D(io.sQ)
         tQcQ = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.head_dim)))
-        row_base = m_block * self.tile_m
-        for m in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
-            row = tQcQ[0, m, 0][0]
-            if row < rows_valid:
-                g_row = q_rows[row_base + row, None]
-                for k in cutlass.range_constexpr(cute.size(tQsQ, mode=[2])):
-                    src = cute.make_tensor(aligned_row_ptr(g_row, tQcQ[0, m, k][1], 16), tQsQ[None, m, k].layout)
-                    cute.copy(gmem_copy_Q, src, tQsQ[None, m, k])
-            else:
-                tQsQ[None, m, None].fill(0.0)
+        row0 = tile.m_block * self.tile_m
+        copy_rows(io.gmem_copy_Q, tQsQ, tQcQ, lambda row, m: q_rows[row0 + row, None], tile.rows_valid)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=int(NamedBarrier.CONSUMERS), number_of_threads=self.roles.num_consumer_threads)
+        self.consumers_sync()
 
     # -----------------------------------------------------------------------------------
     # Epilogue
     # -----------------------------------------------------------------------------------
 
     @cute.jit
-    def epilogue(self, acc_O, lse, mO, mLSE, sO, tma_atom_O, ctx, seqlen, m_block, head_kv, split_idx, rows_valid,
-                 tiled_mma_pv, cidx, varlen_q: cutlass.Constexpr):
+    def epilogue(self, args: FwdArgs, io: "_Io", acc_O, lse, tile: FwdTile, tiled_mma_pv, cidx):
         """O through smem and one TMA store (``use_tma_o``), else straight from registers
         two columns per store; the LSE from registers."""
         thr_mma_pv = tiled_mma_pv.get_slice(cidx)
         tOcO_mn = acc_mn_view(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
-        row0 = m_block * self.tile_m
-        head = head_kv if cutlass.const_expr(self.pack > 1) else ctx.head
+        row0 = tile.m_block * self.tile_m
+        packed = self.qhead_per_kvhead_packed
         if cutlass.const_expr(self.use_tma_o):
-            self.store_o_tma(acc_O, sO, tma_atom_O, mO, tiled_mma_pv, cidx, m_block, ctx.head, ctx.batch)
+            self.store_o_tma(acc_O, io, tiled_mma_pv, cidx, tile)
         else:
-            self.store_o_direct(acc_O, mO, tOcO_mn, ctx, seqlen, row0, head, split_idx, rows_valid, varlen_q)
-        if cutlass.const_expr(mLSE is not None):
-            if cutlass.const_expr(self.is_split):
-                mLSE = split_slice(mLSE, split_idx)
-            lse_rows = packed_lse_rows(seqlen.lse_view(mLSE, ctx.batch, varlen_q), head, self.pack)
-            for r in cutlass.range_constexpr(cute.size(tOcO_mn, mode=[0])):
-                row = tOcO_mn[r, 0][0]
-                # The four lanes sharing a row hold the same LSE; the one at column 0 writes it.
-                if tOcO_mn[0, 0][1] == 0 and row < rows_valid:
-                    lse_rows[row0 + row] = lse[r]
+            store_o(acc_O, self.out_dtype, tOcO_mn, tile.out_rows(io.tma_O, packed, self.is_split, args.varlen_q),
+                    row0, tile.rows_valid, pairs_copied=True)
+        if cutlass.const_expr(args.mLSE is not None):
+            store_lse(lse, tOcO_mn, tile.lse_rows(args.mLSE, packed, self.is_split, args.varlen_q), row0,
+                      tile.rows_valid)
 
     @cute.jit
-    def store_o_tma(self, acc_O, sO, tma_atom_O, tma_O, tiled_mma_pv, cidx, m_block, head, batch):
+    def store_o_tma(self, acc_O, io: "_Io", tiled_mma_pv, cidx, tile: FwdTile):
         """registers -> smem (stmatrix) -> gmem (one TMA store; rows past the sequence are
         outside the tensor and clipped by the copy engine)."""
         rO = cute.make_fragment_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         # sO is Q's buffer: every warpgroup's last Q K^T completed before O overwrites it. Or
         # its own (separate_o): the last tile's TMA store read it (its issuer waited).
-        cute.arch.barrier(barrier_id=int(NamedBarrier.CONSUMERS), number_of_threads=self.roles.num_consumer_threads)
+        self.consumers_sync()
         stsm = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         thr_copy = cute.make_tiled_copy_C(stsm, tiled_mma_pv).get_slice(cidx)
-        cute.copy(thr_copy, thr_copy.retile(rO), thr_copy.partition_D(sO))
+        cute.copy(thr_copy, thr_copy.retile(rO), thr_copy.partition_D(io.sO))
         # Generic-proxy writes, read next by the copy engine (async proxy).
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=int(NamedBarrier.CONSUMERS), number_of_threads=self.roles.num_consumer_threads)
+        self.consumers_sync()
         if cidx < 32:
-            gO = cute.local_tile(tma_O[None, None, head, batch], (self.tile_m, self.head_dim_v), (m_block, 0))
+            gO = cute.local_tile(io.tma_O[None, None, tile.ctx.head, tile.ctx.batch], (self.tile_m, self.head_dim_v),
+                                 (tile.m_block, 0))
             tOsO, tOgO = cpasync.tma_partition(
-                tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
+                io.tma_atom_O, 0, cute.make_layout(1), cute.group_modes(io.sO, 0, 2), cute.group_modes(gO, 0, 2)
             )
-            cute.copy(tma_atom_O, tOsO, tOgO)
+            cute.copy(io.tma_atom_O, tOsO, tOgO)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
-    @cute.jit
-    def store_o_direct(self, acc_O, mO, tOcO_mn, ctx, seqlen, row0, head, split_idx, rows_valid,
-                       varlen_q: cutlass.Constexpr):
-        """O straight from registers, two consecutive columns per store, through the
-        row function (packed rows, varlen offsets, split partials)."""
-        if cutlass.const_expr(self.is_split):
-            mO = split_slice(mO, split_idx)
-        o_rows = packed_rows(seqlen.q_view(mO, ctx.batch, varlen_q), head, self.pack)
-        rO = cute.make_fragment_like(acc_O, self.out_dtype)
-        rO.store(acc_O.load().to(self.out_dtype))
-        rO_mn = acc_mn_view(rO)
-        pair_bits = 2 * self.out_dtype.width
-        store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype, num_bits_per_copy=pair_bits)
-        for r in cutlass.range_constexpr(cute.size(rO_mn, mode=[0])):
-            row = tOcO_mn[r, 0][0]
-            if row < rows_valid:
-                g_row = o_rows[row0 + row, None]
-                # Columns 2j and 2j + 1 of the view are adjacent in the row: one store.
-                for j in cutlass.range_constexpr(cute.size(rO_mn, mode=[1]) // 2):
-                    col = tOcO_mn[r, 2 * j][1]
-                    dst = cute.make_tensor(aligned_row_ptr(g_row, col, pair_bits // 8), cute.make_layout(2))
-                    pair = cute.make_rmem_tensor((2,), self.out_dtype)
-                    pair[0] = rO_mn[r, 2 * j]
-                    pair[1] = rO_mn[r, 2 * j + 1]
-                    cute.copy(store_atom, pair, dst)
+
+@dataclass(frozen=True)
+class _Io:
+    """What the roles load and store through: the gmem views (TMA views, or the tensors
+    themselves where no TMA applies), their TMA atoms (None without TMA), the smem tiles
+    (sO: Q's buffer, or its own with ``separate_o``), the pipelines guarding Q, K and V,
+    and the consumers' cp.async copy of packed Q rows."""
+
+    tma_Q: cute.Tensor
+    tma_K: cute.Tensor
+    tma_V: cute.Tensor
+    tma_O: cute.Tensor
+    tma_atom_Q: Optional[cute.CopyAtom]
+    tma_atom_K: Optional[cute.CopyAtom]
+    tma_atom_V: Optional[cute.CopyAtom]
+    tma_atom_O: Optional[cute.CopyAtom]
+    sQ: cute.Tensor
+    sK: cute.Tensor  # (tile_n, d, stages)
+    sV: cute.Tensor  # (tile_n, d_v, stages)
+    sO: cute.Tensor
+    pipeline_q: object
+    pipeline_k: object
+    pipeline_v: object
+    gmem_copy_Q: cute.TiledCopy
+
+
+@dataclass(frozen=True)
+class _Sched:
+    """The grid's tiles, for ``work_at``: M blocks, head groups (``heads_eff``: KV heads
+    under pack_gqa), and (head, batch) pairs per L2 section of the LPT order."""
+
+    num_m_blocks: Int32
+    heads: Int32
+    l2_heads: Int32
+
+
+@dataclass(frozen=True)
+class _MmaState:
+    """A consumer warpgroup's view of one tile's KV loop: the MMAs, its wgmma fragments
+    (descriptors; tOrP the RS view of P's registers), the S coordinates, and what lives
+    across the loop: O, the softmax statistics and the correction O still owes
+    (``rescale_o_before_pv``; else None)."""
+
+    tiled_mma_qk: cute.TiledMma
+    tiled_mma_pv: cute.TiledMma
+    tSrQ: cute.Tensor
+    tSrK: cute.Tensor
+    tOrVt: cute.Tensor
+    tOrP: cute.Tensor
+    tScS_mn: cute.Tensor
+    acc_O: cute.Tensor
+    softmax: OnlineSoftmax
+    scale_carry: Optional[cute.Tensor]
 
 
 # ---------------------------------------------------------------------------------------
@@ -845,7 +759,7 @@ class FlashAttnFwdSm90:
 def compile_fwd_sm90(key: tuple):
     """Compiles the kernel for ``key`` (``sm90.compile_key``) on fake tensors: no GPU needed."""
     return compile_from_key(
-        key, 4, lambda dtype, d, dv, tile, variant, pack, is_split, gather_kv, persistent: FlashAttnFwdSm90(
-            dtype, d, dv, *tile[:3], variant, qhead_per_kvhead_packed=pack, is_split=is_split,
+        key, 4, lambda dtype, d, dv, tile, variant, packed, is_split, gather_kv, persistent: FlashAttnFwdSm90(
+            dtype, d, dv, *tile[:3], variant, qhead_per_kvhead_packed=packed, is_split=is_split,
             ex2_emulate_every=tile[3], gather_kv=gather_kv, persistent=persistent),
         extra_scalars=(Int32(1), Int32(1)))  # l2_heads, max_ctas

@@ -60,8 +60,8 @@ the same ckv tile, so the S warpgroup holds two stages (S of tile n, P V of tile
 and two more are in flight from HBM (74 KB per SM; one, 37 KB, with the 3 stages of
 "split"). P pipeline (``qk="one"``): a full mbarrier per stage, one arrive per S thread
 after its stmatrix, row stores and proxy fence (generic-proxy stores read by wgmma);
-waited by a try_wait loop. Named barriers (0 is __syncthreads): 1 Q landed, 2 the S
-exchange ("split"), 3 the final 1 / row sum ("one").
+waited by a try_wait loop. Named barriers (``named_barrier.Sm90MlaBarrier``): Q landed,
+the S exchange ("split"), the final 1 / row sum ("one").
 
 Shared memory (bf16/fp16): Q 64 x 576 x 2 = 72 KB, 4 stages x 36 KB = 144 KB, the row
 exchange 64 x 5 x 4 = 1.25 KB, 16 mbarriers: 224 KB of the 227 KB ("split": 3 stages and
@@ -80,52 +80,39 @@ page lookup per row) and TMA for page sizes >= 32.
 """
 
 from dataclasses import dataclass
-from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32
+from cutlass import Float32
 from cutlass.cute.nvgpu import warpgroup
 
 from flash_attn_cute.block_info import BlockInfo
-from flash_attn_cute.copy_utils import aligned_row_ptr, gmem_tiled_copy
 from flash_attn_cute.constants import D_CKV, D_KPE
-from flash_attn_cute.cute_utils import CUTE_DTYPE_BY_NAME, compile_options, fake_stream, fake_tensor
-from flash_attn_cute.keys import parse_mla_key
+from flash_attn_cute.copy_utils import copy_row, copy_rows, gmem_tiled_copy
+from flash_attn_cute.cute_utils import launch_ctas
+from flash_attn_cute.epilogue import store_lse, store_o
 from flash_attn_cute.layout_utils import acc_mn_view, acc_to_operand_a, transpose_view
-from flash_attn_cute.mla_tile import MlaTile
-from flash_attn_cute.pack_gqa import packed_lse_rows, packed_rows
-from flash_attn_cute.paged_kv import page_and_row
+from flash_attn_cute.mla_kernel import MlaArgs, MlaTile, compile_mla_from_key, mla_call, set_mla_config
+from flash_attn_cute.named_barrier import Sm90MlaBarrier
+from flash_attn_cute.paged_kv import page_lookups
 from flash_attn_cute.sm90.config import MlaRoles
-from flash_attn_cute.sm90.wgmma_utils import convert_pairs, smem_layout, wgmma_gemm
+from flash_attn_cute.sm90.wgmma_utils import convert_pairs, kv_release, kv_wait, smem_layout, wgmma_gemm
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
 from flash_attn_cute.tile_scheduler import SingleTileScheduler
-from flash_attn_cute.variants import apply_to_scores, make_variant
-
-# Named barriers over the consumer threads (0 is __syncthreads): Q landed; S halves written
-# ("split"); the final 1 / row sum written ("one").
-_CONSUMERS_BAR, _XCHG_BAR, _STATS_BAR = 1, 2, 3
+from flash_attn_cute.variants import apply_to_scores
 
 
 class MlaDecodeSm90:
+    __call__ = mla_call  # the MLA kernels' shared entry point: MlaArgs -> launch
+
     def __init__(self, dtype, nheads: int, causal: bool, is_split: bool, roles: MlaRoles = MlaRoles()):
-        self.dtype = dtype
-        self.nheads = nheads  # packed rows per query position
-        self.variant = make_variant(causal, False, False)
-        self.is_split = is_split
-        self.out_dtype = Float32 if is_split else dtype
+        set_mla_config(self, dtype, nheads, causal, is_split)
         self.roles = roles
 
     @cute.jit
-    def __call__(self, mQn: cute.Tensor, mQp: cute.Tensor, mCkv: cute.Tensor, mKpe: cute.Tensor, mO: cute.Tensor,
-                 mLSE: Optional[cute.Tensor], mSeqlens: cute.Tensor, mPageTable: cute.Tensor,
-                 softmax_scale: Float32, num_splits: Int32, max_seqlen_q: Int32, batch_size: Int32, stream):
-        """The MLA kernels' runtime contract (``MlaDecodeSm80.__call__``): q_nope / q_pe
-        (b, s_q, h, 512 / 64), ckv / kpe (num_pages, page_size, 512 / 64), O (b, s_q, h, 512)
-        [fp32 with a leading split mode], LSE (b, h, s_q) [same], lengths (b,), page table
-        (b, max_pages) int32, then the scalars."""
+    def launch(self, args: MlaArgs, stream):
         r = self.roles
         layouts = (
             smem_layout(self.dtype, r.tile_m, D_CKV), smem_layout(self.dtype, r.tile_m, D_KPE),
@@ -157,26 +144,22 @@ class MlaDecodeSm90:
         tiled_mma_pv_ss = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, k_major, mn_major, Float32, atom_layout_mnk=(1, r.num_consumer_wgs, 1),
             tiler_mn=(r.tile_m, r.o_cols))
-        num_m_blocks = cute.ceil_div(max_seqlen_q * self.nheads, r.tile_m)
-        self.kernel(
-            mQn, mQp, mCkv, mKpe, mO, mLSE, mSeqlens, mPageTable, softmax_scale, num_splits,
-            layouts[0], layouts[1], layouts[2], layouts[3], layouts[4], tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_ss,
-            SharedStorage,
-        ).launch(
-            grid=SingleTileScheduler.grid(num_m_blocks, 1, num_splits, batch_size),
-            block=(r.threads, 1, 1),
-            smem=SharedStorage.size_in_bytes(),
-            stream=stream,
-            min_blocks_per_mp=1,  # a register cap at entry, which setmaxnreg needs
-        )
+        num_m_blocks = cute.ceil_div(args.max_seqlen_q * self.qhead_per_kvhead_packed, r.tile_m)
+        launch_ctas(self.kernel(args, layouts, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_ss, SharedStorage),
+                    SingleTileScheduler.grid(num_m_blocks, 1, args.num_splits, args.batch_size), r.threads,
+                    SharedStorage, stream, setmaxnreg=True)
 
     @cute.kernel
     def kernel(
-        self, mQn, mQp, mCkv, mKpe, mO, mLSE, mSeqlens, mPageTable, softmax_scale: Float32, num_splits: Int32,
-        sQn_layout: cute.ComposedLayout, sQp_layout: cute.ComposedLayout, sC_layout: cute.ComposedLayout,
-        sKp_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma,
-        tiled_mma_pv: cute.TiledMma, tiled_mma_pv_ss: cute.TiledMma, SharedStorage: cutlass.Constexpr,
+        self,
+        args: MlaArgs,
+        smem_layouts: tuple,  # Qn, Qp, ckv, kpe, P
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        tiled_mma_pv_ss: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
     ):
+        sQn_layout, sQp_layout, sC_layout, sKp_layout, sP_layout = smem_layouts
         r = self.roles
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -209,25 +192,25 @@ class MlaDecodeSm90:
             storage.sKp.get_tensor(sP_layout.outer, swizzle=sP_layout.inner),
             storage.sXchg.get_tensor(cute.make_layout(r.xchg_words)),
         )
-        tile = MlaTile.create(mQn, mCkv, mSeqlens, mPageTable, num_splits,
-                              BlockInfo(r.tile_m, r.tile_n, self.nheads, self.variant), self.is_split)
+        tile = MlaTile.create(
+            args, BlockInfo(r.tile_m, r.tile_n, self.qhead_per_kvhead_packed, self.variant), self.is_split)
         pipeline.pipeline_init_wait()
         if tile.rows_valid > 0:
             if warp_idx < r.producer_threads // 32:
                 cute.arch.setmaxregister_decrease(r.producer_regs)
                 if tile.n_tiles > 0:
-                    self.load(tile, smem, pipeline_kv, mCkv, mKpe, mPageTable, tidx)
+                    self.load(tile, smem, pipeline_kv, args, tidx)
             else:
                 cute.arch.setmaxregister_increase(r.consumer_regs)
-                self.mma(tile, smem, pipeline_kv, pipeline_p, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_ss,
-                         mQn, mQp, mO, mLSE, softmax_scale, tidx - r.producer_threads)
+                self.mma(tile, smem, pipeline_kv, pipeline_p, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_ss, args,
+                         tidx - r.producer_threads)
 
     # ------------------------------------------------------------------ producer
 
     @cute.jit
-    def load(self, tile, smem, pipeline_kv, mCkv, mKpe, mPageTable, tidx):
-        """Tiles n_max - 1 down to n_min (the first visited is the only one the sequence
-        end can cut), one stage each, gathered row by row."""
+    def load(self, tile, smem, pipeline_kv, args: MlaArgs, tidx):
+        """Tiles n_block_max - 1 down to n_block_min (the first visited is the only one the
+        sequence end can cut), one stage each, gathered row by row."""
         r = self.roles
         copy_C = gmem_tiled_copy(self.dtype, D_CKV, r.producer_threads)
         copy_Kp = gmem_tiled_copy(self.dtype, D_KPE, r.producer_threads)
@@ -238,61 +221,46 @@ class MlaDecodeSm90:
         tKcKp = thr_Kp.partition_S(cute.make_identity_tensor((r.tile_n, D_KPE)))
         tCsC, tKsKp = thr_C.partition_D(smem.sC), thr_Kp.partition_D(smem.sKp)  # (CPY, rows, chunks, stages)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, r.stages)
+        mCkv, mKpe = args.mCkv, args.mKpe
+        rows = cute.size(tCsC, mode=[1])
         for i in cutlass.range(tile.n_tiles, unroll=1):
-            key0 = (tile.n_max - 1 - i) * r.tile_n
-            rows = cute.size(tCsC, mode=[1])
-            tPrPage = cute.make_rmem_tensor((rows,), Int32)
-            tPrRow = cute.make_rmem_tensor((rows,), Int32)
-            for m in cutlass.range_constexpr(rows):
-                key = cutlass.min(key0 + tCcC[0, m, 0][0], tile.ctx.seqlen_k - 1)
-                tPrPage[m], tPrRow[m] = page_and_row(mPageTable, tile.ctx.batch, key, mCkv.shape[1], mCkv.shape[0])
+            # Rows past the sequence end re-read the last key: finite, and masked to -inf.
+            tPrPage, tPrRow = page_lookups(args.mPageTable, tile.ctx.batch, tCcC, (tile.n_block_max - 1 - i) * r.tile_n,
+                                           tile.ctx.seqlen_k - 1, 0, rows, mCkv.shape[1], mCkv.shape[0])
             pipeline_kv.producer_acquire(state)
             for m in cutlass.range_constexpr(rows):
-                self.gather_row(copy_C, tCsC[None, m, None, state.index], tCcC[None, m, None],
-                                mCkv[tPrPage[m], tPrRow[m], None])
-                self.gather_row(copy_Kp, tKsKp[None, m, None, state.index], tKcKp[None, m, None],
-                                mKpe[tPrPage[m], tPrRow[m], None])
+                copy_row(copy_C, tCsC[None, m, None, state.index], tCcC[None, m, None],
+                         mCkv[tPrPage[m], tPrRow[m], None])
+                copy_row(copy_Kp, tKsKp[None, m, None, state.index], tKcKp[None, m, None],
+                         mKpe[tPrPage[m], tPrRow[m], None])
             pipeline_kv.producer_commit(state)
             state.advance()
         # Keep the CTA alive until the consumers released every stage it filled.
         pipeline_kv.producer_tail(state)
 
-    @cute.jit
-    def gather_row(self, tiled_copy, tXsX_row, tXcX_row, g_row):
-        """This thread's 16-byte chunks of one row: LDGSTS each, aligned source pointers."""
-        for k in cutlass.range_constexpr(cute.size(tXsX_row, mode=[1])):
-            col = tXcX_row[0, k][1]
-            cute.copy(tiled_copy, cute.make_tensor(aligned_row_ptr(g_row, col, 16), tXsX_row[None, k].layout),
-                      tXsX_row[None, k])
-
     # ------------------------------------------------------------------ consumers
 
     @cute.jit
-    def load_q(self, tile, smem, mQn, mQp, cidx):
+    def load_q(self, tile, smem, args: MlaArgs, cidx):
         """Q rows gathered by the consumers themselves (packed rows: no TMA box), zero past
         the last query; the cp.async and zero stores are made visible to wgmma (async
         proxy) before either warpgroup issues."""
         r = self.roles
         row0 = tile.m_block * r.tile_m
-        for mQ, sQ, cols in ((mQn, smem.sQn, D_CKV), (mQp, smem.sQp, D_KPE)):
+        for mQ, sQ, cols in ((args.mQn, smem.sQn, D_CKV), (args.mQp, smem.sQp, D_KPE)):
             copy_Q = gmem_tiled_copy(self.dtype, cols, r.consumer_threads)
             thr_Q = copy_Q.get_slice(cidx)
             tQsQ, tQcQ = thr_Q.partition_D(sQ), thr_Q.partition_S(cute.make_identity_tensor((r.tile_m, cols)))
-            q_rows = packed_rows(mQ[tile.ctx.batch, None, None, None], Int32(0), self.nheads)
-            for m in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
-                row = tQcQ[0, m, 0][0]
-                if row < tile.rows_valid:
-                    self.gather_row(copy_Q, tQsQ[None, m, None], tQcQ[None, m, None], q_rows[row0 + row, None])
-                else:
-                    tQsQ[None, m, None].fill(0.0)
+            q_rows = tile.q_rows(mQ, self.qhead_per_kvhead_packed, False)
+            copy_rows(copy_Q, tQsQ, tQcQ, lambda row, m: q_rows[row0 + row, None], tile.rows_valid)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=_CONSUMERS_BAR, number_of_threads=r.consumer_threads)
+        cute.arch.barrier(barrier_id=int(Sm90MlaBarrier.CONSUMERS), number_of_threads=r.consumer_threads)
 
     @cute.jit
-    def mma(self, tile, smem, pipeline_kv, pipeline_p, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_ss, mQn, mQp, mO,
-            mLSE, softmax_scale: Float32, cidx):
+    def mma(self, tile, smem, pipeline_kv, pipeline_p, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_ss, args: MlaArgs,
+            cidx):
         """Consumer warpgroups: their operands and accumulators, Q, the KV loop, the final
         normalisation and the epilogue. qk="split": both run ``mainloop``; qk="one":
         warpgroup 0 runs it (``s_warpgroup``), warpgroup 1 ``o_warpgroup``."""
@@ -319,17 +287,17 @@ class MlaDecodeSm90:
         acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((r.tile_m, D_CKV)), Float32)
         acc_O.fill(0.0)
         lse = cute.make_rmem_tensor((cute.size(ops.tScS_mn, mode=[0]),), Float32)
-        self.load_q(tile, smem, mQn, mQp, cidx)
+        self.load_q(tile, smem, args, cidx)
         if cutlass.const_expr(r.qk == "split"):
-            self.s_warpgroup(tile, ops, pipeline_kv, None, acc_O, lse, softmax_scale, cidx)
+            self.s_warpgroup(tile, ops, pipeline_kv, None, acc_O, lse, cidx)
         elif wg_idx == 0:
-            self.s_warpgroup(tile, ops, pipeline_kv, pipeline_p, acc_O, lse, softmax_scale, cidx)
+            self.s_warpgroup(tile, ops, pipeline_kv, pipeline_p, acc_O, lse, cidx)
         else:
             self.o_warpgroup(tile, ops, pipeline_kv, pipeline_p, acc_O)
-        self.epilogue(tile, acc_O, lse, ops, mO, mLSE, cidx, wg_idx)
+        self.epilogue(tile, acc_O, lse, ops, args.mO, args.mLSE, cidx, wg_idx)
 
     @cute.jit
-    def s_warpgroup(self, tile, ops, pipeline_kv, pipeline_p, acc_O, lse, softmax_scale: Float32, cidx):
+    def s_warpgroup(self, tile, ops, pipeline_kv, pipeline_p, acc_O, lse, cidx):
         """A warpgroup that computes S (all of it, or its half with qk="split"): the KV loop,
         then O normalised and the LSE; with qk="one" it also shares 1 / row sum."""
         r = self.roles
@@ -338,57 +306,56 @@ class MlaDecodeSm90:
             # P in 16 bits laid out like S (pairwise conversion), read through the A view.
             tOrP = acc_to_operand_a(cute.make_rmem_tensor(ops.mma_qk.partition_shape_C((r.tile_m, r.tile_n)),
                                                           self.dtype))
-        softmax = OnlineSoftmax(cute.size(ops.tScS_mn, mode=[0]), Float32(softmax_scale * LOG2_E))
+        softmax = OnlineSoftmax(cute.size(ops.tScS_mn, mode=[0]), Float32(tile.softmax_scale * LOG2_E))
         # The correction O still owes, applied just before the next P V (loop-carried):
         # rescaling 128 registers while Q K^T runs keeps it off the critical path.
         scale_carry = cute.make_rmem_tensor((softmax.num_rows,), Float32)
         scale_carry.fill(1.0)
         if tile.n_tiles > 0:
-            self.mainloop(tile, ops, pipeline_kv, pipeline_p, softmax, acc_O, tOrP, scale_carry, softmax_scale, cidx)
+            self.mainloop(tile, ops, pipeline_kv, pipeline_p, softmax, acc_O, tOrP, scale_carry, cidx)
         if cutlass.const_expr(pipeline_p is not None):
             self.share_inv_sum(ops, softmax)
         softmax.finalize(acc_O, lse)
 
     @cute.jit
-    def mainloop(self, tile, ops, pipeline_kv, pipeline_p, stats: OnlineSoftmax, acc_O, tOrP, scale_carry,
-                 softmax_scale: Float32, cidx):
-        """Tiles n_max - 1 down to n_min: S(n) by SS wgmma in flight with O += P(n+1) V(n+1),
+    def mainloop(self, tile, ops, pipeline_kv, pipeline_p, stats: OnlineSoftmax, acc_O, tOrP, scale_carry, cidx):
+        """Tiles n_block_max - 1 down to n_block_min: S(n) by SS wgmma in flight with O += P(n+1) V(n+1),
         the softmax of S(n) while P V still runs. qk="split": P from registers (RS).
         qk="one" (``pipeline_p``): P(n) and its row corrections go to shared memory as soon
         as the softmax is done, for warpgroup 1 and for this warpgroup's own P V (SS)."""
         r = self.roles
         wg_idx = cute.arch.make_warp_uniform(cidx // 128)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, r.stages)
-        self.kv_wait(pipeline_kv, state)
+        kv_wait(pipeline_kv, state, True)
         acc_S = self.qk(ops, state.index, wg_idx)
         warpgroup.wait_group(0)
         self.sum_s_halves(ops, acc_S, wg_idx, cidx, 0)
         # The first tile's correction multiplies an O of zeros: 1 (as carried) keeps it so.
-        self.softmax(ops, tile, stats, acc_S, tile.n_max - 1, softmax_scale)
+        self.softmax(ops, tile, stats, acc_S, tile.n_block_max - 1)
         self.share_p(ops, pipeline_p, state, acc_S, tOrP, scale_carry)
         for i in cutlass.range(tile.n_tiles - 1, unroll=1):
             state_v = state.clone()
             state.advance()
-            self.kv_wait(pipeline_kv, state)
+            kv_wait(pipeline_kv, state, True)
             acc_S = self.qk(ops, state.index, wg_idx)
             self.rescale_o(stats, acc_O, scale_carry)
             self.p_wait(pipeline_p, state_v)
             self.pv(ops, pipeline_p, acc_O, tOrP, state_v, -1)
             warpgroup.wait_group(1)  # S landed (the older group); P V may still run
             self.sum_s_halves(ops, acc_S, wg_idx, cidx, (i + 1) % 2)
-            scale_carry.store(self.softmax(ops, tile, stats, acc_S, tile.n_max - 2 - i, softmax_scale).load())
+            scale_carry.store(self.softmax(ops, tile, stats, acc_S, tile.n_block_max - 2 - i).load())
             if cutlass.const_expr(pipeline_p is not None):
                 # P to smem while this warpgroup's P V still runs: the other's P V(n) waits
                 # only on this softmax, not on the end of P V(n + 1) here.
                 self.share_p(ops, pipeline_p, state, acc_S, tOrP, scale_carry)
             warpgroup.wait_group(0)  # P V landed: P and the stage are free
-            self.kv_release(pipeline_kv, state_v)
+            kv_release(pipeline_kv, state_v, True)
             if cutlass.const_expr(pipeline_p is None):
                 self.share_p(ops, pipeline_p, state, acc_S, tOrP, scale_carry)
         self.rescale_o(stats, acc_O, scale_carry)
         self.p_wait(pipeline_p, state)
         self.pv(ops, pipeline_p, acc_O, tOrP, state, 0)
-        self.kv_release(pipeline_kv, state)
+        kv_release(pipeline_kv, state, True)
 
     @cute.jit
     def pv(self, ops, pipeline_p, acc_O, tOrP, state, wg_wait: cutlass.Constexpr[int]):
@@ -460,17 +427,9 @@ class MlaDecodeSm90:
     @cute.jit
     def share_inv_sum(self, ops, stats: OnlineSoftmax):
         """qk="one": 1 / row sum (0 for a row that saw no key) for the O warpgroup, the value
-        ``OnlineSoftmax.finalize`` applies here (same butterfly, same reciprocal)."""
-        inv = cute.make_rmem_tensor((stats.num_rows,), Float32)
-        for r in cutlass.range_constexpr(stats.num_rows):
-            total = stats.row_sum[r]
-            for offset in (2, 1):
-                total = total + cute.arch.shuffle_sync_bfly(total, offset=offset)
-            inv[r] = cute.arch.rcp_approx(total)
-            if total == 0.0 or total != total:
-                inv[r] = Float32(0.0)
-        self.write_rows(ops, self.roles.stages, inv)
-        cute.arch.barrier_arrive(barrier_id=_STATS_BAR, number_of_threads=self.roles.consumer_threads)
+        ``OnlineSoftmax.finalize`` applies here."""
+        self.write_rows(ops, self.roles.stages, stats.inv_row_sums())
+        cute.arch.barrier_arrive(barrier_id=int(Sm90MlaBarrier.STATS), number_of_threads=self.roles.consumer_threads)
 
     @cute.jit
     def o_warpgroup(self, tile, ops, pipeline_kv, pipeline_p, acc_O):
@@ -480,12 +439,12 @@ class MlaDecodeSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.roles.stages)
         for _ in cutlass.range(tile.n_tiles, unroll=1):
             self.p_wait(pipeline_p, state)
-            self.kv_wait(pipeline_kv, state)  # landed long ago: the S warpgroup waited on it
+            kv_wait(pipeline_kv, state, True)  # landed long ago: the S warpgroup waited on it
             self.scale_rows(ops, acc_O, state.index)
             self.pv(ops, pipeline_p, acc_O, None, state, 0)
-            self.kv_release(pipeline_kv, state)
+            kv_release(pipeline_kv, state, True)
             state.advance()
-        cute.arch.barrier(barrier_id=_STATS_BAR, number_of_threads=self.roles.consumer_threads)
+        cute.arch.barrier(barrier_id=int(Sm90MlaBarrier.STATS), number_of_threads=self.roles.consumer_threads)
         self.scale_rows(ops, acc_O, self.roles.stages)
 
     @cute.jit
@@ -534,63 +493,35 @@ class MlaDecodeSm90:
                                   cute.make_layout((n, 128, 2, 2), stride=(128, 1, 128 * n, 256 * n)))
             for v in cutlass.range_constexpr(n):
                 sX[v, t, wg_idx, buf] = acc_S[v]
-            cute.arch.barrier(barrier_id=_XCHG_BAR, number_of_threads=self.roles.consumer_threads)
+            cute.arch.barrier(barrier_id=int(Sm90MlaBarrier.XCHG), number_of_threads=self.roles.consumer_threads)
             for v in cutlass.range_constexpr(n):
                 acc_S[v] = acc_S[v] + sX[v, t, 1 - wg_idx, buf]
 
     @cute.jit
-    def softmax(self, ops, tile, softmax: OnlineSoftmax, acc_S, n_block, softmax_scale: Float32):
+    def softmax(self, ops, tile, softmax: OnlineSoftmax, acc_S, n_block):
         """Masks block n_block where it needs it (sequence end, causal diagonal) and folds
         it into the running statistics: acc_S becomes P (fp32); returns the correction O
         owes before P V."""
         r = self.roles
         if n_block >= tile.n_mid_hi or n_block < tile.n_mid_lo:
             apply_to_scores(self.variant, acc_mn_view(acc_S), ops.tScS_mn, tile.ctx, tile.m_block * r.tile_m,
-                            n_block * r.tile_n, self.nheads, softmax_scale, True)
+                            n_block * r.tile_n, self.qhead_per_kvhead_packed, tile.softmax_scale, True)
         return softmax.step(acc_S)
 
     @cute.jit
-    def kv_wait(self, pipeline_kv, state):
-        """Gathered rows were written by cp.async (generic proxy); wgmma reads shared
-        memory through the async proxy, hence the fence after the wait."""
-        pipeline_kv.consumer_wait(state)
-        cute.arch.fence_view_async_shared()
-
-    @cute.jit
-    def kv_release(self, pipeline_kv, state):
-        if cute.arch.lane_idx() == 0:  # one arrive per consumer warp
-            pipeline_kv.consumer_release(state)
-
-    @cute.jit
     def epilogue(self, tile, acc_O, lse, ops, mO, mLSE, cidx, wg_idx):
-        """Each warpgroup stores its 256 columns from registers (vectors of the two
-        adjacent columns a thread holds), rows past the last query skipped; warpgroup 0
-        writes the LSE (the S warpgroup with qk="one"; with "split" both hold the same)."""
+        """Each warpgroup stores its 256 columns from registers, rows past the last query
+        skipped; warpgroup 0 writes the LSE (the S warpgroup with qk="one"; with "split"
+        both hold the same)."""
         r = self.roles
-        if cutlass.const_expr(self.is_split):
-            mO = mO[tile.split_idx, None, None, None, None]
-        o_rows = packed_rows(mO[tile.ctx.batch, None, None, None], Int32(0), self.nheads)
-        rO = cute.make_fragment_like(acc_O, self.out_dtype)
-        rO.store(acc_O.load().to(self.out_dtype))
-        rO_mn = acc_mn_view(rO)
+        packed = self.qhead_per_kvhead_packed
+        o_rows = tile.out_rows(mO, packed, self.is_split, False)
         tOcO_mn = acc_mn_view(ops.mma_pv.get_slice(cidx).partition_C(cute.make_identity_tensor((r.tile_m, D_CKV))))
-        # A thread's columns in a row: pairs (stride 1) every 8 columns.
-        g_cols = cute.make_layout(rO_mn[0, None].shape, stride=((1, 8, 0),))
         row0 = tile.m_block * r.tile_m
-        for i in cutlass.range_constexpr(cute.size(rO_mn, mode=[0])):
-            row = tOcO_mn[i, 0][0]
-            if row < tile.rows_valid:
-                dst = aligned_row_ptr(o_rows[row0 + row, None], tOcO_mn[i, 0][1], 2 * self.out_dtype.width // 8)
-                cute.autovec_copy(rO_mn[i, None], cute.make_tensor(dst, g_cols))
+        store_o(acc_O, self.out_dtype, tOcO_mn, o_rows, row0, tile.rows_valid, cols_from_first=True)
         if cutlass.const_expr(mLSE is not None):
-            if cutlass.const_expr(self.is_split):
-                mLSE = mLSE[tile.split_idx, None, None, None]
-            lse_rows = packed_lse_rows(mLSE[tile.ctx.batch, None, None], Int32(0), self.nheads)
-            if wg_idx == 0 and ops.tScS_mn[0, 0][1] == 0:
-                for i in cutlass.range_constexpr(cute.size(lse)):
-                    row = ops.tScS_mn[i, 0][0]
-                    if row < tile.rows_valid:
-                        lse_rows[row0 + row] = lse[i]
+            store_lse(lse, ops.tScS_mn, tile.lse_rows(mLSE, packed, self.is_split, False), row0, tile.rows_valid,
+                      group_writes=wg_idx == 0)
 
 
 @dataclass(frozen=True)
@@ -630,16 +561,5 @@ class _Sm90Ops:
 def compile_mla_sm90(key: tuple):
     """Compiles the kernel for ``key`` (``keys.mla_key``; config ``((tile_n, stages, qk),)``)
     on fake tensors: no GPU needed."""
-    arch, dtype_name, nheads, causal, is_split, has_lse, ((tile_n, stages, qk),) = parse_mla_key(key)
-    dtype = CUTE_DTYPE_BY_NAME[dtype_name]
-    lead = (None,) if is_split else ()  # the split mode of the partials
-    specs = [(dtype, (None, None, nheads, D_CKV)), (dtype, (None, None, nheads, D_KPE)),
-             (dtype, (None, None, D_CKV)), (dtype, (None, None, D_KPE)),
-             (cutlass.Float32 if is_split else dtype, lead + (None, None, nheads, D_CKV))]
-    tensors = [fake_tensor(dt, len(shape), shape=shape) for dt, shape in specs]
-    tensors.append(fake_tensor(cutlass.Float32, len(lead) + 3, align=4) if (has_lse or is_split) else None)
-    tensors += [fake_tensor(cutlass.Int32, rank, align=4) for rank in (1, 2)]
-    kernel = MlaDecodeSm90(dtype, nheads, causal, is_split, MlaRoles(tile_n=tile_n, stages=stages, qk=qk))
-    one = cutlass.Int32(1)
-    return cute.compile(kernel, *tensors, cutlass.Float32(1.0), one, one, one, fake_stream(),
-                        options=compile_options(arch))
+    return compile_mla_from_key(key, lambda dtype, nheads, causal, is_split, config: MlaDecodeSm90(
+        dtype, nheads, causal, is_split, MlaRoles(tile_n=config[0], stages=config[1], qk=config[2])))

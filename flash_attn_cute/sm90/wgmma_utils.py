@@ -1,6 +1,7 @@
 """wgmma building blocks shared by the SM90 kernels (forward and MLA decode): the
-swizzled shared-memory tiles wgmma reads, the fp32 -> 16-bit conversion of S into the P
-operand, and one wgmma group over a warpgroup's fragments."""
+swizzled shared-memory tiles wgmma reads, the wait for and release of a K/V stage it
+reads, the fp32 -> 16-bit conversion of S into the P operand, and one wgmma group over a
+warpgroup's fragments."""
 
 from typing import Optional
 
@@ -46,3 +47,23 @@ def wgmma_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tC
     warpgroup.commit_group()
     if cutlass.const_expr(wg_wait >= 0):
         warpgroup.wait_group(wg_wait)
+
+
+@cute.jit
+def kv_wait(pipe, state, gathered: cutlass.Constexpr[bool]):
+    """Waits for a K/V stage. Rows ``gathered`` by cp.async were written in the generic
+    proxy; wgmma reads shared memory through the async proxy, hence the proxy fence."""
+    pipe.consumer_wait(state)
+    if cutlass.const_expr(gathered):
+        cute.arch.fence_view_async_shared()
+
+
+@cute.jit
+def kv_release(pipe, state, gathered: cutlass.Constexpr[bool]):
+    """Frees a K/V stage: one arrive per consumer warp. A TMA pipeline elects its lane
+    itself; a cp.async pipeline (``gathered`` rows) would count every thread."""
+    if cutlass.const_expr(gathered):
+        if cute.arch.lane_idx() == 0:
+            pipe.consumer_release(state)
+    else:
+        pipe.consumer_release(state)

@@ -1,0 +1,112 @@
+"""The register epilogue every kernel that ends with O in registers shares: O and the LSE
+stored straight from the accumulator to their global rows.
+
+An accumulator fragment is seen through ``layout_utils.acc_mn_view`` (rows x cols per
+thread, mma.sync and wgmma alike); the matching view of the identity tensor gives each
+element's (row, col) in the tile. The rows are gmem views (``FwdTile.out_rows`` /
+``lse_rows``: batch or varlen offsets, packed GQA heads, a split's partial), indexed by
+the tile's first row ``row0`` plus the tile row; rows at or past ``rows_valid`` lie past
+the sequence and are not written.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+from flash_attn_cute.copy_utils import aligned_row_ptr
+from flash_attn_cute.layout_utils import acc_mn_view
+
+
+@cute.jit
+def store_o(acc_O: cute.Tensor, out_dtype: cutlass.Constexpr, tOcO_mn: cute.Tensor, mO_rows: cute.Tensor,
+            row0: Int32, rows_valid: Int32, rows_from_first: cutlass.Constexpr[bool] = False,
+            cols_from_first: cutlass.Constexpr[bool] = False, pairs_copied: cutlass.Constexpr[bool] = False):
+    """acc_O (fp32 C fragment) converted to ``out_dtype`` and stored to
+    ``mO_rows[row0 + row, col]`` from registers: the two adjacent columns a thread holds
+    in each 8-column group go out as one store.
+
+    A row's address comes from its own row index, or (``rows_from_first``) from the
+    thread's first row plus a static offset: one register then addresses every row,
+    where a row index each would live across a long mainloop. Likewise a pair's from its
+    own column, or (``cols_from_first``) from the row's first column plus a static offset
+    (64-bit offsets folded into the row's address, instead of one per pair). A pair is
+    stored from its place in the fragment, or (``pairs_copied``) from a two-register copy;
+    each kernel keeps the forms it was tuned with (ptxas schedules and packs them
+    differently: 16-bit pairs stay packed from the fragment, a copy unpacks them)."""
+    rO = cute.make_fragment_like(acc_O, out_dtype)
+    rO.store(acc_O.load().to(out_dtype))
+    rO_mn = acc_mn_view(rO)
+    if cutlass.const_expr(rows_from_first):
+        row_base = row0 + tOcO_mn[0, 0][0]
+        rows_left = rows_valid - tOcO_mn[0, 0][0]
+    for r in cutlass.range_constexpr(cute.size(rO_mn, mode=[0])):
+        if cutlass.const_expr(rows_from_first):
+            row_offset = cute.crd2idx((r, 0), tOcO_mn.layout)[0]  # static
+            if row_offset < rows_left:
+                _store_row(rO_mn, tOcO_mn, r, mO_rows[row_base + row_offset, None], cols_from_first, pairs_copied)
+        else:
+            row = tOcO_mn[r, 0][0]
+            if row < rows_valid:
+                _store_row(rO_mn, tOcO_mn, r, mO_rows[row0 + row, None], cols_from_first, pairs_copied)
+
+
+@cute.jit
+def _store_row(rO_mn: cute.Tensor, tOcO_mn: cute.Tensor, r: cutlass.Constexpr[int], g_row: cute.Tensor,
+               cols_from_first: cutlass.Constexpr, pairs_copied: cutlass.Constexpr):
+    """Row r of the accumulator view into its gmem row, two adjacent columns per store."""
+    dtype = rO_mn.element_type
+    align = 2 * dtype.width // 8
+    if cutlass.const_expr(cols_from_first):
+        # The thread's columns sit at static offsets from its first one: the column strides
+        # of ``tOcO_mn``, adjacent in pairs, so the copy vectorises two columns per store.
+        cols = cute.make_layout(rO_mn[r, None].shape, stride=_column_offsets(tOcO_mn[r, None].layout.stride))
+        cute.autovec_copy(rO_mn[r, None], cute.make_tensor(aligned_row_ptr(g_row, tOcO_mn[r, 0][1], align), cols))
+    else:
+        store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=2 * dtype.width)
+        rO_pairs = _pairs(rO_mn[r, None])
+        for j in cutlass.range_constexpr(cute.size(rO_pairs, mode=[1])):
+            dst = cute.make_tensor(aligned_row_ptr(g_row, tOcO_mn[r, 2 * j][1], align), cute.make_layout(2))
+            if cutlass.const_expr(pairs_copied):
+                pair = cute.make_rmem_tensor((2,), dtype)
+                pair[0] = rO_mn[r, 2 * j]
+                pair[1] = rO_mn[r, 2 * j + 1]
+                cute.copy(store_atom, pair, dst)
+            else:
+                cute.copy(store_atom, rO_pairs[None, j], dst)
+
+
+@cute.jit
+def store_lse(lse: cute.Tensor, tXcX_mn: cute.Tensor, mLSE_rows: cute.Tensor, row0: Int32, rows_valid: Int32,
+              group_writes=None):
+    """lse[r] (one value per row of the thread, ``OnlineSoftmax.finalize``) to
+    ``mLSE_rows[row0 + row]``; ``tXcX_mn`` the coordinates of any accumulator whose rows
+    are the softmax's (S or O). The four lanes sharing a row hold the same LSE; the one at
+    column 0 writes it. ``group_writes``: whether this thread's group writes, where
+    several groups (warpgroups) hold the same rows; the other threads skip the loop."""
+    if cutlass.const_expr(group_writes is None):
+        for r in cutlass.range_constexpr(cute.size(lse)):
+            row = tXcX_mn[r, 0][0]
+            if tXcX_mn[0, 0][1] == 0 and row < rows_valid:
+                mLSE_rows[row0 + row] = lse[r]
+    else:
+        if group_writes and tXcX_mn[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = tXcX_mn[r, 0][0]
+                if row < rows_valid:
+                    mLSE_rows[row0 + row] = lse[r]
+
+
+def _pairs(row: cute.Tensor) -> cute.Tensor:
+    """One row of an accumulator view, columns (2, MMA_N) (mma.sync) or (2, N / 8, MMA_N)
+    (wgmma) -> (2, pairs): pair j holds columns 2j and 2j + 1 of the view, adjacent in the
+    tile's row."""
+    return cute.logical_divide(row, cute.make_layout(2))
+
+
+def _column_offsets(stride):
+    """The column components of an identity tensor's strides (basis elements, ``1@1``)."""
+    if isinstance(stride, tuple):
+        return tuple(_column_offsets(x) for x in stride)
+    if isinstance(stride, cute.ScaledBasis):
+        return stride.value if stride.mode == [1] else 0
+    return 0

@@ -1,0 +1,45 @@
+"""Hardware named-barrier ids (``bar.sync`` / ``bar.arrive``), one enum per kernel family.
+
+A CTA has 16 named barriers; id 0 is ``__syncthreads`` and is left alone. A member whose
+comment says "+ i" is the first of a run of ids (one per stage, buffer or warpgroup).
+Kernels pass ``int(member) [+ i]`` as ``barrier_id``; where a run's length is the kernel's
+own configuration (``Sm80MlaBarrier``), ``member.id(...)``.
+"""
+
+import enum
+
+
+class Sm90FwdBarrier(enum.IntEnum):
+    """``sm90/flash_fwd.py``."""
+
+    CONSUMERS = 1  # all consumer threads: Q gathered by cp.async, V tail zeroed, epilogue
+    SCHEDULER = 2  # + consumer warpgroup (up to 3): its turn to issue MMAs (ping-pong)
+
+
+class Sm90MlaBarrier(enum.IntEnum):
+    """``sm90/mla_decode.py``, over the consumer threads."""
+
+    CONSUMERS = 1  # Q landed
+    XCHG = 2  # qk="split": both halves of S written
+    STATS = 3  # qk="one": the final 1 / row sum written
+
+
+class Sm80MlaBarrier(enum.IntEnum):
+    """``sm80/mla_decode.py`` (its module docstring says who arrives and who syncs). FULL
+    runs over the KV stages, so the ids after it shift with their count (``id``)."""
+
+    FULL = 1  # + KV stage: the O warps' gathers of the stage landed
+    P_FULL = 2  # + P buffer (2): P and its row corrections written by the S warps
+    P_EMPTY = 4  # + P buffer (2): the O warps read P
+    O_DONE = 6  # O warps only: every O warp finished P V on the stage
+    FINAL = 7  # the S warps wrote 1 / row sum
+
+    def id(self, stages: int) -> int:
+        """The id in a kernel of ``stages`` KV stages (FULL's run is ``stages`` ids long)."""
+        return int(self) if self is Sm80MlaBarrier.FULL else int(self) + stages - 1
+
+
+class Sm100FwdBarrier(enum.IntEnum):
+    """``sm100/flash_fwd.py`` (its role handshakes are mbarriers)."""
+
+    TMEM_ALLOC = 1  # the TMEM users meet once the MMA warp allocated TMEM (and before it frees it)
