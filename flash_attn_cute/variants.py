@@ -83,10 +83,14 @@ class AttentionVariant:
         return None, None
 
 
-class Causal(AttentionVariant):
+class KeyIntervalMask(AttentionVariant):
+    """A mask that keeps, for each query q, exactly the keys ``key_range(q, q)``."""
+
     has_mask = True
     mask_is_key_interval = True
 
+
+class Causal(KeyIntervalMask):
     def key(self):
         return ("causal",)
 
@@ -101,11 +105,8 @@ class Causal(AttentionVariant):
         return Int32(0), q_min + ctx.seqlen_k - ctx.seqlen_q + 1
 
 
-class Local(AttentionVariant):
+class Local(KeyIntervalMask):
     """Sliding window; a negative side is unbounded (the host passes -1)."""
-
-    has_mask = True
-    mask_is_key_interval = True
 
     def key(self):
         return ("local",)
