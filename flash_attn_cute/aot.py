@@ -44,6 +44,9 @@ optional, and a field given as a list expands to one description per combination
     num_splits        1 (default), > 1 for split-KV (adds the combine kernel it
                       needs), 0 = the runtime heuristic, which then needs num_sms
     num_sms, pack_gqa as the runtime gets them (default null: the auto rules)
+    learnable_sink, seqused_q, batch_invariant
+                      bools (default false): a sink tensor, a seqused_q tensor,
+                      batch_invariant=True (mla: batch_invariant only)
 
 Each description becomes a problem (``FwdProblem``, ``MlaProblem``); the backend the runtime would pick for the
 arch (or ``--backend``) turns it into a key through its ``plan`` and ``compile_key``,
@@ -100,7 +103,8 @@ PRESETS = {
 }
 _DEFAULTS = {"api": "func", "dtype": "bf16", "d": 128, "d_v": None, "qhead_per_kvhead": 1, "nheads_kv": 8,
              "batch": 1, "seqlen_q": 1, "seqlen_k": 4096, "causal": False, "window": [-1, -1], "softcap": 0.0,
-             "page_size": 0, "has_lse": False, "num_splits": 1, "num_sms": None, "pack_gqa": None}
+             "page_size": 0, "has_lse": False, "num_splits": 1, "num_sms": None, "pack_gqa": None,
+             "learnable_sink": False, "seqused_q": False, "batch_invariant": False}
 _APIS = {"func": (False, False, False), "varlen": (True, True, False), "kvcache": (False, False, True),
          "mla": (False, False, True)}
 _DTYPES = ("bf16", "fp16")
@@ -164,7 +168,7 @@ def _validate(one: dict) -> None:
     for f in ("d", "qhead_per_kvhead", "nheads_kv", "batch", "seqlen_q", "seqlen_k"):
         need(is_int(one[f]) and one[f] >= 1, f"{f} must be an int >= 1")
     need(one["d_v"] is None or (is_int(one["d_v"]) and one["d_v"] >= 1), "d_v must be an int >= 1 or null")
-    for f in ("causal", "has_lse"):
+    for f in ("causal", "has_lse", "learnable_sink", "seqused_q", "batch_invariant"):
         need(isinstance(one[f], bool), f"{f} must be true or false")
     need(one["pack_gqa"] is None or isinstance(one["pack_gqa"], bool), "pack_gqa must be true, false or null")
     need(isinstance(one["softcap"], (int, float)) and not isinstance(one["softcap"], bool)
@@ -175,6 +179,7 @@ def _validate(one: dict) -> None:
     if one["api"] == "mla":
         need(one["nheads_kv"] == 1, "api mla has one latent KV head: nheads_kv must be 1")
         need(one["qhead_per_kvhead"] in MLA_NHEADS, f"api mla: qhead_per_kvhead (the query heads) in {MLA_NHEADS}")
+        need(not (one["learnable_sink"] or one["seqused_q"]), "api mla has no learnable_sink or seqused_q")
     need(is_int(one["num_splits"]) and one["num_splits"] >= 0, "num_splits must be an int >= 0")
     need(one["num_sms"] is None or (is_int(one["num_sms"]) and one["num_sms"] >= 1), "num_sms must be >= 1")
     need(one["num_splits"] != 0 or one["num_sms"] is not None, "num_splits 0 (auto) needs num_sms")
@@ -192,7 +197,8 @@ def problem_of(one: dict):
     if one["api"] == "mla":
         return MlaProblem(dtype=dtype, batch=one["batch"], max_seqlen_q=one["seqlen_q"], max_seqlen_k=one["seqlen_k"],
                           nheads=one["qhead_per_kvhead"], page_size=max(1, one["page_size"]),
-                          softmax_scale=576 ** -0.5, causal=one["causal"], has_lse=one["has_lse"])
+                          softmax_scale=576 ** -0.5, causal=one["causal"], has_lse=one["has_lse"],
+                          batch_invariant=one["batch_invariant"])
     causal, window_left, window_right = normalize_window(one["causal"], tuple(one["window"]))
     varlen_q, varlen_k, seqused_k = _APIS[one["api"]]
     d, d_v = one["d"], one["d_v"] or one["d"]
@@ -200,7 +206,8 @@ def problem_of(one: dict):
                       nheads=one["nheads_kv"] * one["qhead_per_kvhead"], nheads_kv=one["nheads_kv"], d=d, d_v=d_v,
                       softmax_scale=d ** -0.5, causal=causal, window_left=window_left, window_right=window_right,
                       softcap=float(one["softcap"]), varlen_q=varlen_q, varlen_k=varlen_k, has_seqused_k=seqused_k,
-                      page_size=one["page_size"], has_lse=one["has_lse"])
+                      page_size=one["page_size"], has_lse=one["has_lse"], has_seqused_q=one["seqused_q"],
+                      has_sink=one["learnable_sink"], batch_invariant=one["batch_invariant"])
 
 
 def _arch_capability(arch: str) -> tuple:
@@ -249,8 +256,8 @@ def entries_for(descriptions: list, arch: str, backend: Optional[str] = None) ->
             key = module.compile_key(problem, plan, arch)
             target = f"{fwd.REGISTRIES[problem.kind][name]}:compile"
             entries.setdefault((key[0], key), AotEntry(key[0], key, target))
-            if plan.num_splits > 1:
-                ckey = combine_key(DTYPE_NAMES[problem.dtype], problem.d_v, problem.has_lse, arch)
+            if plan.is_split:
+                ckey = combine_key(DTYPE_NAMES[problem.dtype], problem.d_v, problem.has_lse, arch, problem.has_sink)
                 entries.setdefault(("combine", ckey),
                                    AotEntry("combine", ckey, "flash_attn_cute.combine:compile_combine"))
     return list(entries.values()), skipped

@@ -9,7 +9,7 @@ import importlib
 from typing import Callable, Optional
 
 from . import heuristics, jit_cache
-from .constants import MLA_NHEADS
+from .constants import KEYS_PER_SPLIT, MAX_SPLITS, MLA_NHEADS
 from .keys import DTYPE_NAMES, make_key, mla_key, target_arch
 from .problems import FwdPlan, FwdProblem, MlaProblem
 
@@ -20,25 +20,28 @@ NO_VARIANT = (None,) * 5
 
 # Problem features a forward kernel must implement explicitly: (field, what it is).
 FEATURES = (("has_sink", "learnable_sink"), ("has_seqused_q", "seqused_q"), ("batch_invariant", "batch_invariant"))
+MLA_FEATURES = (("batch_invariant", "batch_invariant"),)  # MLA has no sinks and no query counts
 
 
-def feature_refusal(problem: FwdProblem, supported: frozenset) -> Optional[str]:
-    """Why a backend implementing ``supported`` (names of ``FEATURES``) cannot run the
-    problem's features (None: it can)."""
-    for field, name in FEATURES:
+def feature_refusal(problem, supported: frozenset, fields: tuple = FEATURES) -> Optional[str]:
+    """Why a backend implementing ``supported`` (names of ``fields``: the forward's
+    ``FEATURES``, or the subset another problem kind has) cannot run the problem's
+    features (None: it can)."""
+    for field, name in fields:
         if getattr(problem, field) and name not in supported:
             return f"{name} is not implemented by this kernel"
+    if problem.batch_invariant and problem.max_seqlen_k > KEYS_PER_SPLIT * MAX_SPLITS:
+        return (f"batch_invariant covers at most {KEYS_PER_SPLIT * MAX_SPLITS} keys ({MAX_SPLITS} splits of "
+                f"{KEYS_PER_SPLIT}), got max_seqlen_k {problem.max_seqlen_k}")
     return None
 
 
 def mla_refusal(problem: MlaProblem, supported: frozenset) -> Optional[str]:
     """An MLA backend's ``check``: the query heads its kernels pack, and the features it
-    implements (``supported``)."""
+    implements (``supported``, names of ``MLA_FEATURES``)."""
     if problem.nheads not in MLA_NHEADS:
         return f"nheads {problem.nheads} is not one of {MLA_NHEADS}"
-    if problem.batch_invariant and "batch_invariant" not in supported:
-        return "batch_invariant is not implemented by this kernel"
-    return None
+    return feature_refusal(problem, supported, MLA_FEATURES)
 
 
 def plan_rows(problem: FwdProblem, pack_gqa: Optional[bool], tile_m: int = 128, packable: bool = True) -> tuple:
@@ -52,12 +55,28 @@ def plan_rows(problem: FwdProblem, pack_gqa: Optional[bool], tile_m: int = 128, 
 
 
 def plan_splits(problem, num_splits: int, num_sms: Optional[int], head_groups: int, rows: int, *, tile_m: int,
-                tile_n: int, ctas_per_sm: int, tolerance: float = 0.95) -> int:
-    """``heuristics.resolve_num_splits`` on the grid a backend launches: one CTA per
-    (batch, head group, m-block of ``rows``) of its tile, ``ctas_per_sm`` resident per SM."""
+                tile_n: int, ctas_per_sm: int, tolerance: float = 0.95, kernel_tile_n: Optional[int] = None) -> tuple:
+    """(num_splits, split_blocks) of a backend's plan. Batch invariant: ``invariant_splits``
+    on the kernel's KV tile (``kernel_tile_n``, default ``tile_n``; ``num_splits`` ignored).
+    Otherwise ``heuristics.resolve_num_splits`` on the grid a backend launches: one CTA per
+    (batch, head group, m-block of ``rows``) of a ``tile_m`` x ``tile_n`` tile,
+    ``ctas_per_sm`` resident per SM, and split_blocks 0 (even splits)."""
+    if problem.batch_invariant:
+        return invariant_splits(problem, kernel_tile_n or tile_n)
     return heuristics.resolve_num_splits(
         num_splits, num_sms, ctas=problem.batch * head_groups, rows=rows, max_seqlen_k=problem.max_seqlen_k,
-        tile_m=tile_m, tile_n=tile_n, ctas_per_sm=ctas_per_sm, tolerance=tolerance)
+        tile_m=tile_m, tile_n=tile_n, ctas_per_sm=ctas_per_sm, tolerance=tolerance), 0
+
+
+def invariant_splits(problem, tile_n: int) -> tuple:
+    """(num_splits, split_blocks) of a batch-invariant plan on KV blocks of ``tile_n`` keys:
+    ``split_blocks`` blocks (``KEYS_PER_SPLIT`` keys) per split from the sequence's first
+    key, and the splits the longest sequence needs (``max_seqlen_k``: the cache capacity
+    for a KV cache, so a captured graph fits every later length). Split s of a sequence
+    then holds the same keys in any batch; splits past its end are empty (O 0, LSE -inf)
+    and add exact zeros in the combine."""
+    split_blocks = heuristics.ceildiv(KEYS_PER_SPLIT, tile_n)
+    return max(1, heuristics.ceildiv(problem.max_seqlen_k, split_blocks * tile_n)), split_blocks
 
 
 def head_groups(problem: FwdProblem, pack_gqa: bool) -> int:
@@ -69,9 +88,10 @@ def fwd_key(name: str, problem: FwdProblem, plan: FwdPlan, arch: str, tile: tupl
     """A forward backend's compile key (``keys.make_key``): ``tile`` and ``extra`` are the
     fields of the plan's config that go before and after the common ones."""
     return make_key(name, arch, DTYPE_NAMES[problem.dtype], problem.d, problem.d_v, tile, problem.variant_flags,
-                    plan.qhead_per_kvhead_packed(problem), plan.num_splits > 1,
-                    problem.has_lse or plan.num_splits > 1,  # a split kernel always writes partial LSEs
-                    problem.varlen_q, problem.varlen_k, problem.has_seqused_k, problem.paged, extra)
+                    plan.qhead_per_kvhead_packed(problem), plan.is_split,
+                    problem.has_lse or plan.is_split,  # a split kernel always writes partial LSEs
+                    problem.varlen_q, problem.varlen_k, problem.has_seqused_k, problem.paged, problem.has_seqused_q,
+                    problem.has_sink, plan.config.split_blocks, extra)
 
 
 def entry_points(key: Callable, kernel_module: str, compile_fn: str, scalars: Callable, bind: Callable = None):
@@ -99,20 +119,25 @@ def entry_points(key: Callable, kernel_module: str, compile_fn: str, scalars: Ca
 
 
 def _bind_fwd(fn, scalars: tuple) -> Callable:
-    def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, variant_tensors=NO_VARIANT):
-        fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, *variant_tensors, *scalars)
+    def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q, learnable_sink,
+               variant_tensors=NO_VARIANT):
+        fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q, learnable_sink,
+           *variant_tensors, *scalars)
 
     return launch
 
 
-def fwd_entry_points(name: str, kernel_module: str, compile_fn: str, key_tile: Callable = tuple,
+def fwd_entry_points(name: str, kernel_module: str, compile_fn: str, key_tile: Callable,
                      key_extra: Callable = lambda config: (), extra_scalars: Callable = lambda problem, plan, device: ()):
     """A forward backend's entry points: the key holds ``key_tile(plan.config)`` then the
-    common fields then ``key_extra(plan.config)``; the launcher binds softmax_scale,
+    common fields (the config's ``split_blocks`` among them) then ``key_extra(plan.config)``;
+    the launcher binds softmax_scale,
     window_left, window_right, softcap, num_splits, max_seqlen_q, batch, then
     ``extra_scalars(problem, plan, device)``, and takes ``launch(q, k, v, out, lse,
-    cu_seqlens_q, cu_seqlens_k, seqused_k, page_table[, variant_tensors])`` (split kernels
-    get fp32 partials as out/lse; a user variant's tensors are its aux slots and block ranges)."""
+    cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q, learnable_sink[,
+    variant_tensors])`` (split kernels get fp32 partials as out/lse and leave the sink to
+    the combine; the sink is fp32; a user variant's tensors are its aux slots and block
+    ranges)."""
 
     def key(problem: FwdProblem, plan: FwdPlan, arch: str) -> tuple:
         return fwd_key(name, problem, plan, arch, key_tile(plan.config), key_extra(plan.config))
@@ -125,14 +150,15 @@ def fwd_entry_points(name: str, kernel_module: str, compile_fn: str, key_tile: C
     return entry_points(key, kernel_module, compile_fn, scalars, _bind_fwd)
 
 
-def mla_entry_points(name: str, kernel_module: str, compile_fn: str, key_config: Callable = tuple):
+def mla_entry_points(name: str, kernel_module: str, compile_fn: str, key_config: Callable):
     """An MLA backend's entry points: the key (``keys.mla_key``) ends with
-    ``key_config(plan.config)``; the launcher binds softmax_scale, num_splits, max_seqlen_q
-    and batch after ``launch(q_nope, q_pe, ckv, kpe, out, lse, cache_seqlens, page_table)``."""
+    ``key_config(plan.config)`` (its fields but ``split_blocks``, a common one); the launcher
+    binds softmax_scale, num_splits, max_seqlen_q and batch after ``launch(q_nope, q_pe, ckv,
+    kpe, out, lse, cache_seqlens, page_table)``."""
 
     def key(problem: MlaProblem, plan: FwdPlan, arch: str) -> tuple:
-        return mla_key(name, arch, DTYPE_NAMES[problem.dtype], problem.nheads, problem.causal, plan.num_splits > 1,
-                       problem.has_lse or plan.num_splits > 1, key_config(plan.config))
+        return mla_key(name, arch, DTYPE_NAMES[problem.dtype], problem.nheads, problem.causal, plan.is_split,
+                       problem.has_lse or plan.is_split, plan.config.split_blocks, key_config(plan.config))
 
     def scalars(problem: MlaProblem, plan: FwdPlan, device) -> tuple:
         return float(problem.softmax_scale), int(plan.num_splits), int(problem.max_seqlen_q), int(problem.batch)

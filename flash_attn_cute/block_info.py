@@ -1,7 +1,9 @@
 """Which KV blocks one CTA visits, and which of them need a per-element mask.
 
 Shared by every architecture: the tile sizes are static, the sequence lengths and
-the variant's window are runtime values.
+the variant's window are runtime values. So is the split layout: ``split_blocks`` > 0
+(batch invariant) gives split s the absolute blocks [s * split_blocks, (s + 1) *
+split_blocks), the same in any batch; 0 cuts each tile's range into num_splits even parts.
 """
 
 from dataclasses import dataclass
@@ -19,6 +21,7 @@ class BlockInfo:
     tile_n: cutlass.Constexpr[int]
     qhead_per_kvhead_packed: cutlass.Constexpr[int]  # rows per query position in the M tile
     variant: cutlass.Constexpr[AttentionVariant]
+    split_blocks: cutlass.Constexpr[int] = 0  # KV blocks per split (batch invariant), 0: even splits
 
     def query_range(self, m_block: Int32, ctx: AttnCtx):
         """First and last query position held by the rows of this M tile."""
@@ -32,7 +35,8 @@ class BlockInfo:
         self, m_block: Int32, ctx: AttnCtx, split_idx: Int32, num_splits: Int32, is_split: cutlass.Constexpr
     ):
         """[n_block_min, n_block_max) for this CTA; empty (min >= max) when nothing is visible.
-        With splits, the visible range is cut into num_splits near-equal chunks."""
+        With splits, the visible range is cut into num_splits near-equal chunks, or
+        (``split_blocks``) intersected with the split's fixed blocks."""
         n_block_max = cute.ceil_div(ctx.seqlen_k, self.tile_n)
         n_block_min = Int32(0)
         q_lo, q_hi = self.query_range(m_block, ctx)
@@ -41,7 +45,14 @@ class BlockInfo:
             n_block_max = cutlass.min(n_block_max, cute.ceil_div(cutlass.max(hi, 0), self.tile_n))
         if cutlass.const_expr(lo is not None):
             n_block_min = cutlass.max(lo, 0) // self.tile_n
-        if cutlass.const_expr(is_split):
+        if cutlass.const_expr(is_split and self.split_blocks > 0):
+            n_block_min = cutlass.max(n_block_min, split_idx * self.split_blocks)
+            # The last split also takes any blocks past the grid's splits: none when the
+            # planner's max_seqlen_k bounds every length (the splits are then the same in
+            # any batch), and the rest of the keys, not a silent cut, when a hint was low.
+            if split_idx < num_splits - 1:
+                n_block_max = cutlass.min(n_block_max, (split_idx + 1) * self.split_blocks)
+        elif cutlass.const_expr(is_split):
             per_split = cute.ceil_div(cutlass.max(n_block_max - n_block_min, 0), num_splits)
             n_block_min = n_block_min + split_idx * per_split
             n_block_max = cutlass.min(n_block_max, n_block_min + per_split)

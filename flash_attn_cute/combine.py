@@ -2,15 +2,22 @@
 
     lse = logsumexp_s lse_s            O = sum_s exp(lse_s - lse) * O_s
 
+With a learnable sink (one logit per head, zero value: the split kernels leave it out) it
+is one more term of the logsumexp, ``lse = logsumexp(lse_s..., sink)``, and of no O_s.
+
 Arch-neutral (SM80 and up): cp.async and 128-bit global stores, no TMA, no tensor cores.
 The kernel is memory bound: every O partial element is read exactly once, with coalesced
 128-bit cp.async copies, several splits in flight per thread.
 
 A "row" is one (batch, seqlen, head) triple. A CTA owns ``tile_m`` rows of one batch and one
-``k_block`` wide column slice of d_v:
+``k_block`` wide column slice of d_v (a batch past grid z's limit folds into x,
+``tile_scheduler.fold_batch``):
   1. ``load_lse``: the LSE of every split for its rows goes to smem (coalesced along seqlen),
   2. ``reduce``: a lane group per row reduces max / sum over splits and rewrites smem in
-     place with the per-split weights exp(lse_s - max_s lse_s),
+     place with the per-split weights exp(lse_s - max_s lse_s). Lane j of a group takes
+     the splits j, j + group, ... in order, then the group's butterfly: the order depends
+     on d_v alone, so splits of weight 0 (empty ones) add exact zeros and a row's result
+     does not depend on how many trailing empty splits the launch has (batch invariance),
   3. ``accumulate``: each thread streams its 128-bit column chunk of every split with a
      nonzero weight through a private ``stages``-deep smem ring into fp32 registers, and
      normalises once by 1 / sum of the weights,
@@ -29,6 +36,7 @@ from .constants import MAX_SPLITS
 from .cute_utils import CUTE_DTYPE_BY_NAME, compile_options, fake_stream, fake_tensor
 from .keys import DTYPE_NAMES, combine_key, target_arch
 from .softmax import LN_2, LOG2_E
+from .tile_scheduler import fold_batch, m_blocks_divisor, unfold_batch
 
 
 class FlashAttnCombine:
@@ -74,6 +82,7 @@ class FlashAttnCombine:
         mLSEPartial: cute.Tensor,  # (num_splits, batch, nheads, seqlen) fp32, natural log
         mO: cute.Tensor,  # (batch, seqlen, nheads, d_v), d_v contiguous
         mLSE: Optional[cute.Tensor],  # (batch, nheads, seqlen) fp32, or None
+        mSink: Optional[cute.Tensor],  # (nheads,) fp32 learnable sinks, or None
         stream,
     ):
         # num_splits <= max_splits is the caller's to check: the LSE smem is sized for it.
@@ -102,13 +111,11 @@ class FlashAttnCombine:
         sO_layout = cute.make_ordered_layout(
             (4, self.chunks, self.num_threads, self.stages), order=(0, 2, 1, 3)
         )
-        num_rows = cute.size(mO.shape[1])
-        grid = [
-            cute.ceil_div(num_rows, self.tile_m),
-            cute.ceil_div(self.head_dim_v, self.k_block),
-            cute.size(mO.shape[0]),
-        ]
-        self.kernel(mOPartial, mLSEPartial, mO, mLSE, sLSE_layout, sO_layout).launch(
+        num_m_blocks = cute.ceil_div(cute.size(mO.shape[1]), self.tile_m)
+        grid_x, grid_z = fold_batch(num_m_blocks, cute.size(mO.shape[0]))
+        grid = [grid_x, cute.ceil_div(self.head_dim_v, self.k_block), grid_z]
+        self.kernel(mOPartial, mLSEPartial, mO, mLSE, mSink, sLSE_layout, sO_layout,
+                    m_blocks_divisor(num_m_blocks)).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream
         )
 
@@ -119,11 +126,20 @@ class FlashAttnCombine:
         mLSEPartial: cute.Tensor,  # (num_splits, batch, row)
         mO: cute.Tensor,  # (batch, row, d_v)
         mLSE: Optional[cute.Tensor],  # (batch, row)
+        mSink: Optional[cute.Tensor],  # (nheads,)
         sLSE_layout: cute.Layout,
         sO_layout: cute.Layout,
+        m_blocks: cute.FastDivmodDivisorV2,  # row tiles per sequence (tile_scheduler.m_blocks_divisor)
     ):
+        m_block, batch_idx, in_batch = unfold_batch(m_blocks, cute.size(mO.shape[0]))
+        if in_batch:
+            self.combine_rows(mOPartial, mLSEPartial, mO, mLSE, mSink, sLSE_layout, sO_layout, m_block, batch_idx)
+
+    @cute.jit
+    def combine_rows(self, mOPartial, mLSEPartial, mO, mLSE, mSink, sLSE_layout, sO_layout, m_block, batch_idx):
+        """The CTA's rows of sequence ``batch_idx``, its column slice ``blockIdx.y``."""
         tidx, _, _ = cute.arch.thread_idx()
-        m_block, k_block_idx, batch_idx = cute.arch.block_idx()
+        k_block_idx = cute.arch.block_idx()[1]
         num_splits = mOPartial.shape[0]
         seqlen = mO.shape[1][0]
         num_rows = cute.size(mO.shape[1])
@@ -142,7 +158,10 @@ class FlashAttnCombine:
         j = tidx % self.threads_per_row
         row = m_block * self.tile_m + m
         row_crd = (row % seqlen, row // seqlen)  # (seqlen idx, head idx)
-        lse, inv_sum = self.reduce(sLSE, m, j, num_splits)
+        sink = None
+        if const_expr(mSink is not None):
+            sink = mSink[cutlass.min(row_crd[1], mO.shape[1][1] - 1)]  # rows past the end: any head
+        lse, inv_sum = self.reduce(sLSE, m, j, num_splits, sink)
         if const_expr(mLSE is not None):
             if k_block_idx == 0 and j == 0 and row < num_rows:
                 mLSE[batch_idx, row_crd] = lse
@@ -191,15 +210,19 @@ class FlashAttnCombine:
         cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def reduce(self, sLSE: cute.Tensor, m: Int32, j: Int32, num_splits: Int32):
+    def reduce(self, sLSE: cute.Tensor, m: Int32, j: Int32, num_splits: Int32, sink: Optional[Float32]):
         """Turn row m of sLSE into weights exp(lse_s - max lse) in place; return (lse,
         1 / sum of weights). A row with no valid split gets lse -inf, all weights exactly 0
-        and 1 / sum = 0: never NaN."""
+        and 1 / sum = 0: never NaN. ``sink``: one more term of the max and the sum (after
+        the group's reductions, so it is added once), with no weight of its own: such a
+        row gets lse = the sink and O = 0."""
         group = const_expr(self.threads_per_row)
         lse_max = -Float32.inf
         for s in cutlass.range(j, num_splits, group, unroll=4):
             lse_max = cute.arch.fmax(lse_max, sLSE[s, m])
         lse_max = cute.arch.warp_reduction_max(lse_max, threads_in_group=group)
+        if const_expr(sink is not None):
+            lse_max = cute.arch.fmax(lse_max, sink)
         # exp2(-inf - (-inf)) would be NaN: an all -inf row is shifted by 0 instead.
         max_log2 = Float32(0.0) if lse_max == -Float32.inf else lse_max * LOG2_E
         lse_sum = Float32(0.0)
@@ -208,6 +231,8 @@ class FlashAttnCombine:
             sLSE[s, m] = weight
             lse_sum += weight
         lse_sum = cute.arch.warp_reduction_sum(lse_sum, threads_in_group=group)
+        if const_expr(sink is not None):
+            lse_sum += cute.math.exp2(sink * LOG2_E - max_log2, approx=True)
         inv_sum = Float32(0.0) if lse_sum == 0.0 else cute.arch.rcp_approx(lse_sum)
         # log2(0) = -inf: lse = -inf for a row with no valid split.
         return (cute.math.log2(lse_sum, approx=True) + max_log2) * LN_2, inv_sum
@@ -284,7 +309,7 @@ class FlashAttnCombine:
 def compile_combine(key: tuple):
     """Compile for ``key`` = combine_key(...). Pure function of the key: sizes and leading
     strides are symbolic, so no shape ever recompiles; needs no GPU."""
-    name, out_dtype_name, head_dim_v, has_lse, arch = key
+    name, out_dtype_name, head_dim_v, has_lse, has_sink, arch = key
     assert name == "combine"
     dtype = CUTE_DTYPE_BY_NAME[out_dtype_name]
     mOPartial = fake_tensor(Float32, 5, shape=(None, None, None, None, head_dim_v))
@@ -292,15 +317,18 @@ def compile_combine(key: tuple):
     mLSEPartial = fake_tensor(Float32, 4, align=4, contiguous_last=False)
     mO = fake_tensor(dtype, 4, shape=(None, None, None, head_dim_v))
     mLSE = fake_tensor(Float32, 3, align=4, contiguous_last=False) if has_lse else None
+    mSink = fake_tensor(Float32, 1, align=4) if has_sink else None
     kernel = FlashAttnCombine(dtype, head_dim_v)
-    return cute.compile(kernel, mOPartial, mLSEPartial, mO, mLSE, fake_stream(), options=compile_options(arch))
+    return cute.compile(kernel, mOPartial, mLSEPartial, mO, mLSE, mSink, fake_stream(),
+                        options=compile_options(arch))
 
 
-def combine_launcher(out_dtype, head_dim_v: int, has_lse: bool):
-    """The compiled combine for an output dtype (torch), d_v and LSE on/off: called as
-    ``fn(out_partial, lse_partial, out, lse)`` with out_partial (num_splits, b, s, h, d_v)
-    fp32, lse_partial (num_splits, b, h, s) fp32, out (b, s, h, d_v), lse (b, h, s) fp32
-    or None. Shapes are validated by the public API. Runs on torch's current stream."""
-    key = combine_key(DTYPE_NAMES[out_dtype], head_dim_v, has_lse, target_arch())
+def combine_launcher(out_dtype, head_dim_v: int, has_lse: bool, has_sink: bool = False):
+    """The compiled combine for an output dtype (torch), d_v, LSE on/off and sink on/off:
+    called as ``fn(out_partial, lse_partial, out, lse, sink)`` with out_partial
+    (num_splits, b, s, h, d_v) fp32, lse_partial (num_splits, b, h, s) fp32, out (b, s, h,
+    d_v), lse (b, h, s) fp32 or None, sink (h,) fp32 or None. Shapes are validated by the
+    public API. Runs on torch's current stream."""
+    key = combine_key(DTYPE_NAMES[out_dtype], head_dim_v, has_lse, target_arch(), has_sink)
     return jit_cache.get_or_compile("combine", key, lambda: compile_combine(key))
 

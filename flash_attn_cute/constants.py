@@ -4,6 +4,9 @@ Plain Python (importing it never loads the DSL), so the public API, the planners
 kernels take these from one place instead of restating them."""
 
 MAX_SPLITS = 256  # split-KV partials the combine kernel accepts
+# batch_invariant: every KV split holds this many keys (rounded up to whole KV blocks), from
+# key 0 of the sequence, so a sequence's splits never depend on the rest of the batch.
+KEYS_PER_SPLIT = 4096
 INT32_MAX = 2**31 - 1  # kernels take lengths, windows and page ids as int32
 
 # MLA (DeepSeek V2/V3): every query head attends to one latent cache row of D_CKV values

@@ -31,10 +31,11 @@ def fake_tensor(dtype, rank: int, *, align: int = 16, shape=None, contiguous_las
 
 
 def fake_fwd_tensors(dtype, d: int, dv: int, *, is_split: bool, has_lse: bool, varlen_q: bool, varlen_k: bool,
-                     has_seqused_k: bool, paged: bool) -> tuple:
+                     has_seqused_k: bool, paged: bool, has_seqused_q: bool, has_sink: bool) -> tuple:
     """The forward kernels' tensor arguments as fake tensors, in their order: mQ, mK, mV,
-    mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable (None where absent). A split
-    kernel writes fp32 partials with a leading split mode; head dims are static."""
+    mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, mSeqUsedQ, mLearnableSink
+    (None where absent). A split kernel writes fp32 partials with a leading split mode;
+    head dims are static; the sink is fp32 (the host converts a 16-bit one)."""
     q_rank = 3 if varlen_q else 4
     kv_rank = 3 if (varlen_k and not paged) else 4
     split_mode = (None,) if is_split else ()
@@ -50,6 +51,8 @@ def fake_fwd_tensors(dtype, d: int, dv: int, *, is_split: bool, has_lse: bool, v
         int_vec(1) if varlen_k else None,
         int_vec(1) if has_seqused_k else None,
         int_vec(2) if paged else None,
+        int_vec(1) if has_seqused_q else None,
+        fake_tensor(cutlass.Float32, 1, align=4) if has_sink else None,
     )
 
 
@@ -71,14 +74,15 @@ def fake_variant_tensors(user_key: Optional[tuple]) -> tuple:
 
 
 def compile_fwd(kernel, dtype, d: int, dv: int, arch: str, *, is_split: bool, has_lse: bool, varlen_q: bool,
-                varlen_k: bool, has_seqused_k: bool, paged: bool, extra_scalars: tuple = (),
-                user_key: Optional[tuple] = None):
+                varlen_k: bool, has_seqused_k: bool, paged: bool, has_seqused_q: bool, has_sink: bool,
+                extra_scalars: tuple = (), user_key: Optional[tuple] = None):
     """``cute.compile`` of a forward kernel on its fake arguments: the tensors of
     ``fake_fwd_tensors`` and ``fake_variant_tensors``, then softmax_scale, window_left,
     window_right, softcap, num_splits, max_seqlen_q, batch (runtime values; placeholders
     here), then the kernel's ``extra_scalars``, then the stream."""
     tensors = fake_fwd_tensors(dtype, d, dv, is_split=is_split, has_lse=has_lse, varlen_q=varlen_q,
-                               varlen_k=varlen_k, has_seqused_k=has_seqused_k, paged=paged)
+                               varlen_k=varlen_k, has_seqused_k=has_seqused_k, paged=paged,
+                               has_seqused_q=has_seqused_q, has_sink=has_sink)
     tensors = tensors + fake_variant_tensors(user_key)
     F32, I32 = cutlass.Float32, cutlass.Int32
     scalars = (F32(1.0), I32(-1), I32(-1), F32(0.0), I32(1), I32(1), I32(1)) + tuple(extra_scalars)

@@ -19,14 +19,16 @@ A backend module owns everything architecture-specific about its kind:
 - ``compile_key(problem, plan, arch=None)`` and ``compile(key)``: the binary, a pure
   function of a short key that reads only the problem and the plan;
 - ``launcher(problem, plan, device=None)``: a callable taking the kind's tensors (forward:
-  ``q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table[, variant
-  tensors]``; MLA: ``q_nope, q_pe, ckv, kpe, out, lse, cache_seqlens, page_table``) with
-  the compiled kernel and every runtime scalar bound (``backend_kit`` builds these three).
+  ``q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q,
+  learnable_sink[, variant tensors]``; MLA: ``q_nope, q_pe, ckv, kpe, out, lse,
+  cache_seqlens, page_table``) with the compiled kernel and every runtime scalar bound
+  (``backend_kit`` builds these three).
 
 ``resolve`` selects, plans and binds once per distinct problem and keeps the result in a
 cache, so a repeated call (a decode loop) costs one dict lookup before the launch;
 ``run_resolved`` allocates the split-KV partials each kind states (``partial_shapes``),
-launches, and combines.
+launches, and combines (adding the learnable sink there: split kernels leave it out). A
+plan is split when ``plan.is_split``: more than one split, or batch invariant (always).
 """
 
 from __future__ import annotations
@@ -112,17 +114,17 @@ def select_backend(requested: Optional[str], problem, device) -> tuple:
                               f"{major}.{minor}): " + ("; ".join(reasons) or "none runs there"))
 
 
-def combine_launcher(out_dtype: torch.dtype, d_v: int, has_lse: bool) -> Callable:
+def combine_launcher(out_dtype: torch.dtype, d_v: int, has_lse: bool, has_sink: bool = False) -> Callable:
     """The compiled split-KV combine (see ``combine.combine_launcher``); imported lazily."""
     from .combine import combine_launcher as launcher
 
-    return launcher(out_dtype, d_v, has_lse)
+    return launcher(out_dtype, d_v, has_lse, has_sink)
 
 
 class Resolved(NamedTuple):
     plan: FwdPlan
     launch: Callable
-    combine: Optional[Callable]  # set when plan.num_splits > 1
+    combine: Optional[Callable]  # set when plan.is_split
 
 
 _plan_cache: dict = {}
@@ -138,7 +140,9 @@ def _resolve(problem, requested: Optional[str], num_splits: int, pack_gqa: Optio
     name, module = select_backend(requested, problem, device)
     num_sms = heuristics.num_sms(device) if num_splits == 0 else None
     plan = module.plan(problem, num_splits, pack_gqa, num_sms, tuning=tuning)
-    combine = combine_launcher(problem.dtype, problem.d_v, problem.has_lse) if plan.num_splits > 1 else None
+    combine = None
+    if plan.is_split:
+        combine = combine_launcher(problem.dtype, problem.d_v, problem.has_lse, problem.has_sink)
     return Resolved(plan, module.launcher(problem, plan, device), combine)
 
 
@@ -156,31 +160,36 @@ def resolve(problem, requested: Optional[str], num_splits: int, pack_gqa: Option
     return hit
 
 
-def run_resolved(resolved: Resolved, problem, inputs: tuple, out, lse, rest: tuple) -> None:
-    """Launch ``resolved`` as ``launch(*inputs, out, lse, *rest)``; with split-KV, into fp32
-    partials of the shapes the problem states, then the combine into ``out`` / ``lse``."""
-    ns = resolved.plan.num_splits
-    if ns == 1:
+def run_resolved(resolved: Resolved, problem, inputs: tuple, out, lse, rest: tuple, sink=None,
+                 rows_unwritten: bool = False) -> None:
+    """Launch ``resolved`` as ``launch(*inputs, out, lse, *rest)``; split (``plan.is_split``),
+    into fp32 partials of the shapes the problem states, then the combine into ``out`` /
+    ``lse``, which adds ``sink`` (fp32 ``(nheads,)``, or None). ``rows_unwritten``: the
+    kernel leaves some rows out (``seqused_q``): their LSE partials start at -inf, so the
+    combine writes them as rows that saw no key instead of merging uninitialised memory."""
+    if not resolved.plan.is_split:
         resolved.launch(*inputs, out, lse, *rest)
         return
-    o_shape, lse_shape = problem.partial_shapes(ns, tuple(out.shape))
+    o_shape, lse_shape = problem.partial_shapes(resolved.plan.num_splits, tuple(out.shape))
     # One allocation for both partials (host time: one allocator call less per call).
     o_numel = math.prod(o_shape)
     partials = out.new_empty((o_numel + math.prod(lse_shape),), dtype=torch.float32)
     out_partial = partials[:o_numel].view(o_shape)
     lse_partial = partials[o_numel:].view(lse_shape)
+    if rows_unwritten:
+        lse_partial.fill_(-math.inf)
     resolved.launch(*inputs, out_partial, lse_partial, *rest)
-    resolved.combine(*problem.combine_views(out_partial, lse_partial, out, lse))
+    resolved.combine(*problem.combine_views(out_partial, lse_partial, out, lse, sink))
 
 
 def run_fwd(problem: FwdProblem, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None,
-            page_table=None, requested: Optional[str] = None, num_splits: int = 1,
-            pack_gqa: Optional[bool] = None, variant_tensors: Optional[tuple] = None,
+            page_table=None, seqused_q=None, learnable_sink=None, requested: Optional[str] = None,
+            num_splits: int = 1, pack_gqa: Optional[bool] = None, variant_tensors: Optional[tuple] = None,
             tuning: Tuning = NO_TUNING) -> None:
     """Plan, launch and (for split-KV) combine a forward problem into ``out`` / ``lse``
-    (allocated by the caller)."""
-    rest = (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)
+    (allocated by the caller); ``learnable_sink`` fp32."""
+    rest = (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q, learnable_sink)
     if problem.variant is not None:
         rest += (variant_tensors,)
     run_resolved(resolve(problem, requested, num_splits, pack_gqa, q.device, tuning), problem, (q, k, v), out, lse,
-                 rest)
+                 rest, learnable_sink, problem.has_seqused_q)

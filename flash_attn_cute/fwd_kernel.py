@@ -19,7 +19,7 @@ from cutlass import Float32, Int32
 from flash_attn_cute.block_info import BlockInfo
 from flash_attn_cute.cute_utils import CUTE_DTYPE_BY_NAME, compile_fwd
 from flash_attn_cute.keys import parse_key
-from flash_attn_cute.pack_gqa import packed_lse_rows, packed_rows
+from flash_attn_cute.pack_gqa import packed_lse_rows, packed_rows, query_and_head_of_row
 from flash_attn_cute.seqlen_info import SeqlenInfo
 from flash_attn_cute.tile_scheduler import WorkTile
 from flash_attn_cute.variants import AttentionVariant, AttnCtx, VariantParams, make_variant
@@ -37,6 +37,8 @@ class FwdArgs(NamedTuple):
     mCuSeqlensK: Optional[cute.Tensor]  # (b + 1,) int32
     mSeqUsedK: Optional[cute.Tensor]  # (b,) int32
     mPageTable: Optional[cute.Tensor]  # (b, max_pages) int32
+    mSeqUsedQ: Optional[cute.Tensor]  # (b,) int32: query rows per sequence (the rest not computed)
+    mLearnableSink: Optional[cute.Tensor]  # (h,) fp32: one logit per query head (read by non-split kernels)
     mAux0: Optional[cute.Tensor]  # a user variant's aux tensors (user_variants.MAX_AUX slots)
     mAux1: Optional[cute.Tensor]
     mAux2: Optional[cute.Tensor]
@@ -98,8 +100,10 @@ class FwdArgs(NamedTuple):
 
 
 def set_fwd_config(kernel, dtype, head_dim: int, head_dim_v: int, variant: AttentionVariant,
-                   qhead_per_kvhead_packed: int = 1, is_split: bool = False) -> None:
-    """The static configuration every forward kernel class holds, set on ``kernel``."""
+                   qhead_per_kvhead_packed: int = 1, is_split: bool = False, split_blocks: int = 0) -> None:
+    """The static configuration every forward kernel class holds, set on ``kernel``.
+    ``split_blocks`` > 0: split s covers the absolute KV blocks [s * split_blocks, (s + 1) *
+    split_blocks) (batch invariant, ``BlockInfo``); 0: even splits of each tile's range."""
     kernel.dtype = dtype
     kernel.out_dtype = Float32 if is_split else dtype  # split partials are fp32
     kernel.head_dim = head_dim
@@ -107,13 +111,15 @@ def set_fwd_config(kernel, dtype, head_dim: int, head_dim_v: int, variant: Atten
     kernel.variant = variant
     kernel.qhead_per_kvhead_packed = qhead_per_kvhead_packed  # rows per query position in the M tile
     kernel.is_split = is_split
+    kernel.split_blocks = split_blocks
 
 
 @cute.jit
 def fwd_call(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
              mLSE: Optional[cute.Tensor], mCuSeqlensQ: Optional[cute.Tensor],
              mCuSeqlensK: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
-             mPageTable: Optional[cute.Tensor], mAux0: Optional[cute.Tensor], mAux1: Optional[cute.Tensor],
+             mPageTable: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
+             mLearnableSink: Optional[cute.Tensor], mAux0: Optional[cute.Tensor], mAux1: Optional[cute.Tensor],
              mAux2: Optional[cute.Tensor], mAux3: Optional[cute.Tensor], mBlockRanges: Optional[cute.Tensor],
              softmax_scale: Float32, window_left: Int32,
              window_right: Int32, softcap: Float32, num_splits: Int32, max_seqlen_q: Int32, batch_size: Int32,
@@ -122,24 +128,26 @@ def fwd_call(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.T
     base class: the classes share this argument list, nothing else). ``FwdArgs`` in order,
     then the kernel's extra scalars (their types come from the values compiled with) and
     the stream, handed to the class's ``launch(args, *extra_scalars, stream)``."""
-    self.launch(FwdArgs(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, mAux0, mAux1, mAux2,
-                        mAux3, mBlockRanges, softmax_scale, window_left, window_right, softcap, num_splits,
-                        max_seqlen_q, batch_size),
+    self.launch(FwdArgs(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, mSeqUsedQ,
+                        mLearnableSink, mAux0, mAux1, mAux2, mAux3, mBlockRanges, softmax_scale, window_left,
+                        window_right, softcap, num_splits, max_seqlen_q, batch_size),
                 *extra_scalars_and_stream)
 
 
 def compile_from_key(key: tuple, tile_len: int, make_kernel: Callable, extra_scalars: tuple = ()):
     """Compiles a forward kernel for a compile key (``fwd.make_key``) on fake tensors (no GPU
     needed): ``make_kernel(dtype, d, d_v, tile, variant, qhead_per_kvhead_packed, is_split,
-    *key_extra)`` builds
-    the kernel object; ``extra_scalars`` are placeholders of its extra runtime scalars."""
+    split_blocks, *key_extra)`` builds the kernel object; ``extra_scalars`` are placeholders
+    of its extra runtime scalars."""
     f = parse_key(key, tile_len)
     dtype = CUTE_DTYPE_BY_NAME[f.dtype_name]
     variant = make_variant(*f.flags)
-    kernel = make_kernel(dtype, f.d, f.d_v, f.tile, variant, f.qhead_per_kvhead_packed, f.is_split, *f.extra)
+    kernel = make_kernel(dtype, f.d, f.d_v, f.tile, variant, f.qhead_per_kvhead_packed, f.is_split, f.split_blocks,
+                         *f.extra)
     return compile_fwd(kernel, dtype, f.d, f.d_v, f.arch, is_split=f.is_split, has_lse=f.has_lse,
                        varlen_q=f.varlen_q, varlen_k=f.varlen_k, has_seqused_k=f.has_seqused_k, paged=f.paged,
-                       extra_scalars=extra_scalars, user_key=f.flags[3] if len(f.flags) > 3 else None)
+                       has_seqused_q=f.has_seqused_q, has_sink=f.has_sink, extra_scalars=extra_scalars,
+                       user_key=f.flags[3] if len(f.flags) > 3 else None)
 
 
 @cute.jit
@@ -200,9 +208,9 @@ class FwdTile:
     @staticmethod
     def seqlen_of(args: FwdArgs, work: WorkTile) -> SeqlenInfo:
         """The work tile's sequence. A paged cache has no offsets; its lengths come from
-        seqused_k (or cu_seqlens_k)."""
+        seqused_k (or cu_seqlens_k); seqused_q, where given, counts its query rows."""
         return SeqlenInfo.create_for(work.batch, args.mQ, args.mK, args.mCuSeqlensQ, args.mCuSeqlensK,
-                                     args.mSeqUsedK, args.mPageTable)
+                                     args.mSeqUsedK, args.mPageTable, args.mSeqUsedQ)
 
     @staticmethod
     def ctx_of(args: FwdArgs, work: WorkTile, seqlen: SeqlenInfo, block_info: BlockInfo) -> AttnCtx:
@@ -210,9 +218,14 @@ class FwdTile:
                                 block_info.variant.has_score_mod)
 
     @staticmethod
-    def rows_valid_of(seqlen: SeqlenInfo, m_block: Int32, block_info: BlockInfo) -> Int32:
-        """Rows of M block ``m_block`` inside the (packed) sequence; <= 0: none."""
-        return seqlen.seqlen_q * block_info.qhead_per_kvhead_packed - m_block * block_info.tile_m
+    @cute.jit
+    def rows_valid_of(seqlen: SeqlenInfo, work: WorkTile, block_info: BlockInfo) -> Int32:
+        """Rows of the work tile's M block inside the (packed) sequence; <= 0: none (also
+        for a CTA of a folded grid past the last sequence)."""
+        rows = seqlen.seqlen_q * block_info.qhead_per_kvhead_packed - work.m_block * block_info.tile_m
+        if not work.in_batch:
+            rows = Int32(0)
+        return rows
 
     @staticmethod
     @cute.jit
@@ -221,7 +234,7 @@ class FwdTile:
         """The tile of ``work`` in a sequence whose lengths, context and KV head are known."""
         n_block_min, n_block_max = block_info.get_n_block_min_max(work.m_block, ctx, work.split_idx, num_splits,
                                                                   is_split)
-        rows_valid = FwdTile.rows_valid_of(seqlen, work.m_block, block_info)
+        rows_valid = FwdTile.rows_valid_of(seqlen, work, block_info)
         return FwdTile(ctx, seqlen, work.m_block, head_kv, work.split_idx, rows_valid, softmax_scale,
                        n_block_min, n_block_max)
 
@@ -251,6 +264,27 @@ class FwdTile:
         if cutlass.const_expr(is_split):
             mO = split_slice(mO, self.split_idx)
         return self.q_rows(mO, qhead_per_kvhead_packed, varlen_q)
+
+    def row_sink(self, mLearnableSink: cute.Tensor, row: Int32, qhead_per_kvhead_packed: int) -> Float32:
+        """The learnable sink (fp32, natural log) of packed row ``row`` of the head group: that
+        of its query head (``pack_gqa.query_and_head_of_row``; without packing, the CTA's)."""
+        if cutlass.const_expr(qhead_per_kvhead_packed == 1):
+            return mLearnableSink[self.ctx.head]
+        return mLearnableSink[query_and_head_of_row(row, self.head_kv, qhead_per_kvhead_packed)[1]]
+
+    def row_sinks(self, mLearnableSink: cute.Tensor, tXcX_mn: cute.Tensor, row0: Int32,
+                  qhead_per_kvhead_packed: int) -> cute.Tensor:
+        """(rows,) ``row_sink`` of each of this thread's softmax rows: ``tXcX_mn`` the (row,
+        col) coordinates of an accumulator holding them, tile row ``r`` being packed row
+        ``row0 + r`` (without packing, one head: one load)."""
+        num_rows = cute.size(tXcX_mn, mode=[0])
+        sinks = cute.make_rmem_tensor((num_rows,), Float32)
+        if cutlass.const_expr(qhead_per_kvhead_packed == 1):
+            sinks.fill(self.row_sink(mLearnableSink, row0, 1))
+        else:
+            for r in range(num_rows):  # static: traced once per row
+                sinks[r] = self.row_sink(mLearnableSink, row0 + tXcX_mn[r, 0][0], qhead_per_kvhead_packed)
+        return sinks
 
     def lse_rows(self, mLSE: cute.Tensor, qhead_per_kvhead_packed: int, is_split: bool, varlen_q: bool) -> cute.Tensor:
         """(rows,) view of the LSE of this tile's head group (its split's partial)."""

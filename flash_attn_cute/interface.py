@@ -96,12 +96,13 @@ def _no_variant_under_compile(*variant_args) -> None:
 def _launch(entry: call_cache.Entry, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
             page_table, learnable_sink, variant_tensors) -> None:
     problem = entry.problem
-    rest = (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)
-    if problem.has_seqused_q or problem.has_sink:
-        rest += (seqused_q, learnable_sink)
+    # The kernels and the combine read the sink as fp32 (a no-op for an fp32 sink; a
+    # 16-bit one costs one small conversion per call, not a compiled variant per dtype).
+    sink = None if learnable_sink is None else learnable_sink.float()
+    rest = (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q, sink)
     if problem.variant is not None:
         rest += (variant_tensors,)
-    fwd.run_resolved(entry.resolved, problem, (q, k, v), out, lse, rest)
+    fwd.run_resolved(entry.resolved, problem, (q, k, v), out, lse, rest, sink, problem.has_seqused_q)
 
 
 def _replay(entry: call_cache.Entry, q, k, v, out, return_lse, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -515,5 +516,5 @@ def flash_attn_combine(out_partial, lse_partial, *, out=None, out_dtype=None, re
         out = out_partial.new_empty((b, s, h, d_v), dtype=out_dtype)
     lse = lse_partial.new_empty((b, h, s)) if return_lse else None
     if out.numel() > 0 or (lse is not None and lse.numel() > 0):
-        fwd.combine_launcher(out.dtype, d_v, lse is not None)(out_partial, lse_partial, out, lse)
+        fwd.combine_launcher(out.dtype, d_v, lse is not None)(out_partial, lse_partial, out, lse, None)
     return (out, lse) if return_lse else out

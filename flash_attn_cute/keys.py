@@ -7,8 +7,14 @@ backends build keys without loading the DSL; the kernel modules parse them.
 
 - Forward kernels: ``make_key`` / ``parse_key`` (``("fwd_<backend>", arch, dtype, d, d_v,
   *config fields, flags, qhead_per_kvhead_packed, is_split, has_lse, varlen_q, varlen_k,
-  has_seqused_k, paged, *backend extra)``).
-- MLA kernels: ``mla_key`` / ``parse_mla_key``.
+  has_seqused_k, paged, has_seqused_q, has_sink, split_blocks, *backend extra)``).
+- MLA kernels: ``mla_key`` / ``parse_mla_key`` (``("mla_<backend>", arch, dtype, nheads,
+  causal, is_split, has_lse, split_blocks, *config)``).
+- The split-KV combine: ``combine_key``.
+
+``split_blocks`` > 0 is a batch-invariant split kernel: split s covers the absolute KV
+blocks [s * split_blocks, (s + 1) * split_blocks) (``BlockInfo.get_n_block_min_max``); 0
+divides each tile's KV range evenly into the launch's num_splits.
 """
 
 from __future__ import annotations
@@ -35,15 +41,17 @@ def target_arch(device=None) -> str:
 
 
 def make_key(name: str, arch: str, dtype_name: str, d: int, d_v: int, tile: tuple, flags, qhead_per_kvhead_packed,
-             is_split, has_lse, varlen_q, varlen_k, has_seqused_k, paged, extra: tuple = ()) -> tuple:
+             is_split, has_lse, varlen_q, varlen_k, has_seqused_k, paged, has_seqused_q, has_sink, split_blocks,
+             extra: tuple = ()) -> tuple:
     """A forward compile key: ``("fwd_<name>", arch, dtype, d, d_v, *tile, flags,
     qhead_per_kvhead_packed, is_split, has_lse, varlen_q, varlen_k, has_seqused_k, paged,
-    *extra)``; ``tile``: the static fields of the backend's config that come first (spread
-    into the key), ``extra``: the backend's own static choices, last."""
+    has_seqused_q, has_sink, split_blocks, *extra)``; ``tile``: the static fields of the
+    backend's config that come first (spread into the key), ``extra``: the backend's own
+    static choices, last."""
     flags = tuple(bool(f) for f in flags[:3]) + tuple(flags[3:])  # [user variant key]
     return (f"fwd_{name}", arch, dtype_name, d, d_v, *tile, flags, int(qhead_per_kvhead_packed),
             bool(is_split), bool(has_lse), bool(varlen_q), bool(varlen_k), bool(has_seqused_k), bool(paged),
-            *extra)
+            bool(has_seqused_q), bool(has_sink), int(split_blocks), *extra)
 
 
 class KeyFields(NamedTuple):
@@ -62,20 +70,28 @@ class KeyFields(NamedTuple):
     varlen_k: bool
     has_seqused_k: bool
     paged: bool
+    has_seqused_q: bool
+    has_sink: bool
+    split_blocks: int
     extra: tuple  # the backend's own fields after the common ones
+
+
+_COMMON_FIELDS = 11  # flags .. split_blocks
 
 
 def parse_key(key: tuple, tile_len: int) -> KeyFields:
     """``make_key``'s inverse, for a backend whose key tile has ``tile_len`` fields."""
     rest = 5 + tile_len
-    return KeyFields(*key[1:5], tuple(key[5:rest]), *key[rest:rest + 8], tuple(key[rest + 8:]))
+    return KeyFields(*key[1:5], tuple(key[5:rest]), *key[rest:rest + _COMMON_FIELDS],
+                     tuple(key[rest + _COMMON_FIELDS:]))
 
 
 def mla_key(name: str, arch: str, dtype_name: str, nheads: int, causal: bool, is_split: bool, has_lse: bool,
-            config: tuple) -> tuple:
+            split_blocks: int, config: tuple) -> tuple:
     """An MLA compile key: ``("mla_<name>", arch, dtype, nheads, causal, is_split, has_lse,
-    *config)``, ``config`` in the backend's key form."""
-    return (f"mla_{name}", arch, dtype_name, int(nheads), bool(causal), bool(is_split), bool(has_lse), *config)
+    split_blocks, *config)``, ``config`` in the backend's key form."""
+    return (f"mla_{name}", arch, dtype_name, int(nheads), bool(causal), bool(is_split), bool(has_lse),
+            int(split_blocks), *config)
 
 
 class MlaKeyFields(NamedTuple):
@@ -85,14 +101,16 @@ class MlaKeyFields(NamedTuple):
     causal: bool
     is_split: bool
     has_lse: bool
+    split_blocks: int
     config: tuple
 
 
 def parse_mla_key(key: tuple) -> MlaKeyFields:
     """``mla_key``'s inverse."""
-    return MlaKeyFields(*key[1:7], tuple(key[7:]))
+    return MlaKeyFields(*key[1:8], tuple(key[8:]))
 
 
-def combine_key(out_dtype_name: str, head_dim_v: int, has_lse: bool, arch: str) -> tuple:
-    """The split-KV combine kernel's key (``combine.compile_combine``)."""
-    return ("combine", out_dtype_name, head_dim_v, has_lse, arch)
+def combine_key(out_dtype_name: str, head_dim_v: int, has_lse: bool, arch: str, has_sink: bool = False) -> tuple:
+    """The split-KV combine kernel's key (``combine.compile_combine``): ``("combine", dtype,
+    d_v, has_lse, has_sink, arch)``; ``has_sink``: it adds a learnable sink per head."""
+    return ("combine", out_dtype_name, head_dim_v, bool(has_lse), bool(has_sink), arch)

@@ -47,14 +47,20 @@ class MlaArgs(NamedTuple):
     max_seqlen_q: Int32
     batch_size: Int32
 
+    def num_m_blocks(self, tile_m: int, nheads: int) -> Int32:
+        """M blocks of ``tile_m`` packed rows (query position x head) per sequence: the grid's x."""
+        return cute.ceil_div(self.max_seqlen_q * nheads, tile_m)
 
-def set_mla_config(kernel, dtype, nheads: int, causal: bool, is_split: bool) -> None:
-    """The static configuration both MLA kernel classes hold, set on ``kernel``."""
+
+def set_mla_config(kernel, dtype, nheads: int, causal: bool, is_split: bool, split_blocks: int) -> None:
+    """The static configuration both MLA kernel classes hold, set on ``kernel``
+    (``split_blocks``: as the forward kernels', ``fwd_kernel.set_fwd_config``)."""
     kernel.dtype = dtype
     kernel.out_dtype = Float32 if is_split else dtype  # split partials are fp32
     kernel.qhead_per_kvhead_packed = nheads  # every query head rides the one latent KV head
     kernel.variant = make_variant(causal, False, False)
     kernel.is_split = is_split
+    kernel.split_blocks = split_blocks
 
 
 @cute.jit
@@ -69,11 +75,11 @@ def mla_call(self, mQn: cute.Tensor, mQp: cute.Tensor, mCkv: cute.Tensor, mKpe: 
 
 def compile_mla_from_key(key: tuple, make_kernel: Callable):
     """Compiles an MLA kernel for a compile key (``keys.mla_key``) on fake tensors (no GPU
-    needed): ``make_kernel(dtype, nheads, causal, is_split, *config)`` builds the kernel
-    object, ``config`` being the key's backend fields."""
+    needed): ``make_kernel(dtype, nheads, causal, is_split, split_blocks, *config)`` builds
+    the kernel object, ``config`` being the key's backend fields."""
     f = parse_mla_key(key)
     dtype = CUTE_DTYPE_BY_NAME[f.dtype_name]
-    kernel = make_kernel(dtype, f.nheads, f.causal, f.is_split, *f.config)
+    kernel = make_kernel(dtype, f.nheads, f.causal, f.is_split, f.split_blocks, *f.config)
     return compile_mla(kernel, dtype, f.nheads, f.arch, is_split=f.is_split, has_lse=f.has_lse)
 
 
@@ -91,11 +97,13 @@ class MlaTile(FwdTile):
 
     @staticmethod
     @cute.jit
-    def create(args: MlaArgs, block_info: BlockInfo, is_split: cutlass.Constexpr[bool]) -> "MlaTile":
-        """This CTA's tile from the grid position (``SingleTileScheduler``); ``block_info``
-        carries the kernel's tile shape, the heads packed per query position and the variant
-        (causal or none: MLA has no window or softcap)."""
-        work = SingleTileScheduler.get_work(args.num_splits)
+    def create(args: MlaArgs, block_info: BlockInfo, is_split: cutlass.Constexpr[bool],
+               m_blocks: cute.FastDivmodDivisorV2) -> "MlaTile":
+        """This CTA's tile from the grid position (``SingleTileScheduler``, ``m_blocks`` the
+        kernel's ``m_blocks_divisor`` argument); ``block_info`` carries the kernel's tile
+        shape, the heads packed per query position and the variant (causal or none: MLA has
+        no window or softcap)."""
+        work = SingleTileScheduler.get_work(m_blocks, args.num_splits, args.batch_size)
         capacity = args.mPageTable.shape[1] * args.mCkv.shape[1]
         seqlen = SeqlenInfo.create(work.batch, args.mQn.shape[1], capacity, None, None, args.mSeqlens, capacity)
         no_window = VariantParams(Int32(-1), Int32(0), Float32(0.0), Float32(0.0))

@@ -80,13 +80,14 @@ class FwdProblem(NamedTuple):
         """(O partials, LSE partials): a leading split mode on out and lse, fp32."""
         return _partials(num_splits, out_shape, self.lse_shape(out_shape))
 
-    def combine_views(self, out_partial, lse_partial, out, lse) -> tuple:
-        """The partials and outputs in the combine kernel's batched contract: packed query
-        rows are one sequence of batch 1."""
+    def combine_views(self, out_partial, lse_partial, out, lse, sink=None) -> tuple:
+        """The partials, outputs and sink (``(nheads,)`` fp32 or None: the split kernels
+        leave it out, the combine adds it once) in the combine kernel's batched contract:
+        packed query rows are one sequence of batch 1."""
         if not self.varlen_q:
-            return out_partial, lse_partial, out, lse
+            return out_partial, lse_partial, out, lse, sink
         return (out_partial.unsqueeze(1), lse_partial.unsqueeze(1), out.unsqueeze(0),
-                None if lse is None else lse.unsqueeze(0))
+                None if lse is None else lse.unsqueeze(0), sink)
 
 
 class MlaProblem(NamedTuple):
@@ -109,6 +110,7 @@ class MlaProblem(NamedTuple):
 
     kind = "mla"
     nheads_kv = 1  # one latent cache shared by every head
+    has_sink = False  # no learnable sink
     d = D_CKV + D_KPE
     d_v = D_CKV
 
@@ -118,8 +120,8 @@ class MlaProblem(NamedTuple):
     def partial_shapes(self, num_splits: int, out_shape: tuple) -> tuple:
         return _partials(num_splits, out_shape, self.lse_shape(out_shape))
 
-    def combine_views(self, out_partial, lse_partial, out, lse) -> tuple:
-        return out_partial, lse_partial, out, lse
+    def combine_views(self, out_partial, lse_partial, out, lse, sink=None) -> tuple:
+        return out_partial, lse_partial, out, lse, None  # MLA has no sink
 
 
 class FwdPlan(NamedTuple):
@@ -127,12 +129,20 @@ class FwdPlan(NamedTuple):
 
     ``config`` is the backend's own named tuple (``Sm80Config``, ``Sm90Config``,
     ``Sm100Config``, ``MlaSm80Config``, ``MlaSm90Config``): tiles, stages, warp counts and
-    every other static choice."""
+    every other static choice, among them ``split_blocks`` (KV blocks per split of a
+    batch-invariant plan; 0: splits divide each tile's KV range evenly)."""
 
     backend: str
     config: tuple
     pack_gqa: bool
     num_splits: int
+
+    @property
+    def is_split(self) -> bool:
+        """Whether the kernel writes fp32 partials that the combine merges: split-KV, and
+        every batch-invariant plan (even of one split, so that a sequence's bits do not
+        depend on whether another sequence made the batch split)."""
+        return self.num_splits > 1 or self.config.split_blocks > 0
 
     def qhead_per_kvhead_packed(self, problem) -> int:
         """Rows per query position in the M tile: the GQA ratio when packed, else 1 (MLA

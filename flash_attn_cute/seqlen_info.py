@@ -1,8 +1,9 @@
 """Where one batch entry's queries and keys live, for every layout the API accepts.
 
 Batch tensors carry their length in a mode; packed (varlen) tensors get it from
-cumulative lengths; a KV cache gets it from ``seqused_k`` (cache_seqlens). One
-definition, used by every architecture's kernel and by the combine kernel.
+cumulative lengths; a KV cache gets it from ``seqused_k`` (cache_seqlens), and queries
+from ``seqused_q`` where given (the first rows of the dense mode or of the packed range).
+One definition, used by every architecture's kernel and by the combine kernel.
 """
 
 from dataclasses import dataclass
@@ -30,13 +31,18 @@ class SeqlenInfo:
         mCuSeqlensK: Optional[cute.Tensor],  # (batch + 1,) int32
         mSeqUsedK: Optional[cute.Tensor],  # (batch,) int32
         seqlen_k_capacity: Optional[Int32] = None,
+        mSeqUsedQ: Optional[cute.Tensor] = None,  # (batch,) int32
     ) -> "SeqlenInfo":
         """``seqlen_k_capacity`` bounds a KV cache's used length (cache rows, or pages x
-        page size): whatever ``seqused_k`` says, no key past the cache is read."""
+        page size): whatever ``seqused_k`` says, no key past the cache is read. Likewise
+        ``seqused_q`` is clamped to the rows the sequence has (its dense mode, or its
+        packed range), so no query row past them is read or written."""
         offset_q, seqlen_q = Int32(0), seqlen_q_static
         if cutlass.const_expr(mCuSeqlensQ is not None):
             offset_q = mCuSeqlensQ[batch]
             seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
+        if cutlass.const_expr(mSeqUsedQ is not None):
+            seqlen_q = cutlass.max(cutlass.min(mSeqUsedQ[batch], seqlen_q), 0)
         offset_k, seqlen_k = Int32(0), seqlen_k_static
         if cutlass.const_expr(mCuSeqlensK is not None):
             offset_k = mCuSeqlensK[batch]
@@ -57,6 +63,7 @@ class SeqlenInfo:
         mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedK: Optional[cute.Tensor],
         mPageTable: Optional[cute.Tensor],  # (b, max_pages) int32
+        mSeqUsedQ: Optional[cute.Tensor] = None,
     ) -> "SeqlenInfo":
         """``create`` from a kernel's tensors: static lengths from their modes, and the
         cache capacity (pages x page size, or the cache's length mode) as the clamp."""
@@ -75,6 +82,7 @@ class SeqlenInfo:
             mCuSeqlensK,
             mSeqUsedK,
             capacity,
+            mSeqUsedQ,
         )
 
     def q_view(self, mX: cute.Tensor, batch: Int32, varlen: cutlass.Constexpr[bool]) -> cute.Tensor:

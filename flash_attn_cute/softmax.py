@@ -146,17 +146,40 @@ class OnlineSoftmax:
             o_mn[r, None].store(o_mn[r, None].load() * row_scale[r])
 
     @cute.jit
-    def finalize(self, acc_O: cute.Tensor, lse: cute.Tensor):
+    def finalize(self, acc_O: cute.Tensor, lse: cute.Tensor, sink: Optional[cute.Tensor] = None):
         """Normalises acc_O and writes the natural-log LSE per row into ``lse`` (rmem,
-        num_rows). A row that saw no key gets O = 0 and LSE = -inf."""
+        num_rows). A row that saw no key gets O = 0 and LSE = -inf. ``sink`` (rmem,
+        num_rows; learnable sinks in the natural log of the scaled scores): one more logit
+        per row with a zero value; the LSE includes it, and a row that saw no key gets
+        O = 0 and LSE = its sink."""
         o_mn = acc_mn_view(acc_O)
         for r in cutlass.range_constexpr(self.num_rows):
             total, empty, inv = self._row_total(r)
+            if cutlass.const_expr(sink is not None):
+                inv, lse_r = self._with_sink(r, total, sink[r])
+            else:
+                lse_r = (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
+                if empty:
+                    lse_r = -Float32.inf
             o_mn[r, None].store(o_mn[r, None].load() * inv)
-            lse_r = (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
-            if empty:
-                lse_r = -Float32.inf
             lse[r] = lse_r
+
+    @cute.jit
+    def _with_sink(self, r: cutlass.Constexpr[int], total: Float32, sink: Float32):
+        """(O's scale, LSE) of row r with a sink, in the log2 domain of the running max:
+        m' = max(m, sink), L = total * 2^(m - m') + 2^(sink - m'), O * 2^(m - m') / L,
+        LSE = m' + log2 L (back to the natural log)."""
+        m = self.row_max[r] * self.scale_log2  # -inf for a row that saw no key
+        sink_log2 = sink * LOG2_E
+        m_new = cute.arch.fmax(m, sink_log2)
+        if m_new == -Float32.inf:  # no key and a -inf sink: nothing at all, never NaN
+            m_new = Float32(0.0)
+        kept = cute.math.exp2(m - m_new, fastmath=True)
+        total = total * kept + cute.math.exp2(sink_log2 - m_new, fastmath=True)
+        scale = Float32(0.0)
+        if total > 0.0:
+            scale = cute.arch.rcp_approx(total) * kept
+        return scale, (m_new + cute.math.log2(total, fastmath=True)) * LN_2
 
     @cute.jit
     def inv_row_sums(self) -> cute.Tensor:

@@ -3,10 +3,14 @@
 ``SingleTileScheduler``: one CTA per (m_block, head[, split], batch), launched as a grid of
 ``(num_m_blocks, heads * num_splits, batch)``. The M blocks are handed out last-first:
 under causal masking the last rows see the most keys, and a CTA that starts last would
-otherwise finish last.
+otherwise finish last. A batch past grid z's limit (``MAX_GRID_YZ`` sequences) folds into
+x (``fold_batch``): the same grid, in the same order, whenever it fits.
 
 ``LptScheduler``: the same one CTA per tile, ordered longest-first across heads and
-batches in L2-sized sections (causal and local masks). Both hand out a ``WorkTile``.
+batches in L2-sized sections (causal and local masks). Both hand out a ``WorkTile``. Its
+grid is flat on x (up to 2^31 - 1 CTAs), as is the persistent order's tile index: int32
+arithmetic on tile counts, far from overflow at 200,000 sequences x 128 heads x 8 M blocks
+(2e8), splits on y (<= 256).
 
 ``PersistentScheduler``: min(tiles, SMs) CTAs, CTA c computing tiles c, c + grid, c + 2 grid,
 ... of either order above (``work_of``: the tile the non-persistent grid would give its
@@ -15,10 +19,13 @@ already longest-first, so a dynamic (atomic counter) hand-out is not needed.
 """
 
 from dataclasses import dataclass
+from typing import Union
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Boolean, Int32
+
+MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z extents (x: 2^31 - 1)
 
 
 @dataclass(frozen=True)
@@ -26,22 +33,56 @@ class WorkTile:
     m_block: Int32
     head: Int32  # the query head, or the KV head under pack_gqa (the head of the M rows)
     split_idx: Int32
-    batch: Int32
+    batch: Int32  # always a valid batch index (that of a CTA past the batch is clamped)
+    in_batch: Union[Boolean, bool] = True  # False: a CTA of a folded grid past the last sequence: no rows
+
+
+def fold_batch(num_m_blocks, batch):
+    """(grid x, grid z) of a grid with the batch on z: ``num_m_blocks`` x fold and at most
+    ``MAX_GRID_YZ`` sequences, fold = ceil(batch / MAX_GRID_YZ) (1 whenever the batch fits
+    on z, leaving the grid as it was). Block (x, z) is M block ``x % num_m_blocks`` of
+    sequence ``z + MAX_GRID_YZ * (x // num_m_blocks)`` (``unfold_batch``)."""
+    return num_m_blocks * cute.ceil_div(batch, MAX_GRID_YZ), cutlass.min(batch, MAX_GRID_YZ)
+
+
+def m_blocks_divisor(num_m_blocks):
+    """``num_m_blocks`` as the kernel argument ``unfold_batch`` divides by: a fast divisor,
+    its multiplier computed at launch (host side), so that the division is a multiply-high
+    and a shift. A division by a runtime value runs on the vector pipes, which takes the
+    CTA's sequence index, and every length loaded with it, off the uniform datapath: the
+    SM100 softmax warpgroup of an even-split kernel then spilled 58 values, the SM90
+    gathering producer one per tile (a loop of subtractions did the same)."""
+    return cute.fast_divmod_create_divisor_v2(num_m_blocks)
+
+
+@cute.jit
+def unfold_batch(m_blocks: cute.FastDivmodDivisorV2, batch_size: Int32):
+    """(M block index, sequence, whether it is < batch_size) of this CTA in a grid of
+    ``fold_batch`` (``m_blocks``: ``m_blocks_divisor`` of its num_m_blocks); a CTA past the
+    last sequence gets a valid index (the last one), its caller none of its rows."""
+    bidx, _, bidz = cute.arch.block_idx()
+    chunk, m_block = divmod(bidx, m_blocks)
+    batch = bidz + chunk * MAX_GRID_YZ
+    return m_block, cutlass.min(batch, batch_size - 1), batch < batch_size
 
 
 class SingleTileScheduler:
     @staticmethod
     def grid(num_m_blocks, heads, num_splits, batch):
-        """Launch grid for ``heads`` head groups (KV heads when packed) and ``num_splits``."""
-        return (num_m_blocks, heads * num_splits, batch)
+        """Launch grid for ``heads`` head groups (KV heads when packed) and ``num_splits``,
+        the batch folded into x past grid z's limit (heads x splits stays on y)."""
+        grid_x, grid_z = fold_batch(num_m_blocks, batch)
+        return (grid_x, heads * num_splits, grid_z)
 
     @staticmethod
     @cute.jit
-    def get_work(num_splits: Int32) -> WorkTile:
-        bidx, bidy, batch = cute.arch.block_idx()
-        num_m_blocks, _, _ = cute.arch.grid_dim()
+    def get_work(m_blocks: cute.FastDivmodDivisorV2, num_splits: Int32, batch_size: Int32) -> WorkTile:
+        """The CTA's tile in a grid of ``grid(num_m_blocks, ...)``; ``m_blocks``: the kernel's
+        ``m_blocks_divisor(num_m_blocks)`` argument."""
+        m_block, batch, in_batch = unfold_batch(m_blocks, batch_size)
+        bidy = cute.arch.block_idx()[1]
         head = bidy // num_splits
-        return WorkTile(num_m_blocks - 1 - bidx, head, bidy - head * num_splits, batch)
+        return WorkTile(m_blocks.divisor - 1 - m_block, head, bidy - head * num_splits, batch, in_batch)
 
     @staticmethod
     @cute.jit

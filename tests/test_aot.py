@@ -230,6 +230,28 @@ def test_presets_cover_the_serving_shapes():
     assert {e.key[13] for e in prefill} == {False, True}  # dense and varlen
 
 
+def test_serving_features_are_described():
+    # learnable_sink / seqused_q / batch_invariant: the keys a serving engine's calls ask for
+    # (a batch-invariant plan is always split, its combine adds the sink).
+    from flash_attn_cute.keys import parse_key
+
+    described = [{"api": "kvcache", "seqlen_k": 8192, "page_size": 64, "qhead_per_kvhead": 4,
+                  "learnable_sink": True, "batch_invariant": [False, True]}]
+    entries, skipped = aot.entries_for(described, "sm_80")
+    assert skipped == []
+    fwd_keys = [parse_key(e.key, 4) for e in entries if e.name == "fwd_sm80"]
+    assert {(f.has_sink, f.is_split, f.split_blocks) for f in fwd_keys} == {(True, False, 0), (True, True, 32)}
+    assert {e.key for e in entries if e.name == "combine"} == {combine.combine_key("bf16", 128, False, "sm_80",
+                                                                                   has_sink=True)}
+    used_q = aot.entries_for([{"api": "varlen", "seqlen_q": 512, "seqused_q": True}], "sm_80")[0]
+    assert [parse_key(e.key, 4).has_seqused_q for e in used_q] == [True]
+    mla, _ = aot.entries_for([{"api": "mla", "qhead_per_kvhead": 64, "nheads_kv": 1, "page_size": 64,
+                               "batch_invariant": True}], "sm_80")
+    assert {e.name for e in mla} == {"mla_sm80", "combine"} and mla[0].key[7] == 128  # split_blocks
+    with pytest.raises(ValueError, match="no learnable_sink"):
+        aot.expand({"api": "mla", "qhead_per_kvhead": 64, "nheads_kv": 1, "learnable_sink": True})
+
+
 def test_expand_and_validate(tmp_path):
     assert len(aot.expand({"d": [64, 128], "causal": [False, True], "window": [-1, 0]})) == 4
     assert [o["window"] for o in aot.expand({"window": [[-1, -1], [128, 0]]})] == [[-1, -1], [128, 0]]

@@ -23,18 +23,21 @@ DTYPES = ["fp16", "bf16", "fp32"]
 HEAD_DIMS_V = [64, 128, 256]
 # The LSE output is a const_expr branch: both the kernel with it and the one without.
 WITH_LSE = [True, False]
+# The learnable sink (one logit per head) likewise.
+WITH_SINK = [False, True]
 
-CONFIGS = [(d, v, lse) for d in DTYPES for v in HEAD_DIMS_V for lse in WITH_LSE]
+CONFIGS = [(d, v, lse, sink) for d in DTYPES for v in HEAD_DIMS_V for lse in WITH_LSE for sink in WITH_SINK]
 
 
-def config_name(dtype, head_dim_v, with_lse):
-    return f"{dtype}_d{head_dim_v}_{'lse' if with_lse else 'nolse'}"
+def config_name(dtype, head_dim_v, with_lse, with_sink=False):
+    return f"{dtype}_d{head_dim_v}_{'lse' if with_lse else 'nolse'}" + ("_sink" if with_sink else "")
 
 
 def entries(arch):
     from flash_attn_cute.combine import combine_key
 
-    return [(config_name(*c), "flash_attn_cute.combine:compile_combine", combine_key(*c, arch)) for c in CONFIGS]
+    return [(config_name(*c), "flash_attn_cute.combine:compile_combine", combine_key(*c[:3], arch, has_sink=c[3]))
+            for c in CONFIGS]
 
 
 @pytest.fixture(scope="module")
@@ -51,16 +54,17 @@ def artifacts(tmp_path_factory):
     return result
 
 
-def config_dir(artifacts, arch, dtype, head_dim_v, with_lse):
-    return artifacts[arch][0] / config_name(dtype, head_dim_v, with_lse)
+def config_dir(artifacts, arch, dtype, head_dim_v, with_lse, with_sink=False):
+    return artifacts[arch][0] / config_name(dtype, head_dim_v, with_lse, with_sink)
 
 
+@pytest.mark.parametrize("with_sink", WITH_SINK)
 @pytest.mark.parametrize("with_lse", WITH_LSE)
 @pytest.mark.parametrize("head_dim_v", HEAD_DIMS_V)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_cubin_and_ptx(artifacts, arch, dtype, head_dim_v, with_lse):
-    d = config_dir(artifacts, arch, dtype, head_dim_v, with_lse)
+def test_cubin_and_ptx(artifacts, arch, dtype, head_dim_v, with_lse, with_sink):
+    d = config_dir(artifacts, arch, dtype, head_dim_v, with_lse, with_sink)
     cubins = list(d.glob(f"*.{arch}.cubin"))
     assert len(cubins) == 1, sorted(p.name for p in d.iterdir())
     assert cubins[0].read_bytes()[:4] == b"\x7fELF"
@@ -71,19 +75,20 @@ def test_cubin_and_ptx(artifacts, arch, dtype, head_dim_v, with_lse):
     assert re.search(r"cp\.async\.ca\.shared\.global(\.\w+)*\s+\[[^]]+\],\s*\[[^]]+\],\s*4", ptx)
 
 
+@pytest.mark.parametrize("with_sink", WITH_SINK)
 @pytest.mark.parametrize("with_lse", WITH_LSE)
 @pytest.mark.parametrize("head_dim_v", HEAD_DIMS_V)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_sass(artifacts, arch, dtype, head_dim_v, with_lse):
-    sass_files = list(config_dir(artifacts, arch, dtype, head_dim_v, with_lse).glob("*.sass"))
+def test_sass(artifacts, arch, dtype, head_dim_v, with_lse, with_sink):
+    sass_files = list(config_dir(artifacts, arch, dtype, head_dim_v, with_lse, with_sink).glob("*.sass"))
     if not sass_files:
         pytest.skip("no usable nvdisasm (pip install nvidia-cuda-nvdisasm): no SASS to check")
     sass = sass_files[0].read_text()
     # Every O partial byte arrives through 128-bit LDGSTS (cp.async.cg), e.g.
-    # LDGSTS.E.BYPASS.LTC128B.128; there is no synchronous global load at all.
+    # LDGSTS.E.BYPASS.LTC128B.128; the only synchronous global load is a row's sink.
     assert re.search(r"\bLDGSTS\.E\.BYPASS(\.\w+)*\.128\b", sass)
-    assert not re.search(r"\bLDG\.E", sass)
+    assert bool(re.search(r"\bLDG\.E", sass)) == with_sink
     assert "DEPBAR" in sass  # cp.async.wait_group
     # O is written with 128-bit stores only; the only other store is the 32-bit LSE.
     assert re.search(r"\bSTG\.E\.128\b", sass)
@@ -121,5 +126,6 @@ def test_compile_is_keyed_by_arch_from_env(monkeypatch):
 
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_80")
     assert target_arch() == "sm_80"
-    assert combine_key("bf16", 128, True, target_arch()) == ("combine", "bf16", 128, True, "sm_80")
+    assert combine_key("bf16", 128, True, target_arch()) == ("combine", "bf16", 128, True, False, "sm_80")
+    assert combine_key("bf16", 128, True, target_arch(), has_sink=True) == ("combine", "bf16", 128, True, True, "sm_80")
 

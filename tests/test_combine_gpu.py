@@ -13,10 +13,11 @@ pytestmark = [
 NEG_INF = -math.inf
 
 
-def combine_fwd(out_partial, lse_partial, out, lse=None):
+def combine_fwd(out_partial, lse_partial, out, lse=None, sink=None):
     from flash_attn_cute.combine import combine_launcher
 
-    combine_launcher(out.dtype, out.shape[-1], lse is not None)(out_partial, lse_partial, out, lse)
+    combine_launcher(out.dtype, out.shape[-1], lse is not None, sink is not None)(out_partial, lse_partial, out, lse,
+                                                                                  sink)
 
 
 def reference(out_partial, lse_partial):
@@ -156,3 +157,24 @@ def test_recompiles_only_per_key(monkeypatch):
         out_partial, lse_partial = make_inputs(num_splits, 2, seqlen, 3, 64, seed=num_splits)
         check(out_partial, lse_partial, torch.float16, with_lse=False)
     assert len(compile_calls) <= 1
+
+
+def test_sink_and_a_batch_past_grid_z():
+    """A learnable sink per head (one more logit, no value) and 70,001 sequences: the batch
+    folds into grid x past 65,535; both ends of it are merged."""
+    num_splits, batch, seqlen, nheads, d_v = 3, 70_001, 1, 2, 64
+    out_partial, lse_partial = make_inputs(num_splits, batch, seqlen, nheads, d_v, seed=11)
+    sink = torch.tensor([4.0, -30.0], device="cuda")
+    out = torch.full((batch, seqlen, nheads, d_v), float("nan"), device="cuda")
+    lse = torch.full((batch, nheads, seqlen), float("nan"), device="cuda")
+    combine_fwd(out_partial, lse_partial, out, lse, sink)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = reference(out_partial, lse_partial)
+    with_sink = torch.logaddexp(ref_lse, sink.double().view(1, nheads, 1))
+    ref_out = ref_out * torch.exp(ref_lse - with_sink).permute(0, 2, 1).unsqueeze(-1).nan_to_num(0.0)
+    assert not out.isnan().any()
+    for rows in (slice(0, 1000), slice(batch - 1000, batch)):
+        assert (out[rows].double() - ref_out[rows]).abs().max() < 1e-5
+        assert (lse[rows].double() - with_sink[rows]).abs().max() < 1e-4
+    # the row with no valid split: O = 0 and lse = the sink
+    assert (out[-1, -1, -1] == 0).all() and abs(lse[-1, -1, -1] - sink[-1]) < 1e-4

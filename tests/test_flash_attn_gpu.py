@@ -511,7 +511,7 @@ def compile_keys(backend="sm80", arch="sm_90a", num_sms=132):
             return
         plan = module.plan(problem, cfg.num_splits, cfg.pack_gqa, num_sms)
         keys.add(module.compile_key(problem, plan, arch))
-        if plan.num_splits > 1:
+        if plan.is_split:
             comb.add(combine_key(DTYPE_NAMES[cfg.dtype], cfg.dv, has_lse, arch))
 
     base = _BY_NAME["base"]

@@ -1,19 +1,25 @@
 """Compile-only tests of every forward backend, for each arch it targets: no GPU needed.
 
-The keys come from the GPU sweep itself (``test_flash_attn_gpu.compile_keys``: the
-backend's own plan on the sweep's problems); a covering subset of them, in which every
-value of every key field appears, is compiled through tests/compile_harness.py. The SASS
-is then checked for the instructions each kernel is built from, and for spills.
+The keys come from the GPU sweeps themselves (``test_flash_attn_gpu.compile_keys`` and
+``test_serving_gpu.compile_keys``: the backend's own plan on the sweeps' problems); a
+covering subset of them, in which every value of every key field appears, is compiled
+through tests/compile_harness.py. The SASS is then checked for the instructions each
+kernel is built from, and for spills. Pairs of keys that differ only by the learnable
+sink show what it costs: nothing at all in a split kernel (the combine adds it), no
+local memory in the others.
 """
 
 import re
 
 import pytest
 import torch
+import test_flash_attn_gpu
+import test_serving_gpu
 from compile_harness import compile_entries, covering_subset
-from test_flash_attn_gpu import compile_keys
+from sass_sweep import sass_histogram
 
 from flash_attn_cute import fwd
+from flash_attn_cute.keys import parse_key
 
 BF16 = torch.bfloat16
 
@@ -30,6 +36,13 @@ SASS_EXPECT = {
 SASS_FORBID = {"sm100": [r"\bHMMA\b"]}
 
 
+TILE_LEN = {"sm80": 4, "sm90": 4, "sm100": 3}  # config fields before the common ones (keys.parse_key)
+
+
+def fields(backend, key):
+    return parse_key(key, TILE_LEN[backend])
+
+
 def spill_bound(backend, key):
     """Local-memory instructions a key may have. SM80: unbounded (its d128 tile spills a
     little by design, RESULTS.md). SM90: none, except d=64 with a mask (three consumer
@@ -38,12 +51,38 @@ def spill_bound(backend, key):
     they cannot grow."""
     if backend == "sm80":
         return None
-    if backend == "sm90" and key[3] <= 64 and (key[9][0] or key[9][1]):
+    f = fields(backend, key)
+    if backend == "sm90" and f.d <= 64 and (f.flags[0] or f.flags[1]):
         return 40
-    if backend == "sm90" and key[17]:
-        return 4  # a gathering producer at 40 registers keeps one value on the stack per block
+    if backend == "sm90" and f.extra[0]:
+        # A gathering producer at 40 registers keeps one value on the stack per block, and one
+        # more per tile since the grid may fold the batch (tile_scheduler.unfold_batch): a
+        # page id of the tile's first block, across the wait for its stage.
+        return 6
     return 0
 CASES = [(b, a) for b in sorted(fwd.BACKENDS) for a in ARCHS[b]]
+
+
+def compile_keys(backend, arch):
+    """The forward keys of both GPU sweeps on ``backend`` for ``arch``."""
+    return test_flash_attn_gpu.compile_keys(backend, arch)[0] | test_serving_gpu.compile_keys(backend, arch)[0]
+
+
+def sink_pairs(arch, backend):
+    """[(key with a learnable sink, the same key without)]: a decode step (32 query heads
+    packed over 8 KV heads, a 2048-token cache) unsplit, and batch invariant (split
+    kernels of fixed keys per split, which leave the sink to the combine)."""
+    module = fwd.backend_module(backend)
+    pairs = []
+    for invariant in (False, True):
+        problem = fwd.FwdProblem(dtype=BF16, batch=3, max_seqlen_q=1, max_seqlen_k=2048, nheads=32, nheads_kv=8,
+                                 d=128, d_v=128, softmax_scale=128 ** -0.5, causal=True, window_left=-1,
+                                 window_right=0, softcap=0.0, varlen_q=False, varlen_k=False, has_seqused_k=True,
+                                 page_size=0, has_lse=True, has_sink=True, batch_invariant=invariant)
+        keys = [module.compile_key(p, module.plan(p, 1, True, 132), arch)
+                for p in (problem, problem._replace(has_sink=False))]
+        pairs.append(tuple(keys))
+    return pairs
 
 
 def sm100_extra_keys(arch):
@@ -64,7 +103,8 @@ EXTRA_KEYS = {"sm100": sm100_extra_keys}
 def sm100_cache_tail_zeroed(key) -> bool:
     """Whether an SM100 key reads a KV cache (seqused_k or paged), where V rows past the
     length are zeroed in smem before P V: 16-bit shared stores the other keys never emit."""
-    return key[14] or key[15]
+    f = fields("sm100", key)
+    return f.has_seqused_k or f.paged
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +113,9 @@ def artifacts(tmp_path_factory):
 
     def get(backend, arch):
         if (backend, arch) not in cache:
-            keys = covering_subset(compile_keys(backend, arch)[0])
+            keys = covering_subset(compile_keys(backend, arch))
             keys += [k for k in EXTRA_KEYS.get(backend, lambda a: [])(arch) if k not in keys]
+            keys += [k for pair in sink_pairs(arch, backend) for k in pair if k not in keys]
             entries = [(f"k{i}", f"flash_attn_cute.{backend}:compile", key) for i, key in enumerate(keys)]
             root = tmp_path_factory.mktemp(f"{backend}_{arch}")
             cache[backend, arch] = keys, *compile_entries(arch, entries, root)
@@ -115,11 +156,44 @@ def test_forward_sass(artifacts, backend, arch):
                 assert op in sass, (op, key)
 
 
+def loop_local_memory(sass: str) -> int:
+    """Local-memory instructions inside the kernel's loops (the lines a backward branch
+    spans): the KV loops, where a spill costs once per block rather than once per tile."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\.L_x_\d+):", line))}
+    loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)
+             if (m := re.search(r"BRA `\((\.L_x_\d+)\)", line)) and labels.get(m.group(1), i) < i]
+    spills = [i for i, line in enumerate(lines) if re.search(r"\b(LDL|STL)\b", line)]
+    return sum(any(lo <= i <= hi for lo, hi in loops) for i in spills)
+
+
+@pytest.mark.parametrize("backend,arch", CASES)
+def test_sink_sass(artifacts, backend, arch):
+    # The sink enters once: a split kernel (batch invariant: split_blocks > 0) compiles to
+    # the same instructions with or without it, the combine adds it; an unsplit kernel reads
+    # it per row after the KV loop, which it leaves without more local memory (the SM90 and
+    # SM100 keys have none at all: spill_bound; the SM80 decode tile spills by design, and on
+    # sm_90a the sink moves a few of those spills outside its loops).
+    keys, out_dir, _ = artifacts(backend, arch)
+    (plain_sink, plain), (split_sink, split) = sink_pairs(arch, backend)
+    if not list((out_dir / f"k{keys.index(plain)}").glob("*.sass")):
+        pytest.skip("no usable nvdisasm (pip install nvidia-cuda-nvdisasm): no SASS to check")
+    hist = {k: sass_histogram(out_dir / f"k{keys.index(k)}")[0] for k in (plain_sink, plain, split_sink, split)}
+    f = fields(backend, split_sink)
+    assert f.is_split and f.split_blocks > 0 and f.has_sink and not fields(backend, plain_sink).is_split
+    assert hist[split_sink] == hist[split], "a split kernel reads the sink"
+    assert hist[plain_sink] != hist[plain], "the unsplit kernel ignores the sink"
+    sass = {k: next((out_dir / f"k{keys.index(k)}").glob("*.sass")).read_text() for k in (plain_sink, plain)}
+    in_loops = loop_local_memory(sass[plain_sink]), loop_local_memory(sass[plain])
+    assert in_loops[0] <= in_loops[1], ("the sink adds local memory to the KV loops", in_loops)
+
+
 def sm90_loads(key):
     """The SM90 kernel's load instructions for a key: TMA for Q (unpacked) and for KV
     (unless paged rows are gathered); cp.async for packed-GQA Q rows and for gathered KV
     rows, whose stages complete through cp.async mbarrier arrives."""
-    pack, gather_kv = key[10], key[17]
+    f = fields("sm90", key)
+    pack, gather_kv = f.qhead_per_kvhead_packed, f.extra[0]
     ops = ["LDGSTS"] if pack > 1 or gather_kv else []
     if pack == 1 or not gather_kv:
         ops.append("UTMALDG")

@@ -1,6 +1,7 @@
 """Compile-only tests of the MLA decode kernels: the SM80 kernel for sm_80 (A100) and
 sm_90a (the H200 it is tested on), the SM90 kernel for sm_90a; no GPU needed. A covering subset of the
-GPU tests' keys (every nheads, dtype, causal, split and LSE value once) is compiled
+GPU tests' keys (every nheads, dtype, causal, split, LSE and split layout value once:
+even splits, and the batch-invariant 128 blocks of 32 keys per split) is compiled
 through tests/compile_harness.py, and the SASS is checked for mma.sync (HMMA 16816 F32),
 ldmatrix, cp.async gathers (LDGSTS), named barriers, and local-memory traffic
 (none on sm_80; see ``SPILL_BOUND``)."""
@@ -14,9 +15,9 @@ from flash_attn_cute.keys import mla_key
 from flash_attn_cute.sm80.config import mla_stages_for
 
 ARCHS = ["sm_80", "sm_90a"]
-# (dtype, nheads, causal, split, lse): the GPU sweep's keys, covered.
-CONFIGS = [("bf16", 16, False, False, False), ("bf16", 32, True, True, True), ("fp16", 64, True, False, True),
-           ("bf16", 128, False, True, True)]
+# (dtype, nheads, causal, split, lse, split_blocks): the GPU sweeps' keys, covered.
+CONFIGS = [("bf16", 16, False, False, False, 0), ("bf16", 32, True, True, True, 0), ("fp16", 64, True, False, True, 0),
+           ("bf16", 128, False, True, True, 0), ("bf16", 64, False, True, True, 128)]
 SASS_EXPECT = ["HMMA.16816.F32", "LDSM", "LDGSTS", "MUFU.EX2", "BAR.SYNC", "BAR.ARV"]
 # Local-memory instructions allowed. sm_80 (two stages): none. sm_90a (three stages):
 # ptxas spills 32-bit scalars of the O warps (gather offsets, and with causal + split the
@@ -27,8 +28,8 @@ SPILL_BOUND = {"sm_80": 0, "sm_90a": 20}
 
 
 def keys(arch):
-    return [mla_key("sm80", arch, dt, h, causal, split, lse, (mla_stages_for(arch),))
-            for dt, h, causal, split, lse in CONFIGS]
+    return [mla_key("sm80", arch, dt, h, causal, split, lse, blocks, (mla_stages_for(arch),))
+            for dt, h, causal, split, lse, blocks in CONFIGS]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,8 @@ def test_mla_compiles_and_sass(artifacts, arch):
 # The SM90 kernel (sm90/mla_decode.py): wgmma (HGMMA), the producer's cp.async gathers
 # (LDGSTS), MUFU.EX2, mbarriers (SYNCS), setmaxnreg; no local memory at all (the
 # consumers hold O 128 + S 16 + P 8 of their 232 registers).
-SM90_CONFIGS = [("bf16", 64, False, False, False), ("fp16", 128, True, True, True), ("bf16", 16, True, False, True)]
+SM90_CONFIGS = [("bf16", 64, False, False, False, 0), ("fp16", 128, True, True, True, 0),
+                ("bf16", 16, True, False, True, 0), ("bf16", 64, True, True, True, 128)]
 SM90_SASS_EXPECT = ["HGMMA.64x32x16.F32", "HGMMA.64x256x16.F32", "LDGSTS", "MUFU.EX2", "SYNCS", "USETMAXREG"]
 
 

@@ -106,11 +106,18 @@ def test_compile_key_fields_and_registry():
     sm80 = fwd.backend_module("sm80", "mla")
     p = _problem(h=128, causal=True)
     plan = sm80.plan(p, 3, None, None, arch="sm_90a")
-    assert plan.config == (3,) and plan.pack_gqa and plan.qhead_per_kvhead_packed(p) == 128
+    assert plan.config == (3, 0) and plan.pack_gqa and plan.qhead_per_kvhead_packed(p) == 128
     key = sm80.compile_key(p, plan, "sm_90a")
-    assert key == ("mla_sm80", "sm_90a", "bf16", 128, True, True, True, 3)
+    assert key == ("mla_sm80", "sm_90a", "bf16", 128, True, True, True, 0, 3)
     plan_a100 = sm80.plan(p, 1, None, None, arch="sm_80")
-    assert sm80.compile_key(p, plan_a100, "sm_80") == ("mla_sm80", "sm_80", "bf16", 128, True, False, False, 2)
+    assert sm80.compile_key(p, plan_a100, "sm_80") == ("mla_sm80", "sm_80", "bf16", 128, True, False, False, 0, 2)
+    # batch invariant: 128 blocks of 32 keys per split, the splits the capacity needs, always split
+    inv = sm80.plan(p._replace(batch_invariant=True), 3, None, None, arch="sm_90a")
+    assert inv.config.split_blocks == 128 and inv.num_splits == 8 and inv.is_split
+    assert sm80.compile_key(p, inv, "sm_90a")[5:8] == (True, True, 128)
+    one = sm80.plan(p._replace(batch_invariant=True, max_seqlen_k=100), 3, None, None, arch="sm_90a")
+    assert one.num_splits == 1 and one.is_split
+    assert "batch_invariant covers" in sm80.check(p._replace(batch_invariant=True, max_seqlen_k=2 ** 21))
     # the pipeline depth is the plan's: a tuning override changes the plan, never the key builder
     deep = sm80.plan(p, 1, None, None, tuning=Tuning(mla_stages="2"), arch="sm_90a")
     assert deep.config.stages == 2 and sm80.compile_key(p, deep, "sm_90a")[-1] == 2
@@ -142,10 +149,12 @@ def test_sm90_seam_key_roles_and_selection(monkeypatch):
     plan = sm90.plan(p, 3, None, None)
     assert plan.backend == "sm90" and plan.num_splits == 3
     default = sm90.compile_key(p, plan, "sm_90a")
-    assert default[:7] == ("mla_sm90", "sm_90a", "bf16", 128, True, True, True)
-    assert default[7] == (32, 4, "one") and plan.config == (32, 4, "one")
+    assert default[:8] == ("mla_sm90", "sm_90a", "bf16", 128, True, True, True, 0)
+    assert default[8] == (32, 4, "one") and plan.config == (32, 4, "one", 0)
     split = sm90.plan(p, 3, None, None, tuning=Tuning(mla_sm90_qk="split"))
-    assert sm90.compile_key(p, split, "sm_90a")[7] == (32, 3, "split")
+    assert sm90.compile_key(p, split, "sm_90a")[8] == (32, 3, "split")
+    inv = sm90.plan(p._replace(batch_invariant=True), 3, None, None)
+    assert inv.config.split_blocks == 128 and inv.num_splits == 8 and sm90.compile_key(p, inv, "sm_90a")[7] == 128
     assert sm90.plan(p, 3, None, None, tuning=Tuning(mla_sm90_qk="one")) == plan
     with pytest.raises(ValueError, match="MLA_SM90_QK"):
         sm90.plan(p, 3, None, None, tuning=Tuning(mla_sm90_qk="half"))

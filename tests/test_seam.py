@@ -74,9 +74,9 @@ def test_registries_per_kind():
 
 def test_tuning_overrides_are_plan_arguments():
     p = _problem()
-    assert sm80.plan(p, 1, None, None).config == (128, 64, 4, False)
+    assert sm80.plan(p, 1, None, None).config == (128, 64, 4, False, 0)
     tiled = sm80.plan(p, 1, None, None, tuning=Tuning(sm80_tile="64,128,4,1"))
-    assert tiled.config == (64, 128, 4, True)
+    assert tiled.config == (64, 128, 4, True, 0)
     assert sm80.compile_key(p, tiled, "sm_90a") != sm80.compile_key(p, sm80.plan(p, 1, None, None), "sm_90a")
     assert sm90.plan(p, 1, None, None, tuning=Tuning(sm90_tile="128,96,2")).config[:4] == (128, 96, 2, 0)
     window = _problem(window_left=512)
@@ -113,7 +113,7 @@ def test_a_knob_changed_between_calls_is_a_new_plan(fake_device, monkeypatch):
         flash_attn_func(q, k, v, backend="sm80")
     monkeypatch.delenv("FLASH_ATTN_CUTE_SM80_TILE")
     flash_attn_func(q, k, v, backend="sm80")
-    assert launched == [(128, 64, 4, False), (64, 64, 4, True), (128, 128, 8, False), (64, 64, 4, True),
+    assert launched == [(128, 64, 4, False, 0), (64, 64, 4, True, 0), (128, 128, 8, False, 0), (64, 64, 4, True, 0),
                         sm80.plan(_problem(d=64, d_v=64, max_seqlen_q=256), 1, None, None).config]
 
 

@@ -4,13 +4,15 @@ attention sinks, the append path's arguments and the legacy positional form. Eve
 argument is refused before any launch with a message naming it; valid calls reach the
 launcher with the tensors the kernels read (the kernels' numerics are GPU tests)."""
 
+import importlib
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from flash_attn_cute import sm80
-from flash_attn_cute.interface import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from flash_attn_cute import fwd, sm80
+from flash_attn_cute.backend_kit import FEATURES, feature_refusal
+from flash_attn_cute.interface import flash_attn_varlen_func, flash_attn_with_kvcache
 
 BF16 = torch.bfloat16
 
@@ -196,10 +198,67 @@ def test_append_validation(no_launch, name, paged, mutate, exc, match):
 
 def test_features_a_kernel_lacks_are_refused_by_name(fake_device):
     # A backend's check names the feature it does not implement (the API never launches it).
-    fake_device(lambda name, kind="fwd": sm80)
+    def refuse(*a, **kw):
+        raise AssertionError("launched")
+
+    bare = SimpleNamespace(AUTO=True, runs_on=sm80.runs_on, check=lambda p: feature_refusal(p, frozenset()),
+                           plan=sm80.plan, launcher=refuse)
+    fake_device(lambda name, kind="fwd": bare)
     q = k = v = torch.randn(1, 8, 2, 64).to(BF16)
     for kw, name in (({"learnable_sink": torch.zeros(2)}, "learnable_sink"), ({"batch_invariant": True},
-                                                                           "batch_invariant")):
-        if name not in sm80.FEATURES:
-            with pytest.raises(NotImplementedError, match=f"{name} is not implemented"):
-                flash_attn_func(q, k, v, backend="sm80", **kw)
+                                                                           "batch_invariant"),
+                     ({"seqused_q": torch.tensor([3], dtype=torch.int32)}, "seqused_q")):
+        with pytest.raises(NotImplementedError, match=f"{name} is not implemented"):
+            flash_attn_varlen_func(q, k, v, backend="sm80", **kw)
+    # every forward backend implements all of them
+    for module in fwd.BACKENDS.values():
+        assert importlib.import_module(module).FEATURES == {name for _, name in FEATURES}
+
+
+def test_sink_and_seqused_q_reach_the_kernel(launches):
+    # launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q,
+    # learnable_sink): both always passed (None when absent), the sink as fp32.
+    a = mixed_step()
+    sink = torch.randn(8).to(BF16)
+    used = torch.tensor([1, 1, 3, 0, 200], dtype=torch.int32)
+    flash_attn_varlen_func(**a, seqused_q=used, s_aux=sink, causal=True)
+    call = launches[-1]
+    assert call.problem.has_sink and call.problem.has_seqused_q and len(call.tensors) == 11
+    assert call.tensors[9] is used
+    assert call.tensors[10].dtype == torch.float32 and torch.equal(call.tensors[10], sink.float())
+    fp32_sink = torch.randn(8)
+    flash_attn_varlen_func(**a, learnable_sink=fp32_sink)
+    assert launches[-1].tensors[9] is None and launches[-1].tensors[10] is fp32_sink  # no copy
+    flash_attn_varlen_func(**a)
+    assert launches[-1].tensors[9:] == (None, None) and not launches[-1].problem.has_sink
+
+
+def test_batch_invariant_is_always_split_with_the_sink_in_the_combine(launches, monkeypatch):
+    # Fixed keys per split (4096), the splits the capacity needs, a split kernel and the
+    # combine even for one split; the combine gets the sink, the kernel fp32 partials.
+    combines = []
+    monkeypatch.setattr(fwd, "combine_launcher", lambda out_dtype, d_v, has_lse, has_sink=False:
+                        lambda *t: combines.append((has_sink, t)))
+    a = mixed_step(page_size=16)  # capacity 608 keys: one split
+    sink = torch.randn(8)
+    out = flash_attn_varlen_func(**a, learnable_sink=sink, batch_invariant=True, num_splits=5)
+    call = launches[-1]
+    assert call.plan.num_splits == 1 and call.plan.is_split and call.plan.config.split_blocks == 32
+    o_partial, lse_partial = call.tensors[3:5]
+    assert o_partial.dtype == torch.float32 and o_partial.shape == (1, *out.shape)
+    assert lse_partial.shape == (1, 8, out.shape[0])
+    has_sink, (cp_o, cp_lse, c_out, c_lse, c_sink) = combines[-1]
+    assert has_sink and c_sink is call.tensors[10] and c_out.shape == (1, *out.shape)
+    b = mixed_step(page_size=16, lens_k=(40, 513, 100, 9, 9000))
+    flash_attn_varlen_func(**b, batch_invariant=True)
+    assert launches[-1].plan.num_splits == 3  # ceil(9008 / 4096)
+
+
+def test_seqused_q_split_partials_start_empty(launches, monkeypatch):
+    # Rows past seqused_q are not computed: split partials start at LSE -inf so that the
+    # combine writes them as rows that saw no key, never uninitialised memory.
+    monkeypatch.setattr(fwd, "combine_launcher", lambda out_dtype, d_v, has_lse, has_sink=False: lambda *t: None)
+    a = mixed_step()
+    flash_attn_varlen_func(**a, seqused_q=torch.tensor([1, 1, 3, 0, 200], dtype=torch.int32), num_splits=3)
+    lse_partial = launches[-1].tensors[4]
+    assert lse_partial.shape[0] == 3 and bool(torch.isinf(lse_partial).all())

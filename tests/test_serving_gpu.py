@@ -5,7 +5,11 @@
   causal / local / softcap, split-KV; dense and packed queries over a batch cache;
 - attention sinks on every entry point, with and without split-KV;
 - batch invariance: a sequence's output and LSE bitwise equal across batch compositions;
+- per-sequence query counts (``seqused_q``), dense and packed queries;
 - any batch size: 200,000 sequences.
+
+``compile_keys`` lists the forward kernels these calls compile: the CPU compile tests
+(test_fwd_compile.py) compile a covering subset of them with the main sweep's.
 
 Outputs are poisoned with NaN; errors are bounded by 2x PyTorch's own low-precision error
 (``check_close``). A feature the backend under test does not implement is a skip with the
@@ -190,6 +194,47 @@ def test_learnable_sink(backend, entry, mask, num_splits):
         assert torch.allclose(lse[2, :, 0], sink.float())
 
 
+# ------------------------------------------------------------------------------ seqused_q
+
+SEQUSED_LENS_K = (300, 64, 1000, 5)
+SEQUSED_Q = (5, 0, 77, 3)  # rows used of each sequence's 80 (dense) or of its packed rows
+SEQUSED_PACKED = (9, 4, 100, 3)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("layout", ["dense_q", "packed_q"])
+def test_seqused_q(backend, layout, num_splits):
+    # FA4's semantics: rows past seqused_q[b] are not computed (their output may be left
+    # unwritten), and causal masking aligns the used rows with the sequence's last keys.
+    fa = _api()
+    torch.manual_seed(9)
+    kc, vc = _randn(4, 1024, 2, 128), _randn(4, 1024, 2, 128)
+    seqused_k, seqused_q = _i32(SEQUSED_LENS_K), _i32(SEQUSED_Q)
+    sink = torch.randn(8, device=DEVICE)
+    kw = dict(seqused_k=seqused_k, seqused_q=seqused_q, causal=True, learnable_sink=sink, num_splits=num_splits,
+              return_lse=True, backend=backend)
+    if layout == "dense_q":
+        q = _randn(4, 80, 8, 128)
+        out, lse = fa.flash_attn_varlen_func(q, kc, vc, out=_nan(q.shape), **kw)
+        ref = [attention_serving_ref(q=q, k=kc, v=vc, seqused_q=seqused_q, seqused_k=seqused_k, causal=True,
+                                     learnable_sink=sink, upcast=u) for u in (True, False)]
+        rows = [(b, slice(0, n)) for b, n in enumerate(SEQUSED_Q)]
+        pick_o, pick_l = (lambda t, b, r: t[b, r]), (lambda t, b, r: t[b, :, r])
+    else:
+        cu_q = _cu(SEQUSED_PACKED)
+        q = _randn(sum(SEQUSED_PACKED), 8, 128)
+        out, lse = fa.flash_attn_varlen_func(q, kc, vc, cu_q, None, max(SEQUSED_PACKED), None, out=_nan(q.shape),
+                                             **kw)
+        ref = [attention_serving_ref(q=q, k=kc, v=vc, cu_seqlens_q=cu_q, seqused_q=seqused_q, seqused_k=seqused_k,
+                                     causal=True, learnable_sink=sink, upcast=u) for u in (True, False)]
+        starts = cu_q.tolist()
+        rows = [(None, slice(starts[b], starts[b] + n)) for b, n in enumerate(SEQUSED_Q)]
+        pick_o, pick_l = (lambda t, b, r: t[r]), (lambda t, b, r: t[:, r])
+    for b, r in rows:
+        check_close(pick_o(out, b, r), pick_o(ref[0][0], b, r), pick_o(ref[1][0], b, r))
+        check_lse(pick_l(lse, b, r), pick_l(ref[0][1], b, r), pick_l(ref[1][1], b, r))
+
+
 # ------------------------------------------------------------------------------ batch invariance
 
 
@@ -241,6 +286,26 @@ def test_batch_invariant_varlen_bitwise(backend):
         outs.append((out[start:start + 200].clone(), lse[:, start:start + 200].clone()))
     for out, lse in outs[1:]:
         assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])
+
+
+def test_batch_invariant_across_tiles(backend):
+    # A decode row beside other decodes (decode-shaped tile) and beside a 600-query
+    # prefill chunk (the prefill tile: other tile_m, warps, rows per CTA): the same bits,
+    # since tile_n and the splits never depend on the batch and a row's arithmetic does
+    # not depend on the tile's rows.
+    fa = _api()
+    torch.manual_seed(10)
+    k, v = _randn(2 * 128, 64, 8, 128), _randn(2 * 128, 64, 8, 128)
+    table = torch.arange(2 * 128, device=DEVICE, dtype=torch.int32).view(2, 128)
+    q0 = _randn(1, 32, 128)
+    outs = []
+    for lens_q in ([1, 1], [1, 600]):
+        q = torch.cat([q0, _randn(lens_q[1], 32, 128)])
+        out, lse = fa.flash_attn_varlen_func(q, k, v, _cu(lens_q), None, max(lens_q), None,
+                                             seqused_k=_i32([5000, 3000]), page_table=table, causal=True,
+                                             return_lse=True, batch_invariant=True, backend=backend)
+        outs.append((out[0].clone(), lse[:, 0].clone()))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
 def test_batch_invariant_mla_bitwise():
@@ -338,3 +403,79 @@ def _mla_rows(q, k, v, mask, upcast):
     s = s.masked_fill(~mask[:, None, None, :], float("-inf"))
     p = torch.softmax(s, -1)
     return torch.einsum("bhqk,bkhd->bqhd", p.to(v.dtype), v.expand(-1, -1, q.shape[2], -1))
+
+
+# ------------------------------------------------------------------------------ compile keys
+
+
+def serving_problems():
+    """(FwdProblem, num_splits, pack_gqa) of this file's forward calls, as the public API
+    describes them (bf16; ``max_seqlen_k`` the cache capacity where the lengths live on
+    the device)."""
+    from flash_attn_cute import fwd, interface
+
+    def problem(batch, sq, sk, h, hk, d, mask=None, *, varlen_q=False, varlen_k=False, seqused_k=True, page_size=0,
+                lse=True, sink=False, seqused_q=False, invariant=False):
+        mask = mask or {}
+        causal, left, right = interface.normalize_window(mask.get("causal", False), mask.get("window_size", (-1, -1)))
+        return fwd.FwdProblem(
+            dtype=BF16, batch=batch, max_seqlen_q=sq, max_seqlen_k=sk, nheads=h, nheads_kv=hk, d=d, d_v=d,
+            softmax_scale=d ** -0.5, causal=causal, window_left=left, window_right=right,
+            softcap=mask.get("softcap", 0.0), varlen_q=varlen_q, varlen_k=varlen_k, has_seqused_k=seqused_k,
+            page_size=page_size, has_lse=lse, has_seqused_q=seqused_q, has_sink=sink, batch_invariant=invariant)
+
+    def step(page_size, **kw):  # _paged_step's call
+        cap = math.ceil(max(LENS_K) / page_size) * page_size
+        return problem(len(LENS_Q), max(LENS_Q), cap, kw.pop("h", 8), kw.pop("hk", 2), 128, kw.pop("mask", None),
+                       varlen_q=True, page_size=page_size, **kw)
+
+    out = []
+    for page_size in (1, 16, 64, 128, 256):
+        for mask in ("causal", "local", "softcap"):
+            for ns in ((1, 0, 3) if mask == "causal" else (1,)):
+                out += [(step(page_size, mask=MASKS[mask], lse=lse), ns, None) for lse in (True, False)]
+    out += [(step(64, h=32, hk=8, mask=MASKS["causal"], lse=False), 0, pack) for pack in (None, True)]
+    dense = dict(mask=dict(causal=True))
+    out += [(problem(4, 5, 64, 4, 2, 64, **dense), 1, None),
+            (problem(4, 5, 64, 4, 2, 64, varlen_q=True, **dense), 1, None),
+            (problem(4, 5, 64, 4, 2, 64, varlen_q=True, varlen_k=True, **dense), 1, None)]
+    sink_masks = {"none": {}, "causal": dict(causal=True), "local_softcap": dict(causal=True, window_size=(50, 0),
+                                                                               softcap=15.0)}
+    for mask in sink_masks.values():
+        for ns in (1, 3):
+            out += [(problem(2, 77, 300, 4, 2, 128, mask, seqused_k=False, sink=True), ns, None),
+                    (step(16, mask=mask, sink=True), ns, None),
+                    (problem(3, 1, 2048, 32, 8, 128, mask, sink=True), ns, True)]
+    for ns in (1, 3):
+        out += [(problem(4, 80, 1024, 8, 2, 128, dict(causal=True), sink=True, seqused_q=True), ns, None),
+                (problem(4, max(SEQUSED_PACKED), 1024, 8, 2, 128, dict(causal=True), varlen_q=True, sink=True,
+                         seqused_q=True), ns, None)]
+    for batch in (1, 6, 64, 4):  # batch invariance: decode over 64-token pages, then varlen over a batch cache
+        out.append((problem(batch, 1, 8192, 32, 8, 128, page_size=64, invariant=True), 0, None))
+    for lens_q in ([200], [1, 1, 200, 7], [200] + [1] * 40):
+        out.append((problem(len(lens_q), 200, 6000, 8, 2, 128, dict(causal=True), varlen_q=True, invariant=True), 1,
+                    None))
+    for max_q in (1, 600):  # a decode row beside decodes, then beside a prefill chunk
+        out.append((problem(2, max_q, 8192, 32, 8, 128, dict(causal=True), varlen_q=True, page_size=64,
+                            invariant=True), 1, None))
+    out += [(problem(N_SEQS, 1, 3, 2, 1, 64, varlen_q=True, varlen_k=True, seqused_k=False), 1, None),
+            (problem(N_SEQS, 1, 16, 2, 1, 64, lse=False), 0, None)]
+    return out
+
+
+def compile_keys(backend="sm80", arch="sm_90a", num_sms=132):
+    """(forward keys, combine keys) of ``serving_problems`` on ``backend`` for ``arch`` (as
+    ``test_flash_attn_gpu.compile_keys``); calls the backend refuses are left out."""
+    from flash_attn_cute import fwd
+    from flash_attn_cute.keys import DTYPE_NAMES, combine_key
+
+    module = fwd.backend_module(backend)
+    keys, comb = set(), set()
+    for problem, num_splits, pack_gqa in serving_problems():
+        if module.check(problem) is not None:
+            continue
+        plan = module.plan(problem, num_splits, pack_gqa, num_sms)
+        keys.add(module.compile_key(problem, plan, arch))
+        if plan.is_split:
+            comb.add(combine_key(DTYPE_NAMES[problem.dtype], problem.d_v, problem.has_lse, arch, problem.has_sink))
+    return keys, comb

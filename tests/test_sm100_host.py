@@ -134,10 +134,11 @@ def test_compile_key_layout_is_the_shared_one():
     p = _problem(causal=True, window_right=0, has_seqused_k=True, page_size=128)
     plan = sm100.plan(p, 3, None, 148)
     key = sm100.compile_key(p, plan, ARCH)
-    assert key == ("fwd_sm100", ARCH, "bf16", 128, 128, *plan.config, (True, False, False), 1, True, True, False,
-                   False, True, True)
+    assert key == ("fwd_sm100", ARCH, "bf16", 128, 128, *plan.config[:3], (True, False, False), 1, True, True, False,
+                   False, True, True, False, False, 0)
     f = keys.parse_key(key, 3)
-    assert f.tile == plan.config and f.flags == (True, False, False) and f.paged and f.has_seqused_k and f.is_split
+    assert f.tile == plan.config[:3] and f.flags == (True, False, False) and f.paged and f.has_seqused_k and f.is_split
+    assert f.split_blocks == 0 and not f.has_sink and not f.has_seqused_q and f.extra == ()
 
 
 def test_compile_key_tracks_the_plan():
@@ -230,7 +231,7 @@ def test_shared_memory_fits(d, dv, q_stage):
     # The plan carries that ring depth.
     p = _problem(d=d, d_v=dv, max_seqlen_q=4096 if q_stage == 2 else 64)
     plan = sm100.plan(p, 1, False, None)
-    assert plan.config == (q_stage, sm100.TILE_N, stages)
+    assert plan.config == (q_stage, sm100.TILE_N, stages, 0)
 
 
 @pytest.mark.parametrize("q_stage", [1, 2])

@@ -122,14 +122,18 @@ def fake_kernel(q, k, v, out, lse, **kw):
                 l_full[..., cq[b]:cq[b + 1]] = lp[:, 0]
 
 
-def fake_combine(out_partial, lse_partial, out, lse):
-    """Checks the combine contract (batched views, even for varlen), then merges."""
+def fake_combine(out_partial, lse_partial, out, lse, sink):
+    """Checks the combine contract (batched views, even for varlen), then merges (the sink:
+    one more logit per head, with no value)."""
     ns, b, s, h, dv = out_partial.shape
     assert tuple(lse_partial.shape) == (ns, b, h, s) and tuple(out.shape) == (b, s, h, dv)
     assert lse is None or tuple(lse.shape) == (b, h, s)
     assert out_partial.dtype == lse_partial.dtype == torch.float32
+    assert sink is None or (sink.dtype == torch.float32 and tuple(sink.shape) == (h,))
     fake_combine.calls += 1
     tot = torch.logsumexp(lse_partial, 0)
+    if sink is not None:
+        tot = torch.logaddexp(tot, sink.view(1, h, 1))
     w = torch.exp(lse_partial - torch.where(torch.isinf(tot), 0.0, tot))
     out.copy_(torch.einsum("nbhs,nbshd->bshd", w, out_partial))
     if lse is not None:
@@ -145,7 +149,8 @@ def _fake_backend(kernel):
     the seam's launch contract translated to the keyword form fake_kernel asserts."""
 
     def launcher(problem, plan, device=None):
-        def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table):
+        def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q, learnable_sink):
+            assert seqused_q is None and learnable_sink is None  # none of this file's calls has them
             kernel(q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
                    page_table=page_table, max_seqlen_q=problem.max_seqlen_q, softmax_scale=problem.softmax_scale,
                    causal=problem.causal, window_left=problem.window_left, window_right=problem.window_right,
@@ -162,7 +167,7 @@ def fake_gpu(fake_device, monkeypatch):
     """CPU tensors pass as a 132-SM Hopper GPU running the fake kernels."""
     fake_kernel.calls, fake_combine.calls = [], 0
     fake_device(lambda name, kind="fwd": _fake_backend(fake_kernel))
-    monkeypatch.setattr(fwd, "combine_launcher", lambda out_dtype, d_v, has_lse: fake_combine)
+    monkeypatch.setattr(fwd, "combine_launcher", lambda out_dtype, d_v, has_lse, has_sink=False: fake_combine)
     yield SimpleNamespace(kernel=fake_kernel, combine=fake_combine)
 
 

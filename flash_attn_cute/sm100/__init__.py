@@ -34,7 +34,7 @@ _SPLIT_TOLERANCE = 0.95
 # check refuses runs the SM80 kernel (fwd.select_backend logs why). Compiled and SASS-checked
 # for sm_100a on CPU, not yet run on Blackwell hardware.
 AUTO = True
-FEATURES = frozenset()  # backend_kit.FEATURES this kernel implements
+FEATURES = frozenset({"learnable_sink", "seqused_q", "batch_invariant"})  # backend_kit.FEATURES this kernel implements
 
 log = logging.getLogger("flash_attn_cute")
 
@@ -45,6 +45,7 @@ class Sm100Config(NamedTuple):
     q_stage: int  # 128-row Q stages per CTA (one tcgen05 MMA tile each)
     tile_n: int
     kv_stages: int  # K/V ring depth
+    split_blocks: int = 0  # batch invariant: KV blocks per split (backend_kit.invariant_splits)
 
 
 def runs_on(capability: tuple) -> bool:
@@ -62,17 +63,17 @@ def check(problem: FwdProblem) -> Optional[str]:
     return feature_refusal(problem, FEATURES)
 
 
-def select_q_stage(rows: int, num_splits: int) -> int:
+def select_q_stage(rows: int, is_split: bool) -> int:
     """2 Q stages (256 rows per CTA) for prefill; 1 when the (packed) rows fit one 128-row
     stage or the KV loop is split (decode: the second stage would only compute padding)."""
-    if rows <= TILE_M or num_splits > 1:
+    if rows <= TILE_M or is_split:
         return 1
     return 2
 
 
-def select_tile(d: int, d_v: int, q_stage: int) -> Sm100Config:
+def select_tile(d: int, d_v: int, q_stage: int, split_blocks: int = 0) -> Sm100Config:
     """The deepest K/V ring that fits shared memory beside ``q_stage`` Q stages."""
-    return Sm100Config(q_stage, TILE_N, kv_stages_for(d, d_v, q_stage, TILE_N))
+    return Sm100Config(q_stage, TILE_N, kv_stages_for(d, d_v, q_stage, TILE_N), split_blocks)
 
 
 def pack_refusal(ratio: int) -> Optional[str]:
@@ -90,17 +91,21 @@ def pack_refusal(ratio: int) -> Optional[str]:
 
 def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms: Optional[int],
          tuning: Tuning = NO_TUNING, arch: Optional[str] = None) -> FwdPlan:
-    """q_stage, GQA packing (None = FA3's rule) and KV splits (0 = heuristic on ``num_sms``)."""
+    """q_stage, GQA packing (None = FA3's rule) and KV splits (0 = heuristic on ``num_sms``;
+    batch invariant: fixed keys per split on the one tile_n, ``num_splits`` ignored)."""
     refusal = pack_refusal(problem.qhead_per_kvhead)
     if pack_gqa and refusal is not None and problem.qhead_per_kvhead > 1:
         log.info("flash_attn_cute: sm100 cannot pack GQA heads: %s", refusal)
     pack_gqa, rows = plan_rows(problem, pack_gqa, TILE_M, packable=refusal is None)
-    num_splits = plan_splits(problem, num_splits, num_sms, head_groups(problem, pack_gqa), rows, tile_m=TILE_M,
-                             tile_n=TILE_N, ctas_per_sm=_CTAS_PER_SM, tolerance=_SPLIT_TOLERANCE)
-    q_stage = select_q_stage(rows, num_splits)
-    return FwdPlan(NAME, select_tile(problem.d, problem.d_v, q_stage), pack_gqa, num_splits)
+    num_splits, split_blocks = plan_splits(problem, num_splits, num_sms, head_groups(problem, pack_gqa), rows,
+                                           tile_m=TILE_M, tile_n=TILE_N, ctas_per_sm=_CTAS_PER_SM,
+                                           tolerance=_SPLIT_TOLERANCE)
+    q_stage = select_q_stage(rows, num_splits > 1 or split_blocks > 0)
+    return FwdPlan(NAME, select_tile(problem.d, problem.d_v, q_stage, split_blocks), pack_gqa, num_splits)
 
 
 # compile_key(problem, plan, arch=None), compile(key), launcher(problem, plan, device=None):
-# the seam's shared entry points over ``flash_fwd.compile_fwd_sm100``; the key holds the config.
-compile_key, compile, launcher = fwd_entry_points(NAME, "flash_attn_cute.sm100.flash_fwd", "compile_fwd_sm100")
+# the seam's shared entry points over ``flash_fwd.compile_fwd_sm100``; the key holds the
+# config's tile (split_blocks is a common field).
+compile_key, compile, launcher = fwd_entry_points(NAME, "flash_attn_cute.sm100.flash_fwd", "compile_fwd_sm100",
+                                                  key_tile=lambda c: tuple(c[:3]))

@@ -47,7 +47,7 @@ from flash_attn_cute.pack_gqa import query_of_row
 from flash_attn_cute.paged_kv import page_and_row
 from flash_attn_cute.sm100.config import SMEM_LIMIT, TILE_M, TMEM_COLUMNS, WarpRoles, tmem_alloc_columns, tmem_columns
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
-from flash_attn_cute.tile_scheduler import SingleTileScheduler
+from flash_attn_cute.tile_scheduler import SingleTileScheduler, m_blocks_divisor
 from flash_attn_cute.variants import AttentionVariant, apply_to_scores
 
 
@@ -113,9 +113,9 @@ class FlashAttnFwdSm100:
     __call__ = fwd_call  # the forward kernels' shared entry point: FwdArgs -> launch
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, tile: tuple, variant: AttentionVariant,
-                 qhead_per_kvhead_packed: int = 1, is_split: bool = False):
+                 qhead_per_kvhead_packed: int = 1, is_split: bool = False, split_blocks: int = 0):
         """``tile`` = (q_stage, tile_n, kv_stages), as ``sm100.select_tile`` plans it."""
-        set_fwd_config(self, dtype, head_dim, head_dim_v, variant, qhead_per_kvhead_packed, is_split)
+        set_fwd_config(self, dtype, head_dim, head_dim_v, variant, qhead_per_kvhead_packed, is_split, split_blocks)
         q_stage, tile_n, kv_stages = tile
         assert q_stage in (1, 2) and tile_n == 128
         assert head_dim % 16 == 0 and head_dim_v % 16 == 0
@@ -202,6 +202,7 @@ class FlashAttnFwdSm100:
         kernel = self.kernel(
             args, (tma_Q, tma_K, tma_V), (tma_atom_Q, tma_atom_K, tma_atom_V),
             (sQ_layout, sK_layout, sV_layout, tP_layout), tiled_mma_qk, tiled_mma_pv, tx_bytes, SharedStorage,
+            m_blocks_divisor(num_m_blocks),
         )
         launch_ctas(kernel, SingleTileScheduler.grid(num_m_blocks, heads_rows, args.num_splits, args.batch_size),
                     self.roles.num_threads, SharedStorage, stream, setmaxnreg=True)
@@ -219,9 +220,10 @@ class FlashAttnFwdSm100:
     @cute.kernel
     def kernel(self, args: FwdArgs, tma_views: tuple, tma_atoms: tuple, smem_layouts: tuple,
                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tx_bytes: cutlass.Constexpr,
-               SharedStorage: cutlass.Constexpr):
+               SharedStorage: cutlass.Constexpr, m_blocks: cute.FastDivmodDivisorV2):
         """``args``: the caller's tensors (Q and K for shapes only: loads go through the TMA
-        views) and scalars; ``smem_layouts``: Q, K, V and P's (TMEM) operand layouts."""
+        views) and scalars; ``smem_layouts``: Q, K, V and P's (TMEM) operand layouts;
+        ``m_blocks``: the grid's M blocks (``tile_scheduler.m_blocks_divisor``)."""
         tma_Q, tma_K, tma_V = tma_views
         tma_atom_Q, tma_atom_K, tma_atom_V = tma_atoms
         sQ_layout, sK_layout, sV_layout, tP_layout = smem_layouts
@@ -268,9 +270,11 @@ class FlashAttnFwdSm100:
 
         # Each role derives the tile after its register reconfiguration, so that little
         # stays live across setmaxnreg. A tile past the end of its sequence has no work.
+        # The sink enters the non-split kernel's finalize; a split kernel leaves it to the combine.
+        mSink = args.mLearnableSink if cutlass.const_expr(not self.is_split) else None
         if warp_idx >= roles.mma_warp:
             cute.arch.setmaxregister_decrease(roles.other_regs)
-            tile = FwdTile.create(args, SingleTileScheduler.get_work(args.num_splits), self.block_info(), self.is_split)
+            tile = self.tile_of(args, m_blocks)
             if tile.rows_valid > 0:
                 if warp_idx == roles.load_warp:
                     if tile.n_block_max > tile.n_block_min:
@@ -290,25 +294,30 @@ class FlashAttnFwdSm100:
                     tmem.free(tmem_ptr, self.tmem_cols)
         elif warp_idx < roles.num_softmax_warps:
             cute.arch.setmaxregister_increase(roles.softmax_regs)
-            tile = FwdTile.create(args, SingleTileScheduler.get_work(args.num_splits), self.block_info(), self.is_split)
+            tile = self.tile_of(args, m_blocks)
             if tile.rows_valid > 0:
                 tmem.wait_for_alloc()
                 tmem_ptr = tmem.retrieve_ptr(Float32)
                 if tile.n_block_max > tile.n_block_min:
-                    self.softmax_loop(tmem_ptr, tiled_mma_qk, sStats, bars, tile, warp_idx // 4, tidx % TILE_M)
+                    self.softmax_loop(tmem_ptr, tiled_mma_qk, sStats, bars, tile, warp_idx // 4, tidx % TILE_M, mSink)
                 tmem_barrier.arrive()
         else:
             cute.arch.setmaxregister_decrease(roles.correction_regs)
-            tile = FwdTile.create(args, SingleTileScheduler.get_work(args.num_splits), self.block_info(), self.is_split)
+            tile = self.tile_of(args, m_blocks)
             if tile.rows_valid > 0:
                 tmem.wait_for_alloc()
                 tmem_ptr = tmem.retrieve_ptr(Float32)
                 self.correction_loop(tmem_ptr, tiled_mma_pv, sStats, bars, args.mO, args.mLSE, tile, tidx % TILE_M,
-                                     args.varlen_q)
+                                     args.varlen_q, mSink)
                 tmem_barrier.arrive()
 
     def block_info(self) -> BlockInfo:
-        return BlockInfo(self.tile_m, self.tile_n, self.qhead_per_kvhead_packed, self.variant)
+        return BlockInfo(self.tile_m, self.tile_n, self.qhead_per_kvhead_packed, self.variant, self.split_blocks)
+
+    def tile_of(self, args: FwdArgs, m_blocks: cute.FastDivmodDivisorV2) -> FwdTile:
+        """This CTA's tile, as each role derives it (``SingleTileScheduler``)."""
+        work = SingleTileScheduler.get_work(m_blocks, args.num_splits, args.batch_size)
+        return FwdTile.create(args, work, self.block_info(), self.is_split)
 
     # -----------------------------------------------------------------------------------
     # Load warp
@@ -495,18 +504,19 @@ class FlashAttnFwdSm100:
     # -----------------------------------------------------------------------------------
 
     @cute.jit
-    def softmax_loop(self, tmem_ptr, tiled_mma_qk, sStats, bars, tile, stage, tidx):
-        """Stage ``stage`` (warp-uniform, 0 or 1); thread ``tidx`` owns row ``tidx`` of it."""
+    def softmax_loop(self, tmem_ptr, tiled_mma_qk, sStats, bars, tile, stage, tidx, mSink):
+        """Stage ``stage`` (warp-uniform, 0 or 1); thread ``tidx`` owns row ``tidx`` of it;
+        ``mSink``: the learnable sinks (None: none, or a split kernel)."""
         if cutlass.const_expr(self.q_stage == 1):
-            self._softmax_stage(tmem_ptr, tiled_mma_qk, sStats, bars, tile, 0, tidx)
+            self._softmax_stage(tmem_ptr, tiled_mma_qk, sStats, bars, tile, 0, tidx, mSink)
         else:
             if stage == 0:
-                self._softmax_stage(tmem_ptr, tiled_mma_qk, sStats, bars, tile, 0, tidx)
+                self._softmax_stage(tmem_ptr, tiled_mma_qk, sStats, bars, tile, 0, tidx, mSink)
             else:
-                self._softmax_stage(tmem_ptr, tiled_mma_qk, sStats, bars, tile, 1, tidx)
+                self._softmax_stage(tmem_ptr, tiled_mma_qk, sStats, bars, tile, 1, tidx, mSink)
 
     @cute.jit
-    def _softmax_stage(self, tmem_ptr, tiled_mma_qk, sStats, bars, tile, s: cutlass.Constexpr, tidx):
+    def _softmax_stage(self, tmem_ptr, tiled_mma_qk, sStats, bars, tile, s: cutlass.Constexpr, tidx, mSink):
         thr_mma_qk = tiled_mma_qk.get_slice(0)
         tSAcc = self._tmem_S(tmem_ptr, thr_mma_qk, s)[(None, None), 0, 0]  # (128, tile_n)
         tScS = thr_mma_qk.partition_C(cute.make_identity_tensor(self.mma_tiler_qk[:2]))[(None, None), 0, 0]
@@ -546,7 +556,10 @@ class FlashAttnFwdSm100:
         inv = cute.make_rmem_tensor(((1, 1), 1, 1), Float32)
         inv.fill(1.0)
         lse = cute.make_rmem_tensor((1,), Float32)
-        softmax.finalize(inv, lse)  # inv <- 1 / rowsum (0 for a row that saw no key)
+        sinks = None
+        if cutlass.const_expr(mSink is not None):
+            sinks = tile.row_sinks(mSink, tScS_mn, row0, self.qhead_per_kvhead_packed)
+        softmax.finalize(inv, lse, sinks)  # inv <- O's scale: 1 / rowsum (0 for a row that saw no key)
         sStats[tidx, 1, s] = inv[0]
         sStats[tidx, 2, s] = lse[0]
         bars.arrive("scale_ready", s)
@@ -613,7 +626,9 @@ class FlashAttnFwdSm100:
 
     @cute.jit
     def correction_loop(self, tmem_ptr, tiled_mma_pv, sStats, bars, mO, mLSE, tile, tidx,
-                        varlen_q: cutlass.Constexpr):
+                        varlen_q: cutlass.Constexpr, mSink):
+        """Rescales O per block, then the epilogue; a tile without KV blocks stores O = 0 and
+        LSE = -inf, or the row's sink (``mSink``: None without one, or in a split kernel)."""
         thr_mma_pv = tiled_mma_pv.get_slice(0)
         num_blocks = tile.n_block_max - tile.n_block_min
         for j in cutlass.range(1, num_blocks, unroll=1):
@@ -628,6 +643,10 @@ class FlashAttnFwdSm100:
         for s in cutlass.range_constexpr(self.q_stage):
             inv = Float32(0.0)
             lse = -Float32.inf
+            if cutlass.const_expr(mSink is not None):
+                if num_blocks == 0:  # only then: its address would stay live at 64 registers (q_stage 2)
+                    lse = tile.row_sink(mSink, tile.m_block * self.tile_m + s * TILE_M + tidx,
+                                        self.qhead_per_kvhead_packed)
             if num_blocks > 0:
                 bars.wait("scale_ready", s, (num_blocks - 1) & 1)
                 bars.wait("o_final", s, 0)

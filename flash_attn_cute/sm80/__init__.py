@@ -24,7 +24,7 @@ _SPLIT_TOLERANCE = 0.95
 
 # Every GPU of compute capability >= 8.0 runs mma.sync and cp.async.
 AUTO = True
-FEATURES = frozenset()  # backend_kit.FEATURES this kernel implements
+FEATURES = frozenset({"learnable_sink", "seqused_q", "batch_invariant"})  # backend_kit.FEATURES this kernel implements
 
 
 class Sm80Config(NamedTuple):
@@ -34,6 +34,7 @@ class Sm80Config(NamedTuple):
     tile_n: int
     num_warps: int
     q_in_regs: bool  # Q's fragment kept in registers for the whole KV loop
+    split_blocks: int = 0  # batch invariant: KV blocks per split (backend_kit.invariant_splits)
 
 
 def runs_on(capability: tuple) -> bool:
@@ -50,13 +51,14 @@ def check(problem: FwdProblem) -> Optional[str]:
 def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms: Optional[int],
          tuning: Tuning = NO_TUNING, arch: Optional[str] = None) -> FwdPlan:
     """Tile (``tuning.sm80_tile`` overrides), GQA packing (None = FA3's rule) and KV splits
-    (0 = heuristic on ``num_sms``)."""
+    (0 = heuristic on ``num_sms``; batch invariant: fixed keys per split, ``num_splits``
+    ignored)."""
     pack_gqa, rows = plan_rows(problem, pack_gqa, _SPLIT_TILE_M)
-    num_splits = plan_splits(problem, num_splits, num_sms, head_groups(problem, pack_gqa), rows,
-                             tile_m=_SPLIT_TILE_M, tile_n=_SPLIT_TILE_N, ctas_per_sm=_CTAS_PER_SM,
-                             tolerance=_SPLIT_TOLERANCE)
-    config = Sm80Config(*select_tile(problem.d, problem.d_v, rows, tuning.sm80_tile))
-    return FwdPlan(NAME, config, pack_gqa, num_splits)
+    tile = select_tile(problem.d, problem.d_v, rows, tuning.sm80_tile, problem.batch_invariant)
+    num_splits, split_blocks = plan_splits(problem, num_splits, num_sms, head_groups(problem, pack_gqa), rows,
+                                           tile_m=_SPLIT_TILE_M, tile_n=_SPLIT_TILE_N, ctas_per_sm=_CTAS_PER_SM,
+                                           tolerance=_SPLIT_TOLERANCE, kernel_tile_n=tile[1])
+    return FwdPlan(NAME, Sm80Config(*tile, split_blocks), pack_gqa, num_splits)
 
 
 # compile_key, compile, launcher: the seam's shared entry points; the key holds the whole config.

@@ -9,11 +9,15 @@ from typing import Optional
 from ..constants import D_CKV
 
 
-def select_tile(head_dim: int, head_dim_v: int, rows_per_kv_head: int, override: Optional[str] = None) -> tuple:
+def select_tile(head_dim: int, head_dim_v: int, rows_per_kv_head: int, override: Optional[str] = None,
+                batch_invariant: bool = False) -> tuple:
     """(tile_m, tile_n, num_warps, q_in_regs). acc_O holds tile_m * d_v / threads fp32
     values, acc_S tile_m * tile_n / threads, Q's fragment (when kept in registers)
     tile_m * d / threads 16-bit values; all under 255 registers per thread.
-    ``override`` "m,n,warps,q_in_regs" (``tuning.Tuning.sm80_tile``) replaces it (tuning sweeps)."""
+    ``override`` "m,n,warps,q_in_regs" (``tuning.Tuning.sm80_tile``) replaces it (tuning sweeps).
+    ``batch_invariant``: tile_n depends on the head dims alone (rows_per_kv_head depends on
+    max_seqlen_q, i.e. on the batch): the decode tile's n for prefill too, with 8 warps
+    (a 4-warp 128 x 128 tile would hold 128 + 128 accumulator registers a thread)."""
     if override:
         m, n, w, *q = (int(x) for x in override.split(","))
         return m, n, w, bool(q and q[0])
@@ -21,6 +25,8 @@ def select_tile(head_dim: int, head_dim_v: int, rows_per_kv_head: int, override:
     if rows_per_kv_head <= 64:
         # Decode-shaped: a 128-row tile would be mostly padding.
         return (64, 128, 4, True) if d <= 128 else (64, 64, 4, False)
+    if d <= 128 and batch_invariant:
+        return 128, 128, 8, False
     if d <= 128:
         # 4 warps beat 8 on the H200 (2026-11-29 sweep, benchmarks/bench_tiles.py): each
         # warp re-reads K and V from smem, so more warps per tile cost smem bandwidth.

@@ -29,7 +29,7 @@ from flash_attn_cute.layout_utils import acc_mn_view, acc_to_operand_a
 from flash_attn_cute.paged_kv import paged_row_fns
 from flash_attn_cute.sm80.gemm import gemm_rs, gemm_ss, smem_layout
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
-from flash_attn_cute.tile_scheduler import SingleTileScheduler
+from flash_attn_cute.tile_scheduler import SingleTileScheduler, m_blocks_divisor
 from flash_attn_cute.variants import AttentionVariant, apply_to_scores
 
 
@@ -38,8 +38,8 @@ class FlashAttnFwdSm80:
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, tile_m: int, tile_n: int, num_warps: int,
                  variant: AttentionVariant, qhead_per_kvhead_packed: int = 1, is_split: bool = False,
-                 q_in_regs: bool = False):
-        set_fwd_config(self, dtype, head_dim, head_dim_v, variant, qhead_per_kvhead_packed, is_split)
+                 q_in_regs: bool = False, split_blocks: int = 0):
+        set_fwd_config(self, dtype, head_dim, head_dim_v, variant, qhead_per_kvhead_packed, is_split, split_blocks)
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.num_threads = num_warps * 32
@@ -73,6 +73,7 @@ class FlashAttnFwdSm80:
             gmem_tiled_copy(self.dtype, self.head_dim_v, self.num_threads),
             tiled_mma,
             SharedStorage,
+            m_blocks_divisor(num_m_blocks),
         )
         launch_ctas(kernel, SingleTileScheduler.grid(num_m_blocks, heads_rows, args.num_splits, args.batch_size),
                     self.num_threads, SharedStorage, stream)
@@ -86,14 +87,15 @@ class FlashAttnFwdSm80:
         gmem_copy_V: cute.TiledCopy,
         tiled_mma: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
+        m_blocks: cute.FastDivmodDivisorV2,  # the grid's M blocks (tile_scheduler.m_blocks_divisor)
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        block_info = BlockInfo(self.tile_m, self.tile_n, self.qhead_per_kvhead_packed, self.variant)
+        block_info = BlockInfo(self.tile_m, self.tile_n, self.qhead_per_kvhead_packed, self.variant, self.split_blocks)
         # The tile (``FwdTile.create``) in steps: its context and KV range only once it has rows.
-        work = SingleTileScheduler.get_work(args.num_splits)
+        work = SingleTileScheduler.get_work(m_blocks, args.num_splits, args.batch_size)
         head_kv = FwdTile.head_kv_of(args, work, block_info)
         seqlen = FwdTile.seqlen_of(args, work)
-        rows_valid = FwdTile.rows_valid_of(seqlen, work.m_block, block_info)
+        rows_valid = FwdTile.rows_valid_of(seqlen, work, block_info)
         if rows_valid > 0:
             ctx = FwdTile.ctx_of(args, work, seqlen, block_info)
             tile = FwdTile(ctx, seqlen, work.m_block, head_kv, work.split_idx, rows_valid, args.softmax_scale,
@@ -178,12 +180,15 @@ class FlashAttnFwdSm80:
             lambda _, n_block, masked: self.one_block(tile, mma, kv, softmax, acc_O, n_block_min, n_block, masked),
             n_block_min, n_block_max, runs)
 
-        lse = cute.make_rmem_tensor((softmax.num_rows,), Float32)
-        softmax.finalize(acc_O, lse)
-        # O (two consecutive columns per store) and the LSE straight from registers.
         packed = self.qhead_per_kvhead_packed
-        o_rows = tile.out_rows(args.mO, packed, self.is_split, args.varlen_q)
         tOcO_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
+        sinks = None
+        if cutlass.const_expr(args.mLearnableSink is not None and not self.is_split):  # split: the combine's
+            sinks = tile.row_sinks(args.mLearnableSink, tOcO_mn, row0, packed)
+        lse = cute.make_rmem_tensor((softmax.num_rows,), Float32)
+        softmax.finalize(acc_O, lse, sinks)
+        # O (two consecutive columns per store) and the LSE straight from registers.
+        o_rows = tile.out_rows(args.mO, packed, self.is_split, args.varlen_q)
         store_o(acc_O, self.out_dtype, tOcO_mn, o_rows, row0, tile.rows_valid)
         if cutlass.const_expr(args.mLSE is not None):
             store_lse(lse, tOcO_mn, tile.lse_rows(args.mLSE, packed, self.is_split, args.varlen_q), row0,
@@ -288,5 +293,7 @@ class _MmaOperands:
 
 def compile_fwd_sm80(key: tuple):
     """Compiles the kernel for ``key`` (``sm80.compile_key``) on fake tensors: no GPU needed."""
-    return compile_from_key(key, 4, lambda dtype, d, dv, tile, variant, packed, is_split: FlashAttnFwdSm80(
-        dtype, d, dv, *tile[:3], variant, qhead_per_kvhead_packed=packed, is_split=is_split, q_in_regs=tile[3]))
+    return compile_from_key(
+        key, 4, lambda dtype, d, dv, tile, variant, packed, is_split, split_blocks: FlashAttnFwdSm80(
+            dtype, d, dv, *tile[:3], variant, qhead_per_kvhead_packed=packed, is_split=is_split, q_in_regs=tile[3],
+            split_blocks=split_blocks))

@@ -14,7 +14,7 @@ from ..tuning import NO_TUNING, Tuning
 from .config import MLA_SMEM_KB, MlaWarpRoles, mla_stages_for
 
 NAME, NHEADS, AUTO = "sm80", MLA_NHEADS, True
-FEATURES = frozenset()  # what this kernel implements of backend_kit.FEATURES
+FEATURES = frozenset({"batch_invariant"})  # what this kernel implements of backend_kit.MLA_FEATURES
 # One CTA per SM (72 KB of Q and 36 KB per stage): the split heuristic counts the grid in
 # 64-row tiles of 32-key blocks against num_sms resident CTAs, last wave at least 90% full.
 _CTAS_PER_SM, _SPLIT_TOLERANCE = 1, 0.9
@@ -22,6 +22,7 @@ _CTAS_PER_SM, _SPLIT_TOLERANCE = 1, 0.9
 
 class MlaSm80Config(NamedTuple):
     stages: int  # KV pipeline depth (``config.mla_stages_for``)
+    split_blocks: int = 0  # batch invariant: KV blocks per split (backend_kit.invariant_splits)
 
 
 def runs_on(capability: tuple) -> bool:
@@ -35,16 +36,17 @@ def check(problem: MlaProblem) -> Optional[str]:
 def plan(problem: MlaProblem, num_splits: int, pack_gqa: Optional[bool], num_sms: Optional[int],
          tuning: Tuning = NO_TUNING, arch: Optional[str] = None) -> FwdPlan:
     """One CTA per (64 packed rows, split, batch); ``num_splits`` 0 = the package's
-    wave-efficiency heuristic on this grid (shapes only, never the device lengths). The
-    query heads are always packed (``pack_gqa`` is ignored); the depth is the arch's
-    (``tuning.mla_stages`` overrides)."""
+    wave-efficiency heuristic on this grid (shapes only, never the device lengths; batch
+    invariant: fixed keys per split). The query heads are always packed (``pack_gqa`` is
+    ignored); the depth is the arch's (``tuning.mla_stages`` overrides)."""
     roles = MlaWarpRoles()
     rows = problem.max_seqlen_q * problem.nheads
-    num_splits = plan_splits(problem, num_splits, num_sms, 1, rows, tile_m=roles.tile_m, tile_n=roles.tile_n,
-                             ctas_per_sm=_CTAS_PER_SM, tolerance=_SPLIT_TOLERANCE)
+    num_splits, split_blocks = plan_splits(problem, num_splits, num_sms, 1, rows, tile_m=roles.tile_m,
+                                           tile_n=roles.tile_n, ctas_per_sm=_CTAS_PER_SM, tolerance=_SPLIT_TOLERANCE)
     stages = mla_stages_for(arch or target_arch(), tuning.mla_stages)
-    return FwdPlan(NAME, MlaSm80Config(stages), True, num_splits)
+    return FwdPlan(NAME, MlaSm80Config(stages, split_blocks), True, num_splits)
 
 
 # compile_key, compile, launcher: the seam's MLA entry points (the key ends with the stages).
-compile_key, compile, launcher = mla_entry_points(NAME, "flash_attn_cute.sm80.mla_decode", "compile_mla_sm80")
+compile_key, compile, launcher = mla_entry_points(NAME, "flash_attn_cute.sm80.mla_decode", "compile_mla_sm80",
+                                                  key_config=lambda c: (c.stages,))

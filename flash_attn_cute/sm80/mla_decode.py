@@ -69,16 +69,16 @@ from flash_attn_cute.paged_kv import page_and_row
 from flash_attn_cute.sm80.config import MlaWarpRoles
 from flash_attn_cute.sm80.gemm import smem_layout
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
-from flash_attn_cute.tile_scheduler import SingleTileScheduler
+from flash_attn_cute.tile_scheduler import SingleTileScheduler, m_blocks_divisor
 from flash_attn_cute.variants import apply_to_scores
 
 
 class MlaDecodeSm80:
     __call__ = mla_call  # the MLA kernels' shared entry point: MlaArgs -> launch
 
-    def __init__(self, dtype, nheads: int, causal: bool, is_split: bool, stages: int,
+    def __init__(self, dtype, nheads: int, causal: bool, is_split: bool, split_blocks: int, stages: int,
                  roles: MlaWarpRoles = MlaWarpRoles()):
-        set_mla_config(self, dtype, nheads, causal, is_split)
+        set_mla_config(self, dtype, nheads, causal, is_split, split_blocks)
         self.stages = stages
         self.roles = roles
         self.tile_m, self.tile_n = roles.tile_m, roles.tile_n
@@ -113,12 +113,13 @@ class MlaDecodeSm80:
         mma_S = cute.make_tiled_mma(op, (self.roles.s_warps, 1, 1), permutation_mnk=(m, 16, 16))
         mma_O = cute.make_tiled_mma(op, (1, self.roles.o_warps, 1),
                                     permutation_mnk=(16, 16 * self.roles.o_warps, 16))
-        num_m_blocks = cute.ceil_div(args.max_seqlen_q * self.qhead_per_kvhead_packed, m)
+        num_m_blocks = args.num_m_blocks(m, self.qhead_per_kvhead_packed)
         kernel = self.kernel(
             args, (sQn_layout, sQp_layout, sC_layout, sKp_layout, sP_layout), mma_S, mma_O,
             gmem_tiled_copy(self.dtype, D_CKV, self.roles.o_threads),
             gmem_tiled_copy(self.dtype, D_KPE, self.roles.o_threads),
             SharedStorage,
+            m_blocks_divisor(num_m_blocks),
         )
         launch_ctas(kernel, SingleTileScheduler.grid(num_m_blocks, 1, args.num_splits, args.batch_size),
                     self.roles.threads, SharedStorage, stream)
@@ -133,12 +134,14 @@ class MlaDecodeSm80:
         copy_C: cute.TiledCopy,
         copy_Kp: cute.TiledCopy,
         SharedStorage: cutlass.Constexpr,
+        m_blocks: cute.FastDivmodDivisorV2,  # the grid's M blocks (tile_scheduler.m_blocks_divisor)
     ):
         sQn_layout, sQp_layout, sC_layout, sKp_layout, sP_layout = smem_layouts
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tile = MlaTile.create(
-            args, BlockInfo(self.tile_m, self.tile_n, self.qhead_per_kvhead_packed, self.variant), self.is_split)
+            args, BlockInfo(self.tile_m, self.tile_n, self.qhead_per_kvhead_packed, self.variant, self.split_blocks),
+            self.is_split, m_blocks)
         if tile.rows_valid > 0:
             storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
             smem = _MlaSmem(

@@ -25,7 +25,7 @@ _SPLIT_TOLERANCE = 0.95
 
 # wgmma and setmaxnreg exist on sm_90a only.
 AUTO = True
-FEATURES = frozenset()  # backend_kit.FEATURES this kernel implements
+FEATURES = frozenset({"learnable_sink", "seqused_q", "batch_invariant"})  # backend_kit.FEATURES this kernel implements
 
 
 class Sm90Config(NamedTuple):
@@ -37,6 +37,7 @@ class Sm90Config(NamedTuple):
     ex2_emulate_every: int  # every k-th exponential on the FMA pipe (0: none)
     gather_kv: bool  # paged rows gathered by cp.async (pages not holding whole tile_n blocks)
     persistent: bool  # one CTA per SM looping over the tiles
+    split_blocks: int = 0  # batch invariant: KV blocks per split (backend_kit.invariant_splits)
 
 
 def runs_on(capability: tuple) -> bool:
@@ -54,17 +55,21 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
          tuning: Tuning = NO_TUNING, arch: Optional[str] = None) -> FwdPlan:
     """Tile from the SM90 tile table (``tuning.sm90_tile`` overrides), GQA packing (None =
     FA3's rule on a 128-row tile), KV splits (0 = the wave-efficiency heuristic with this
-    kernel's tile and one CTA per SM), row gathers for paged caches, persistence."""
+    kernel's tile and one CTA per SM; batch invariant: fixed keys per split, ``num_splits``
+    ignored), row gathers for paged caches, persistence."""
     pack_gqa, rows = plan_rows(problem, pack_gqa)
     tile = config.select_tile(problem.d, problem.d_v, rows, causal=problem.causal, local=problem.local,
-                              page_size=problem.page_size or None, override=tuning.sm90_tile)
-    num_splits = plan_splits(problem, num_splits, num_sms, head_groups(problem, pack_gqa), rows, tile_m=tile[0],
-                             tile_n=tile[1], ctas_per_sm=_CTAS_PER_SM, tolerance=_SPLIT_TOLERANCE)
+                              page_size=problem.page_size or None, override=tuning.sm90_tile,
+                              batch_invariant=problem.batch_invariant)
+    num_splits, split_blocks = plan_splits(problem, num_splits, num_sms, head_groups(problem, pack_gqa), rows,
+                                           tile_m=tile[0], tile_n=tile[1], ctas_per_sm=_CTAS_PER_SM,
+                                           tolerance=_SPLIT_TOLERANCE)
     gather_kv = config.gathers_kv(tile[1], problem.page_size)
     fits = config.persistent_fits(problem.d, problem.d_v, tile, problem.qhead_per_kvhead if pack_gqa else 1,
-                                  problem.varlen_q, num_splits > 1, gather_kv)
-    return FwdPlan(NAME, Sm90Config(*tile, gather_kv, persistent(problem, fits, tuning.sm90_persistent)), pack_gqa,
-                   num_splits)
+                                  problem.varlen_q, num_splits > 1 or split_blocks > 0, gather_kv,
+                                  problem.has_seqused_q)
+    return FwdPlan(NAME, Sm90Config(*tile, gather_kv, persistent(problem, fits, tuning.sm90_persistent),
+                                    split_blocks), pack_gqa, num_splits)
 
 
 def persistent(problem: FwdProblem, fits: bool, override: Optional[str] = None) -> bool:

@@ -16,22 +16,22 @@ def smem_bytes(d, dv, tile_m, tile_n, stages, elem=2):
 
 
 def select_tile(d: int, dv: int, rows_per_kv_head: int, *, causal: bool = False, local: bool = False,
-                page_size: Optional[int] = None, override: Optional[str] = None):
+                page_size: Optional[int] = None, override: Optional[str] = None, batch_invariant: bool = False):
     """(tile_m, tile_n, num_stages, ex2_emulate_every). tile_m / 64 consumer warpgroups,
     each holding a 64 x tile_n S, its P and a 64 x d_v O in registers; stages of K and V
     in smem; every ex2_emulate_every-th exponential on the FMA pipe (0: none).
     ``override`` "m,n,stages[,ex2]" (``tuning.Tuning.sm90_tile``) replaces it (tuning sweeps).
     With a paged cache, tile_n divides the page size where a divisor >= 64 exists (one TMA
     per block, inside one page); other page sizes keep the tile and gather rows
-    (``gathers_kv``)."""
+    (``gathers_kv``). ``batch_invariant``: tile_n depends on the head dims, the window and
+    the page size alone (rows_per_kv_head depends on max_seqlen_q, i.e. on the batch): the
+    decode tile takes the prefill tile's n, and no exponential moves to the FMA pipe (it
+    would only in unmasked blocks, and which blocks a tile masks depends on its rows)."""
     if override:
         m, n, s, *e = (int(x) for x in override.split(","))
-        return m, n, s, (e[0] if e else 0)
+        return m, n, s, (e[0] if e and not batch_invariant else 0)
     dmax = max(d, dv)
-    if rows_per_kv_head <= 64:
-        # Decode-shaped: one consumer warpgroup, deeper KV pipeline (more bytes in flight).
-        tile = (64, 128, 3) if dmax <= 128 else (64, 80, 2)
-    elif dmax <= 64:
+    if dmax <= 64:
         tile = (192, 128, 2)
     elif dmax <= 128:
         tile = (128, 128, 2)
@@ -41,6 +41,9 @@ def select_tile(d: int, dv: int, rows_per_kv_head: int, *, causal: bool = False,
         tile = (128, 96 if local else 112, 2)
     else:
         tile = (128, 64, 2)  # 64 measured faster than 80 on the H200 (690 vs 675 TFLOP/s, b4 s8192)
+    if rows_per_kv_head <= 64:
+        # Decode-shaped: one consumer warpgroup, deeper KV pipeline (more bytes in flight).
+        tile = (64, 128, 3) if dmax <= 128 else (64, tile[1] if batch_invariant else 80, 2)
     if page_size is not None:
         m, n, s = tile
         tile = (m, next((t for t in range(n, 63, -16) if page_size % t == 0), n), s)
@@ -57,9 +60,9 @@ def gathers_kv(tile_n: int, page_size: int) -> bool:
 
 
 def persistent_fits(d: int, dv: int, tile: tuple, pack: int, varlen_q: bool, is_split: bool,
-                    gather_kv: bool) -> bool:
+                    gather_kv: bool, seqused_q: bool = False) -> bool:
     """Whether a persistent kernel fits: where O leaves by TMA (batch tensors, unpacked,
-    unsplit) it needs its own shared-memory buffer next to Q, K and V (``separate_o``);
+    unsplit, every row written) it needs its own shared-memory buffer next to Q, K and V (``separate_o``);
     d >= 192 tiles have no room for it. The tile loop's live values do not fit the
     registers of three consumer warpgroups (d <= 64, 160 registers each: 67 local-memory
     accesses, 0 one CTA per tile), nor those of a gathering producer at 40 (two consumer
@@ -67,7 +70,7 @@ def persistent_fits(d: int, dv: int, tile: tuple, pack: int, varlen_q: bool, is_
     m, n, stages = tile[:3]
     if m // 64 >= 3 or (gather_kv and m // 64 >= 2):
         return False
-    uses_tma_o = pack == 1 and not varlen_q and not is_split
+    uses_tma_o = pack == 1 and not varlen_q and not is_split and not seqused_q
     return smem_bytes(d, dv, m, n, stages) + (2 * m * dv if uses_tma_o else 0) <= SMEM_LIMIT
 
 

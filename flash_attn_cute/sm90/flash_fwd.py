@@ -18,7 +18,7 @@ barrier per warpgroup makes them take turns issuing (ping-pong), so one's softma
 the other's MMAs.
 
 O leaves through shared memory and a TMA store (batch tensors), or straight from
-registers (packed GQA rows, varlen, fp32 split partials). The grid is one CTA per tile,
+registers (packed GQA rows, varlen, seqused_q, fp32 split partials). The grid is one CTA per tile,
 in longest-first, L2-aware order under causal/local masks (``LptScheduler``), or, when
 ``persistent``, one CTA per SM looping over the tiles of that same order
 (``PersistentScheduler``): the pipeline states live across tiles, so the producer loads
@@ -53,7 +53,7 @@ from flash_attn_cute.paged_kv import page_and_row, page_lookups
 from flash_attn_cute.sm90.config import WarpRoles
 from flash_attn_cute.sm90.wgmma_utils import convert_pairs, kv_release, kv_wait, smem_layout, wgmma_gemm
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
-from flash_attn_cute.tile_scheduler import LptScheduler, PersistentScheduler, SingleTileScheduler
+from flash_attn_cute.tile_scheduler import LptScheduler, PersistentScheduler, SingleTileScheduler, m_blocks_divisor
 from flash_attn_cute.variants import AttentionVariant, apply_to_scores
 
 
@@ -62,8 +62,8 @@ class FlashAttnFwdSm90:
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, tile_m: int, tile_n: int, num_stages: int,
                  variant: AttentionVariant, qhead_per_kvhead_packed: int = 1, is_split: bool = False,
-                 ex2_emulate_every: int = 0, gather_kv: bool = False, persistent: bool = False):
-        set_fwd_config(self, dtype, head_dim, head_dim_v, variant, qhead_per_kvhead_packed, is_split)
+                 ex2_emulate_every: int = 0, gather_kv: bool = False, persistent: bool = False, split_blocks: int = 0):
+        set_fwd_config(self, dtype, head_dim, head_dim_v, variant, qhead_per_kvhead_packed, is_split, split_blocks)
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.num_stages = num_stages
@@ -99,8 +99,9 @@ class FlashAttnFwdSm90:
         sO_layout = smem_layout(self.dtype, self.tile_m, self.head_dim_v)
         # O leaves through smem (Q's buffer, free by then) and one TMA store, for batch
         # tensors in the input dtype; packed rows, varlen rows (a box would spill into the
-        # next sequence) and fp32 split partials are stored from registers.
-        self.use_tma_o = self.use_tma_q and not varlen_q and not self.is_split
+        # next sequence), rows cut by seqused_q (the box would write rows past it) and fp32
+        # split partials are stored from registers.
+        self.use_tma_o = self.use_tma_q and not varlen_q and not self.is_split and args.mSeqUsedQ is None
         self.use_lpt = self.variant.has_mask and not varlen_q
         # A persistent CTA loads the next Q while this tile's O is still in smem: O gets its
         # own buffer (``persistent_fits`` keeps the keys where it does not fit non-persistent).
@@ -183,7 +184,7 @@ class FlashAttnFwdSm90:
             args, (tma_Q, tma_K, tma_V, tma_O), (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O),
             (sQ_layout, sK_layout, sV_layout, sO_layout), tiled_mma_qk, tiled_mma_pv,
             gmem_tiled_copy(self.dtype, self.head_dim, self.roles.num_consumer_threads),
-            tx_bytes, SharedStorage, num_m_blocks, heads_eff, l2_heads,
+            tx_bytes, SharedStorage, num_m_blocks, m_blocks_divisor(num_m_blocks), heads_eff, l2_heads,
         )
         launch_ctas(kernel, grid, self.roles.num_threads, SharedStorage, stream, setmaxnreg=True)
 
@@ -200,6 +201,7 @@ class FlashAttnFwdSm90:
         tx_bytes: cutlass.Constexpr,
         SharedStorage: cutlass.Constexpr,
         num_m_blocks: Int32,
+        m_blocks: cute.FastDivmodDivisorV2,  # num_m_blocks, for SingleTileScheduler.get_work
         heads_eff: Int32,
         l2_heads: Int32,
     ):
@@ -249,8 +251,8 @@ class FlashAttnFwdSm90:
         sO = o_storage.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         io = _Io(*tma_views, *tma_atoms, sQ, sK, sV, sO, pipeline_q, pipeline_k, pipeline_v, gmem_copy_Q)
 
-        block_info = BlockInfo(self.tile_m, self.tile_n, self.qhead_per_kvhead_packed, self.variant)
-        sched = _Sched(num_m_blocks, heads_eff, l2_heads)
+        block_info = BlockInfo(self.tile_m, self.tile_n, self.qhead_per_kvhead_packed, self.variant, self.split_blocks)
+        sched = _Sched(num_m_blocks, m_blocks, heads_eff, l2_heads)
         pipeline.pipeline_init_wait()
 
         if warp_idx < len(self.roles.producer_warps):
@@ -276,7 +278,7 @@ class FlashAttnFwdSm90:
         elif cutlass.const_expr(self.use_lpt):
             work = LptScheduler.get_work(sched.num_m_blocks, sched.heads, args.batch_size, sched.l2_heads)
         else:
-            work = SingleTileScheduler.get_work(args.num_splits)
+            work = SingleTileScheduler.get_work(sched.m_blocks, args.num_splits, args.batch_size)
         return work
 
     @cute.jit
@@ -484,8 +486,12 @@ class FlashAttnFwdSm90:
             if tile.n_block_max > tile.n_block_min:
                 q_state, state = self.mainloop(args, io, tiled_mmas, acc_O, softmax, tScS_mn, tile, block_info,
                                                q_state, state, cidx, wg_idx)
+            sinks = None
+            if cutlass.const_expr(args.mLearnableSink is not None and not self.is_split):  # split: the combine's
+                sinks = tile.row_sinks(args.mLearnableSink, tScS_mn, tile.m_block * self.tile_m,
+                                       self.qhead_per_kvhead_packed)
             lse = cute.make_rmem_tensor((softmax.num_rows,), Float32)
-            softmax.finalize(acc_O, lse)
+            softmax.finalize(acc_O, lse, sinks)
             self.epilogue(args, io, acc_O, lse, tile, tiled_mma_pv, cidx)
         return q_state, state
 
@@ -728,6 +734,7 @@ class _Sched:
     under pack_gqa), and (head, batch) pairs per L2 section of the LPT order."""
 
     num_m_blocks: Int32
+    m_blocks: cute.FastDivmodDivisorV2  # num_m_blocks, as SingleTileScheduler.get_work divides by it
     heads: Int32
     l2_heads: Int32
 
@@ -759,7 +766,8 @@ class _MmaState:
 def compile_fwd_sm90(key: tuple):
     """Compiles the kernel for ``key`` (``sm90.compile_key``) on fake tensors: no GPU needed."""
     return compile_from_key(
-        key, 4, lambda dtype, d, dv, tile, variant, packed, is_split, gather_kv, persistent: FlashAttnFwdSm90(
-            dtype, d, dv, *tile[:3], variant, qhead_per_kvhead_packed=packed, is_split=is_split,
-            ex2_emulate_every=tile[3], gather_kv=gather_kv, persistent=persistent),
+        key, 4, lambda dtype, d, dv, tile, variant, packed, is_split, split_blocks, gather_kv, persistent:
+        FlashAttnFwdSm90(dtype, d, dv, *tile[:3], variant, qhead_per_kvhead_packed=packed, is_split=is_split,
+                         ex2_emulate_every=tile[3], gather_kv=gather_kv, persistent=persistent,
+                         split_blocks=split_blocks),
         extra_scalars=(Int32(1), Int32(1)))  # l2_heads, max_ctas

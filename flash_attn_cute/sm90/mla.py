@@ -18,7 +18,7 @@ NHEADS = MLA_NHEADS
 # Automatic on 9.x (preferred to SM80): all GPU tests pass on the H200 in both Q K^T
 # modes (2026-11-29), and it reads 3.06 TB/s at 768 x 2048 where the SM80 kernel reads 2.31.
 AUTO = True
-FEATURES = frozenset()  # what this kernel implements of backend_kit.FEATURES
+FEATURES = frozenset({"batch_invariant"})  # what this kernel implements of backend_kit.MLA_FEATURES
 # 224 KB of shared memory and 384 threads at 504 registers per thread-slot: one CTA per
 # SM. The split heuristic counts 64-row tiles of 32-key blocks against num_sms.
 _CTAS_PER_SM = 1
@@ -32,6 +32,7 @@ class MlaSm90Config(NamedTuple):
     tile_n: int  # keys per stage
     stages: int
     qk: str  # how the consumer warpgroups share Q K^T (``config.MlaRoles.qk``)
+    split_blocks: int = 0  # batch invariant: KV blocks per split (backend_kit.invariant_splits)
 
 
 def runs_on(capability: tuple) -> bool:
@@ -56,16 +57,17 @@ def plan(problem: MlaProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
          tuning: Tuning = NO_TUNING, arch: Optional[str] = None) -> FwdPlan:
     """One CTA per (64 packed rows, split, batch); 128 heads take two CTAs per query
     position (two 64-row tiles, the cache read through L2 twice). ``num_splits`` 0 = the
-    package's wave-efficiency heuristic on this grid (shapes only). ``tuning.mla_sm90_qk``
-    overrides the Q K^T mode (tuning, and the GPU tests of both)."""
+    package's wave-efficiency heuristic on this grid (shapes only; batch invariant: fixed
+    keys per split). ``tuning.mla_sm90_qk`` overrides the Q K^T mode (tuning, and the GPU
+    tests of both)."""
     r = roles(tuning.mla_sm90_qk)
     rows = problem.max_seqlen_q * problem.nheads
-    num_splits = plan_splits(problem, num_splits, num_sms, 1, rows, tile_m=r.tile_m, tile_n=r.tile_n,
-                             ctas_per_sm=_CTAS_PER_SM, tolerance=_SPLIT_TOLERANCE)
-    return FwdPlan(NAME, MlaSm90Config(r.tile_n, r.stages, r.qk), True, num_splits)
+    num_splits, split_blocks = plan_splits(problem, num_splits, num_sms, 1, rows, tile_m=r.tile_m, tile_n=r.tile_n,
+                                           ctas_per_sm=_CTAS_PER_SM, tolerance=_SPLIT_TOLERANCE)
+    return FwdPlan(NAME, MlaSm90Config(r.tile_n, r.stages, r.qk, split_blocks), True, num_splits)
 
 
 # compile_key, compile, launcher: the seam's MLA entry points; the key ends with the config
 # as one tuple (tile_n, stages, qk).
 compile_key, compile, launcher = mla_entry_points(NAME, "flash_attn_cute.sm90.mla_decode", "compile_mla_sm90",
-                                                  key_config=lambda c: (tuple(c),))
+                                                  key_config=lambda c: ((c.tile_n, c.stages, c.qk),))

@@ -100,15 +100,16 @@ from flash_attn_cute.paged_kv import page_lookups
 from flash_attn_cute.sm90.config import MlaRoles
 from flash_attn_cute.sm90.wgmma_utils import convert_pairs, kv_release, kv_wait, smem_layout, wgmma_gemm
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
-from flash_attn_cute.tile_scheduler import SingleTileScheduler
+from flash_attn_cute.tile_scheduler import SingleTileScheduler, m_blocks_divisor
 from flash_attn_cute.variants import apply_to_scores
 
 
 class MlaDecodeSm90:
     __call__ = mla_call  # the MLA kernels' shared entry point: MlaArgs -> launch
 
-    def __init__(self, dtype, nheads: int, causal: bool, is_split: bool, roles: MlaRoles = MlaRoles()):
-        set_mla_config(self, dtype, nheads, causal, is_split)
+    def __init__(self, dtype, nheads: int, causal: bool, is_split: bool, split_blocks: int,
+                 roles: MlaRoles = MlaRoles()):
+        set_mla_config(self, dtype, nheads, causal, is_split, split_blocks)
         self.roles = roles
 
     @cute.jit
@@ -144,8 +145,9 @@ class MlaDecodeSm90:
         tiled_mma_pv_ss = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, k_major, mn_major, Float32, atom_layout_mnk=(1, r.num_consumer_wgs, 1),
             tiler_mn=(r.tile_m, r.o_cols))
-        num_m_blocks = cute.ceil_div(args.max_seqlen_q * self.qhead_per_kvhead_packed, r.tile_m)
-        launch_ctas(self.kernel(args, layouts, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_ss, SharedStorage),
+        num_m_blocks = args.num_m_blocks(r.tile_m, self.qhead_per_kvhead_packed)
+        launch_ctas(self.kernel(args, m_blocks_divisor(num_m_blocks), layouts, tiled_mma_qk, tiled_mma_pv,
+                                tiled_mma_pv_ss, SharedStorage),
                     SingleTileScheduler.grid(num_m_blocks, 1, args.num_splits, args.batch_size), r.threads,
                     SharedStorage, stream, setmaxnreg=True)
 
@@ -153,6 +155,7 @@ class MlaDecodeSm90:
     def kernel(
         self,
         args: MlaArgs,
+        m_blocks: cute.FastDivmodDivisorV2,  # the grid's M blocks (tile_scheduler.m_blocks_divisor)
         smem_layouts: tuple,  # Qn, Qp, ckv, kpe, P
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
@@ -193,7 +196,8 @@ class MlaDecodeSm90:
             storage.sXchg.get_tensor(cute.make_layout(r.xchg_words)),
         )
         tile = MlaTile.create(
-            args, BlockInfo(r.tile_m, r.tile_n, self.qhead_per_kvhead_packed, self.variant), self.is_split)
+            args, BlockInfo(r.tile_m, r.tile_n, self.qhead_per_kvhead_packed, self.variant, self.split_blocks),
+            self.is_split, m_blocks)
         pipeline.pipeline_init_wait()
         if tile.rows_valid > 0:
             if warp_idx < r.producer_threads // 32:
@@ -561,5 +565,5 @@ class _Sm90Ops:
 def compile_mla_sm90(key: tuple):
     """Compiles the kernel for ``key`` (``keys.mla_key``; config ``((tile_n, stages, qk),)``)
     on fake tensors: no GPU needed."""
-    return compile_mla_from_key(key, lambda dtype, nheads, causal, is_split, config: MlaDecodeSm90(
-        dtype, nheads, causal, is_split, MlaRoles(tile_n=config[0], stages=config[1], qk=config[2])))
+    return compile_mla_from_key(key, lambda dtype, nheads, causal, is_split, split_blocks, config: MlaDecodeSm90(
+        dtype, nheads, causal, is_split, split_blocks, MlaRoles(tile_n=config[0], stages=config[1], qk=config[2])))
