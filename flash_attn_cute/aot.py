@@ -247,19 +247,26 @@ def entries_for(descriptions: list, arch: str, backend: Optional[str] = None) ->
     entries, skipped = {}, []
     for description in descriptions:
         for one in expand(description):
-            problem = problem_of(one)
-            name, module, reason = _backend_for(arch, backend, problem)
-            if name is None:
-                skipped.append(f"{one}: {reason}")
-                continue
-            plan = module.plan(problem, one["num_splits"], one["pack_gqa"], one["num_sms"], arch=arch)
-            key = module.compile_key(problem, plan, arch)
-            target = f"{fwd.REGISTRIES[problem.kind][name]}:compile"
-            entries.setdefault((key[0], key), AotEntry(key[0], key, target))
-            if plan.is_split:
-                ckey = combine_key(DTYPE_NAMES[problem.dtype], problem.d_v, problem.has_lse, arch, problem.has_sink)
-                entries.setdefault(("combine", ckey),
-                                   AotEntry("combine", ckey, "flash_attn_cute.combine:compile_combine"))
+            whole = problem_of(one)
+            short_q = fwd.mixed_short_q(whole)
+            parts = [(whole, one["num_splits"])]
+            if short_q:  # the two launches of a mixed plan, as fwd.resolve plans them
+                parts = [(whole._replace(max_seqlen_q=short_q, q_class=short_q), one["num_splits"]),
+                         (whole._replace(q_class=-short_q), 1)]
+            for problem, num_splits in parts:
+                name, module, reason = _backend_for(arch, backend, problem)
+                if name is None:
+                    skipped.append(f"{one}: {reason}")
+                    continue
+                plan = module.plan(problem, num_splits, one["pack_gqa"], one["num_sms"], arch=arch)
+                key = module.compile_key(problem, plan, arch)
+                target = f"{fwd.REGISTRIES[problem.kind][name]}:compile"
+                entries.setdefault((key[0], key), AotEntry(key[0], key, target))
+                if plan.is_split:
+                    ckey = combine_key(DTYPE_NAMES[problem.dtype], problem.d_v, problem.has_lse, arch,
+                                       problem.has_sink)
+                    entries.setdefault(("combine", ckey),
+                                       AotEntry("combine", ckey, "flash_attn_cute.combine:compile_combine"))
     return list(entries.values()), skipped
 
 

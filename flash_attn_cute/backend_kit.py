@@ -91,7 +91,7 @@ def fwd_key(name: str, problem: FwdProblem, plan: FwdPlan, arch: str, tile: tupl
                     plan.qhead_per_kvhead_packed(problem), plan.is_split,
                     problem.has_lse or plan.is_split,  # a split kernel always writes partial LSEs
                     problem.varlen_q, problem.varlen_k, problem.has_seqused_k, problem.paged, problem.has_seqused_q,
-                    problem.has_sink, plan.config.split_blocks, extra)
+                    problem.has_sink, plan.config.split_blocks, problem.q_class, extra)
 
 
 def entry_points(key: Callable, kernel_module: str, compile_fn: str, scalars: Callable, bind: Callable = None):

@@ -22,6 +22,7 @@ class BlockInfo:
     qhead_per_kvhead_packed: cutlass.Constexpr[int]  # rows per query position in the M tile
     variant: cutlass.Constexpr[AttentionVariant]
     split_blocks: cutlass.Constexpr[int] = 0  # KV blocks per split (batch invariant), 0: even splits
+    q_class: cutlass.Constexpr[int] = 0  # FwdProblem.q_class: n > 0 only sequences of <= n queries, -n: > n
 
     def query_range(self, m_block: Int32, ctx: AttnCtx):
         """First and last query position held by the rows of this M tile."""

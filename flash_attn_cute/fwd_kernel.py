@@ -21,7 +21,7 @@ from flash_attn_cute.cute_utils import CUTE_DTYPE_BY_NAME, compile_fwd
 from flash_attn_cute.keys import parse_key
 from flash_attn_cute.pack_gqa import packed_lse_rows, packed_rows, query_and_head_of_row
 from flash_attn_cute.seqlen_info import SeqlenInfo
-from flash_attn_cute.tile_scheduler import WorkTile
+from flash_attn_cute.tile_scheduler import SingleTileScheduler, VarlenScheduler, WorkTile, m_blocks_divisor
 from flash_attn_cute.variants import AttentionVariant, AttnCtx, VariantParams, make_variant
 
 
@@ -100,7 +100,8 @@ class FwdArgs(NamedTuple):
 
 
 def set_fwd_config(kernel, dtype, head_dim: int, head_dim_v: int, variant: AttentionVariant,
-                   qhead_per_kvhead_packed: int = 1, is_split: bool = False, split_blocks: int = 0) -> None:
+                   qhead_per_kvhead_packed: int = 1, is_split: bool = False, split_blocks: int = 0,
+                   q_class: int = 0) -> None:
     """The static configuration every forward kernel class holds, set on ``kernel``.
     ``split_blocks`` > 0: split s covers the absolute KV blocks [s * split_blocks, (s + 1) *
     split_blocks) (batch invariant, ``BlockInfo``); 0: even splits of each tile's range."""
@@ -112,6 +113,7 @@ def set_fwd_config(kernel, dtype, head_dim: int, head_dim_v: int, variant: Atten
     kernel.qhead_per_kvhead_packed = qhead_per_kvhead_packed  # rows per query position in the M tile
     kernel.is_split = is_split
     kernel.split_blocks = split_blocks
+    kernel.q_class = q_class  # the sequences it computes (FwdProblem.q_class; BlockInfo)
 
 
 @cute.jit
@@ -137,13 +139,13 @@ def fwd_call(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.T
 def compile_from_key(key: tuple, tile_len: int, make_kernel: Callable, extra_scalars: tuple = ()):
     """Compiles a forward kernel for a compile key (``fwd.make_key``) on fake tensors (no GPU
     needed): ``make_kernel(dtype, d, d_v, tile, variant, qhead_per_kvhead_packed, is_split,
-    split_blocks, *key_extra)`` builds the kernel object; ``extra_scalars`` are placeholders
+    split_blocks, *key_extra, q_class=)`` builds the kernel object; ``extra_scalars`` are placeholders
     of its extra runtime scalars."""
     f = parse_key(key, tile_len)
     dtype = CUTE_DTYPE_BY_NAME[f.dtype_name]
     variant = make_variant(*f.flags)
     kernel = make_kernel(dtype, f.d, f.d_v, f.tile, variant, f.qhead_per_kvhead_packed, f.is_split, f.split_blocks,
-                         *f.extra)
+                         *f.extra, q_class=f.q_class)
     return compile_fwd(kernel, dtype, f.d, f.d_v, f.arch, is_split=f.is_split, has_lse=f.has_lse,
                        varlen_q=f.varlen_q, varlen_k=f.varlen_k, has_seqused_k=f.has_seqused_k, paged=f.paged,
                        has_seqused_q=f.has_seqused_q, has_sink=f.has_sink, extra_scalars=extra_scalars,
@@ -162,6 +164,35 @@ def zero_rows_from(sX: cute.Tensor, first_row: Int32, tidx: Int32, num_threads: 
         col = (idx - row * chunks) * 8
         for j in cutlass.range_constexpr(8):
             sX[row, col + j] = sX.element_type(0.0)
+
+
+def tile_grid(args: FwdArgs, tile_m: int, qhead_per_kvhead_packed: int) -> tuple:
+    """(grid, divisor, M blocks of the longest sequence, head groups) of a kernel with one
+    CTA per tile: ``VarlenScheduler`` for packed queries, else ``SingleTileScheduler``.
+    ``divisor`` (``tile_scheduler.m_blocks_divisor`` of the head groups, resp. of the M
+    blocks) is the kernel argument ``tile_work`` divides the block index by."""
+    num_m_blocks, heads = args.row_blocks(tile_m, qhead_per_kvhead_packed)
+    if cutlass.const_expr(args.varlen_q):
+        grid = VarlenScheduler.grid(cute.size(args.mQ.shape[0]), qhead_per_kvhead_packed, tile_m, heads,
+                                    args.num_splits, args.batch_size)
+        divisor = m_blocks_divisor(heads)
+    else:
+        grid = SingleTileScheduler.grid(num_m_blocks, heads, args.num_splits, args.batch_size)
+        divisor = m_blocks_divisor(num_m_blocks)
+    return grid, divisor, num_m_blocks, heads
+
+
+@cute.jit
+def tile_work(args: FwdArgs, divisor: cute.FastDivmodDivisorV2, tile_m: cutlass.Constexpr[int],
+              qhead_per_kvhead_packed: cutlass.Constexpr[int]) -> WorkTile:
+    """This CTA's tile in a grid of ``tile_grid`` (``divisor``: its divisor). Every lane of
+    the calling warp takes part."""
+    work = None
+    if cutlass.const_expr(args.varlen_q):
+        work = VarlenScheduler.get_work(args.mCuSeqlensQ, divisor, qhead_per_kvhead_packed, tile_m, args.batch_size)
+    else:
+        work = SingleTileScheduler.get_work(divisor, args.num_splits, args.batch_size)
+    return work
 
 
 def split_slice(mX: cute.Tensor, split_idx: Int32) -> cute.Tensor:
@@ -221,10 +252,17 @@ class FwdTile:
     @cute.jit
     def rows_valid_of(seqlen: SeqlenInfo, work: WorkTile, block_info: BlockInfo) -> Int32:
         """Rows of the work tile's M block inside the (packed) sequence; <= 0: none (also
-        for a CTA of a folded grid past the last sequence)."""
+        for a CTA of a folded grid past the last sequence, and for a sequence outside the
+        kernel's ``q_class``)."""
         rows = seqlen.seqlen_q * block_info.qhead_per_kvhead_packed - work.m_block * block_info.tile_m
         if not work.in_batch:
             rows = Int32(0)
+        if cutlass.const_expr(block_info.q_class > 0):  # the short sequences of a mixed plan
+            if seqlen.seqlen_q > block_info.q_class:
+                rows = Int32(0)
+        if cutlass.const_expr(block_info.q_class < 0):  # the long ones
+            if seqlen.seqlen_q <= -block_info.q_class:
+                rows = Int32(0)
         return rows
 
     @staticmethod

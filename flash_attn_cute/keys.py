@@ -7,7 +7,7 @@ backends build keys without loading the DSL; the kernel modules parse them.
 
 - Forward kernels: ``make_key`` / ``parse_key`` (``("fwd_<backend>", arch, dtype, d, d_v,
   *config fields, flags, qhead_per_kvhead_packed, is_split, has_lse, varlen_q, varlen_k,
-  has_seqused_k, paged, has_seqused_q, has_sink, split_blocks, *backend extra)``).
+  has_seqused_k, paged, has_seqused_q, has_sink, split_blocks, q_class, *backend extra)``).
 - MLA kernels: ``mla_key`` / ``parse_mla_key`` (``("mla_<backend>", arch, dtype, nheads,
   causal, is_split, has_lse, split_blocks, *config)``).
 - The split-KV combine: ``combine_key``.
@@ -42,16 +42,16 @@ def target_arch(device=None) -> str:
 
 def make_key(name: str, arch: str, dtype_name: str, d: int, d_v: int, tile: tuple, flags, qhead_per_kvhead_packed,
              is_split, has_lse, varlen_q, varlen_k, has_seqused_k, paged, has_seqused_q, has_sink, split_blocks,
-             extra: tuple = ()) -> tuple:
+             q_class: int = 0, extra: tuple = ()) -> tuple:
     """A forward compile key: ``("fwd_<name>", arch, dtype, d, d_v, *tile, flags,
     qhead_per_kvhead_packed, is_split, has_lse, varlen_q, varlen_k, has_seqused_k, paged,
-    has_seqused_q, has_sink, split_blocks, *extra)``; ``tile``: the static fields of the
-    backend's config that come first (spread into the key), ``extra``: the backend's own
-    static choices, last."""
+    has_seqused_q, has_sink, split_blocks, q_class, *extra)``; ``tile``: the static fields of
+    the backend's config that come first (spread into the key), ``extra``: the backend's own
+    static choices, last; ``q_class`` (``FwdProblem.q_class``): the sequences it computes."""
     flags = tuple(bool(f) for f in flags[:3]) + tuple(flags[3:])  # [user variant key]
     return (f"fwd_{name}", arch, dtype_name, d, d_v, *tile, flags, int(qhead_per_kvhead_packed),
             bool(is_split), bool(has_lse), bool(varlen_q), bool(varlen_k), bool(has_seqused_k), bool(paged),
-            bool(has_seqused_q), bool(has_sink), int(split_blocks), *extra)
+            bool(has_seqused_q), bool(has_sink), int(split_blocks), int(q_class), *extra)
 
 
 class KeyFields(NamedTuple):
@@ -73,10 +73,11 @@ class KeyFields(NamedTuple):
     has_seqused_q: bool
     has_sink: bool
     split_blocks: int
+    q_class: int
     extra: tuple  # the backend's own fields after the common ones
 
 
-_COMMON_FIELDS = 11  # flags .. split_blocks
+_COMMON_FIELDS = 12  # flags .. q_class
 
 
 def parse_key(key: tuple, tile_len: int) -> KeyFields:

@@ -47,6 +47,9 @@ class FwdProblem(NamedTuple):
     has_seqused_q: bool = False  # per-sequence query counts (dense queries, rows past them unwritten)
     has_sink: bool = False  # learnable_sink: one logit per query head in every denominator
     batch_invariant: bool = False  # fixed keys per split and batch-independent tiles
+    # The sequences a kernel computes (the two launches of a mixed plan, ``fwd.mixed_short_q``):
+    # 0 every one; n > 0 those of at most n queries; -n those of more than n.
+    q_class: int = 0
 
     kind = "fwd"
 

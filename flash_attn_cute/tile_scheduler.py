@@ -12,6 +12,16 @@ grid is flat on x (up to 2^31 - 1 CTAs), as is the persistent order's tile index
 arithmetic on tile counts, far from overflow at 200,000 sequences x 128 heads x 8 M blocks
 (2e8), splits on y (<= 256).
 
+``VarlenScheduler``: variable-length queries (cu_seqlens_q). One CTA per M block that holds
+rows, on a flat grid of ``ceil(total_q * rows_per_query / tile_m) + batch`` CTAs: sequence b
+owns the tiles from ``floor(cu_seqlens_q[b] * rows_per_query / tile_m) + b`` on, at least as
+many as its M blocks, at most two more (those find no rows), one CTA per tile and head. A CTA finds its sequence by a
+32-way search of the warp over those starts (log32(batch) rounds of one load per lane:
+2 at 100 sequences, 4 at 200,000). The grid of the other schedulers spans
+``max_seqlen_q``'s M blocks for every sequence: a serving step of 96 decode rows and 4
+prefill rows of 1,024 queries launched 25,600 CTAs for 1,792 tiles, each empty CTA paying
+its launch and prologue on an SM its shared memory keeps to one CTA.
+
 ``PersistentScheduler``: min(tiles, SMs) CTAs, CTA c computing tiles c, c + grid, c + 2 grid,
 ... of either order above (``work_of``: the tile the non-persistent grid would give its
 idx-th CTA, x fastest, as the hardware launches them). A static stride: the orders are
@@ -94,6 +104,61 @@ class SingleTileScheduler:
         bidy = rest - batch * head_splits
         head = bidy // num_splits
         return WorkTile(num_m_blocks - 1 - (idx - rest * num_m_blocks), head, bidy - head * num_splits, batch)
+
+
+class VarlenScheduler:
+    @staticmethod
+    def grid(total_q, rows_per_query: int, tile_m: int, heads, num_splits, batch):
+        """Launch grid for packed queries (``total_q``: the query tensor's rows), ``heads``
+        head groups and ``num_splits``: every sequence's M blocks (see ``sequence_start``)
+        times the heads on x, heads fastest, splits on y. Sequence-major, as the batch's
+        order: a serving step lists its decode rows (long memory-bound tiles) first, and
+        they then start first (heads on y ran the last head's decode tiles last: H200,
+        mixed step page 64, 2.41 ms against 2.18 for the old grid)."""
+        return ((cute.ceil_div(total_q * rows_per_query, tile_m) + batch) * heads, num_splits, 1)
+
+    @staticmethod
+    @cute.jit
+    def sequence_start(mCuSeqlensQ: cute.Tensor, b: Int32, rows_per_query: cutlass.Constexpr[int],
+                       tile_m: cutlass.Constexpr[int]) -> Int32:
+        """The first tile of sequence b: increasing in b, and the next sequence's first is at
+        least this one's M blocks further (floor(x + y) - floor(x) + 1 >= ceil(y))."""
+        return (mCuSeqlensQ[b] * rows_per_query) // tile_m + b
+
+    @staticmethod
+    @cute.jit
+    def get_work(mCuSeqlensQ: cute.Tensor, heads: cute.FastDivmodDivisorV2, rows_per_query: cutlass.Constexpr[int],
+                 tile_m: cutlass.Constexpr[int], batch_size: Int32) -> WorkTile:
+        """The CTA's tile in a grid of ``grid`` (``heads``: ``m_blocks_divisor`` of the head
+        groups). Every lane of the calling warp must take part (warp votes); every warp of
+        a CTA finds the same tile. The M blocks of a sequence are handed out last-first, as
+        ``SingleTileScheduler`` does; a CTA past the sequence's M blocks gets no rows
+        (``FwdTile.rows_valid_of``)."""
+        bidx, split_idx, _ = cute.arch.block_idx()
+        idx, head = divmod(bidx, heads)
+        lane = cute.arch.lane_idx()
+        # Invariant: sequence_start(lo) <= idx (when any sequence is), and the sequence of
+        # idx is in [lo, hi). Each round probes 32 starts stride apart.
+        lo = Int32(0)
+        hi = batch_size
+        stride = cute.ceil_div(hi - lo, 32)
+        while stride > 1:
+            b = lo + lane * stride
+            below = Boolean(False)
+            if b < hi:
+                below = VarlenScheduler.sequence_start(mCuSeqlensQ, b, rows_per_query, tile_m) <= idx
+            count = cute.arch.popc(cute.arch.vote_ballot_sync(below))
+            lo = lo + cutlass.max(count - 1, 0) * stride
+            hi = cutlass.min(lo + stride, hi)
+            stride = cute.ceil_div(hi - lo, 32)
+        b = lo + lane
+        below = Boolean(False)
+        if b < hi:
+            below = VarlenScheduler.sequence_start(mCuSeqlensQ, b, rows_per_query, tile_m) <= idx
+        count = cute.arch.popc(cute.arch.vote_ballot_sync(below))
+        batch = cutlass.max(lo + count - 1, 0)
+        end = VarlenScheduler.sequence_start(mCuSeqlensQ, batch + 1, rows_per_query, tile_m)
+        return WorkTile(end - 1 - idx, head, split_idx, batch, count > 0 and idx < end)
 
 
 class LptScheduler:

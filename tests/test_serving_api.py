@@ -55,13 +55,23 @@ def mixed_step(page_size=16, lens_q=(1, 1, 7, 0, 300), lens_k=(40, 513, 100, 9, 
 def test_varlen_queries_over_a_paged_cache_reach_the_kernel(launches):
     a = mixed_step()
     out, lse = flash_attn_varlen_func(**a, causal=True, return_lse=True)
-    (call,) = launches
+    # A mixed step: two launches over the same tensors (fwd.mixed_short_q), the sequences
+    # of at most 64 // 4 = 16 queries on the decode tile, then the others.
+    short, call = launches
+    assert (short.problem.q_class, short.problem.max_seqlen_q, short.plan.config.tile_m) == (16, 16, 64)
     p = call.problem
     assert p.varlen_q and not p.varlen_k and p.has_seqused_k and p.page_size == 16 and p.batch == 5
-    assert p.max_seqlen_q == 300 and p.max_seqlen_k == a["page_table"].shape[1] * 16
-    q, k, v, o, l, cu_q, cu_k, seqused, table = call.tensors[:9]
-    assert q is a["q"] and k is a["k"] and cu_q is a["cu_seqlens_q"] and cu_k is None
-    assert seqused is a["seqused_k"] and table is a["page_table"]
+    assert p.max_seqlen_q == 300 and p.max_seqlen_k == a["page_table"].shape[1] * 16 and p.q_class == -16
+    assert call.plan.num_splits == 1
+    for c in (short, call):
+        q, k, v, o, l, cu_q, cu_k, seqused, table = c.tensors[:9]
+        assert q is a["q"] and k is a["k"] and cu_q is a["cu_seqlens_q"] and cu_k is None
+        assert seqused is a["seqused_k"] and table is a["page_table"]
+    assert call.tensors[3] is out and call.tensors[4] is lse
+    # Nothing to mix: every sequence short, or a batch cache read without seqused_k.
+    launches.clear()
+    flash_attn_varlen_func(**dict(a, max_seqlen_q=16), causal=True)
+    assert len(launches) == 1 and launches[0].problem.q_class == 0
     assert out.shape == (309, 8, 64) and lse.shape == (8, 309)
     # vLLM's names: block_table for page_table
     a2 = dict(a, block_table=a.pop("page_table"))
@@ -260,5 +270,6 @@ def test_seqused_q_split_partials_start_empty(launches, monkeypatch):
     monkeypatch.setattr(fwd, "combine_launcher", lambda out_dtype, d_v, has_lse, has_sink=False: lambda *t: None)
     a = mixed_step()
     flash_attn_varlen_func(**a, seqused_q=torch.tensor([1, 1, 3, 0, 200], dtype=torch.int32), num_splits=3)
-    lse_partial = launches[-1].tensors[4]
+    lse_partial = launches[-2].tensors[4]  # the mixed plan's short part (the long one is never split)
+    assert launches[-1].plan.num_splits == 1
     assert lse_partial.shape[0] == 3 and bool(torch.isinf(lse_partial).all())

@@ -40,14 +40,14 @@ from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 from flash_attn_cute.block_info import BlockInfo
 from flash_attn_cute.copy_utils import aligned_row_ptr
 from flash_attn_cute.cute_utils import launch_ctas
-from flash_attn_cute.fwd_kernel import FwdArgs, FwdTile, compile_from_key, fwd_call, set_fwd_config, zero_rows_from
+from flash_attn_cute.fwd_kernel import (FwdArgs, FwdTile, compile_from_key, fwd_call, set_fwd_config, tile_grid, tile_work,
+                                        zero_rows_from)
 from flash_attn_cute.layout_utils import select
 from flash_attn_cute.named_barrier import Sm100FwdBarrier
 from flash_attn_cute.pack_gqa import query_of_row
 from flash_attn_cute.paged_kv import page_and_row
 from flash_attn_cute.sm100.config import SMEM_LIMIT, TILE_M, TMEM_COLUMNS, WarpRoles, tmem_alloc_columns, tmem_columns
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
-from flash_attn_cute.tile_scheduler import SingleTileScheduler, m_blocks_divisor
 from flash_attn_cute.variants import AttentionVariant, apply_to_scores
 
 
@@ -113,9 +113,10 @@ class FlashAttnFwdSm100:
     __call__ = fwd_call  # the forward kernels' shared entry point: FwdArgs -> launch
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, tile: tuple, variant: AttentionVariant,
-                 qhead_per_kvhead_packed: int = 1, is_split: bool = False, split_blocks: int = 0):
+                 qhead_per_kvhead_packed: int = 1, is_split: bool = False, split_blocks: int = 0, q_class: int = 0):
         """``tile`` = (q_stage, tile_n, kv_stages), as ``sm100.select_tile`` plans it."""
-        set_fwd_config(self, dtype, head_dim, head_dim_v, variant, qhead_per_kvhead_packed, is_split, split_blocks)
+        set_fwd_config(self, dtype, head_dim, head_dim_v, variant, qhead_per_kvhead_packed, is_split, split_blocks,
+                       q_class)
         q_stage, tile_n, kv_stages = tile
         assert q_stage in (1, 2) and tile_n == 128
         assert head_dim % 16 == 0 and head_dim_v % 16 == 0
@@ -198,14 +199,13 @@ class FlashAttnFwdSm100:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
 
         assert SharedStorage.size_in_bytes() <= SMEM_LIMIT, (SharedStorage.size_in_bytes(), SMEM_LIMIT)
-        num_m_blocks, heads_rows = args.row_blocks(self.tile_m, self.qhead_per_kvhead_packed)
+        grid, grid_divisor, num_m_blocks, _ = tile_grid(args, self.tile_m, self.qhead_per_kvhead_packed)
         kernel = self.kernel(
             args, (tma_Q, tma_K, tma_V), (tma_atom_Q, tma_atom_K, tma_atom_V),
             (sQ_layout, sK_layout, sV_layout, tP_layout), tiled_mma_qk, tiled_mma_pv, tx_bytes, SharedStorage,
-            m_blocks_divisor(num_m_blocks),
+            grid_divisor,
         )
-        launch_ctas(kernel, SingleTileScheduler.grid(num_m_blocks, heads_rows, args.num_splits, args.batch_size),
-                    self.roles.num_threads, SharedStorage, stream, setmaxnreg=True)
+        launch_ctas(kernel, grid, self.roles.num_threads, SharedStorage, stream, setmaxnreg=True)
 
     def _pack_q_view(self, mQ_t: cute.Tensor) -> cute.Tensor:
         """(s, d, h[, b]) -> ((g, s), d, h_kv[, b]), g = qhead_per_kvhead_packed: row (j, i)
@@ -220,10 +220,10 @@ class FlashAttnFwdSm100:
     @cute.kernel
     def kernel(self, args: FwdArgs, tma_views: tuple, tma_atoms: tuple, smem_layouts: tuple,
                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tx_bytes: cutlass.Constexpr,
-               SharedStorage: cutlass.Constexpr, m_blocks: cute.FastDivmodDivisorV2):
+               SharedStorage: cutlass.Constexpr, grid_divisor: cute.FastDivmodDivisorV2):
         """``args``: the caller's tensors (Q and K for shapes only: loads go through the TMA
         views) and scalars; ``smem_layouts``: Q, K, V and P's (TMEM) operand layouts;
-        ``m_blocks``: the grid's M blocks (``tile_scheduler.m_blocks_divisor``)."""
+        ``grid_divisor``: what ``tile_work`` divides the block index by (``tile_grid``)."""
         tma_Q, tma_K, tma_V = tma_views
         tma_atom_Q, tma_atom_K, tma_atom_V = tma_atoms
         sQ_layout, sK_layout, sV_layout, tP_layout = smem_layouts
@@ -274,7 +274,7 @@ class FlashAttnFwdSm100:
         mSink = args.mLearnableSink if cutlass.const_expr(not self.is_split) else None
         if warp_idx >= roles.mma_warp:
             cute.arch.setmaxregister_decrease(roles.other_regs)
-            tile = self.tile_of(args, m_blocks)
+            tile = self.tile_of(args, grid_divisor)
             if tile.rows_valid > 0:
                 if warp_idx == roles.load_warp:
                     if tile.n_block_max > tile.n_block_min:
@@ -294,7 +294,7 @@ class FlashAttnFwdSm100:
                     tmem.free(tmem_ptr, self.tmem_cols)
         elif warp_idx < roles.num_softmax_warps:
             cute.arch.setmaxregister_increase(roles.softmax_regs)
-            tile = self.tile_of(args, m_blocks)
+            tile = self.tile_of(args, grid_divisor)
             if tile.rows_valid > 0:
                 tmem.wait_for_alloc()
                 tmem_ptr = tmem.retrieve_ptr(Float32)
@@ -303,7 +303,7 @@ class FlashAttnFwdSm100:
                 tmem_barrier.arrive()
         else:
             cute.arch.setmaxregister_decrease(roles.correction_regs)
-            tile = self.tile_of(args, m_blocks)
+            tile = self.tile_of(args, grid_divisor)
             if tile.rows_valid > 0:
                 tmem.wait_for_alloc()
                 tmem_ptr = tmem.retrieve_ptr(Float32)
@@ -312,11 +312,12 @@ class FlashAttnFwdSm100:
                 tmem_barrier.arrive()
 
     def block_info(self) -> BlockInfo:
-        return BlockInfo(self.tile_m, self.tile_n, self.qhead_per_kvhead_packed, self.variant, self.split_blocks)
+        return BlockInfo(self.tile_m, self.tile_n, self.qhead_per_kvhead_packed, self.variant, self.split_blocks,
+                         self.q_class)
 
-    def tile_of(self, args: FwdArgs, m_blocks: cute.FastDivmodDivisorV2) -> FwdTile:
-        """This CTA's tile, as each role derives it (``SingleTileScheduler``)."""
-        work = SingleTileScheduler.get_work(m_blocks, args.num_splits, args.batch_size)
+    def tile_of(self, args: FwdArgs, grid_divisor: cute.FastDivmodDivisorV2) -> FwdTile:
+        """This CTA's tile, as each role derives it (``fwd_kernel.tile_work``)."""
+        work = tile_work(args, grid_divisor, self.tile_m, self.qhead_per_kvhead_packed)
         return FwdTile.create(args, work, self.block_info(), self.is_split)
 
     # -----------------------------------------------------------------------------------

@@ -24,12 +24,11 @@ from flash_attn_cute.block_info import BlockInfo
 from flash_attn_cute.copy_utils import copy_rows, gmem_tiled_copy
 from flash_attn_cute.cute_utils import launch_ctas
 from flash_attn_cute.epilogue import store_lse, store_o
-from flash_attn_cute.fwd_kernel import FwdArgs, FwdTile, compile_from_key, fwd_call, set_fwd_config
+from flash_attn_cute.fwd_kernel import FwdArgs, FwdTile, compile_from_key, fwd_call, set_fwd_config, tile_grid, tile_work
 from flash_attn_cute.layout_utils import acc_mn_view, acc_to_operand_a
 from flash_attn_cute.paged_kv import paged_row_fns
 from flash_attn_cute.sm80.gemm import gemm_rs, gemm_ss, smem_layout
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
-from flash_attn_cute.tile_scheduler import SingleTileScheduler, m_blocks_divisor
 from flash_attn_cute.variants import AttentionVariant, apply_to_scores
 
 
@@ -38,8 +37,9 @@ class FlashAttnFwdSm80:
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, tile_m: int, tile_n: int, num_warps: int,
                  variant: AttentionVariant, qhead_per_kvhead_packed: int = 1, is_split: bool = False,
-                 q_in_regs: bool = False, split_blocks: int = 0):
-        set_fwd_config(self, dtype, head_dim, head_dim_v, variant, qhead_per_kvhead_packed, is_split, split_blocks)
+                 q_in_regs: bool = False, split_blocks: int = 0, q_class: int = 0):
+        set_fwd_config(self, dtype, head_dim, head_dim_v, variant, qhead_per_kvhead_packed, is_split, split_blocks,
+                       q_class)
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.num_threads = num_warps * 32
@@ -66,17 +66,16 @@ class FlashAttnFwdSm80:
             (self.num_threads // 32, 1, 1),
             permutation_mnk=(self.num_threads // 32 * 16, 16, 16),
         )
-        num_m_blocks, heads_rows = args.row_blocks(self.tile_m, self.qhead_per_kvhead_packed)
+        grid, grid_divisor, num_m_blocks, _ = tile_grid(args, self.tile_m, self.qhead_per_kvhead_packed)
         kernel = self.kernel(
             args, (sQ_layout, sK_layout, sV_layout),
             gmem_tiled_copy(self.dtype, self.head_dim, self.num_threads),
             gmem_tiled_copy(self.dtype, self.head_dim_v, self.num_threads),
             tiled_mma,
             SharedStorage,
-            m_blocks_divisor(num_m_blocks),
+            grid_divisor,
         )
-        launch_ctas(kernel, SingleTileScheduler.grid(num_m_blocks, heads_rows, args.num_splits, args.batch_size),
-                    self.num_threads, SharedStorage, stream)
+        launch_ctas(kernel, grid, self.num_threads, SharedStorage, stream)
 
     @cute.kernel
     def kernel(
@@ -87,12 +86,13 @@ class FlashAttnFwdSm80:
         gmem_copy_V: cute.TiledCopy,
         tiled_mma: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
-        m_blocks: cute.FastDivmodDivisorV2,  # the grid's M blocks (tile_scheduler.m_blocks_divisor)
+        grid_divisor: cute.FastDivmodDivisorV2,  # what tile_work divides the block index by (tile_grid)
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        block_info = BlockInfo(self.tile_m, self.tile_n, self.qhead_per_kvhead_packed, self.variant, self.split_blocks)
+        block_info = BlockInfo(self.tile_m, self.tile_n, self.qhead_per_kvhead_packed, self.variant, self.split_blocks,
+                         self.q_class)
         # The tile (``FwdTile.create``) in steps: its context and KV range only once it has rows.
-        work = SingleTileScheduler.get_work(m_blocks, args.num_splits, args.batch_size)
+        work = tile_work(args, grid_divisor, self.tile_m, self.qhead_per_kvhead_packed)
         head_kv = FwdTile.head_kv_of(args, work, block_info)
         seqlen = FwdTile.seqlen_of(args, work)
         rows_valid = FwdTile.rows_valid_of(seqlen, work, block_info)
@@ -294,6 +294,6 @@ class _MmaOperands:
 def compile_fwd_sm80(key: tuple):
     """Compiles the kernel for ``key`` (``sm80.compile_key``) on fake tensors: no GPU needed."""
     return compile_from_key(
-        key, 4, lambda dtype, d, dv, tile, variant, packed, is_split, split_blocks: FlashAttnFwdSm80(
+        key, 4, lambda dtype, d, dv, tile, variant, packed, is_split, split_blocks, q_class: FlashAttnFwdSm80(
             dtype, d, dv, *tile[:3], variant, qhead_per_kvhead_packed=packed, is_split=is_split, q_in_regs=tile[3],
-            split_blocks=split_blocks))
+            split_blocks=split_blocks, q_class=q_class))

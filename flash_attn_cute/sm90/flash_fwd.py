@@ -46,14 +46,15 @@ from flash_attn_cute.block_info import BlockInfo
 from flash_attn_cute.copy_utils import copy_row, copy_rows, gmem_tiled_copy
 from flash_attn_cute.cute_utils import launch_ctas
 from flash_attn_cute.epilogue import store_lse, store_o
-from flash_attn_cute.fwd_kernel import FwdArgs, FwdTile, compile_from_key, fwd_call, set_fwd_config, zero_rows_from
+from flash_attn_cute.fwd_kernel import (FwdArgs, FwdTile, compile_from_key, fwd_call, set_fwd_config, tile_grid, tile_work,
+                                        zero_rows_from)
 from flash_attn_cute.layout_utils import acc_mn_view, acc_to_operand_a, select, transpose_view
 from flash_attn_cute.named_barrier import Sm90FwdBarrier
 from flash_attn_cute.paged_kv import page_and_row, page_lookups
 from flash_attn_cute.sm90.config import WarpRoles
 from flash_attn_cute.sm90.wgmma_utils import convert_pairs, kv_release, kv_wait, smem_layout, wgmma_gemm
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
-from flash_attn_cute.tile_scheduler import LptScheduler, PersistentScheduler, SingleTileScheduler, m_blocks_divisor
+from flash_attn_cute.tile_scheduler import LptScheduler, PersistentScheduler, SingleTileScheduler
 from flash_attn_cute.variants import AttentionVariant, apply_to_scores
 
 
@@ -62,8 +63,10 @@ class FlashAttnFwdSm90:
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, tile_m: int, tile_n: int, num_stages: int,
                  variant: AttentionVariant, qhead_per_kvhead_packed: int = 1, is_split: bool = False,
-                 ex2_emulate_every: int = 0, gather_kv: bool = False, persistent: bool = False, split_blocks: int = 0):
-        set_fwd_config(self, dtype, head_dim, head_dim_v, variant, qhead_per_kvhead_packed, is_split, split_blocks)
+                 ex2_emulate_every: int = 0, gather_kv: bool = False, persistent: bool = False, split_blocks: int = 0,
+                 q_class: int = 0):
+        set_fwd_config(self, dtype, head_dim, head_dim_v, variant, qhead_per_kvhead_packed, is_split, split_blocks,
+                       q_class)
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.num_stages = num_stages
@@ -171,20 +174,18 @@ class FlashAttnFwdSm90:
             cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1])),
         )
 
-        num_m_blocks, heads_eff = args.row_blocks(self.tile_m, self.qhead_per_kvhead_packed)
+        grid, grid_divisor, num_m_blocks, heads_eff = tile_grid(args, self.tile_m, self.qhead_per_kvhead_packed)
         if cutlass.const_expr(self.persistent):
             grid = PersistentScheduler.grid(
                 PersistentScheduler.num_tiles(num_m_blocks, heads_eff, args.num_splits, args.batch_size), max_ctas
             )
-        else:
-            grid = (LptScheduler if self.use_lpt else SingleTileScheduler).grid(
-                num_m_blocks, heads_eff, args.num_splits, args.batch_size
-            )
+        elif cutlass.const_expr(self.use_lpt):
+            grid = LptScheduler.grid(num_m_blocks, heads_eff, args.num_splits, args.batch_size)
         kernel = self.kernel(
             args, (tma_Q, tma_K, tma_V, tma_O), (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O),
             (sQ_layout, sK_layout, sV_layout, sO_layout), tiled_mma_qk, tiled_mma_pv,
             gmem_tiled_copy(self.dtype, self.head_dim, self.roles.num_consumer_threads),
-            tx_bytes, SharedStorage, num_m_blocks, m_blocks_divisor(num_m_blocks), heads_eff, l2_heads,
+            tx_bytes, SharedStorage, num_m_blocks, grid_divisor, heads_eff, l2_heads,
         )
         launch_ctas(kernel, grid, self.roles.num_threads, SharedStorage, stream, setmaxnreg=True)
 
@@ -201,7 +202,7 @@ class FlashAttnFwdSm90:
         tx_bytes: cutlass.Constexpr,
         SharedStorage: cutlass.Constexpr,
         num_m_blocks: Int32,
-        m_blocks: cute.FastDivmodDivisorV2,  # num_m_blocks, for SingleTileScheduler.get_work
+        grid_divisor: cute.FastDivmodDivisorV2,  # what tile_work divides the block index by (tile_grid)
         heads_eff: Int32,
         l2_heads: Int32,
     ):
@@ -251,8 +252,9 @@ class FlashAttnFwdSm90:
         sO = o_storage.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         io = _Io(*tma_views, *tma_atoms, sQ, sK, sV, sO, pipeline_q, pipeline_k, pipeline_v, gmem_copy_Q)
 
-        block_info = BlockInfo(self.tile_m, self.tile_n, self.qhead_per_kvhead_packed, self.variant, self.split_blocks)
-        sched = _Sched(num_m_blocks, m_blocks, heads_eff, l2_heads)
+        block_info = BlockInfo(self.tile_m, self.tile_n, self.qhead_per_kvhead_packed, self.variant, self.split_blocks,
+                         self.q_class)
+        sched = _Sched(num_m_blocks, grid_divisor, heads_eff, l2_heads)
         pipeline.pipeline_init_wait()
 
         if warp_idx < len(self.roles.producer_warps):
@@ -278,7 +280,7 @@ class FlashAttnFwdSm90:
         elif cutlass.const_expr(self.use_lpt):
             work = LptScheduler.get_work(sched.num_m_blocks, sched.heads, args.batch_size, sched.l2_heads)
         else:
-            work = SingleTileScheduler.get_work(sched.m_blocks, args.num_splits, args.batch_size)
+            work = tile_work(args, sched.grid_divisor, self.tile_m, self.qhead_per_kvhead_packed)
         return work
 
     @cute.jit
@@ -734,7 +736,7 @@ class _Sched:
     under pack_gqa), and (head, batch) pairs per L2 section of the LPT order."""
 
     num_m_blocks: Int32
-    m_blocks: cute.FastDivmodDivisorV2  # num_m_blocks, as SingleTileScheduler.get_work divides by it
+    grid_divisor: cute.FastDivmodDivisorV2  # what tile_work divides the block index by (tile_grid)
     heads: Int32
     l2_heads: Int32
 
@@ -766,8 +768,8 @@ class _MmaState:
 def compile_fwd_sm90(key: tuple):
     """Compiles the kernel for ``key`` (``sm90.compile_key``) on fake tensors: no GPU needed."""
     return compile_from_key(
-        key, 4, lambda dtype, d, dv, tile, variant, packed, is_split, split_blocks, gather_kv, persistent:
+        key, 4, lambda dtype, d, dv, tile, variant, packed, is_split, split_blocks, gather_kv, persistent, q_class:
         FlashAttnFwdSm90(dtype, d, dv, *tile[:3], variant, qhead_per_kvhead_packed=packed, is_split=is_split,
                          ex2_emulate_every=tile[3], gather_kv=gather_kv, persistent=persistent,
-                         split_blocks=split_blocks),
+                         split_blocks=split_blocks, q_class=q_class),
         extra_scalars=(Int32(1), Int32(1)))  # l2_heads, max_ctas
