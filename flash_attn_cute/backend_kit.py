@@ -10,7 +10,7 @@ from typing import Callable, Optional
 
 from . import heuristics, jit_cache
 from .constants import KEYS_PER_SPLIT, MAX_SPLITS, MLA_NHEADS
-from .keys import DTYPE_NAMES, make_key, mla_key, target_arch
+from .keys import DTYPE_NAMES, dtype_key, make_key, mla_key, target_arch
 from .problems import FwdPlan, FwdProblem, MlaProblem
 
 # A user variant's kernel tensors when there is none: the aux slots and the block ranges
@@ -19,7 +19,8 @@ NO_VARIANT = (None,) * 5
 
 
 # Problem features a forward kernel must implement explicitly: (field, what it is).
-FEATURES = (("has_sink", "learnable_sink"), ("has_seqused_q", "seqused_q"), ("batch_invariant", "batch_invariant"))
+FEATURES = (("has_sink", "learnable_sink"), ("has_seqused_q", "seqused_q"), ("batch_invariant", "batch_invariant"),
+            ("kv_fp8", "fp8_kv"))
 MLA_FEATURES = (("batch_invariant", "batch_invariant"),)  # MLA has no sinks and no query counts
 
 
@@ -87,7 +88,8 @@ def head_groups(problem: FwdProblem, pack_gqa: bool) -> int:
 def fwd_key(name: str, problem: FwdProblem, plan: FwdPlan, arch: str, tile: tuple, extra: tuple = ()) -> tuple:
     """A forward backend's compile key (``keys.make_key``): ``tile`` and ``extra`` are the
     fields of the plan's config that go before and after the common ones."""
-    return make_key(name, arch, DTYPE_NAMES[problem.dtype], problem.d, problem.d_v, tile, problem.variant_flags,
+    return make_key(name, arch, dtype_key(problem.dtype, problem.kv_dtype), problem.d, problem.d_v, tile,
+                    problem.variant_flags,
                     plan.qhead_per_kvhead_packed(problem), plan.is_split,
                     problem.has_lse or plan.is_split,  # a split kernel always writes partial LSEs
                     problem.varlen_q, problem.varlen_k, problem.has_seqused_k, problem.paged, problem.has_seqused_q,
@@ -120,9 +122,9 @@ def entry_points(key: Callable, kernel_module: str, compile_fn: str, scalars: Ca
 
 def _bind_fwd(fn, scalars: tuple) -> Callable:
     def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q, learnable_sink,
-               variant_tensors=NO_VARIANT):
+               k_descale=None, v_descale=None, variant_tensors=NO_VARIANT):
         fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q, learnable_sink,
-           *variant_tensors, *scalars)
+           k_descale, v_descale, *variant_tensors, *scalars)
 
     return launch
 
@@ -135,9 +137,10 @@ def fwd_entry_points(name: str, kernel_module: str, compile_fn: str, key_tile: C
     window_left, window_right, softcap, num_splits, max_seqlen_q, batch, then
     ``extra_scalars(problem, plan, device)``, and takes ``launch(q, k, v, out, lse,
     cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q, learnable_sink[,
-    variant_tensors])`` (split kernels get fp32 partials as out/lse and leave the sink to
-    the combine; the sink is fp32; a user variant's tensors are its aux slots and block
-    ranges)."""
+    k_descale, v_descale, variant_tensors])`` (split kernels get fp32 partials as out/lse and
+    leave the sink to the combine; the sink is fp32; the descales fp32 ``(batch,
+    nheads_kv)`` for FP8 K/V, else None; a user variant's tensors are its aux slots and
+    block ranges)."""
 
     def key(problem: FwdProblem, plan: FwdPlan, arch: str) -> tuple:
         return fwd_key(name, problem, plan, arch, key_tile(plan.config), key_extra(plan.config))

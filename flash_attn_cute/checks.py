@@ -22,6 +22,7 @@ from .fwd import BACKENDS, backend_module
 # call the chosen backend cannot run falls back to SM80 or names the reason).
 SUPPORTED_HEAD_DIMS = tuple(sorted(set().union(*(backend_module(b).HEAD_DIMS for b in BACKENDS))))
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # K/V caches (with 16-bit queries)
 BACKEND_NAMES = tuple(BACKENDS)  # names accepted by ``backend=`` / FLASH_ATTN_CUTE_BACKEND
 
 
@@ -280,9 +281,17 @@ def qkv(q, k, v, q_form: str, kv_rank: int, k_form: str, v_form: str):
     """Common q/k/v checks; returns (nheads, nheads_kv, d, d_v) and aligned views."""
     check_tensor("k", k, kv_rank, k_form)
     check_tensor("v", v, kv_rank, v_form)
+    if q.dtype in FP8_DTYPES:
+        raise NotImplementedError(f"q is {q.dtype}: FP8 queries (FP8 prefill) are not supported yet; FP8 K/V "
+                                  f"caches are, with float16 or bfloat16 queries")
     check_dtype("q", q, SUPPORTED_DTYPES, "float16 or bfloat16")
-    check_dtype("k", k, q.dtype, f"{q.dtype} like q")
-    check_dtype("v", v, q.dtype, f"{q.dtype} like q")
+    if k.dtype in FP8_DTYPES or v.dtype in FP8_DTYPES:  # an FP8 cache: k_descale / v_descale scale it
+        if k.dtype != v.dtype:
+            raise TypeError(f"k and v must share one dtype: an FP8 cache has both in float8_e4m3fn or both in "
+                            f"float8_e5m2, got k {k.dtype} and v {v.dtype}")
+    else:
+        check_dtype("k", k, q.dtype, f"{q.dtype} like q, or an FP8 dtype {FP8_DTYPES}")
+        check_dtype("v", v, q.dtype, f"{q.dtype} like q, or an FP8 dtype {FP8_DTYPES}")
     if k.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"k {k_form} and v {v_form} must agree on all but the last dim, got "
                          f"{tuple(k.shape)} and {tuple(v.shape)}")
@@ -295,6 +304,38 @@ def qkv(q, k, v, q_form: str, kv_rank: int, k_form: str, v_form: str):
     check_head_dim("q/k", d)
     check_head_dim("v", d_v)
     return nheads, nheads_kv, d, d_v, aligned("q", q), aligned("k", k), aligned("v", v)
+
+
+def descales(k, q_descale, k_descale, v_descale, batch: int, nheads_kv: int) -> None:
+    """FA3's ``q_descale`` / ``k_descale`` / ``v_descale``: fp32 tensors of shape ``(batch,
+    nheads_kv)`` (or one element, broadcast), the factors that turn the stored FP8 values
+    back into real ones. They apply to FP8 tensors only (as in FA3, where vLLM passes unit
+    scales for 16-bit caches too): with 16-bit K/V they are checked and ignored."""
+    for name, t in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor (float32, (batch, nheads_kv) or one element), "
+                            f"got {type(t).__name__}")
+        check_dtype(name, t, torch.float32, "float32")
+        if t.numel() != 1 and tuple(t.shape) != (batch, nheads_kv):
+            raise ValueError(f"{name} must have shape (batch, nheads_kv) = {(batch, nheads_kv)} or one element, "
+                             f"got {tuple(t.shape)}")
+
+
+_ONES: dict = {}
+
+
+def descale_view(t, batch: int, nheads_kv: int, device):
+    """A checked descale (``descales``) as the kernels read it: fp32 ``(batch, nheads_kv)``,
+    a broadcast view for one element or None (1.0). Cheap: the per-call replay runs it."""
+    if t is None:
+        t = _ONES.get(device)
+        if t is None:
+            t = _ONES[device] = torch.ones(1, dtype=torch.float32, device=device)
+    if t.numel() == 1:
+        return t.reshape(1, 1).expand(batch, nheads_kv)
+    return t
 
 
 def user_variant(score_mod, mask_mod, aux_tensors, block_mask, opts: Options, device, *, batch: int, nheads: int,

@@ -13,7 +13,8 @@ import cutlass.cute as cute
 
 from flash_attn_cute.constants import D_CKV, D_KPE
 
-CUTE_DTYPE_BY_NAME = {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16, "fp32": cutlass.Float32, "i32": cutlass.Int32}
+CUTE_DTYPE_BY_NAME = {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16, "fp32": cutlass.Float32, "i32": cutlass.Int32,
+                      "e4m3": cutlass.Float8E4M3FN, "e5m2": cutlass.Float8E5M2}
 
 
 def fake_tensor(dtype, rank: int, *, align: int = 16, shape=None, contiguous_last: bool = True):
@@ -31,11 +32,15 @@ def fake_tensor(dtype, rank: int, *, align: int = 16, shape=None, contiguous_las
 
 
 def fake_fwd_tensors(dtype, d: int, dv: int, *, is_split: bool, has_lse: bool, varlen_q: bool, varlen_k: bool,
-                     has_seqused_k: bool, paged: bool, has_seqused_q: bool, has_sink: bool) -> tuple:
+                     has_seqused_k: bool, paged: bool, has_seqused_q: bool, has_sink: bool, kv_dtype=None) -> tuple:
     """The forward kernels' tensor arguments as fake tensors, in their order: mQ, mK, mV,
-    mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, mSeqUsedQ, mLearnableSink
-    (None where absent). A split kernel writes fp32 partials with a leading split mode;
-    head dims are static; the sink is fp32 (the host converts a 16-bit one)."""
+    mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, mSeqUsedQ, mLearnableSink,
+    mKDescale, mVDescale (None where absent). A split kernel writes fp32 partials with a
+    leading split mode; head dims are static; the sink is fp32 (the host converts a 16-bit
+    one). ``kv_dtype`` (default ``dtype``): an fp8 K/V comes with its two descales, fp32
+    (batch, nheads_kv) of any strides (a broadcast scalar has stride 0)."""
+    kv_dtype = kv_dtype or dtype
+    fp8 = kv_dtype.width == 8
     q_rank = 3 if varlen_q else 4
     kv_rank = 3 if (varlen_k and not paged) else 4
     split_mode = (None,) if is_split else ()
@@ -43,8 +48,8 @@ def fake_fwd_tensors(dtype, d: int, dv: int, *, is_split: bool, has_lse: bool, v
     int_vec = lambda rank: fake_tensor(cutlass.Int32, rank, align=4)
     return (
         fake_tensor(dtype, q_rank, shape=(None,) * (q_rank - 1) + (d,)),
-        fake_tensor(dtype, kv_rank, shape=(None,) * (kv_rank - 1) + (d,)),
-        fake_tensor(dtype, kv_rank, shape=(None,) * (kv_rank - 1) + (dv,)),
+        fake_tensor(kv_dtype, kv_rank, shape=(None,) * (kv_rank - 1) + (d,)),
+        fake_tensor(kv_dtype, kv_rank, shape=(None,) * (kv_rank - 1) + (dv,)),
         fake_tensor(out_dtype, len(split_mode) + q_rank, shape=split_mode + (None,) * (q_rank - 1) + (dv,)),
         fake_tensor(cutlass.Float32, len(split_mode) + q_rank - 1, align=4) if has_lse else None,
         int_vec(1) if varlen_q else None,
@@ -53,6 +58,8 @@ def fake_fwd_tensors(dtype, d: int, dv: int, *, is_split: bool, has_lse: bool, v
         int_vec(2) if paged else None,
         int_vec(1) if has_seqused_q else None,
         fake_tensor(cutlass.Float32, 1, align=4) if has_sink else None,
+        fake_tensor(cutlass.Float32, 2, align=4, contiguous_last=False) if fp8 else None,
+        fake_tensor(cutlass.Float32, 2, align=4, contiguous_last=False) if fp8 else None,
     )
 
 
@@ -75,14 +82,14 @@ def fake_variant_tensors(user_key: Optional[tuple]) -> tuple:
 
 def compile_fwd(kernel, dtype, d: int, dv: int, arch: str, *, is_split: bool, has_lse: bool, varlen_q: bool,
                 varlen_k: bool, has_seqused_k: bool, paged: bool, has_seqused_q: bool, has_sink: bool,
-                extra_scalars: tuple = (), user_key: Optional[tuple] = None):
+                extra_scalars: tuple = (), user_key: Optional[tuple] = None, kv_dtype=None):
     """``cute.compile`` of a forward kernel on its fake arguments: the tensors of
     ``fake_fwd_tensors`` and ``fake_variant_tensors``, then softmax_scale, window_left,
     window_right, softcap, num_splits, max_seqlen_q, batch (runtime values; placeholders
     here), then the kernel's ``extra_scalars``, then the stream."""
     tensors = fake_fwd_tensors(dtype, d, dv, is_split=is_split, has_lse=has_lse, varlen_q=varlen_q,
                                varlen_k=varlen_k, has_seqused_k=has_seqused_k, paged=paged,
-                               has_seqused_q=has_seqused_q, has_sink=has_sink)
+                               has_seqused_q=has_seqused_q, has_sink=has_sink, kv_dtype=kv_dtype)
     tensors = tensors + fake_variant_tensors(user_key)
     F32, I32 = cutlass.Float32, cutlass.Int32
     scalars = (F32(1.0), I32(-1), I32(-1), F32(0.0), I32(1), I32(1), I32(1)) + tuple(extra_scalars)

@@ -94,6 +94,9 @@ def select_backend(requested: Optional[str], problem, device) -> tuple:
     if (major, minor) < (8, 0):
         raise RuntimeError(f"flash_attn_cute needs a GPU of compute capability >= 8.0, "
                            f"{device} has {major}.{minor}")
+    if getattr(problem, "kv_fp8", False) and (major, minor) < (8, 9):
+        raise NotImplementedError(f"FP8 K/V needs a GPU of compute capability >= 8.9 (its conversion "
+                                  f"instructions), {device} has {major}.{minor}")
     if requested is not None:
         module = backend_module(requested, kind)
         reason = module.check(problem)
@@ -239,12 +242,13 @@ def _run_one(resolved: Resolved, problem, inputs: tuple, out, lse, rest: tuple, 
 
 
 def run_fwd(problem: FwdProblem, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None,
-            page_table=None, seqused_q=None, learnable_sink=None, requested: Optional[str] = None,
+            page_table=None, seqused_q=None, learnable_sink=None, k_descale=None, v_descale=None,
+            requested: Optional[str] = None,
             num_splits: int = 1, pack_gqa: Optional[bool] = None, variant_tensors: Optional[tuple] = None,
             tuning: Tuning = NO_TUNING) -> None:
     """Plan, launch and (for split-KV) combine a forward problem into ``out`` / ``lse``
     (allocated by the caller); ``learnable_sink`` fp32."""
-    rest = (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q, learnable_sink)
+    rest = (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q, learnable_sink, k_descale, v_descale)
     if problem.variant is not None:
         rest += (variant_tensors,)
     run_resolved(resolve(problem, requested, num_splits, pack_gqa, q.device, tuning), problem, (q, k, v), out, lse,

@@ -39,6 +39,8 @@ class FwdArgs(NamedTuple):
     mPageTable: Optional[cute.Tensor]  # (b, max_pages) int32
     mSeqUsedQ: Optional[cute.Tensor]  # (b,) int32: query rows per sequence (the rest not computed)
     mLearnableSink: Optional[cute.Tensor]  # (h,) fp32: one logit per query head (read by non-split kernels)
+    mKDescale: Optional[cute.Tensor]  # (b, h_kv) fp32, FP8 K/V only: K = the fp8 values x k_descale
+    mVDescale: Optional[cute.Tensor]  # (b, h_kv) fp32, FP8 K/V only
     mAux0: Optional[cute.Tensor]  # a user variant's aux tensors (user_variants.MAX_AUX slots)
     mAux1: Optional[cute.Tensor]
     mAux2: Optional[cute.Tensor]
@@ -121,7 +123,8 @@ def fwd_call(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.T
              mLSE: Optional[cute.Tensor], mCuSeqlensQ: Optional[cute.Tensor],
              mCuSeqlensK: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
              mPageTable: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
-             mLearnableSink: Optional[cute.Tensor], mAux0: Optional[cute.Tensor], mAux1: Optional[cute.Tensor],
+             mLearnableSink: Optional[cute.Tensor], mKDescale: Optional[cute.Tensor],
+             mVDescale: Optional[cute.Tensor], mAux0: Optional[cute.Tensor], mAux1: Optional[cute.Tensor],
              mAux2: Optional[cute.Tensor], mAux3: Optional[cute.Tensor], mBlockRanges: Optional[cute.Tensor],
              softmax_scale: Float32, window_left: Int32,
              window_right: Int32, softcap: Float32, num_splits: Int32, max_seqlen_q: Int32, batch_size: Int32,
@@ -131,7 +134,8 @@ def fwd_call(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.T
     then the kernel's extra scalars (their types come from the values compiled with) and
     the stream, handed to the class's ``launch(args, *extra_scalars, stream)``."""
     self.launch(FwdArgs(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, mSeqUsedQ,
-                        mLearnableSink, mAux0, mAux1, mAux2, mAux3, mBlockRanges, softmax_scale, window_left,
+                        mLearnableSink, mKDescale, mVDescale, mAux0, mAux1, mAux2, mAux3, mBlockRanges,
+                        softmax_scale, window_left,
                         window_right, softcap, num_splits, max_seqlen_q, batch_size),
                 *extra_scalars_and_stream)
 
@@ -142,11 +146,13 @@ def compile_from_key(key: tuple, tile_len: int, make_kernel: Callable, extra_sca
     split_blocks, *key_extra, q_class=)`` builds the kernel object; ``extra_scalars`` are placeholders
     of its extra runtime scalars."""
     f = parse_key(key, tile_len)
-    dtype = CUTE_DTYPE_BY_NAME[f.dtype_name]
+    q_name, _, kv_name = f.dtype_name.partition("/")  # "bf16", or "bf16/e4m3" for FP8 K/V (keys.dtype_key)
+    dtype = CUTE_DTYPE_BY_NAME[q_name]
     variant = make_variant(*f.flags)
     kernel = make_kernel(dtype, f.d, f.d_v, f.tile, variant, f.qhead_per_kvhead_packed, f.is_split, f.split_blocks,
                          *f.extra, q_class=f.q_class)
-    return compile_fwd(kernel, dtype, f.d, f.d_v, f.arch, is_split=f.is_split, has_lse=f.has_lse,
+    return compile_fwd(kernel, dtype, f.d, f.d_v, f.arch, kv_dtype=CUTE_DTYPE_BY_NAME[kv_name or q_name],
+                       is_split=f.is_split, has_lse=f.has_lse,
                        varlen_q=f.varlen_q, varlen_k=f.varlen_k, has_seqused_k=f.has_seqused_k, paged=f.paged,
                        has_seqused_q=f.has_seqused_q, has_sink=f.has_sink, extra_scalars=extra_scalars,
                        user_key=f.flags[3] if len(f.flags) > 3 else None)

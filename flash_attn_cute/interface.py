@@ -68,6 +68,8 @@ class _Call(NamedTuple):
     page_table: Optional[torch.Tensor] = None
     learnable_sink: Optional[torch.Tensor] = None
     variant: Optional[tuple] = None  # checks.user_variant's (spec, kernel tensors, block ranges)
+    k_descale: Optional[torch.Tensor] = None  # checked (checks.descales); read for FP8 K/V only
+    v_descale: Optional[torch.Tensor] = None
 
 
 # ---------------------------------------------------------------------------------------
@@ -87,6 +89,12 @@ def _aux_of(aux_tensors, block_mask):
     return block_mask.aux_tensors if aux_tensors is None and block_mask is not None else aux_tensors
 
 
+def _no_fp8_under_compile(k, *descales) -> None:
+    if k.dtype in checks.FP8_DTYPES or any(t is not None for t in descales):
+        raise NotImplementedError("FP8 K/V and q_descale / k_descale / v_descale are not traceable by torch.compile "
+                                  "yet: call flash_attn_cute outside the compiled region")
+
+
 def _no_variant_under_compile(*variant_args) -> None:
     if any(a is not None for a in variant_args):
         raise NotImplementedError("score_mod / mask_mod / aux_tensors / block_mask are not traceable by "
@@ -94,19 +102,25 @@ def _no_variant_under_compile(*variant_args) -> None:
 
 
 def _launch(entry: call_cache.Entry, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-            page_table, learnable_sink, variant_tensors) -> None:
+            page_table, learnable_sink, variant_tensors, k_descale=None, v_descale=None) -> None:
     problem = entry.problem
     # The kernels and the combine read the sink as fp32 (a no-op for an fp32 sink; a
     # 16-bit one costs one small conversion per call, not a compiled variant per dtype).
     sink = None if learnable_sink is None else learnable_sink.float()
-    rest = (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q, sink)
+    if problem.kv_fp8:
+        k_descale = checks.descale_view(k_descale, problem.batch, problem.nheads_kv, q.device)
+        v_descale = checks.descale_view(v_descale, problem.batch, problem.nheads_kv, q.device)
+    else:
+        k_descale = v_descale = None
+    rest = (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q, sink, k_descale, v_descale)
     if problem.variant is not None:
         rest += (variant_tensors,)
     fwd.run_resolved(entry.resolved, problem, (q, k, v), out, lse, rest, sink, problem.has_seqused_q)
 
 
 def _replay(entry: call_cache.Entry, q, k, v, out, return_lse, cu_seqlens_q=None, cu_seqlens_k=None,
-            seqused_q=None, seqused_k=None, page_table=None, learnable_sink=None, aux_tensors=None):
+            seqused_q=None, seqused_k=None, page_table=None, learnable_sink=None, aux_tensors=None, k_descale=None,
+            v_descale=None):
     if out is None:
         out = q.new_empty(entry.out_shape)
     lse = q.new_empty(entry.lse_shape, dtype=torch.float32) if return_lse else None
@@ -116,7 +130,7 @@ def _replay(entry: call_cache.Entry, q, k, v, out, return_lse, cu_seqlens_q=None
     if entry.problem.variant is not None:
         variant_tensors = user_variants.kernel_aux(aux_tensors or ()) + (entry.block_ranges,)
     _launch(entry, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, learnable_sink,
-            variant_tensors)
+            variant_tensors, k_descale, v_descale)
     return (out, lse) if return_lse else out
 
 
@@ -167,11 +181,11 @@ def _execute(call: _Call, seqlens_fill=None) -> tuple:
         varlen_q=varlen_q, varlen_k=call.cu_seqlens_k is not None, has_seqused_k=call.seqused_k is not None,
         page_size=k.shape[1] if call.page_table is not None else 0, has_lse=call.return_lse, variant=spec,
         has_seqused_q=call.seqused_q is not None, has_sink=call.learnable_sink is not None,
-        batch_invariant=opts.batch_invariant)
+        batch_invariant=opts.batch_invariant, kv_dtype=k.dtype if k.dtype in checks.FP8_DTYPES else None)
     resolved = fwd.resolve(problem, opts.backend, opts.num_splits, opts.pack_gqa, q.device, tuning.from_env())
     entry = call_cache.Entry(problem, resolved, tuple(out.shape), lse_shape, seqlens_fill, block_ranges)
     _launch(entry, q, k, v, out, lse, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_q, call.seqused_k,
-            call.page_table, call.learnable_sink, variant_tensors)
+            call.page_table, call.learnable_sink, variant_tensors, call.k_descale, call.v_descale)
     return ((out, lse) if call.return_lse else out), entry
 
 
@@ -182,7 +196,8 @@ def _execute(call: _Call, seqlens_fill=None) -> tuple:
 
 def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), learnable_sink=None,
                     softcap=0.0, num_splits=1, pack_gqa=None, return_lse=False, out=None, backend=None,
-                    batch_invariant=False, score_mod=None, mask_mod=None, aux_tensors=None, block_mask=None):
+                    batch_invariant=False, score_mod=None, mask_mod=None, aux_tensors=None, block_mask=None,
+                    q_descale=None, k_descale=None, v_descale=None):
     """Attention over a dense batch.
 
     q ``(batch, seqlen_q, nheads, d)``, k ``(batch, seqlen_k, nheads_kv, d)``, v
@@ -191,7 +206,8 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     0 = heuristic, n = n splits (<= 256). ``pack_gqa``: None = heuristic. Returns out
     ``(batch, seqlen_q, nheads, d_v)`` in q's dtype, or ``(out, lse)`` with lse
     ``(batch, nheads, seqlen_q)`` fp32 when ``return_lse``. ``out`` may be preallocated.
-    ``learnable_sink`` and ``batch_invariant``: see ``flash_attn_varlen_func``.
+    ``learnable_sink``, ``batch_invariant`` and FP8 K/V (``k_descale``, ``v_descale``): see
+    ``flash_attn_varlen_func``.
 
     User variants (``user_variants.py``, examples in ``mods.py``): ``score_mod(score, b, h,
     q_idx, kv_idx, aux)`` rewrites each scaled score, ``mask_mod(b, h, q_idx, kv_idx, aux)``
@@ -200,17 +216,18 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     empty blocks and the predicate on full ones."""
     if torch.compiler.is_compiling():
         _no_variant_under_compile(score_mod, mask_mod, aux_tensors, block_mask)
+        _no_fp8_under_compile(k, q_descale, k_descale, v_descale)
         return ops.traced_call("func", q, k, v, out, learnable_sink=learnable_sink, max_seqlen_q=q.shape[1],
                                softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                                num_splits=num_splits, pack_gqa=pack_gqa, return_lse=return_lse, backend=backend,
                                batch_invariant=batch_invariant)
     hit, key = call_cache.lookup(call_cache.key(
-        "func", (q, k, v, out, learnable_sink, *_aux_list(aux_tensors)),
+        "func", (q, k, v, out, learnable_sink, q_descale, k_descale, v_descale, *_aux_list(aux_tensors)),
         (softmax_scale, causal, softcap, num_splits, pack_gqa, return_lse, backend, batch_invariant, score_mod,
          mask_mod, block_mask), window_size))
     if hit is not None:
         return _replay(hit, q, k, v, out, return_lse, learnable_sink=learnable_sink,
-                       aux_tensors=_aux_of(aux_tensors, block_mask))
+                       aux_tensors=_aux_of(aux_tensors, block_mask), k_descale=k_descale, v_descale=v_descale)
     inputs = (q, k, v, out)
     checks.check_tensor("q", q, 4, _Q4)
     nheads, nheads_kv, d, d_v, q, k, v = checks.qkv(
@@ -219,14 +236,16 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     if k.shape[0] != batch:
         raise ValueError(f"k and v must have the batch size of q ({batch}), got {k.shape[0]}")
     checks.learnable_sink(learnable_sink, nheads)
+    checks.descales(k, q_descale, k_descale, v_descale, batch, nheads_kv)
     opts = checks.options(d, softmax_scale, causal, window_size, softcap, num_splits, pack_gqa, backend,
                           batch_invariant)
     out = checks.check_out(out, (batch, seqlen_q, nheads, d_v), q.dtype, "(batch, seqlen_q, nheads, headdim_v)")
-    checks.check_device({"q": q, "k": k, "v": v, "learnable_sink": learnable_sink, "out": out})
+    checks.check_device({"q": q, "k": k, "v": v, "learnable_sink": learnable_sink, "q_descale": q_descale,
+                         "k_descale": k_descale, "v_descale": v_descale, "out": out})
     opts, variant = checks.user_variant(score_mod, mask_mod, aux_tensors, block_mask, opts, q.device, batch=batch,
                                         nheads=nheads, max_seqlen_q=seqlen_q, max_seqlen_k=k.shape[1])
     call = _Call(q, k, v, out, opts, batch, seqlen_q, k.shape[1], nheads, nheads_kv, d_v, bool(return_lse),
-                 learnable_sink=learnable_sink, variant=variant)
+                 learnable_sink=learnable_sink, variant=variant, k_descale=k_descale, v_descale=v_descale)
     return _run(call, call_cache.same(key, inputs, (q, k, v, out)))
 
 
@@ -243,7 +262,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
                            seqused_q=None, seqused_k=None, page_table=None, block_table=None, softmax_scale=None,
                            causal=False, window_size=(-1, -1), learnable_sink=None, s_aux=None, softcap=0.0,
                            num_splits=1, pack_gqa=None, return_lse=False, out=None, backend=None,
-                           batch_invariant=False, score_mod=None, mask_mod=None, aux_tensors=None, block_mask=None):
+                           batch_invariant=False, score_mod=None, mask_mod=None, aux_tensors=None, block_mask=None,
+                           q_descale=None, k_descale=None, v_descale=None):
     """Attention over variable-length sequences: the general call (FA3/FA4 names and semantics).
 
     Queries: packed ``(total_q, nheads, d)`` with ``cu_seqlens_q`` ``(batch + 1,)`` int32
@@ -273,11 +293,20 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     ignored). Returns out ``(total_q, nheads, d_v)`` (dense: ``(batch, seqlen_q, nheads,
     d_v)``), and lse ``(nheads, total_q)`` (dense: ``(batch, nheads, seqlen_q)``) when
     ``return_lse``. User variants as in ``flash_attn_func`` (``q_idx`` / ``kv_idx`` are
-    positions inside each sequence; ``b`` its index)."""
+    positions inside each sequence; ``b`` its index).
+
+    FP8 K/V (an e4m3 or e5m2 cache, fp16/bf16 queries; FA3's arguments): ``k_descale`` /
+    ``v_descale`` fp32 ``(batch, nheads_kv)`` or one element (default 1.0), the real keys
+    and values being the stored ones times their descale; the kernel widens each block in
+    shared memory (exact) and applies the descales to the scores and the output. Runs on
+    the SM80 kernel (any GPU of compute capability >= 8.9; Hopper picks it automatically).
+    For 16-bit K/V the descales are checked and ignored, as in FA3; ``q_descale`` (FP8
+    queries) is not supported yet."""
     page_table = _alias("page_table", page_table, "block_table", block_table)
     learnable_sink = _alias("learnable_sink", learnable_sink, "s_aux", s_aux)
     if torch.compiler.is_compiling():
         _no_variant_under_compile(score_mod, mask_mod, aux_tensors, block_mask)
+        _no_fp8_under_compile(k, q_descale, k_descale, v_descale)
         return ops.traced_call("varlen", q, k, v, out, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                seqused_q=seqused_q, seqused_k=seqused_k, page_table=page_table,
                                learnable_sink=learnable_sink, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
@@ -286,23 +315,24 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
                                batch_invariant=batch_invariant)
     hit, key = call_cache.lookup(call_cache.key(
         "varlen", (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, learnable_sink, out,
-                   *_aux_list(aux_tensors)),
+                   q_descale, k_descale, v_descale, *_aux_list(aux_tensors)),
         (max_seqlen_q, max_seqlen_k, softmax_scale, causal, softcap, num_splits, pack_gqa, return_lse, backend,
          batch_invariant, score_mod, mask_mod, block_mask), window_size))
     if hit is not None:
         return _replay(hit, q, k, v, out, return_lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                        seqused_q=seqused_q, seqused_k=seqused_k, page_table=page_table, learnable_sink=learnable_sink,
-                       aux_tensors=_aux_of(aux_tensors, block_mask))
+                       aux_tensors=_aux_of(aux_tensors, block_mask), k_descale=k_descale, v_descale=v_descale)
     inputs = (q, k, v, out)
     call = _varlen_call(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                         page_table, learnable_sink, return_lse,
                         (softmax_scale, causal, window_size, softcap, num_splits, pack_gqa, backend, batch_invariant),
-                        (score_mod, mask_mod, aux_tensors, block_mask))
+                        (score_mod, mask_mod, aux_tensors, block_mask), (q_descale, k_descale, v_descale))
     return _run(call, call_cache.same(key, inputs, (call.q, call.k, call.v, call.out)))
 
 
 def _varlen_call(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                 page_table, learnable_sink, return_lse, option_args: tuple, variant_args: tuple) -> _Call:
+                 page_table, learnable_sink, return_lse, option_args: tuple, variant_args: tuple,
+                 descale_args: tuple = (None, None, None)) -> _Call:
     """Validates ``flash_attn_varlen_func``'s (and the packed ``flash_attn_with_kvcache``'s)
     arguments: shapes, then dtypes, then scalars, then the device."""
     varlen_q = cu_seqlens_q is not None
@@ -332,6 +362,7 @@ def _varlen_call(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         if t is not None:
             checks.int32_vector(name, t, batch, "(batch,)")
     checks.learnable_sink(learnable_sink, nheads)
+    checks.descales(k, *descale_args, batch, nheads_kv)
     if max_seqlen_q is None:
         max_seqlen_q = q.shape[0] if varlen_q else q.shape[1]
     max_seqlen_q = checks.int_arg("max_seqlen_q", max_seqlen_q, 0, INT32_MAX)
@@ -345,13 +376,15 @@ def _varlen_call(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                            "(total_q, nheads, headdim_v)" if varlen_q else "(batch, seqlen_q, nheads, headdim_v)")
     checks.check_device({"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
                          "seqused_q": seqused_q, "seqused_k": seqused_k, "page_table": page_table,
-                         "learnable_sink": learnable_sink, "out": out})
+                         "learnable_sink": learnable_sink, "q_descale": descale_args[0], "k_descale": descale_args[1],
+                         "v_descale": descale_args[2], "out": out})
     opts, variant = checks.user_variant(*variant_args, opts, q.device, batch=batch, nheads=nheads,
                                         max_seqlen_q=max_seqlen_q, max_seqlen_k=capacity)
     if varlen_k and k.shape[0] == 0:
         max_seqlen_k = 0
     return _Call(q, k, v, out, opts, batch, max_seqlen_q, max_seqlen_k, nheads, nheads_kv, d_v, bool(return_lse),
-                 cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, learnable_sink, variant)
+                 cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, learnable_sink, variant,
+                 descale_args[1], descale_args[2])
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -361,7 +394,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             window_size=(-1, -1), learnable_sink=None, softcap=0.0, rotary_interleaved=True,
                             num_splits=0, pack_gqa=None, return_lse=False, return_softmax_lse=False, out=None,
                             backend=None, check_cache_bounds=False, batch_invariant=False, score_mod=None,
-                            mask_mod=None, aux_tensors=None, block_mask=None):
+                            mask_mod=None, aux_tensors=None, block_mask=None, q_descale=None, k_descale=None,
+                            v_descale=None):
     """Attention of new queries against a KV cache (decode, speculative decode, chunked
     prefill), FA2/FA3's call: optionally appends new keys and values to the cache and
     applies rotary embedding, then attends.
@@ -402,7 +436,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     ValueError on any value out of range, and plans for the true maximum length: one
     device-to-host sync per call, skipped under CUDA-graph capture.
 
-    ``learnable_sink``, ``batch_invariant``: as in ``flash_attn_varlen_func``;
+    ``learnable_sink``, ``batch_invariant``, FP8 caches (``k_descale``, ``v_descale``; not
+    with an append yet): as in ``flash_attn_varlen_func``;
     ``return_softmax_lse`` is FA2/FA3's name for ``return_lse``. User variants as in
     ``flash_attn_func``: ``q_idx`` counts the new queries from 0 and ``kv_idx`` the cache
     positions."""
@@ -415,6 +450,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     remaps = cache_batch_idx is not None or cache_leftpad is not None
     if torch.compiler.is_compiling():
         _no_variant_under_compile(score_mod, mask_mod, aux_tensors, block_mask)
+        _no_fp8_under_compile(k_cache, q_descale, k_descale, v_descale)
         if appends or remaps:
             raise NotImplementedError("flash_attn_with_kvcache with k/v, rotary, cache_batch_idx or cache_leftpad "
                                       "is not traceable by torch.compile yet: call it outside the compiled region")
@@ -431,6 +467,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if appends or remaps:
         from . import kv_cache_ops
 
+        if isinstance(k_cache, torch.Tensor) and k_cache.dtype in checks.FP8_DTYPES:
+            raise NotImplementedError("appending k / v (or rotary, cache_batch_idx, cache_leftpad) into an FP8 cache is "
+                                      "not supported yet: quantize and write the new tokens, then call without them")
+
         return kv_cache_ops.append_and_attend(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, learnable_sink, bool(rotary_interleaved),
@@ -440,21 +480,23 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         int_seqlens = cache_seqlens if not isinstance(cache_seqlens, torch.Tensor) else None
         hit, key = call_cache.lookup(call_cache.key(
             "kvcache", (q, k_cache, v_cache, None if int_seqlens is not None else cache_seqlens, page_table,
-                        cu_seqlens_q, learnable_sink, out, *_aux_list(aux_tensors)),
+                        cu_seqlens_q, learnable_sink, out, q_descale, k_descale, v_descale, *_aux_list(aux_tensors)),
             (int_seqlens, max_seqlen_q, softmax_scale, causal, softcap, num_splits, pack_gqa, return_lse, backend,
              batch_invariant, score_mod, mask_mod, block_mask), window_size))
         if hit is not None:
             return _replay(hit, q, k_cache, v_cache, out, return_lse, cu_seqlens_q=cu_seqlens_q,
                            seqused_k=cache_seqlens, page_table=page_table, learnable_sink=learnable_sink,
-                           aux_tensors=_aux_of(aux_tensors, block_mask))
+                           aux_tensors=_aux_of(aux_tensors, block_mask), k_descale=k_descale, v_descale=v_descale)
     inputs = (q, k_cache, v_cache, out)
     call, seqlens_fill = _kvcache_call(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, max_seqlen_q,
-                                       learnable_sink, return_lse, out, check_cache_bounds, option_args, variant_args)
+                                       learnable_sink, return_lse, out, check_cache_bounds, option_args, variant_args,
+                                       descale_args=(q_descale, k_descale, v_descale))
     return _run(call, call_cache.same(key, inputs, (call.q, call.k, call.v, call.out)), seqlens_fill)
 
 
 def _kvcache_call(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, max_seqlen_q, learnable_sink,
-                  return_lse, out, check_cache_bounds, option_args, variant_args, min_tokens: int = 0) -> tuple:
+                  return_lse, out, check_cache_bounds, option_args, variant_args, min_tokens: int = 0,
+                  descale_args: tuple = (None, None, None)) -> tuple:
     """(validated call, int cache_seqlens or None) of ``flash_attn_with_kvcache`` without an
     append: the keys are the cache's first ``cache_seqlens`` tokens. ``min_tokens`` (an
     append's new tokens) is added to what the cache must hold."""
@@ -465,11 +507,13 @@ def _kvcache_call(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, 
     cache_seqlens, seqlens_fill = checks.cache_lengths(cache_seqlens, batch, capacity, min_tokens, q.device)
     max_seqlen_k = seqlens_fill
     checks.learnable_sink(learnable_sink, nheads)
+    checks.descales(k_cache, *descale_args, batch, nheads_kv)
     opts = checks.options(d, *option_args)
     out = checks.check_out(out, (*q.shape[:-1], d_v), q.dtype,
                            "(total_q, nheads, headdim_v)" if varlen_q else "(batch, seqlen_q, nheads, headdim_v)")
     checks.check_device({"q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens,
                          "page_table": page_table, "cu_seqlens_q": cu_seqlens_q, "learnable_sink": learnable_sink,
+                         "q_descale": descale_args[0], "k_descale": descale_args[1], "v_descale": descale_args[2],
                          "out": out})
     if max_seqlen_k is None:  # lengths live on the device
         if check_cache_bounds:  # opt-in: one device -> host read
@@ -480,7 +524,7 @@ def _kvcache_call(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, 
                                         max_seqlen_q=seqlen_q, max_seqlen_k=capacity)
     call = _Call(q, k_cache, v_cache, out, opts, batch, seqlen_q, max_seqlen_k, nheads, nheads_kv, d_v,
                  bool(return_lse), cu_seqlens_q=cu_seqlens_q, seqused_k=cache_seqlens, page_table=page_table,
-                 learnable_sink=learnable_sink, variant=variant)
+                 learnable_sink=learnable_sink, variant=variant, k_descale=descale_args[1], v_descale=descale_args[2])
     return call, seqlens_fill
 
 

@@ -24,7 +24,14 @@ from typing import NamedTuple
 
 import torch
 
-DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
+               torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+
+
+def dtype_key(dtype, kv_dtype=None) -> str:
+    """A forward key's dtype field: q's dtype name, then ``/`` and K/V's for FP8 K/V
+    (``"bf16/e4m3"``); ``fwd_kernel.compile_from_key`` splits it."""
+    return DTYPE_NAMES[dtype] + (f"/{DTYPE_NAMES[kv_dtype]}" if kv_dtype is not None else "")
 
 
 def target_arch(device=None) -> str:

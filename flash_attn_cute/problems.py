@@ -50,6 +50,11 @@ class FwdProblem(NamedTuple):
     # The sequences a kernel computes (the two launches of a mixed plan, ``fwd.mixed_short_q``):
     # 0 every one; n > 0 those of at most n queries; -n those of more than n.
     q_class: int = 0
+    kv_dtype: Optional[torch.dtype] = None  # FP8 K/V (with k_descale / v_descale); None: q's dtype
+
+    @property
+    def kv_fp8(self) -> bool:
+        return self.kv_dtype is not None
 
     kind = "fwd"
 

@@ -196,6 +196,14 @@ def gather_paged_kv(cache, page_table):
     return pages.reshape(batch, pages_per_seq * cache.shape[1], *cache.shape[2:])
 
 
+def dequantize_kv(x8, descale):
+    """The real values of an FP8 cache ``(batch, seqlen, hkv, d)`` (fp32): the stored values
+    times ``descale`` ``(batch, hkv)`` or one element."""
+    scale = descale.float()
+    scale = scale.view(1, 1, 1, 1) if scale.numel() == 1 else scale.view(x8.shape[0], 1, x8.shape[2], 1)
+    return x8.float() * scale
+
+
 def attention_kvcache_ref(q, k_cache, v_cache, cache_seqlens, page_table=None, **kwargs):
     """Decode/append attention over the first cache_seqlens[b] keys of each cache row,
     causal/windows aligned to the bottom-right of (seqlen_q, cache_seqlens[b])."""

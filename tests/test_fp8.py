@@ -33,3 +33,101 @@ def test_refusals():
         quantize_fp8(torch.randn(2, 2), granularity="row")
     with pytest.raises(ValueError, match=r"\(batch, seqlen, nheads, headdim\)"):
         quantize_fp8(torch.randn(5, 2, 8), granularity="batch_head")
+
+
+# ---------------------------------------------------------------------------------------
+# FP8 K/V caches through the public API (CPU: a fake device, launches recorded)
+# ---------------------------------------------------------------------------------------
+
+from types import SimpleNamespace  # noqa: E402
+
+from flash_attn_cute import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, fwd, sm80, sm90  # noqa: E402
+from flash_attn_cute.problems import FwdProblem  # noqa: E402
+
+E4M3 = torch.float8_e4m3fn
+
+
+@pytest.fixture
+def launches(fake_device):
+    """The real backends' check and plan, with launchers that record (problem, plan, tensors)."""
+    calls = []
+
+    def module(name, kind="fwd"):
+        real = {"sm80": sm80, "sm90": sm90}.get(name, sm80)
+
+        def launcher(problem, plan, device=None):
+            return lambda *tensors: calls.append(SimpleNamespace(problem=problem, plan=plan, tensors=tensors))
+
+        return SimpleNamespace(AUTO=name in ("sm80", "sm90"), runs_on=real.runs_on, check=real.check,
+                               plan=real.plan, launcher=launcher)
+
+    fake_device(module)
+    return calls
+
+
+def _kv(batch=2, seqlen=64, hkv=2, d=64, dtype=E4M3):
+    return torch.randn(batch, seqlen, hkv, d).to(dtype), torch.randn(batch, seqlen, hkv, d).to(dtype)
+
+
+def test_fp8_cache_reaches_the_sm80_kernel_with_descales(launches):
+    q = torch.randn(2, 1, 8, 64).to(torch.bfloat16)
+    k8, v8 = _kv()
+    kd, vd = torch.rand(2, 2) + 0.5, torch.rand(1) + 0.5
+    flash_attn_with_kvcache(q, k8, v8, cache_seqlens=torch.tensor([64, 3], dtype=torch.int32), k_descale=kd,
+                            v_descale=vd)
+    call = launches[-1]
+    assert call.problem.kv_dtype == E4M3 and call.plan.backend == "sm80"  # sm90 refuses, auto falls back
+    k_descale, v_descale = call.tensors[11:13]
+    assert k_descale is kd and v_descale.shape == (2, 2) and v_descale.stride() == (0, 0)
+    key = sm80.compile_key(call.problem, call.plan, "sm_90a")
+    assert key[2] == "bf16/e4m3" and sm80.compile_key(call.problem._replace(kv_dtype=None), call.plan, "sm_90a")[2] == "bf16"
+    # no descale: 1.0; the same call replayed from the per-call cache passes the same views
+    flash_attn_func(q, k8, v8)
+    one = launches[-1].tensors[11]
+    assert one.shape == (2, 2) and float(one[1, 1]) == 1.0
+    flash_attn_func(q, k8, v8)
+    assert launches[-1].tensors[11].shape == (2, 2)
+    # packed queries over a paged fp8 pool (a mixed step: both launches get the descales)
+    qp = torch.randn(21, 8, 64).to(torch.bfloat16)
+    pool8 = torch.randn(40, 16, 2, 64).to(E4M3)
+    launches.clear()
+    flash_attn_varlen_func(qp, pool8, pool8, cu_seqlens_q=torch.tensor([0, 1, 21], dtype=torch.int32), max_seqlen_q=20,
+                           seqused_k=torch.tensor([30, 100], dtype=torch.int32),
+                           page_table=torch.arange(16, dtype=torch.int32).view(2, 8), k_descale=kd, v_descale=kd)
+    assert len(launches) == 2 and all(c.tensors[11] is kd and c.problem.kv_fp8 for c in launches)
+
+
+def test_fp8_refusals(launches):
+    q = torch.randn(2, 1, 8, 64).to(torch.bfloat16)
+    k8, v8 = _kv()
+    with pytest.raises(TypeError, match="share one dtype"):
+        flash_attn_with_kvcache(q, k8, v8.to(torch.bfloat16))
+    with pytest.raises(TypeError, match="like q, or an FP8 dtype"):
+        flash_attn_with_kvcache(q, k8.to(torch.float16), v8.to(torch.float16))
+    with pytest.raises(ValueError, match=r"k_descale must have shape \(batch, nheads_kv\) = \(2, 2\)"):
+        flash_attn_with_kvcache(q, k8, v8, k_descale=torch.ones(2, 8))
+    with pytest.raises(TypeError, match="v_descale must be float32"):
+        flash_attn_func(q, k8, v8, v_descale=torch.ones(2, 2, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="q_descale must be a torch.Tensor"):
+        flash_attn_func(q, k8, v8, q_descale=1.0)
+    with pytest.raises(NotImplementedError, match="FP8 queries"):
+        flash_attn_func(q.to(E4M3), k8, v8)
+    with pytest.raises(NotImplementedError, match="into an FP8 cache"):
+        flash_attn_with_kvcache(q, k8, v8, k=torch.randn(2, 1, 2, 64).to(E4M3), v=torch.randn(2, 1, 2, 64).to(E4M3),
+                                cache_seqlens=3)
+    with pytest.raises(NotImplementedError, match="fp8_kv is not implemented"):
+        flash_attn_with_kvcache(q, k8, v8, backend="sm90")
+    # 16-bit caches: descales checked, then ignored (no fp8 problem)
+    k, v = _kv(dtype=torch.bfloat16)
+    flash_attn_with_kvcache(q, k, v, k_descale=torch.ones(2, 2), v_descale=torch.ones(1))
+    assert launches[-1].problem.kv_dtype is None and launches[-1].tensors[11] is None
+
+
+def test_fp8_needs_compute_capability_8_9(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    p = FwdProblem(dtype=torch.bfloat16, batch=1, max_seqlen_q=1, max_seqlen_k=64, nheads=8, nheads_kv=2, d=64,
+                   d_v=64, softmax_scale=0.1, causal=False, window_left=-1, window_right=-1, softcap=0.0,
+                   varlen_q=False, varlen_k=False, has_seqused_k=False, page_size=0, has_lse=False, kv_dtype=E4M3)
+    with pytest.raises(NotImplementedError, match="compute capability >= 8.9"):
+        fwd.select_backend(None, p, "cuda:0")
+    assert sm90.check(p) == "fp8_kv is not implemented by this kernel" and sm80.check(p) is None

@@ -11,6 +11,14 @@ streams in while S = Q K(n)^T is computed, K(n-1) while P V(n) is.
 Every global row is addressed through a row function, so the same load handles
 batch tensors, packed (varlen) tensors, query heads packed into the M tile
 (pack_gqa) and paged KV caches (a page-table lookup per row).
+
+FP8 (e4m3 / e5m2) K and V with 16-bit queries: each block lands by cp.async in an fp8
+staging buffer (half the bytes of a 16-bit one), and all threads widen it into the
+16-bit K or V buffer the MMAs read (exact: every fp8 value is a bf16 and an fp16 value;
+one 8-byte shared load and one 16-byte shared store per 8 elements). The descales are
+never multiplied into the values: ``k_descale[b, h_kv]`` joins the softmax scale (S =
+q . k scales with it, before any softcap or score modifier), ``v_descale[b, h_kv]``
+scales O once before the epilogue.
 """
 
 from dataclasses import dataclass
@@ -55,11 +63,21 @@ class FlashAttnFwdSm80:
         sK_layout = smem_layout(self.tile_n, self.head_dim)
         sV_layout = smem_layout(self.tile_n, self.head_dim_v)
 
+        # FP8 K/V: row-major staging buffers of the fp8 blocks (unused 16-byte stand-ins otherwise).
+        kv_dtype = args.mK.element_type
+        fp8 = cutlass.const_expr(kv_dtype.width == 8)
+        sK8_layout = cute.make_ordered_layout((self.tile_n, self.head_dim), order=(1, 0))
+        sV8_layout = cute.make_ordered_layout((self.tile_n, self.head_dim_v), order=(1, 0))
+        k8_field = cute.struct.Align[cute.struct.MemRange[kv_dtype, cute.cosize(sK8_layout) if fp8 else 16], 128]
+        v8_field = cute.struct.Align[cute.struct.MemRange[kv_dtype, cute.cosize(sV8_layout) if fp8 else 16], 128]
+
         @cute.struct
         class SharedStorage:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sK8: k8_field
+            sV8: v8_field
 
         tiled_mma = cute.make_tiled_mma(
             warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)),
@@ -68,9 +86,11 @@ class FlashAttnFwdSm80:
         )
         grid, grid_divisor, num_m_blocks, _ = tile_grid(args, self.tile_m, self.qhead_per_kvhead_packed)
         kernel = self.kernel(
-            args, (sQ_layout, sK_layout, sV_layout),
+            args, (sQ_layout, sK_layout, sV_layout, sK8_layout, sV8_layout),
             gmem_tiled_copy(self.dtype, self.head_dim, self.num_threads),
             gmem_tiled_copy(self.dtype, self.head_dim_v, self.num_threads),
+            (gmem_tiled_copy(kv_dtype, self.head_dim, self.num_threads),
+             gmem_tiled_copy(kv_dtype, self.head_dim_v, self.num_threads)),
             tiled_mma,
             SharedStorage,
             grid_divisor,
@@ -81,9 +101,10 @@ class FlashAttnFwdSm80:
     def kernel(
         self,
         args: FwdArgs,
-        smem_layouts: tuple,  # Q, K, V
+        smem_layouts: tuple,  # Q, K, V, fp8 K and V staging
         gmem_copy_QK: cute.TiledCopy,
         gmem_copy_V: cute.TiledCopy,
+        gmem_copy_KV8: tuple,  # K, V in their own dtype (fp8 caches: 16 elements per cp.async)
         tiled_mma: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
         grid_divisor: cute.FastDivmodDivisorV2,  # what tile_work divides the block index by (tile_grid)
@@ -98,15 +119,18 @@ class FlashAttnFwdSm80:
         rows_valid = FwdTile.rows_valid_of(seqlen, work, block_info)
         if rows_valid > 0:
             ctx = FwdTile.ctx_of(args, work, seqlen, block_info)
-            tile = FwdTile(ctx, seqlen, work.m_block, head_kv, work.split_idx, rows_valid, args.softmax_scale,
-                           None, None)
-            self.attend(args, tile, block_info, smem_layouts, gmem_copy_QK, gmem_copy_V, tiled_mma, SharedStorage,
-                        tidx)
+            softmax_scale = args.softmax_scale
+            if cutlass.const_expr(args.mKDescale is not None):
+                softmax_scale = softmax_scale * args.mKDescale[ctx.batch, head_kv]
+            tile = FwdTile(ctx, seqlen, work.m_block, head_kv, work.split_idx, rows_valid, softmax_scale, None, None)
+            self.attend(args, tile, block_info, smem_layouts, gmem_copy_QK, gmem_copy_V, gmem_copy_KV8, tiled_mma,
+                        SharedStorage, tidx)
 
     @cute.jit
     def attend(self, args: FwdArgs, tile: FwdTile, block_info: BlockInfo, smem_layouts: tuple, gmem_copy_QK,
-               gmem_copy_V, tiled_mma, SharedStorage: cutlass.Constexpr, tidx):
-        sQ_layout, sK_layout, sV_layout = smem_layouts
+               gmem_copy_V, gmem_copy_KV8: tuple, tiled_mma, SharedStorage: cutlass.Constexpr, tidx):
+        sQ_layout, sK_layout, sV_layout, sK8_layout, sV8_layout = smem_layouts
+        fp8 = cutlass.const_expr(args.mK.element_type.width == 8)
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(sQ_layout)
@@ -127,15 +151,32 @@ class FlashAttnFwdSm80:
         thr_copy_V = gmem_copy_V.get_slice(tidx)
         tQsQ = thr_copy_QK.partition_D(sQ)
         tQcQ = thr_copy_QK.partition_S(cute.make_identity_tensor((self.tile_m, self.head_dim)))
-        k_src, v_src = self.kv_sources(args, tile, thr_copy_QK, thr_copy_V)
-        kv = _KVLoader(
-            gmem_copy_QK, gmem_copy_V,
-            thr_copy_QK.partition_D(sK),
-            thr_copy_QK.partition_S(cute.make_identity_tensor((self.tile_n, self.head_dim))),
-            thr_copy_V.partition_D(sV),
-            thr_copy_V.partition_S(cute.make_identity_tensor((self.tile_n, self.head_dim_v))),
-            k_src, v_src,
-        )
+        widen = None
+        if cutlass.const_expr(fp8):
+            # Blocks land in the staging buffers; ``widen`` maps each thread's 8-element
+            # chunks of a staged block onto the same chunks of the 16-bit buffer (the
+            # partition of the 16-bit cp.async: 16-byte aligned stores).
+            sK8 = storage.sK8.get_tensor(sK8_layout)
+            sV8 = storage.sV8.get_tensor(sV8_layout)
+            widen = _Widen(thr_copy_QK.partition_D(sK8), thr_copy_QK.partition_D(sK),
+                           thr_copy_V.partition_D(sV8), thr_copy_V.partition_D(sV))
+            thr_copy_QK = gmem_copy_KV8[0].get_slice(tidx)
+            thr_copy_V = gmem_copy_KV8[1].get_slice(tidx)
+            kv = _KVLoader(gmem_copy_KV8[0], gmem_copy_KV8[1], thr_copy_QK.partition_D(sK8),
+                           thr_copy_QK.partition_S(cute.make_identity_tensor((self.tile_n, self.head_dim))),
+                           thr_copy_V.partition_D(sV8),
+                           thr_copy_V.partition_S(cute.make_identity_tensor((self.tile_n, self.head_dim_v))),
+                           *self.kv_sources(args, tile, thr_copy_QK, thr_copy_V))
+        else:
+            k_src, v_src = self.kv_sources(args, tile, thr_copy_QK, thr_copy_V)
+            kv = _KVLoader(
+                gmem_copy_QK, gmem_copy_V,
+                thr_copy_QK.partition_D(sK),
+                thr_copy_QK.partition_S(cute.make_identity_tensor((self.tile_n, self.head_dim))),
+                thr_copy_V.partition_D(sV),
+                thr_copy_V.partition_S(cute.make_identity_tensor((self.tile_n, self.head_dim_v))),
+                k_src, v_src,
+            )
 
         thr_mma = tiled_mma.get_slice(tidx)
         ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
@@ -177,8 +218,11 @@ class FlashAttnFwdSm80:
             cute.copy(smem_thr_copy_Q, mma.tSsQ, smem_thr_copy_Q.retile(mma.tSrQ))
 
         block_info.walk_n_blocks(
-            lambda _, n_block, masked: self.one_block(tile, mma, kv, softmax, acc_O, n_block_min, n_block, masked),
+            lambda _, n_block, masked: self.one_block(tile, mma, kv, widen, softmax, acc_O, n_block_min, n_block,
+                                                      masked),
             n_block_min, n_block_max, runs)
+        if cutlass.const_expr(args.mVDescale is not None):
+            acc_O.store(acc_O.load() * args.mVDescale[tile.ctx.batch, tile.head_kv])
 
         packed = self.qhead_per_kvhead_packed
         tOcO_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
@@ -195,16 +239,20 @@ class FlashAttnFwdSm80:
                       tile.rows_valid)
 
     @cute.jit
-    def one_block(self, tile, mma, kv, softmax, acc_O, n_block_min, n_block, masked: cutlass.Constexpr):
+    def one_block(self, tile, mma, kv, widen, softmax, acc_O, n_block_min, n_block, masked: cutlass.Constexpr):
         seqlen = tile.seqlen
         # K(n) has landed and every warp is done with V(n+1): V's buffer is free.
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
+        if cutlass.const_expr(widen is not None):  # fp8: K(n) staged -> K's buffer, the staging free again
+            widen.k(self.dtype)
         if cutlass.const_expr(masked):
             self.load_kv(kv.copy_V, kv.tVsV, kv.tVcV, kv.v_src, n_block, seqlen.seqlen_k - n_block * self.tile_n)
         else:
             self.load_kv(kv.copy_V, kv.tVsV, kv.tVcV, kv.v_src, n_block, None)
         cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(widen is not None):
+            cute.arch.barrier()  # every thread's part of K(n) widened
 
         tiled_mma = mma.tiled_mma
         acc_S = cute.make_rmem_tensor(tiled_mma.get_slice(0).partition_shape_C((self.tile_m, self.tile_n)), Float32)
@@ -220,9 +268,13 @@ class FlashAttnFwdSm80:
         # V(n) has landed and every warp is done reading K(n): prefetch K(n-1).
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
+        if cutlass.const_expr(widen is not None):
+            widen.v(self.dtype)
         if n_block > n_block_min:
             self.load_kv(kv.copy_K, kv.tKsK, kv.tKcK, kv.k_src, n_block - 1, None)
         cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(widen is not None):
+            cute.arch.barrier()  # every thread's part of V(n) widened
 
         softmax.step(acc_S, acc_O)
         rP = cute.make_fragment_like(acc_S, self.dtype)
@@ -267,6 +319,36 @@ class _KVLoader:
     tVcV: cute.Tensor
     k_src: object
     v_src: object
+
+
+@dataclass(frozen=True)
+class _Widen:
+    """FP8 K/V: this thread's chunks of the staging buffers and of the 16-bit buffers,
+    both (CPY, M, chunks) partitions of the 16-bit cp.async (8 elements per chunk)."""
+
+    tKs8: cute.Tensor
+    tKsK: cute.Tensor
+    tVs8: cute.Tensor
+    tVsV: cute.Tensor
+
+    @cute.jit
+    def k(self, dtype):
+        _widen(self.tKs8, self.tKsK, dtype)
+
+    @cute.jit
+    def v(self, dtype):
+        _widen(self.tVs8, self.tVsV, dtype)
+
+
+@cute.jit
+def _widen(tXs8: cute.Tensor, tXs: cute.Tensor, dtype):
+    for m in cutlass.range_constexpr(cute.size(tXs, mode=[1])):
+        for k in cutlass.range_constexpr(cute.size(tXs, mode=[2])):
+            r8 = cute.make_fragment_like(tXs8[None, m, k])
+            cute.autovec_copy(tXs8[None, m, k], r8)
+            r16 = cute.make_fragment_like(tXs[None, m, k])
+            r16.store(r8.load().to(dtype))
+            cute.autovec_copy(r16, tXs[None, m, k])
 
 
 @dataclass(frozen=True)
