@@ -135,10 +135,10 @@ def test_compile_key_layout_is_the_shared_one():
     plan = sm100.plan(p, 3, None, 148)
     key = sm100.compile_key(p, plan, ARCH)
     assert key == ("fwd_sm100", ARCH, "bf16", 128, 128, *plan.config[:3], (True, False, False), 1, True, True, False,
-                   False, True, True, False, False, 0)
+                   False, True, True, False, False, 0, 0)
     f = keys.parse_key(key, 3)
     assert f.tile == plan.config[:3] and f.flags == (True, False, False) and f.paged and f.has_seqused_k and f.is_split
-    assert f.split_blocks == 0 and not f.has_sink and not f.has_seqused_q and f.extra == ()
+    assert f.split_blocks == 0 and f.q_class == 0 and not f.has_sink and not f.has_seqused_q and f.extra == ()
 
 
 def test_compile_key_tracks_the_plan():
