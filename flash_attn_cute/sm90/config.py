@@ -82,8 +82,24 @@ def unsupported_reason(d: int, dv: int) -> Optional[str]:
     return None
 
 
+class WarpgroupRoles:
+    """The thread counts of an SM90 kernel of one producer warpgroup (warps 0-3) and
+    ``num_consumer_wgs`` consumer warpgroups: a mixin of its frozen role dataclass."""
+
+    producer_warps = (0, 1, 2, 3)
+    producer_threads = 128
+
+    @property
+    def consumer_threads(self) -> int:
+        return 128 * self.num_consumer_wgs
+
+    @property
+    def threads(self) -> int:
+        return self.producer_threads + self.consumer_threads
+
+
 @dataclass(frozen=True)
-class WarpRoles:
+class WarpRoles(WarpgroupRoles):
     """Warp roles and their register budgets (setmaxnreg). The producer warpgroup only
     issues TMA from one thread, so it gives its registers to the consumers, which hold
     S, P and O in registers. Budgets sum to at most 64K registers per CTA."""
@@ -104,28 +120,12 @@ class WarpRoles:
                 3: (32, 160)}[num_consumer_wgs]
         return WarpRoles(num_consumer_wgs, *regs, gather_kv)
 
-    @property
-    def producer_warps(self):
-        return (0, 1, 2, 3)  # warpgroup 0
-
-    @property
-    def num_producer_threads(self) -> int:
-        return 128
-
-    @property
-    def num_consumer_threads(self) -> int:
-        return 128 * self.num_consumer_wgs
-
-    @property
-    def num_threads(self) -> int:
-        return 128 * (1 + self.num_consumer_wgs)
-
 
 QK_MODES = ("one", "split")
 
 
 @dataclass(frozen=True)
-class MlaRoles:
+class MlaRoles(WarpgroupRoles):
     """Static warp roles, tiles and register budgets (setmaxnreg)."""
 
     tile_m: int = 64  # packed rows: one wgmma M
@@ -143,18 +143,6 @@ class MlaRoles:
     # H200, 2026-11-29, bf16, 64 heads, page 1: "one" 3.06 against 2.96 TB/s at 768 x 2048,
     # 3.08 against 2.94 at 768 x 1024 (both modes pass every GPU test).
     qk: str = "one"
-
-    @property
-    def producer_threads(self) -> int:
-        return 128
-
-    @property
-    def consumer_threads(self) -> int:
-        return 128 * self.num_consumer_wgs
-
-    @property
-    def threads(self) -> int:
-        return self.producer_threads + self.consumer_threads
 
     @property
     def o_cols(self) -> int:

@@ -184,10 +184,10 @@ class FlashAttnFwdSm90:
         kernel = self.kernel(
             args, (tma_Q, tma_K, tma_V, tma_O), (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O),
             (sQ_layout, sK_layout, sV_layout, sO_layout), tiled_mma_qk, tiled_mma_pv,
-            gmem_tiled_copy(self.dtype, self.head_dim, self.roles.num_consumer_threads),
+            gmem_tiled_copy(self.dtype, self.head_dim, self.roles.consumer_threads),
             tx_bytes, SharedStorage, num_m_blocks, grid_divisor, heads_eff, l2_heads,
         )
-        launch_ctas(kernel, grid, self.roles.num_threads, SharedStorage, stream, setmaxnreg=True)
+        launch_ctas(kernel, grid, self.roles.threads, SharedStorage, stream, setmaxnreg=True)
 
     @cute.kernel
     def kernel(
@@ -219,7 +219,7 @@ class FlashAttnFwdSm90:
         storage = smem.allocate(SharedStorage)
         tma_warp = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         # The TMA pipelines count one arrive per consumer warp (lane 0 signals).
-        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.roles.num_consumer_threads // 32)
+        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.roles.consumer_threads // 32)
         pipeline_q = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_Q.data_ptr(), num_stages=1, producer_group=tma_warp,
             consumer_group=consumer_warps, tx_count=tx_bytes[0], defer_sync=True,
@@ -227,7 +227,7 @@ class FlashAttnFwdSm90:
         if cutlass.const_expr(self.gather_kv):
             # Full: one cp.async arrive per producer thread, once its copies landed. Empty:
             # one arrive per consumer warp (``wgmma_utils.kv_release``), as for TMA.
-            gatherers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.roles.num_producer_threads)
+            gatherers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.roles.producer_threads)
             pipeline_k, pipeline_v = (
                 pipeline.PipelineCpAsync.create(
                     barrier_storage=mbar.data_ptr(), num_stages=self.num_stages, producer_group=gatherers,
@@ -406,7 +406,7 @@ class FlashAttnFwdSm90:
     def kv_gatherers(self, args: FwdArgs, io: "_Io", tile: FwdTile, tidx):
         """(load_k, load_v) for ``gather_kv``: each producer thread copies its 16-byte chunks
         of the block's rows, each row through its own page lookup (``page_and_row``)."""
-        nthreads = self.roles.num_producer_threads
+        nthreads = self.roles.producer_threads
 
         def loader(mX, sX, cols, pipe):
             tiled_copy = gmem_tiled_copy(self.dtype, cols, nthreads)
@@ -608,7 +608,7 @@ class FlashAttnFwdSm90:
         is NaN. K needs nothing: its scores are masked to -inf."""
         if rows_valid < self.tile_n:
             kv_wait(pipeline_v, state, self.gather_kv)
-            zero_rows_from(sV[None, None, state.index], rows_valid, cidx, self.roles.num_consumer_threads)
+            zero_rows_from(sV[None, None, state.index], rows_valid, cidx, self.roles.consumer_threads)
             # Generic-proxy stores, read next by wgmma (async proxy), by every warpgroup.
             cute.arch.fence_view_async_shared()
             self.consumers_sync()
@@ -621,7 +621,7 @@ class FlashAttnFwdSm90:
 
     def consumers_sync(self):
         """Every consumer thread meets (``Sm90FwdBarrier.CONSUMERS``)."""
-        cute.arch.barrier(barrier_id=int(Sm90FwdBarrier.CONSUMERS), number_of_threads=self.roles.num_consumer_threads)
+        cute.arch.barrier(barrier_id=int(Sm90FwdBarrier.CONSUMERS), number_of_threads=self.roles.consumer_threads)
 
     @cute.jit
     def scheduler_open(self, wg_idx):
