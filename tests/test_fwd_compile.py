@@ -97,7 +97,28 @@ def sm100_extra_keys(arch):
     return [module.compile_key(problem, module.plan(problem, 3, True, 148), arch)]
 
 
-EXTRA_KEYS = {"sm100": sm100_extra_keys}
+def fp8_keys(arch):
+    """FP8 K/V on the SM80 kernel (for sm_90a: the kernel Hopper runs them on; sm_80 has no
+    fp8 conversion instructions and the API refuses FP8 below compute capability 8.9): a
+    decode step over a contiguous cache split, and over pages of 16 with a window and
+    softcap, e4m3 with bf16 queries; e5m2 with fp16 queries."""
+    if arch == "sm_80":
+        return []
+    module = fwd.backend_module("sm80")
+    base = fwd.FwdProblem(dtype=BF16, batch=2, max_seqlen_q=1, max_seqlen_k=4096, nheads=32, nheads_kv=8, d=128,
+                          d_v=128, softmax_scale=128 ** -0.5, causal=False, window_left=-1, window_right=-1,
+                          softcap=0.0, varlen_q=False, varlen_k=False, has_seqused_k=True, page_size=0,
+                          has_lse=True, kv_dtype=torch.float8_e4m3fn)
+    problems = [(base, 4), (base._replace(page_size=16, window_left=300, window_right=0, softcap=20.0), 1),
+                (base._replace(dtype=torch.float16, kv_dtype=torch.float8_e5m2), 1)]
+    return [module.compile_key(p, module.plan(p, ns, True, 132), arch) for p, ns in problems]
+
+
+def sm80_extra_keys(arch):
+    return fp8_keys(arch)
+
+
+EXTRA_KEYS = {"sm100": sm100_extra_keys, "sm80": sm80_extra_keys}
 
 
 def sm100_cache_tail_zeroed(key) -> bool:
@@ -186,6 +207,20 @@ def test_sink_sass(artifacts, backend, arch):
     sass = {k: next((out_dir / f"k{keys.index(k)}").glob("*.sass")).read_text() for k in (plain_sink, plain)}
     in_loops = loop_local_memory(sass[plain_sink]), loop_local_memory(sass[plain])
     assert in_loops[0] <= in_loops[1], ("the sink adds local memory to the KV loops", in_loops)
+
+
+def test_fp8_sass(artifacts):
+    # FP8 K/V: 16-byte cp.async of the fp8 blocks, 8-byte shared loads of the staged chunks,
+    # the hardware fp8 -> f16 conversion, 16-byte shared stores into the 16-bit buffers.
+    keys, out_dir, _ = artifacts("sm80", "sm_90a")
+    for key in fp8_keys("sm_90a"):
+        sass_files = list((out_dir / f"k{keys.index(key)}").glob("*.sass"))
+        if not sass_files:
+            pytest.skip("no usable nvdisasm (pip install nvidia-cuda-nvdisasm): no SASS to check")
+        sass = sass_files[0].read_text()
+        fmt = key[2].split("/")[1].upper()
+        for op in (f"F2FP.F16.{fmt}.UNPACK_B", "LDS.64", "STS.128", "LDGSTS.E.BYPASS.LTC128B.128", "HMMA.16816.F32"):
+            assert op in sass, (op, key)
 
 
 def sm90_loads(key):

@@ -220,27 +220,28 @@ def test_features_a_kernel_lacks_are_refused_by_name(fake_device):
                      ({"seqused_q": torch.tensor([3], dtype=torch.int32)}, "seqused_q")):
         with pytest.raises(NotImplementedError, match=f"{name} is not implemented"):
             flash_attn_varlen_func(q, k, v, backend="sm80", **kw)
-    # every forward backend implements all of them
-    for module in fwd.BACKENDS.values():
-        assert importlib.import_module(module).FEATURES == {name for _, name in FEATURES}
+    # every forward backend implements all of them but FP8 K/V, which runs on the SM80 kernel
+    for name, module in fwd.BACKENDS.items():
+        want = {n for _, n in FEATURES} - (set() if name == "sm80" else {"fp8_kv"})
+        assert importlib.import_module(module).FEATURES == want
 
 
 def test_sink_and_seqused_q_reach_the_kernel(launches):
     # launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q,
-    # learnable_sink): both always passed (None when absent), the sink as fp32.
+    # learnable_sink, k_descale, v_descale): always passed (None when absent), the sink as fp32.
     a = mixed_step()
     sink = torch.randn(8).to(BF16)
     used = torch.tensor([1, 1, 3, 0, 200], dtype=torch.int32)
     flash_attn_varlen_func(**a, seqused_q=used, s_aux=sink, causal=True)
     call = launches[-1]
-    assert call.problem.has_sink and call.problem.has_seqused_q and len(call.tensors) == 11
+    assert call.problem.has_sink and call.problem.has_seqused_q and len(call.tensors) == 13
     assert call.tensors[9] is used
     assert call.tensors[10].dtype == torch.float32 and torch.equal(call.tensors[10], sink.float())
     fp32_sink = torch.randn(8)
     flash_attn_varlen_func(**a, learnable_sink=fp32_sink)
     assert launches[-1].tensors[9] is None and launches[-1].tensors[10] is fp32_sink  # no copy
     flash_attn_varlen_func(**a)
-    assert launches[-1].tensors[9:] == (None, None) and not launches[-1].problem.has_sink
+    assert launches[-1].tensors[9:] == (None,) * 4 and not launches[-1].problem.has_sink
 
 
 def test_batch_invariant_is_always_split_with_the_sink_in_the_combine(launches, monkeypatch):

@@ -149,8 +149,10 @@ def _fake_backend(kernel):
     the seam's launch contract translated to the keyword form fake_kernel asserts."""
 
     def launcher(problem, plan, device=None):
-        def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q, learnable_sink):
-            assert seqused_q is None and learnable_sink is None  # none of this file's calls has them
+        def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q, learnable_sink,
+                   k_descale, v_descale):
+            # none of this file's calls has them
+            assert seqused_q is None and learnable_sink is None and k_descale is None and v_descale is None
             kernel(q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
                    page_table=page_table, max_seqlen_q=problem.max_seqlen_q, softmax_scale=problem.softmax_scale,
                    causal=problem.causal, window_left=problem.window_left, window_right=problem.window_right,

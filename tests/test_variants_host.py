@@ -197,7 +197,7 @@ def test_launch_contract_with_and_without_a_variant(fake_variant_gpu):
 
     q, k, v = _qkv()
     flash_attn_func(q, k, v)
-    assert len(fake_variant_gpu[-1].args) == 11  # a plain call keeps the eleven-argument launch
+    assert len(fake_variant_gpu[-1].args) == 13  # a plain call keeps the thirteen-argument launch
     slopes = mods.alibi_slopes(4, device="cpu")
     docs = (torch.arange(40) // 9).view(1, 40).expand(2, 40).to(torch.int32)
     bm = create_block_mask(mods.document_mask(1), None, None, 40, 40, aux_tensors=[slopes, docs], device="cpu",
@@ -207,7 +207,7 @@ def test_launch_contract_with_and_without_a_variant(fake_variant_gpu):
         flash_attn_func(q, k, v, causal=True, score_mod=mods.alibi(0), aux_tensors=[new_slopes, docs], block_mask=bm)
         call = fake_variant_gpu[-1]
         *_, variant_tensors = call.args
-        assert len(call.args) == 12 and len(variant_tensors) == 5
+        assert len(call.args) == 14 and len(variant_tensors) == 5
         assert variant_tensors[0] is new_slopes and variant_tensors[1] is docs and variant_tensors[2:4] == (None, None)
         assert tuple(variant_tensors[4].shape) == (2, 4, 3, 4) and variant_tensors[4].stride(0) == 0
         assert call.problem.variant.block_q == 16 and not call.plan.pack_gqa

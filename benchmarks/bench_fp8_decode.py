@@ -1,0 +1,112 @@
+"""FP8 (e4m3) KV-cache decode beside the bf16 path and FA4, in the same run.
+
+Rows (issue 16's targets): one sequence of 131,072 keys (contiguous cache), and 64
+sequences of 4,096 keys in pages of 16 and 64; one query, 32 query heads, 8 KV heads,
+d128, ``flash_attn_with_kvcache`` with default arguments (num_splits=0), timed as
+CUDA-graph replays. ``cache_tbps``: bytes of K and V as stored (fp8: 1 byte per value)
+per second; ``keys_vs_bf16``: keys per second against our best bf16 kernel on the same
+row (>= 1.8 is the target). FP8 runs on the SM80 kernel (the SM90 kernel refuses it).
+
+    python benchmarks/bench_fp8_decode.py [--csv out.csv] [--no-md]
+"""
+
+import argparse
+import math
+import sys
+
+import common
+from common import UNAVAILABLE, bench, check_correct, error_text, load_fa4, our_backends, print_exception, report
+
+COLUMNS = ["impl", "cache", "shape", "us", "cache_tbps", "keys_vs_bf16", "correctness", "note"]
+ROWS = [("contiguous", 1, 131072, 0), ("paged 16", 64, 4096, 16), ("paged 64", 64, 4096, 64)]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--H", type=int, default=32)
+    p.add_argument("--hkv", type=int, default=8)
+    p.add_argument("--D", type=int, default=128)
+    p.add_argument("--no-md", action="store_true")
+    p.add_argument("--csv", default=None)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("bench_fp8_decode.py needs a CUDA GPU")
+    import flash_attn_cute as fa
+    from flash_attn_cute.testing import attention_kvcache_ref, dequantize_kv
+
+    fa4, fa4_why = load_fa4()
+    H, hkv, D = args.H, args.hkv, args.D
+    rows = []
+    for name, B, K, page in ROWS:
+        torch.manual_seed(0)
+        dev = common.DEVICE
+        q = torch.randn(B, 1, H, D, device=dev, dtype=torch.bfloat16)
+        seqlens = torch.full((B,), K, dtype=torch.int32, device=dev)
+        k, v = (torch.randn(B, K, hkv, D, device=dev) for _ in range(2))
+        k8, kd = fa.quantize_fp8(k)
+        v8, vd = fa.quantize_fp8(v)
+        kq, vq = dequantize_kv(k8, kd).bfloat16(), dequantize_kv(v8, vd).bfloat16()  # the bf16 cache holds the same values
+        del k, v
+        table = None
+        if page:
+            pages_per_seq = math.ceil(K / page)
+            table = torch.randperm(B * pages_per_seq, device=dev).view(B, -1).to(torch.int32)
+            inv = table.flatten().long().argsort()  # pool page p holds (sequence, page) inv[p]
+
+            def pool(x):
+                return x.view(B * pages_per_seq, page, hkv, D)[inv]
+
+            k8p, v8p, kqp, vqp = pool(k8), pool(v8), pool(kq), pool(vq)
+        else:
+            k8p, v8p, kqp, vqp = k8, v8, kq, vq
+        ref, _ = attention_kvcache_ref(q, kq.float(), vq.float(), seqlens)
+        pt_out, _ = attention_kvcache_ref(q, kq, vq, seqlens, upcast=False)
+        group = []
+
+        def record(impl, fn, elem_bytes, note=""):
+            row = dict(impl=impl, cache=name, shape=f"b{B} x {K} h{H}/{hkv} d{D}", us=float("nan"),
+                       cache_tbps=float("nan"), keys_vs_bf16=float("nan"), correctness=False, note=note)
+            try:
+                row["correctness"] = check_correct(fn(), ref, pt_out)
+                t = bench(fn, graph=True)
+                row.update(us=t * 1e3, cache_tbps=2 * B * K * hkv * D * elem_bytes / (t * 1e-3) / 1e12)
+            except Exception as e:
+                print_exception(f"{impl} {name}", e)
+                row["note"] = f"{UNAVAILABLE}: {error_text(e)}"
+            group.append(row)
+
+        for b in our_backends("all"):
+            record(f"ours_{b} bf16", lambda b=b: fa.flash_attn_with_kvcache(q, kqp, vqp, seqlens, page_table=table,
+                                                                            backend=b), 2)
+        record("ours fp8 (auto)", lambda: fa.flash_attn_with_kvcache(q, k8p, v8p, seqlens, page_table=table,
+                                                                     k_descale=kd, v_descale=vd), 1)
+        if fa4 is not None:
+            def fa4_fn():
+                with torch.no_grad():
+                    r = (fa4.flash_attn_func(q, kqp, vqp) if table is None else
+                         fa4.flash_attn_varlen_func(q, kqp, vqp, seqused_k=seqlens, page_table=table))
+                return r[0] if isinstance(r, tuple) else r
+
+            record("fa4 bf16", fa4_fn, 2)
+        else:
+            group.append(dict(impl="fa4 bf16", cache=name, note=f"{UNAVAILABLE}: {fa4_why}"))
+        best_bf16 = min((r["us"] for r in group if r["impl"].startswith("ours_") and r["us"] == r["us"]),
+                        default=float("nan"))
+        for r in group:
+            if r.get("us") == r.get("us"):
+                r["keys_vs_bf16"] = best_bf16 / r["us"]
+        rows += group
+    report(args, f"FP8 KV-cache decode, h{H}/{hkv} d{D} (us: CUDA-graph replay)", "FP8 KV-cache decode", rows,
+           COLUMNS, notes="flash_attn_with_kvcache, default arguments; cache_tbps counts the cache as stored; "
+                          "keys_vs_bf16 = our best bf16 time / this time.")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
