@@ -468,8 +468,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         from . import kv_cache_ops
 
         if isinstance(k_cache, torch.Tensor) and k_cache.dtype in checks.FP8_DTYPES:
-            raise NotImplementedError("appending k / v (or rotary, cache_batch_idx, cache_leftpad) into an FP8 cache is "
-                                      "not supported yet: quantize and write the new tokens, then call without them")
+            raise NotImplementedError("appending k / v (or rotary, cache_batch_idx, cache_leftpad) into an FP8 cache "
+                                      "is not supported yet: quantize and write the new tokens, then call without "
+                                      "them")
 
         return kv_cache_ops.append_and_attend(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,

@@ -41,7 +41,8 @@ def test_refusals():
 
 from types import SimpleNamespace  # noqa: E402
 
-from flash_attn_cute import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, fwd, sm80, sm90  # noqa: E402
+from flash_attn_cute import (flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, fwd, sm80,  # noqa: E402
+                             sm90)
 from flash_attn_cute.problems import FwdProblem  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
@@ -80,7 +81,8 @@ def test_fp8_cache_reaches_the_sm80_kernel_with_descales(launches):
     k_descale, v_descale = call.tensors[11:13]
     assert k_descale is kd and v_descale.shape == (2, 2) and v_descale.stride() == (0, 0)
     key = sm80.compile_key(call.problem, call.plan, "sm_90a")
-    assert key[2] == "bf16/e4m3" and sm80.compile_key(call.problem._replace(kv_dtype=None), call.plan, "sm_90a")[2] == "bf16"
+    plain = sm80.compile_key(call.problem._replace(kv_dtype=None), call.plan, "sm_90a")
+    assert key[2] == "bf16/e4m3" and plain[2] == "bf16"
     # no descale: 1.0; the same call replayed from the per-call cache passes the same views
     flash_attn_func(q, k8, v8)
     one = launches[-1].tensors[11]

@@ -40,8 +40,8 @@ from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 from flash_attn_cute.block_info import BlockInfo
 from flash_attn_cute.copy_utils import aligned_row_ptr
 from flash_attn_cute.cute_utils import launch_ctas
-from flash_attn_cute.fwd_kernel import (FwdArgs, FwdTile, compile_from_key, fwd_call, set_fwd_config, tile_grid, tile_work,
-                                        zero_rows_from)
+from flash_attn_cute.fwd_kernel import (FwdArgs, FwdTile, compile_from_key, fwd_call, set_fwd_config, tile_grid,
+                                        tile_work, zero_rows_from)
 from flash_attn_cute.layout_utils import select
 from flash_attn_cute.named_barrier import Sm100FwdBarrier
 from flash_attn_cute.pack_gqa import query_of_row

@@ -24,7 +24,8 @@ _SPLIT_TOLERANCE = 0.95
 
 # Every GPU of compute capability >= 8.0 runs mma.sync and cp.async.
 AUTO = True
-FEATURES = frozenset({"learnable_sink", "seqused_q", "batch_invariant", "fp8_kv"})  # backend_kit.FEATURES this kernel implements
+# backend_kit.FEATURES this kernel implements (FP8 K/V only here: the other kernels refuse it)
+FEATURES = frozenset({"learnable_sink", "seqused_q", "batch_invariant", "fp8_kv"})
 
 
 class Sm80Config(NamedTuple):

@@ -32,7 +32,8 @@ from flash_attn_cute.block_info import BlockInfo
 from flash_attn_cute.copy_utils import copy_rows, gmem_tiled_copy
 from flash_attn_cute.cute_utils import launch_ctas
 from flash_attn_cute.epilogue import store_lse, store_o
-from flash_attn_cute.fwd_kernel import FwdArgs, FwdTile, compile_from_key, fwd_call, set_fwd_config, tile_grid, tile_work
+from flash_attn_cute.fwd_kernel import (FwdArgs, FwdTile, compile_from_key, fwd_call, set_fwd_config, tile_grid,
+                                        tile_work)
 from flash_attn_cute.layout_utils import acc_mn_view, acc_to_operand_a
 from flash_attn_cute.paged_kv import paged_row_fns
 from flash_attn_cute.sm80.gemm import gemm_rs, gemm_ss, smem_layout

@@ -46,8 +46,8 @@ from flash_attn_cute.block_info import BlockInfo
 from flash_attn_cute.copy_utils import copy_row, copy_rows, gmem_tiled_copy
 from flash_attn_cute.cute_utils import launch_ctas
 from flash_attn_cute.epilogue import store_lse, store_o
-from flash_attn_cute.fwd_kernel import (FwdArgs, FwdTile, compile_from_key, fwd_call, set_fwd_config, tile_grid, tile_work,
-                                        zero_rows_from)
+from flash_attn_cute.fwd_kernel import (FwdArgs, FwdTile, compile_from_key, fwd_call, set_fwd_config, tile_grid,
+                                        tile_work, zero_rows_from)
 from flash_attn_cute.layout_utils import acc_mn_view, acc_to_operand_a, select, transpose_view
 from flash_attn_cute.named_barrier import Sm90FwdBarrier
 from flash_attn_cute.paged_kv import page_and_row, page_lookups
