@@ -14,7 +14,7 @@ server at them removes every compile from the serving path::
 
 ``--arch`` is the arch the server will ask for: ``cute_utils.target_arch`` (``sm_80``
 on an A100, ``sm_86`` on an A10, ``sm_90a`` on an H100/H200, ``sm_100a`` on a B200).
-``--preset`` is ``decode``, ``prefill``, ``mla``, ``all`` (the three) or a JSON file
+``--preset`` is ``decode``, ``prefill``, ``serving``, ``mla``, ``all`` (the four) or a JSON file
 holding a list of descriptions. The package sources and the DSL/TVM-FFI versions must be the ones the
 server runs (they make the cache's fingerprint folder). Several worker processes
 (``--jobs``, default: the CPU count; about 1 GB of memory each) compile in parallel;
@@ -28,10 +28,13 @@ A description is a JSON object describing calls of the public API; every field i
 optional, and a field given as a list expands to one description per combination
 (``"window"`` takes a pair, or a list of pairs)::
 
-    api               "func" (default) | "varlen" | "kvcache" | "mla": flash_attn_func,
-                      flash_attn_varlen_func (cu_seqlens q and k),
-                      flash_attn_with_kvcache (cache_seqlens) or flash_mla_decode
-                      (qhead_per_kvhead query heads, nheads_kv 1)
+    api               "func" (default) | "varlen" | "kvcache" | "serving" | "mla":
+                      flash_attn_func, flash_attn_varlen_func (cu_seqlens q and k),
+                      flash_attn_with_kvcache (cache_seqlens), a serving step
+                      (flash_attn_varlen_func with cu_seqlens_q, seqused_k and, with
+                      page_size, page_table: seqlen_q is its max_seqlen_q, and a step
+                      mixing short and long rows builds both launches of its mixed
+                      plan) or flash_mla_decode (qhead_per_kvhead query heads, nheads_kv 1)
     dtype             "bf16" (default) | "fp16"
     d, d_v            head dims of q/k and v (default 128; d_v defaults to d)
     qhead_per_kvhead  GQA ratio (default 1); nheads_kv (default 8), batch (default 1)
@@ -39,7 +42,7 @@ optional, and a field given as a list expands to one description per combination
     seqlen_k          max_seqlen_k, the cache capacity for kvcache (default 4096)
     causal            bool (default false); window [left, right] (default [-1, -1])
     softcap           float (default 0)
-    page_size         kvcache and mla: 0 (default) = contiguous cache, > 0 = paged
+    page_size         kvcache, serving and mla: 0 (default) = contiguous cache, > 0 = paged
     has_lse           return_lse (default false)
     num_splits        1 (default), > 1 for split-KV (adds the combine kernel it
                       needs), 0 = the runtime heuristic, which then needs num_sms
@@ -47,6 +50,8 @@ optional, and a field given as a list expands to one description per combination
     learnable_sink, seqused_q, batch_invariant
                       bools (default false): a sink tensor, a seqused_q tensor,
                       batch_invariant=True (mla: batch_invariant only)
+    kv_fp8            bool (default false): an e4m3 K/V cache with its descales
+                      (not mla; refused below compute capability 8.9, as at runtime)
 
 Each description becomes a problem (``FwdProblem``, ``MlaProblem``); the backend the runtime would pick for the
 arch (or ``--backend``) turns it into a key through its ``plan`` and ``compile_key``,
@@ -93,6 +98,14 @@ PRESETS = {
          "seqlen_q": 1, "seqlen_k": 8192, "page_size": 64, "causal": [False, True], "num_splits": [1, 4],
          "has_lse": [False, True]},
     ],
+    # A serving engine's step: packed queries over a paged cache with per-sequence key
+    # counts, decode-only (max_seqlen_q 1) or mixed with chunked prefill (a mixed plan:
+    # the decode-tile and prefill-tile launches), with and without sinks and split-KV.
+    "serving": [
+        {"api": "serving", "dtype": ["bf16", "fp16"], "d": [64, 128], "qhead_per_kvhead": [1, 4, 8],
+         "seqlen_q": [1, 2048], "seqlen_k": 32768, "page_size": [16, 64], "causal": True, "num_splits": [1, 4],
+         "learnable_sink": [False, True]},
+    ],
     # Prefill: dense and packed variable-length batches (varlen packs GQA heads).
     "prefill": [
         {"api": ["func", "varlen"], "dtype": ["bf16", "fp16"], "d": [64, 128, 256], "causal": [False, True],
@@ -104,9 +117,9 @@ PRESETS = {
 _DEFAULTS = {"api": "func", "dtype": "bf16", "d": 128, "d_v": None, "qhead_per_kvhead": 1, "nheads_kv": 8,
              "batch": 1, "seqlen_q": 1, "seqlen_k": 4096, "causal": False, "window": [-1, -1], "softcap": 0.0,
              "page_size": 0, "has_lse": False, "num_splits": 1, "num_sms": None, "pack_gqa": None,
-             "learnable_sink": False, "seqused_q": False, "batch_invariant": False}
+             "learnable_sink": False, "seqused_q": False, "batch_invariant": False, "kv_fp8": False}
 _APIS = {"func": (False, False, False), "varlen": (True, True, False), "kvcache": (False, False, True),
-         "mla": (False, False, True)}
+         "serving": (True, False, True), "mla": (False, False, True)}
 _DTYPES = ("bf16", "fp16")
 
 
@@ -125,9 +138,10 @@ class AotEntry(NamedTuple):
 
 
 def load_descriptions(preset: str) -> list:
-    """The descriptions of a preset name (``decode``, ``prefill``, ``all``) or JSON file."""
+    """The descriptions of a preset name (``decode``, ``prefill``, ``serving``, ``mla``,
+    ``all``) or JSON file."""
     if preset == "all":
-        return PRESETS["decode"] + PRESETS["prefill"] + PRESETS["mla"]
+        return PRESETS["decode"] + PRESETS["prefill"] + PRESETS["serving"] + PRESETS["mla"]
     if preset in PRESETS:
         return list(PRESETS[preset])
     path = Path(preset)
@@ -168,18 +182,20 @@ def _validate(one: dict) -> None:
     for f in ("d", "qhead_per_kvhead", "nheads_kv", "batch", "seqlen_q", "seqlen_k"):
         need(is_int(one[f]) and one[f] >= 1, f"{f} must be an int >= 1")
     need(one["d_v"] is None or (is_int(one["d_v"]) and one["d_v"] >= 1), "d_v must be an int >= 1 or null")
-    for f in ("causal", "has_lse", "learnable_sink", "seqused_q", "batch_invariant"):
+    for f in ("causal", "has_lse", "learnable_sink", "seqused_q", "batch_invariant", "kv_fp8"):
         need(isinstance(one[f], bool), f"{f} must be true or false")
     need(one["pack_gqa"] is None or isinstance(one["pack_gqa"], bool), "pack_gqa must be true, false or null")
     need(isinstance(one["softcap"], (int, float)) and not isinstance(one["softcap"], bool)
          and math.isfinite(one["softcap"]) and one["softcap"] >= 0, "softcap must be a number >= 0")
     need(isinstance(one["window"], list) and len(one["window"]) == 2, "window must be a pair [left, right]")
     need(is_int(one["page_size"]) and one["page_size"] >= 0, "page_size must be an int >= 0")
-    need(one["page_size"] == 0 or one["api"] in ("kvcache", "mla"), "page_size > 0 needs api kvcache or mla")
+    need(one["page_size"] == 0 or one["api"] in ("kvcache", "serving", "mla"),
+         "page_size > 0 needs api kvcache, serving or mla")
     if one["api"] == "mla":
         need(one["nheads_kv"] == 1, "api mla has one latent KV head: nheads_kv must be 1")
         need(one["qhead_per_kvhead"] in MLA_NHEADS, f"api mla: qhead_per_kvhead (the query heads) in {MLA_NHEADS}")
-        need(not (one["learnable_sink"] or one["seqused_q"]), "api mla has no learnable_sink or seqused_q")
+        need(not (one["learnable_sink"] or one["seqused_q"] or one["kv_fp8"]),
+             "api mla has no learnable_sink, seqused_q or kv_fp8")
     need(is_int(one["num_splits"]) and one["num_splits"] >= 0, "num_splits must be an int >= 0")
     need(one["num_sms"] is None or (is_int(one["num_sms"]) and one["num_sms"] >= 1), "num_sms must be >= 1")
     need(one["num_splits"] != 0 or one["num_sms"] is not None, "num_splits 0 (auto) needs num_sms")
@@ -207,7 +223,8 @@ def problem_of(one: dict):
                       softmax_scale=d ** -0.5, causal=causal, window_left=window_left, window_right=window_right,
                       softcap=float(one["softcap"]), varlen_q=varlen_q, varlen_k=varlen_k, has_seqused_k=seqused_k,
                       page_size=one["page_size"], has_lse=one["has_lse"], has_seqused_q=one["seqused_q"],
-                      has_sink=one["learnable_sink"], batch_invariant=one["batch_invariant"])
+                      has_sink=one["learnable_sink"], batch_invariant=one["batch_invariant"],
+                      kv_dtype=torch.float8_e4m3fn if one["kv_fp8"] else None)
 
 
 def _arch_capability(arch: str) -> tuple:
@@ -254,6 +271,9 @@ def entries_for(descriptions: list, arch: str, backend: Optional[str] = None) ->
                 parts = [(whole._replace(max_seqlen_q=short_q, q_class=short_q), one["num_splits"]),
                          (whole._replace(q_class=-short_q), 1)]
             for problem, num_splits in parts:
+                if getattr(problem, "kv_fp8", False) and _arch_capability(arch) < (8, 9):
+                    skipped.append(f"{one}: FP8 K/V needs compute capability >= 8.9, {arch} has less")
+                    break
                 name, module, reason = _backend_for(arch, backend, problem)
                 if name is None:
                     skipped.append(f"{one}: {reason}")

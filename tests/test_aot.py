@@ -207,8 +207,16 @@ def test_presets_cover_the_serving_shapes():
     decode, _ = aot.entries_for(aot.load_descriptions("decode"), "sm_80")
     prefill, _ = aot.entries_for(aot.load_descriptions("prefill"), "sm_80")
     mla, _ = aot.entries_for(aot.load_descriptions("mla"), "sm_80")
+    serving, _ = aot.entries_for(aot.load_descriptions("serving"), "sm_80")
     everything, _ = aot.entries_for(aot.load_descriptions("all"), "sm_80")
-    assert set(everything) == set(decode) | set(prefill) | set(mla)
+    assert set(everything) == set(decode) | set(prefill) | set(serving) | set(mla)
+    # Serving steps: packed queries over pages with seqused_k; the mixed steps (max_seqlen_q
+    # 2048) as both launches of their plan: the short sequences (64 // ratio queries) and the rest.
+    from flash_attn_cute.keys import parse_key
+
+    steps = [parse_key(e.key, 4) for e in serving if e.name == "fwd_sm80"]
+    assert all(f.varlen_q and f.paged and f.has_seqused_k and not f.varlen_k for f in steps)
+    assert {f.q_class for f in steps} == {0, 64, -64, 16, -16, 8, -8} and {f.has_sink for f in steps} == {False, True}
     # MLA: every dtype / heads / causal / (split, LSE) key of the SM80 MLA kernel (2 stages on sm_80)
     mla_keys = {e.key for e in mla if e.name == "mla_sm80"}
     assert len(mla_keys) == 2 * 4 * 2 * 3 and all(k[-1] == 2 for k in mla_keys)  # a split always has an LSE
@@ -250,6 +258,12 @@ def test_serving_features_are_described():
     assert {e.name for e in mla} == {"mla_sm80", "combine"} and mla[0].key[7] == 128  # split_blocks
     with pytest.raises(ValueError, match="no learnable_sink"):
         aot.expand({"api": "mla", "qhead_per_kvhead": 64, "nheads_kv": 1, "learnable_sink": True})
+    # FP8 caches: keys of the SM80 kernel with the fp8 dtype on Hopper; refused below 8.9, as at runtime
+    fp8 = [{"api": "kvcache", "page_size": 16, "qhead_per_kvhead": 4, "kv_fp8": True}]
+    hopper, skipped = aot.entries_for(fp8, "sm_90a")
+    assert skipped == [] and [(e.name, e.key[2]) for e in hopper] == [("fwd_sm80", "bf16/e4m3")]
+    ampere, skipped = aot.entries_for(fp8, "sm_80")
+    assert ampere == [] and "compute capability >= 8.9" in skipped[0]
 
 
 def test_expand_and_validate(tmp_path):
