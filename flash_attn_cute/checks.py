@@ -332,7 +332,11 @@ def descale_view(t, batch: int, nheads_kv: int, device):
     if t is None:
         t = _ONES.get(device)
         if t is None:
-            t = _ONES[device] = torch.ones(1, dtype=torch.float32, device=device)
+            t = torch.ones(1, dtype=torch.float32, device=device)
+            # Made during a CUDA-graph capture, its fill runs only when the graph replays (and
+            # it lives in the graph's pool): not one to keep for eager calls.
+            if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+                _ONES[device] = t
     if t.numel() == 1:
         return t.reshape(1, 1).expand(batch, nheads_kv)
     return t

@@ -47,6 +47,14 @@ def target_arch(device=None) -> str:
     return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
 
 
+def target_arch_or_none(device=None):
+    """``target_arch``, or None where there is neither CUTE_DSL_ARCH nor a GPU (a plan made
+    on a CPU for a fake device, which never launches)."""
+    if os.environ.get("CUTE_DSL_ARCH") or torch.cuda.is_available():
+        return target_arch(device)
+    return None
+
+
 def make_key(name: str, arch: str, dtype_name: str, d: int, d_v: int, tile: tuple, flags, qhead_per_kvhead_packed,
              is_split, has_lse, varlen_q, varlen_k, has_seqused_k, paged, has_seqused_q, has_sink, split_blocks,
              q_class: int = 0, extra: tuple = ()) -> tuple:

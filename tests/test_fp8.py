@@ -133,3 +133,19 @@ def test_fp8_needs_compute_capability_8_9(monkeypatch):
     with pytest.raises(NotImplementedError, match="compute capability >= 8.9"):
         fwd.select_backend(None, p, "cuda:0")
     assert sm90.check(p) == "fp8_kv is not implemented by this kernel" and sm80.check(p) is None
+
+
+def test_fp8_tiles_fit_the_shared_memory_of_the_arch():
+    # The staging buffers add tile_n x (d + d_v) bytes: on the 99 KB parts (sm_89, sm_120)
+    # the decode tile's KV block halves; the 227 KB parts keep the measured tile.
+    decode = FwdProblem(dtype=torch.bfloat16, batch=2, max_seqlen_q=1, max_seqlen_k=4096, nheads=32, nheads_kv=8,
+                        d=128, d_v=128, softmax_scale=0.1, causal=False, window_left=-1, window_right=-1,
+                        softcap=0.0, varlen_q=False, varlen_k=False, has_seqused_k=True, page_size=0, has_lse=False,
+                        kv_dtype=E4M3)
+    assert sm80.plan(decode, 1, None, 132, arch="sm_90a").config[:2] == (64, 128)
+    assert sm80.plan(decode, 1, None, 132, arch="sm_89").config[:2] == (64, 64)
+    assert sm80.plan(decode._replace(kv_dtype=None), 1, None, 132, arch="sm_89").config[:2] == (64, 128)
+    assert sm80.plan(decode._replace(d=256, d_v=256), 1, None, 132, arch="sm_120").config[:2] == (64, 32)
+    # An 8-warp tile over rows of 96 fp8 values would copy 128 rows a pass into 64-row blocks.
+    assert "not supported" in sm80.check(decode._replace(d=96, d_v=256))
+    assert sm80.check(decode._replace(d=96, d_v=96)) is None

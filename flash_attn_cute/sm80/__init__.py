@@ -9,9 +9,10 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 from ..backend_kit import feature_refusal, fwd_entry_points, head_groups, plan_rows, plan_splits
+from ..keys import target_arch_or_none
 from ..problems import FwdPlan, FwdProblem
 from ..tuning import NO_TUNING, Tuning
-from .config import select_tile
+from .config import fp8_refusal, fp8_staging_fits, select_tile
 
 NAME = "sm80"
 HEAD_DIMS = (64, 96, 128, 192, 256)  # for both d (q/k) and d_v (v)
@@ -46,6 +47,10 @@ def check(problem: FwdProblem) -> Optional[str]:
     for what, d in (("q/k", problem.d), ("v", problem.d_v)):
         if d not in HEAD_DIMS:
             return f"{what} head dimension {d} is not one of {HEAD_DIMS}"
+    if problem.kv_fp8:
+        reason = fp8_refusal(problem.d, problem.d_v, problem.batch_invariant)
+        if reason is not None:
+            return reason
     return feature_refusal(problem, FEATURES)
 
 
@@ -53,9 +58,14 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
          tuning: Tuning = NO_TUNING, arch: Optional[str] = None) -> FwdPlan:
     """Tile (``tuning.sm80_tile`` overrides), GQA packing (None = FA3's rule) and KV splits
     (0 = heuristic on ``num_sms``; batch invariant: fixed keys per split, ``num_splits``
-    ignored)."""
+    ignored). FP8 K/V: the tile's KV block shrinks where its staging would not fit the
+    shared memory of ``arch`` (default: the current target, ``keys.target_arch``; none
+    without a GPU or CUTE_DSL_ARCH: the tile of the 227 KB parts)."""
     pack_gqa, rows = plan_rows(problem, pack_gqa, _SPLIT_TILE_M)
     tile = select_tile(problem.d, problem.d_v, rows, tuning.sm80_tile, problem.batch_invariant)
+    arch = arch or (target_arch_or_none() if problem.kv_fp8 else None)
+    if problem.kv_fp8 and arch is not None:
+        tile = fp8_staging_fits(tile, problem.d, problem.d_v, arch)
     num_splits, split_blocks = plan_splits(problem, num_splits, num_sms, head_groups(problem, pack_gqa), rows,
                                            tile_m=_SPLIT_TILE_M, tile_n=_SPLIT_TILE_N, ctas_per_sm=_CTAS_PER_SM,
                                            tolerance=_SPLIT_TOLERANCE, kernel_tile_n=tile[1])

@@ -35,6 +35,38 @@ def select_tile(head_dim: int, head_dim_v: int, rows_per_kv_head: int, override:
     return 128, 64, 8, False
 
 
+def smem_kb(arch: str) -> int:
+    """Shared memory one CTA may use on ``arch`` (``sm_80``, ``sm_89``, ``sm_90a``...): 163 KB
+    on the A100, 227 KB from sm_90 on, 99 KB on the other 8.x and 12.x parts."""
+    digits = "".join(c for c in arch[3:] if c.isdigit())
+    return MLA_SMEM_KB.get((int(digits[:-1]), int(digits[-1])), 99)
+
+
+def fp8_staging_fits(tile: tuple, head_dim: int, head_dim_v: int, arch: str) -> tuple:
+    """The forward tile with FP8 K/V: each block also lands in fp8 staging buffers (tile_n x
+    (d + d_v) bytes) beside the 16-bit K and V the MMAs read. tile_n is halved (down to 32)
+    until Q, K, V and the staging fit ``smem_kb(arch)`` (the 99 KB parts: the decode tile at
+    d 128 needs 112 KB with 128 keys a block, 64 KB with 64)."""
+    m, n, warps, q_in_regs = tile
+
+    def kb(n_):
+        return (2 * (m * head_dim + n_ * (head_dim + head_dim_v)) + n_ * (head_dim + head_dim_v)) / 1024 + 1
+
+    while n > 32 and kb(n) > smem_kb(arch):
+        n //= 2
+    return m, n, warps, q_in_regs
+
+
+def fp8_refusal(head_dim: int, head_dim_v: int, batch_invariant: bool) -> Optional[str]:
+    """Why the SM80 kernel cannot stage FP8 K/V for these head dims (None: it can). A
+    16-byte copy moves 16 fp8 values; a row of 96 of them lies in a 32-column swizzle atom,
+    two copies wide, so the 8-warp tiles (d > 128, or batch invariant) would copy 128 rows a
+    pass into blocks of 64."""
+    if 96 in (head_dim, head_dim_v) and (max(head_dim, head_dim_v) > 128 or batch_invariant):
+        return f"FP8 K/V with head dims ({head_dim}, {head_dim_v}) is not supported (an 8-warp tile over 96 columns)"
+    return None
+
+
 @dataclass(frozen=True)
 class MlaWarpRoles:
     """Static warp roles and what each holds in registers (fp32 words per thread).
