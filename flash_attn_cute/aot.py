@@ -265,15 +265,11 @@ def entries_for(descriptions: list, arch: str, backend: Optional[str] = None) ->
     for description in descriptions:
         for one in expand(description):
             whole = problem_of(one)
-            short_q = fwd.mixed_short_q(whole)
-            parts = [(whole, one["num_splits"])]
-            if short_q:  # the two launches of a mixed plan, as fwd.resolve plans them
-                parts = [(whole._replace(max_seqlen_q=short_q, q_class=short_q), one["num_splits"]),
-                         (whole._replace(q_class=-short_q), 1)]
-            for problem, num_splits in parts:
-                if getattr(problem, "kv_fp8", False) and _arch_capability(arch) < (8, 9):
-                    skipped.append(f"{one}: FP8 K/V needs compute capability >= 8.9, {arch} has less")
-                    break
+            reason = fwd.capability_refusal(whole, _arch_capability(arch))
+            if reason is not None:
+                skipped.append(f"{one}: {reason}")
+                continue
+            for problem, num_splits in fwd.mixed_parts(whole, one["num_splits"]):  # as fwd.resolve plans it
                 name, module, reason = _backend_for(arch, backend, problem)
                 if name is None:
                     skipped.append(f"{one}: {reason}")

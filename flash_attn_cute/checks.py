@@ -342,6 +342,15 @@ def descale_view(t, batch: int, nheads_kv: int, device):
     return t
 
 
+def kernel_descales(problem, k_descale, v_descale, device) -> tuple:
+    """(k_descale, v_descale) as ``problem``'s kernel reads them: ``descale_view`` of each for
+    FP8 K/V, else (None, None) (16-bit K/V ignore them)."""
+    if not problem.kv_fp8:
+        return None, None
+    return (descale_view(k_descale, problem.batch, problem.nheads_kv, device),
+            descale_view(v_descale, problem.batch, problem.nheads_kv, device))
+
+
 def user_variant(score_mod, mask_mod, aux_tensors, block_mask, opts: Options, device, *, batch: int, nheads: int,
                  max_seqlen_q: int, max_seqlen_k: int):
     """Validates a user variant; returns (opts, None) without one, else (opts with pack_gqa

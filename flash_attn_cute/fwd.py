@@ -82,6 +82,15 @@ def candidates(kind: str, capability: tuple) -> list:
     return out
 
 
+def capability_refusal(problem, capability: tuple) -> Optional[str]:
+    """Why no backend runs ``problem`` on a GPU of ``capability`` (None: one may): FP8 K/V
+    needs the fp8 conversion instructions of compute capability 8.9."""
+    if getattr(problem, "kv_fp8", False) and tuple(capability) < (8, 9):
+        return (f"FP8 K/V needs a GPU of compute capability >= 8.9 (its conversion instructions), "
+                f"got {capability[0]}.{capability[1]}")
+    return None
+
+
 def select_backend(requested: Optional[str], problem, device) -> tuple:
     """(backend name, module) to run ``problem`` on ``device``.
 
@@ -94,9 +103,9 @@ def select_backend(requested: Optional[str], problem, device) -> tuple:
     if (major, minor) < (8, 0):
         raise RuntimeError(f"flash_attn_cute needs a GPU of compute capability >= 8.0, "
                            f"{device} has {major}.{minor}")
-    if getattr(problem, "kv_fp8", False) and (major, minor) < (8, 9):
-        raise NotImplementedError(f"FP8 K/V needs a GPU of compute capability >= 8.9 (its conversion "
-                                  f"instructions), {device} has {major}.{minor}")
+    reason = capability_refusal(problem, (major, minor))
+    if reason is not None:
+        raise NotImplementedError(f"{reason} ({device})")
     if requested is not None:
         module = backend_module(requested, kind)
         reason = module.check(problem)
@@ -147,6 +156,17 @@ def mixed_short_q(problem) -> int:
     return short_q if problem.max_seqlen_q > short_q else 0
 
 
+def mixed_parts(problem, num_splits: int) -> list:
+    """The launches ``resolve`` plans for ``problem``, as [(problem, num_splits)]: itself, or
+    the two parts of a mixed plan (``mixed_short_q``): the short sequences with the call's
+    ``num_splits``, then the others unsplit (the AOT builder lists the same parts)."""
+    short_q = mixed_short_q(problem)
+    if not short_q:
+        return [(problem, num_splits)]
+    return [(problem._replace(max_seqlen_q=short_q, q_class=short_q), num_splits),
+            (problem._replace(q_class=-short_q), 1)]
+
+
 _plan_cache: dict = {}
 
 
@@ -157,12 +177,11 @@ def clear_plan_cache() -> None:
 
 def _resolve(problem, requested: Optional[str], num_splits: int, pack_gqa: Optional[bool], device,
              tuning: Tuning) -> Resolved:
-    short_q = mixed_short_q(problem)
-    if short_q:
-        short = _resolve(problem._replace(max_seqlen_q=short_q, q_class=short_q), requested, num_splits, pack_gqa,
-                         device, tuning)
-        rest = _resolve(problem._replace(q_class=-short_q), requested, 1, pack_gqa, device, tuning)
-        return short._replace(then=rest)
+    parts = mixed_parts(problem, num_splits)
+    if len(parts) == 2:
+        (short, short_splits), (rest, rest_splits) = parts
+        return _resolve(short, requested, short_splits, pack_gqa, device, tuning)._replace(
+            then=_resolve(rest, requested, rest_splits, pack_gqa, device, tuning))
     name, module = select_backend(requested, problem, device)
     num_sms = heuristics.num_sms(device) if num_splits == 0 else None
     plan = module.plan(problem, num_splits, pack_gqa, num_sms, tuning=tuning)
@@ -247,7 +266,11 @@ def run_fwd(problem: FwdProblem, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seq
             num_splits: int = 1, pack_gqa: Optional[bool] = None, variant_tensors: Optional[tuple] = None,
             tuning: Tuning = NO_TUNING) -> None:
     """Plan, launch and (for split-KV) combine a forward problem into ``out`` / ``lse``
-    (allocated by the caller); ``learnable_sink`` fp32."""
+    (allocated by the caller); ``learnable_sink`` fp32; the descales as the public API takes
+    them (``checks.kernel_descales``)."""
+    from .checks import kernel_descales
+
+    k_descale, v_descale = kernel_descales(problem, k_descale, v_descale, q.device)
     rest = (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q, learnable_sink, k_descale, v_descale)
     if problem.variant is not None:
         rest += (variant_tensors,)

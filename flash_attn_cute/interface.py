@@ -107,11 +107,7 @@ def _launch(entry: call_cache.Entry, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
     # The kernels and the combine read the sink as fp32 (a no-op for an fp32 sink; a
     # 16-bit one costs one small conversion per call, not a compiled variant per dtype).
     sink = None if learnable_sink is None else learnable_sink.float()
-    if problem.kv_fp8:
-        k_descale = checks.descale_view(k_descale, problem.batch, problem.nheads_kv, q.device)
-        v_descale = checks.descale_view(v_descale, problem.batch, problem.nheads_kv, q.device)
-    else:
-        k_descale = v_descale = None
+    k_descale, v_descale = checks.kernel_descales(problem, k_descale, v_descale, q.device)
     rest = (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q, sink, k_descale, v_descale)
     if problem.variant is not None:
         rest += (variant_tensors,)
