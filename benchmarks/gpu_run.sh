@@ -13,7 +13,7 @@ python -c "import flash_attn_cute, cutlass" || { echo "flash_attn_cute or the Cu
 export FLASH_ATTN_CUTE_CACHE_DIR=${FLASH_ATTN_CUTE_CACHE_DIR:-/tmp/fac_cache}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  n=${SHARDS:-6}
+  n=${SHARDS:-12}
   start=$(date +%s)
   # Shard logs live outside $OUT (the device tool returns 8 files at most, and a run cut
   # short by an outer timeout would otherwise leave 16 of them there, most never returned).
