@@ -5,13 +5,18 @@ sequences of 4,096 keys in pages of 16 and 64; one query, 32 query heads, 8 KV h
 d128, ``flash_attn_with_kvcache`` with default arguments (num_splits=0), timed as
 CUDA-graph replays. ``cache_tbps``: bytes of K and V as stored (fp8: 1 byte per value)
 per second; ``keys_vs_bf16``: keys per second against our best bf16 kernel on the same
-row (>= 1.8 is the target). FP8 runs on the SM80 kernel (the SM90 kernel refuses it).
+row (>= 1.8 is the target). FP8 rows for each of our kernels that runs here (SM80, SM90).
 
-    python benchmarks/bench_fp8_decode.py [--csv out.csv] [--no-md]
+    python benchmarks/bench_fp8_decode.py [--csv out.csv] [--no-md] [--sm90-tiles "64,64,3@32;..."]
+
+``--sm90-tiles`` (a tuning aid) adds SM90 fp8 rows on the named tiles
+(FLASH_ATTN_CUTE_SM90_TILE "m,n,stages", ``tuning.py``; the fp8 plan keeps n and fits
+the stages), each with its own ``num_splits`` after "@" (default 0: the heuristic).
 """
 
 import argparse
 import math
+import os
 import sys
 
 import common
@@ -28,6 +33,7 @@ def parse_args(argv=None):
     p.add_argument("--D", type=int, default=128)
     p.add_argument("--no-md", action="store_true")
     p.add_argument("--csv", default=None)
+    p.add_argument("--sm90-tiles", default="", help='";"-separated "m,n,stages[@num_splits]"')
     return p.parse_args(argv)
 
 
@@ -84,8 +90,15 @@ def main(argv=None):
         for b in our_backends("all"):
             record(f"ours_{b} bf16", lambda b=b: fa.flash_attn_with_kvcache(q, kqp, vqp, seqlens, page_table=table,
                                                                             backend=b), 2)
-        record("ours fp8 (auto)", lambda: fa.flash_attn_with_kvcache(q, k8p, v8p, seqlens, page_table=table,
-                                                                     k_descale=kd, v_descale=vd), 1)
+        for b in our_backends("all"):
+            record(f"ours_{b} fp8", lambda b=b: fa.flash_attn_with_kvcache(q, k8p, v8p, seqlens, page_table=table,
+                                                                            k_descale=kd, v_descale=vd, backend=b), 1)
+        for spec in filter(None, args.sm90_tiles.split(";")):
+            tile, _, splits = spec.partition("@")
+            os.environ["FLASH_ATTN_CUTE_SM90_TILE"] = tile
+            record(f"ours_sm90 fp8 [{spec}]", lambda s=int(splits or 0): fa.flash_attn_with_kvcache(
+                q, k8p, v8p, seqlens, page_table=table, k_descale=kd, v_descale=vd, backend="sm90", num_splits=s), 1)
+            os.environ.pop("FLASH_ATTN_CUTE_SM90_TILE")
         if fa4 is not None:
             def fa4_fn():
                 with torch.no_grad():
@@ -96,7 +109,8 @@ def main(argv=None):
             record("fa4 bf16", fa4_fn, 2)
         else:
             group.append(dict(impl="fa4 bf16", cache=name, note=f"{UNAVAILABLE}: {fa4_why}"))
-        best_bf16 = min((r["us"] for r in group if r["impl"].startswith("ours_") and r["us"] == r["us"]),
+        best_bf16 = min((r["us"] for r in group if r["impl"].endswith(" bf16") and r["impl"].startswith("ours_")
+                         and r["us"] == r["us"]),
                         default=float("nan"))
         for r in group:
             if r.get("us") == r.get("us"):

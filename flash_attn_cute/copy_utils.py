@@ -68,3 +68,23 @@ def _copy_src(tiled_copy: cute.TiledCopy, tXsX_row: cute.Tensor, tXcX_row: cute.
         cute.copy(tiled_copy, src, tXsX_row)
     else:
         copy_row(tiled_copy, tXsX_row, tXcX_row, src)
+
+
+@cute.jit
+def widen_fp8(tXs8: cute.Tensor, tXs: cute.Tensor, dtype, tXc=None, rows_valid=None):
+    """FP8 K/V: a thread's chunks of a staged fp8 block, widened into the same chunks of
+    the 16-bit tile the MMAs read (exact: every fp8 value is a bf16 and an fp16 value).
+    ``tXs8`` and ``tXs`` are (CPY, M, chunks) partitions by one tiled copy. With
+    ``rows_valid`` (and ``tXc``, the same partition of the tile's coordinates), rows at or
+    past it are zeroed instead: what a cache holds past a sequence's end may be NaN, and a
+    zero probability does not cancel it in P V."""
+    for m in cutlass.range_constexpr(cute.size(tXs, mode=[1])):
+        for k in cutlass.range_constexpr(cute.size(tXs, mode=[2])):
+            r8 = cute.make_fragment_like(tXs8[None, m, k])
+            cute.autovec_copy(tXs8[None, m, k], r8)
+            r16 = cute.make_fragment_like(tXs[None, m, k])
+            r16.store(r8.load().to(dtype))
+            if cutlass.const_expr(rows_valid is not None):
+                if tXc[0, m, k][0] >= rows_valid:
+                    r16.fill(0.0)
+            cute.autovec_copy(r16, tXs[None, m, k])

@@ -288,6 +288,13 @@ class FwdTile:
                                                                   is_split)
         return replace(self, n_block_min=n_block_min, n_block_max=n_block_max)
 
+    def with_k_descale(self, args: FwdArgs) -> "FwdTile":
+        """FP8 K: the softmax scale times ``k_descale[b, h_kv]`` (S = q . k scales with it,
+        before any softcap or score modifier); the tile itself otherwise."""
+        if args.mKDescale is None:
+            return self
+        return replace(self, softmax_scale=self.softmax_scale * args.mKDescale[self.ctx.batch, self.head_kv])
+
     def n_block_runs(self, block_info: BlockInfo, n_block_max=None):
         """(n_mid_hi, n_mid_lo) of ``BlockInfo.get_n_block_runs`` over [n_block_min,
         ``n_block_max``) (default: the tile's)."""

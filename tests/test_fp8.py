@@ -42,7 +42,7 @@ def test_refusals():
 from types import SimpleNamespace  # noqa: E402
 
 from flash_attn_cute import (flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, fwd, sm80,  # noqa: E402
-                             sm90)
+                             sm90, sm100)
 from flash_attn_cute.problems import FwdProblem  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
@@ -70,18 +70,19 @@ def _kv(batch=2, seqlen=64, hkv=2, d=64, dtype=E4M3):
     return torch.randn(batch, seqlen, hkv, d).to(dtype), torch.randn(batch, seqlen, hkv, d).to(dtype)
 
 
-def test_fp8_cache_reaches_the_sm80_kernel_with_descales(launches):
+def test_fp8_cache_reaches_the_sm90_kernel_with_descales(launches):
     q = torch.randn(2, 1, 8, 64).to(torch.bfloat16)
     k8, v8 = _kv()
     kd, vd = torch.rand(2, 2) + 0.5, torch.rand(1) + 0.5
     flash_attn_with_kvcache(q, k8, v8, cache_seqlens=torch.tensor([64, 3], dtype=torch.int32), k_descale=kd,
                             v_descale=vd)
     call = launches[-1]
-    assert call.problem.kv_dtype == E4M3 and call.plan.backend == "sm80"  # sm90 refuses, auto falls back
+    # Hopper: the SM90 kernel, on one consumer warpgroup (it widens each block into one buffer)
+    assert call.problem.kv_dtype == E4M3 and call.plan.backend == "sm90" and call.plan.config.tile_m == 64
     k_descale, v_descale = call.tensors[11:13]
     assert k_descale is kd and v_descale.shape == (2, 2) and v_descale.stride() == (0, 0)
-    key = sm80.compile_key(call.problem, call.plan, "sm_90a")
-    plain = sm80.compile_key(call.problem._replace(kv_dtype=None), call.plan, "sm_90a")
+    key = sm90.compile_key(call.problem, call.plan, "sm_90a")
+    plain = sm90.compile_key(call.problem._replace(kv_dtype=None), call.plan, "sm_90a")
     assert key[2] == "bf16/e4m3" and plain[2] == "bf16"
     # no descale: 1.0; the same call replayed from the per-call cache passes the same views
     flash_attn_func(q, k8, v8)
@@ -117,8 +118,6 @@ def test_fp8_refusals(launches):
     with pytest.raises(NotImplementedError, match="into an FP8 cache"):
         flash_attn_with_kvcache(q, k8, v8, k=torch.randn(2, 1, 2, 64).to(E4M3), v=torch.randn(2, 1, 2, 64).to(E4M3),
                                 cache_seqlens=3)
-    with pytest.raises(NotImplementedError, match="fp8_kv is not implemented"):
-        flash_attn_with_kvcache(q, k8, v8, backend="sm90")
     # 16-bit caches: descales checked, then ignored (no fp8 problem)
     k, v = _kv(dtype=torch.bfloat16)
     flash_attn_with_kvcache(q, k, v, k_descale=torch.ones(2, 2), v_descale=torch.ones(1))
@@ -132,7 +131,8 @@ def test_fp8_needs_compute_capability_8_9(monkeypatch):
                    varlen_q=False, varlen_k=False, has_seqused_k=False, page_size=0, has_lse=False, kv_dtype=E4M3)
     with pytest.raises(NotImplementedError, match="compute capability >= 8.9"):
         fwd.select_backend(None, p, "cuda:0")
-    assert sm90.check(p) == "fp8_kv is not implemented by this kernel" and sm80.check(p) is None
+    assert sm100.check(p) == "fp8_kv is not implemented by this kernel"
+    assert sm90.check(p) is None and sm80.check(p) is None
 
 
 def test_fp8_tiles_fit_the_shared_memory_of_the_arch():
@@ -149,3 +149,10 @@ def test_fp8_tiles_fit_the_shared_memory_of_the_arch():
     # An 8-warp tile over rows of 96 fp8 values would copy 128 rows a pass into 64-row blocks.
     assert "not supported" in sm80.check(decode._replace(d=96, d_v=256))
     assert sm80.check(decode._replace(d=96, d_v=96)) is None
+    # SM90: one consumer warpgroup, the stages that fit next to the widened K and V blocks
+    for d, rows, tile in ((128, 1, (64, 128, 4)), (128, 2048, (64, 128, 4)), (64, 2048, (64, 128, 4)),
+                          (256, 1, (64, 80, 2)), (256, 2048, (64, 64, 4))):
+        p = decode._replace(d=d, d_v=d, max_seqlen_q=rows)
+        config = sm90.plan(p, 1, False, 132).config
+        assert config[:3] == tile and not config.persistent, (d, rows, config)
+        assert sm90.config.fp8_smem_bytes(d, d, *tile) <= sm90.config.SMEM_LIMIT

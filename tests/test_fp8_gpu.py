@@ -4,8 +4,9 @@ reference computed on the dequantized values (``testing.dequantize_kv``).
 The kernel widens the stored fp8 values exactly and applies ``k_descale`` to the scores,
 ``v_descale`` to the output; PyTorch's own error is measured on the same quantized inputs
 (the dequantized K/V rounded to q's dtype), and the kernel's error is bounded by twice it
-(``check_close``). Outputs are poisoned with NaN. FP8 K/V runs on the SM80 kernel; the
-SM90 kernel refuses it (automatic selection then takes the SM80 kernel on Hopper).
+(``check_close``). Outputs are poisoned with NaN, and so are the cache rows past each
+sequence's end (a TMA block reads them). FP8 K/V runs on the SM80 kernel (compute
+capability >= 8.9) and on the SM90 kernel (Hopper: automatic selection takes it).
 """
 
 import pytest
@@ -23,6 +24,9 @@ pytestmark = [
 
 DEVICE = "cuda"
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+# None: automatic selection; each kernel by name where this GPU runs it.
+BACKENDS = [None, "sm80"] + (["sm90"] if HOPPER else [])
 
 
 def _i32(values):
@@ -45,13 +49,21 @@ def _paged(dense8, table, page_size, num_pages):
     return pool.view(dense8.dtype)
 
 
+def _poison_tails(cache8, lens):
+    """A copy of a (batch, capacity, hkv, d) fp8 cache with NaN bytes past each length."""
+    poisoned = cache8.view(torch.uint8).clone()
+    for b, n in enumerate(lens.tolist()):
+        poisoned[b, n:] = 0x7F  # NaN in e4m3 and in e5m2
+    return poisoned.view(cache8.dtype)
+
+
 def _check(out, lse, out_ref, lse_ref, out_torch, lse_torch):
     check_close(out, out_ref, out_torch)
     if lse is not None:
         check_lse(lse, lse_ref, lse_torch)
 
 
-@pytest.mark.parametrize("backend", [None, "sm80"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fp8,qdtype", [(E4M3, torch.bfloat16), (E4M3, torch.float16), (E5M2, torch.bfloat16)])
 @pytest.mark.parametrize("seqlen_q,causal,num_splits", [(1, False, 0), (1, False, 5), (4, True, 0), (4, True, 3)])
 def test_fp8_kvcache(backend, fp8, qdtype, seqlen_q, causal, num_splits):
@@ -62,8 +74,9 @@ def test_fp8_kvcache(backend, fp8, qdtype, seqlen_q, causal, num_splits):
     v8, vd = _cache(batch, capacity, hkv, d, fp8, scale=3.0)
     lens = _i32([1000, 37, 513])
     out = torch.full_like(q, float("nan"))
-    res = flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens, k_descale=kd, v_descale=vd, causal=causal,
-                                  num_splits=num_splits, return_lse=True, out=out, backend=backend)
+    res = flash_attn_with_kvcache(q, _poison_tails(k8, lens), _poison_tails(v8, lens), cache_seqlens=lens,
+                                  k_descale=kd, v_descale=vd, causal=causal, num_splits=num_splits, return_lse=True,
+                                  out=out, backend=backend)
     assert res[0] is out
     k, v = dequantize_kv(k8, kd), dequantize_kv(v8, vd)
     out_ref, lse_ref = attention_kvcache_ref(q, k, v, lens, causal=causal)
@@ -71,9 +84,10 @@ def test_fp8_kvcache(backend, fp8, qdtype, seqlen_q, causal, num_splits):
     _check(out, res[1], out_ref, lse_ref, out_torch, lse_torch)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("granularity", ["batch_head", "tensor"])
-def test_fp8_paged_decode(page_size, granularity):
+def test_fp8_paged_decode(backend, page_size, granularity):
     torch.manual_seed(1)
     batch, pages_per_seq, h, hkv, d = 4, 2048 // page_size, 32, 8, 128
     num_pages = batch * pages_per_seq + 3
@@ -85,7 +99,7 @@ def test_fp8_paged_decode(page_size, granularity):
     k8, v8 = _paged(k_dense8, table, page_size, num_pages), _paged(v_dense8, table, page_size, num_pages)
     lens = _i32([2048, 1, 700, 1500])
     out = flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens, page_table=table, k_descale=kd, v_descale=vd,
-                                  window_size=(300, 0), softcap=20.0, causal=True)
+                                  window_size=(300, 0), softcap=20.0, causal=True, backend=backend)
     k, v = dequantize_kv(k_dense8, kd), dequantize_kv(v_dense8, vd)
     kw = dict(causal=True, window_size=(300, 0), softcap=20.0)
     out_ref, _ = attention_kvcache_ref(q, k, v, lens, **kw)
@@ -93,9 +107,10 @@ def test_fp8_paged_decode(page_size, granularity):
     check_close(out, out_ref, out_torch)
 
 
-def test_fp8_varlen_mixed_step():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp8_varlen_mixed_step(backend):
     # A serving step over an FP8 paged pool: decode rows, a spec-decode row, an empty row and
-    # a prefill chunk (a mixed plan: two launches of the SM80 kernel), with a learnable sink.
+    # a prefill chunk (a mixed plan: two launches of one kernel), with a learnable sink.
     torch.manual_seed(2)
     page_size, h, hkv, d = 16, 8, 2, 128
     lens_q, lens_k = [1, 1, 5, 0, 300], [40, 900, 100, 9, 600]
@@ -111,7 +126,7 @@ def test_fp8_varlen_mixed_step():
     out = torch.full_like(q, float("nan"))
     out, lse = flash_attn_varlen_func(q, k8, v8, cu_seqlens_q=cu_q, max_seqlen_q=max(lens_q), seqused_k=_i32(lens_k),
                                       page_table=table, causal=True, learnable_sink=sink, k_descale=kd,
-                                      v_descale=vd, return_lse=True, out=out, num_splits=0)
+                                      v_descale=vd, return_lse=True, out=out, num_splits=0, backend=backend)
     k, v = dequantize_kv(k_dense8, kd), dequantize_kv(v_dense8, vd)
     kw = dict(cu_seqlens_q=cu_q, seqused_k=_i32(lens_k), causal=True, learnable_sink=sink)
     out_ref, lse_ref = attention_serving_ref(q, k, v, **kw)
@@ -119,15 +134,33 @@ def test_fp8_varlen_mixed_step():
     _check(out, lse, out_ref, lse_ref, out_torch, lse_torch)
 
 
-def test_fp8_refused_by_sm90_and_unit_scales_for_bf16():
-    q = torch.randn(2, 1, 8, 128, device=DEVICE, dtype=torch.bfloat16)
-    k8, kd = _cache(2, 256, 2, 128, E4M3)
-    if torch.cuda.get_device_capability()[0] == 9:
-        with pytest.raises(NotImplementedError, match="fp8_kv"):
-            flash_attn_with_kvcache(q, k8, k8, k_descale=kd, v_descale=kd, backend="sm90")
+def test_fp8_unit_scales_for_bf16():
     # 16-bit caches: descales are checked and ignored (FA3; vLLM passes unit scales)
+    q = torch.randn(2, 1, 8, 128, device=DEVICE, dtype=torch.bfloat16)
     k = torch.randn(2, 256, 2, 128, device=DEVICE, dtype=torch.bfloat16)
     ones = torch.ones(2, 2, device=DEVICE)
     ref = flash_attn_with_kvcache(q, k, k)
     torch.testing.assert_close(flash_attn_with_kvcache(q, k, k, k_descale=ones * 3, v_descale=ones), ref, rtol=0,
                                atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("d", [64, 96, 256])
+def test_fp8_head_dims_and_gqa_packing(backend, d):
+    # Other head dims (fp8 rows of 64 / 96 / 256 bytes: each its own smem swizzle) and a
+    # GQA ratio of 8 packed into the decode tile, with a paged cache of page 32.
+    torch.manual_seed(3)
+    batch, pages_per_seq, page_size, h, hkv = 2, 24, 32, 16, 2
+    q = torch.randn(batch, 2, h, d, device=DEVICE, dtype=torch.bfloat16)
+    k_dense8, kd = _cache(batch, pages_per_seq * page_size, hkv, d, E4M3)
+    v_dense8, vd = _cache(batch, pages_per_seq * page_size, hkv, d, E4M3)
+    table = torch.randperm(batch * pages_per_seq, device=DEVICE).view(batch, pages_per_seq).int()
+    k8, v8 = (_paged(x, table, page_size, batch * pages_per_seq) for x in (k_dense8, v_dense8))
+    lens = _i32([pages_per_seq * page_size, 333])
+    out = torch.full_like(q, float("nan"))
+    flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens, page_table=table, k_descale=kd, v_descale=vd, causal=True,
+                            out=out, backend=backend)
+    k, v = dequantize_kv(k_dense8, kd), dequantize_kv(v_dense8, vd)
+    out_ref, _ = attention_kvcache_ref(q, k, v, lens, causal=True)
+    out_torch, _ = attention_kvcache_ref(q, k.bfloat16(), v.bfloat16(), lens, causal=True, upcast=False)
+    check_close(out, out_ref, out_torch)

@@ -29,7 +29,7 @@ from cutlass import Float32
 from cutlass.cute.nvgpu import warp
 
 from flash_attn_cute.block_info import BlockInfo
-from flash_attn_cute.copy_utils import copy_rows, gmem_tiled_copy
+from flash_attn_cute.copy_utils import copy_rows, gmem_tiled_copy, widen_fp8
 from flash_attn_cute.cute_utils import launch_ctas
 from flash_attn_cute.epilogue import store_lse, store_o
 from flash_attn_cute.fwd_kernel import (FwdArgs, FwdTile, compile_from_key, fwd_call, set_fwd_config, tile_grid,
@@ -334,22 +334,11 @@ class _Widen:
 
     @cute.jit
     def k(self, dtype):
-        _widen(self.tKs8, self.tKsK, dtype)
+        widen_fp8(self.tKs8, self.tKsK, dtype)
 
     @cute.jit
     def v(self, dtype):
-        _widen(self.tVs8, self.tVsV, dtype)
-
-
-@cute.jit
-def _widen(tXs8: cute.Tensor, tXs: cute.Tensor, dtype):
-    for m in cutlass.range_constexpr(cute.size(tXs, mode=[1])):
-        for k in cutlass.range_constexpr(cute.size(tXs, mode=[2])):
-            r8 = cute.make_fragment_like(tXs8[None, m, k])
-            cute.autovec_copy(tXs8[None, m, k], r8)
-            r16 = cute.make_fragment_like(tXs[None, m, k])
-            r16.store(r8.load().to(dtype))
-            cute.autovec_copy(r16, tXs[None, m, k])
+        widen_fp8(self.tVs8, self.tVsV, dtype)
 
 
 @dataclass(frozen=True)

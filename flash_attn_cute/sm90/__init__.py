@@ -25,7 +25,7 @@ _SPLIT_TOLERANCE = 0.95
 
 # wgmma and setmaxnreg exist on sm_90a only.
 AUTO = True
-FEATURES = frozenset({"learnable_sink", "seqused_q", "batch_invariant"})  # backend_kit.FEATURES this kernel implements
+FEATURES = frozenset({"learnable_sink", "seqused_q", "batch_invariant", "fp8_kv"})  # backend_kit.FEATURES this kernel implements
 
 
 class Sm90Config(NamedTuple):
@@ -61,6 +61,8 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     tile = config.select_tile(problem.d, problem.d_v, rows, causal=problem.causal, local=problem.local,
                               page_size=problem.page_size or None, override=tuning.sm90_tile,
                               batch_invariant=problem.batch_invariant)
+    if problem.kv_fp8:
+        tile = config.fp8_tile(problem.d, problem.d_v, tile, tile[2] if tuning.sm90_tile else 4)
     num_splits, split_blocks = plan_splits(problem, num_splits, num_sms, head_groups(problem, pack_gqa), rows,
                                            tile_m=tile[0], tile_n=tile[1], ctas_per_sm=_CTAS_PER_SM,
                                            tolerance=_SPLIT_TOLERANCE)
@@ -68,6 +70,7 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     fits = config.persistent_fits(problem.d, problem.d_v, tile, problem.qhead_per_kvhead if pack_gqa else 1,
                                   problem.varlen_q, num_splits > 1 or split_blocks > 0, gather_kv,
                                   problem.has_seqused_q)
+    fits = fits and not problem.kv_fp8  # persistent_fits counts 16-bit stages
     return FwdPlan(NAME, Sm90Config(*tile, gather_kv, persistent(problem, fits, tuning.sm90_persistent),
                                     split_blocks), pack_gqa, num_splits)
 

@@ -53,6 +53,23 @@ def select_tile(d: int, dv: int, rows_per_kv_head: int, *, causal: bool = False,
     return m, n, s, 0
 
 
+def fp8_smem_bytes(d: int, dv: int, tile_m: int, tile_n: int, stages: int) -> int:
+    """Shared memory of a tile over FP8 K/V: 16-bit Q, fp8 stages, one widened 16-bit K
+    and V block."""
+    return 2 * tile_m * d + stages * tile_n * (d + dv) + 2 * tile_n * (d + dv) + 1024
+
+
+def fp8_tile(d: int, dv: int, tile: tuple, max_stages: int = 4) -> tuple:
+    """The tile over FP8 K/V: the consumers widen each staged block into one 16-bit buffer
+    its wgmma read, so one consumer warpgroup (tile_m 64: no second one reads a buffer the
+    first overwrites); tile_n as for 16 bits; as many stages (up to ``max_stages``: 4, or
+    a tuning override's) as fit, since half the bytes a stage now holds is what keeps a
+    decode CTA's loads in flight."""
+    _, n, _, _ = tile
+    stages = next((s for s in range(max_stages, 2, -1) if fp8_smem_bytes(d, dv, 64, n, s) <= SMEM_LIMIT), 2)
+    return 64, n, stages, 0
+
+
 def gathers_kv(tile_n: int, page_size: int) -> bool:
     """Whether a paged cache (page_size > 0) is read by cp.async row gathers: its pages
     do not hold whole tile_n blocks, so no TMA box spans one."""

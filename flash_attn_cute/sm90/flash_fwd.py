@@ -43,7 +43,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from flash_attn_cute.block_info import BlockInfo
-from flash_attn_cute.copy_utils import copy_row, copy_rows, gmem_tiled_copy
+from flash_attn_cute.copy_utils import copy_row, copy_rows, gmem_tiled_copy, widen_fp8
 from flash_attn_cute.cute_utils import launch_ctas
 from flash_attn_cute.epilogue import store_lse, store_o
 from flash_attn_cute.fwd_kernel import (FwdArgs, FwdTile, compile_from_key, fwd_call, set_fwd_config, tile_grid,
@@ -110,8 +110,17 @@ class FlashAttnFwdSm90:
         # own buffer (``persistent_fits`` keeps the keys where it does not fit non-persistent).
         self.separate_o = self.persistent and self.use_tma_o
         self.cache_tail_may_be_garbage = args.cache_tail_may_be_garbage
-        sK_layout = smem_layout(self.dtype, self.tile_n, self.head_dim, self.num_stages)
-        sV_layout = smem_layout(self.dtype, self.tile_n, self.head_dim_v, self.num_stages)
+        # FP8 K/V: the stages hold fp8 blocks (TMA or gathers, half the bytes of 16-bit ones);
+        # the consumers widen each into a 16-bit buffer the wgmma reads (``take_k``/``take_v``).
+        kv_dtype = args.mK.element_type
+        self.fp8 = kv_dtype.width == 8
+        assert not self.fp8 or self.roles.num_consumer_wgs == 1, "fp8 K/V: one consumer warpgroup (sm90/config.py)"
+        sK_layout = smem_layout(kv_dtype, self.tile_n, self.head_dim, self.num_stages)
+        sV_layout = smem_layout(kv_dtype, self.tile_n, self.head_dim_v, self.num_stages)
+        sKw_layout = smem_layout(self.dtype, self.tile_n, self.head_dim, 1)
+        sVw_layout = smem_layout(self.dtype, self.tile_n, self.head_dim_v, 1)
+        kw_field = cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKw_layout) if self.fp8 else 8], 1024]
+        vw_field = cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sVw_layout) if self.fp8 else 8], 1024]
 
         # O reuses Q's buffer (free once the last Q K^T completed), or has its own (separate_o).
         q_elems = cute.cosize(sQ_layout)
@@ -126,9 +135,11 @@ class FlashAttnFwdSm90:
             mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[kv_dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[kv_dtype, cute.cosize(sV_layout)], 1024]
             sO: o_field
+            sKw: kw_field  # fp8: the widened block (unused 16-byte stand-ins otherwise)
+            sVw: vw_field
 
         # Each consumer warpgroup owns 64 rows: wgmma's M.
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
@@ -170,8 +181,8 @@ class FlashAttnFwdSm90:
             )
         tx_bytes = (
             cute.size_in_bytes(self.dtype, sQ_layout),
-            cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1])),
-            cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1])),
+            cute.size_in_bytes(kv_dtype, cute.select(sK_layout, mode=[0, 1])),
+            cute.size_in_bytes(kv_dtype, cute.select(sV_layout, mode=[0, 1])),
         )
 
         grid, grid_divisor, num_m_blocks, heads_eff = tile_grid(args, self.tile_m, self.qhead_per_kvhead_packed)
@@ -183,7 +194,7 @@ class FlashAttnFwdSm90:
             grid = LptScheduler.grid(num_m_blocks, heads_eff, args.num_splits, args.batch_size)
         kernel = self.kernel(
             args, (tma_Q, tma_K, tma_V, tma_O), (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O),
-            (sQ_layout, sK_layout, sV_layout, sO_layout), tiled_mma_qk, tiled_mma_pv,
+            (sQ_layout, sK_layout, sV_layout, sO_layout, sKw_layout, sVw_layout), tiled_mma_qk, tiled_mma_pv,
             gmem_tiled_copy(self.dtype, self.head_dim, self.roles.consumer_threads),
             tx_bytes, SharedStorage, num_m_blocks, grid_divisor, heads_eff, l2_heads,
         )
@@ -195,7 +206,7 @@ class FlashAttnFwdSm90:
         args: FwdArgs,  # the caller's tensors (Q and K for their shapes: loads go through the views) and scalars
         tma_views: tuple,  # Q, K, V, O: TMA views, or the tensors themselves where no TMA applies
         tma_atoms: tuple,  # Q, K, V, O: TMA atoms or None
-        smem_layouts: tuple,  # Q, K, V, O
+        smem_layouts: tuple,  # Q, K, V, O, widened K and V (fp8)
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         gmem_copy_Q: cute.TiledCopy,
@@ -207,7 +218,7 @@ class FlashAttnFwdSm90:
         l2_heads: Int32,
     ):
         tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O = tma_atoms
-        sQ_layout, sK_layout, sV_layout, sO_layout = smem_layouts
+        sQ_layout, sK_layout, sV_layout, sO_layout, sKw_layout, sVw_layout = smem_layouts
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
@@ -250,7 +261,11 @@ class FlashAttnFwdSm90:
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         o_storage = storage.sO if cutlass.const_expr(self.separate_o) else storage.sQ
         sO = o_storage.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
-        io = _Io(*tma_views, *tma_atoms, sQ, sK, sV, sO, pipeline_q, pipeline_k, pipeline_v, gmem_copy_Q)
+        sKw, sVw = None, None
+        if cutlass.const_expr(self.fp8):
+            sKw = storage.sKw.get_tensor(sKw_layout.outer, swizzle=sKw_layout.inner)
+            sVw = storage.sVw.get_tensor(sVw_layout.outer, swizzle=sVw_layout.inner)
+        io = _Io(*tma_views, *tma_atoms, sQ, sK, sV, sO, pipeline_q, pipeline_k, pipeline_v, gmem_copy_Q, sKw, sVw)
 
         block_info = BlockInfo(self.tile_m, self.tile_n, self.qhead_per_kvhead_packed, self.variant, self.split_blocks,
                          self.q_class)
@@ -409,7 +424,7 @@ class FlashAttnFwdSm90:
         nthreads = self.roles.producer_threads
 
         def loader(mX, sX, cols, pipe):
-            tiled_copy = gmem_tiled_copy(self.dtype, cols, nthreads)
+            tiled_copy = gmem_tiled_copy(args.mK.element_type, cols, nthreads)
             thr_copy = tiled_copy.get_slice(tidx)
             tXsX = thr_copy.partition_D(sX)
             tXcX = thr_copy.partition_S(cute.make_identity_tensor((self.tile_n, cols)))
@@ -475,6 +490,9 @@ class FlashAttnFwdSm90:
         tiled_mma_qk, tiled_mma_pv = tiled_mmas
         tile = FwdTile.create(args, work, block_info, self.is_split)
         if tile.rows_valid > 0:
+            # fp8 K: k_descale joins the softmax scale (read only for a tile with rows: a CTA
+            # of a folded grid past the last sequence has no batch index to read it at).
+            tile_k = tile.with_k_descale(args)
             thr_mma_qk = tiled_mma_qk.get_slice(cidx)
             acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((self.tile_m, self.head_dim_v)), Float32)
             acc_O.fill(0.0)
@@ -483,11 +501,13 @@ class FlashAttnFwdSm90:
             has_mod = cutlass.const_expr(self.variant.has_score_mod)
             # With a score modifier the kernel scales S before calling it; otherwise the
             # scale folds into the exp2 argument (one FFMA per score).
-            scale_log2 = LOG2_E if has_mod else tile.softmax_scale * LOG2_E
+            scale_log2 = LOG2_E if has_mod else tile_k.softmax_scale * LOG2_E
             softmax = OnlineSoftmax(cute.size(tScS_mn, mode=[0]), Float32(scale_log2))
             if tile.n_block_max > tile.n_block_min:
-                q_state, state = self.mainloop(args, io, tiled_mmas, acc_O, softmax, tScS_mn, tile, block_info,
+                q_state, state = self.mainloop(args, io, tiled_mmas, acc_O, softmax, tScS_mn, tile_k, block_info,
                                                q_state, state, cidx, wg_idx)
+                if cutlass.const_expr(args.mVDescale is not None):  # fp8: V = the fp8 values x v_descale
+                    acc_O.store(acc_O.load() * args.mVDescale[tile.ctx.batch, tile.head_kv])
             sinks = None
             if cutlass.const_expr(args.mLearnableSink is not None and not self.is_split):  # split: the combine's
                 sinks = tile.row_sinks(args.mLearnableSink, tScS_mn, tile.m_block * self.tile_m,
@@ -508,8 +528,18 @@ class FlashAttnFwdSm90:
         wg_mma_qk = tiled_mma_qk.get_slice(wg_layout(wg_idx))
         wg_mma_pv = tiled_mma_pv.get_slice(wg_layout(wg_idx))
         tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(io.sQ))
-        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(io.sK))
-        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(transpose_view(io.sV)))
+        widen = None
+        if cutlass.const_expr(self.fp8):
+            # The wgmma read the widened buffers; each thread widens its 8-element chunks of a
+            # staged block (the partition of a 16-bit 128-bit copy: 16-byte aligned stores).
+            thr_copy_K = gmem_tiled_copy(self.dtype, self.head_dim, self.roles.consumer_threads).get_slice(cidx)
+            thr_copy_V = gmem_tiled_copy(self.dtype, self.head_dim_v, self.roles.consumer_threads).get_slice(cidx)
+            widen = _Widen(thr_copy_K.partition_D(io.sK), thr_copy_K.partition_D(io.sKw[None, None, 0]),
+                           thr_copy_V.partition_D(io.sV), thr_copy_V.partition_D(io.sVw[None, None, 0]),
+                           thr_copy_V.partition_S(cute.make_identity_tensor((self.tile_n, self.head_dim_v))))
+        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(io.sKw if cutlass.const_expr(self.fp8) else io.sK))
+        tOrVt = wg_mma_pv.make_fragment_B(
+            wg_mma_pv.partition_B(transpose_view(io.sVw if cutlass.const_expr(self.fp8) else io.sV)))
         # P in 16 bits, laid out like S (so the conversion packs adjacent columns pairwise),
         # read by the RS wgmma through the A-operand view.
         rP = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), self.dtype)
@@ -518,7 +548,8 @@ class FlashAttnFwdSm90:
         scale_carry = None
         if cutlass.const_expr(self.rescale_o_before_pv):
             scale_carry = cute.make_rmem_tensor((softmax.num_rows,), Float32)
-        mma = _MmaState(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, tScS_mn, acc_O, softmax, scale_carry)
+        mma = _MmaState(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, tScS_mn, acc_O, softmax, scale_carry,
+                        widen)
 
         if cutlass.const_expr(self.use_tma_q):
             io.pipeline_q.consumer_wait(q_state)
@@ -533,14 +564,14 @@ class FlashAttnFwdSm90:
         n_block_min, n_block_max = tile.n_block_min, tile.n_block_max
 
         # First block: S only (its P V is issued with the next block's Q K^T).
-        kv_wait(io.pipeline_k, state, self.gather_kv)
+        k_stage = self.take_k(mma, io, state)
         acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-        wgmma_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], True, 0)
-        kv_release(io.pipeline_k, state, self.gather_kv)
+        wgmma_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_stage], True, 0)
+        self.give_kv(io.pipeline_k, state)
         apply_to_scores(self.variant, acc_mn_view(acc_S), tScS_mn, tile.ctx, row0, (n_block_max - 1) * self.tile_n,
                         self.qhead_per_kvhead_packed, tile.softmax_scale, True)
         self.softmax(mma, acc_S, None)
-        if cutlass.const_expr(self.cache_tail_may_be_garbage):
+        if cutlass.const_expr(self.cache_tail_may_be_garbage and not self.fp8):  # fp8: zeroed as widened
             self.zero_v_tail(io.pipeline_v, state, io.sV, tile.ctx.seqlen_k - (n_block_max - 1) * self.tile_n, cidx)
 
         # The first block is done: the runs cover [n_block_min, n_block_max - 1).
@@ -556,9 +587,9 @@ class FlashAttnFwdSm90:
 
         # Last P V.
         self.rescale_carried(mma)
-        kv_wait(io.pipeline_v, state, self.gather_kv)
-        wgmma_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], False, 0)
-        kv_release(io.pipeline_v, state, self.gather_kv)
+        v_stage = self.take_v(mma, io, state, tile, n_block_min)
+        wgmma_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_stage], False, 0)
+        self.give_kv(io.pipeline_v, state)
         state.advance()
         return q_state, state
 
@@ -569,23 +600,67 @@ class FlashAttnFwdSm90:
         starts once S lands, while P V still runs."""
         state_v = state.clone()
         state.advance()
-        kv_wait(io.pipeline_k, state, self.gather_kv)
+        k_stage = self.take_k(mma, io, state)
         self.scheduler_sync(wg_idx)
         acc_S = cute.make_rmem_tensor(mma.tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-        wgmma_gemm(mma.tiled_mma_qk, acc_S, mma.tSrQ, mma.tSrK[None, None, None, state.index], True, -1)
+        wgmma_gemm(mma.tiled_mma_qk, acc_S, mma.tSrQ, mma.tSrK[None, None, None, k_stage], True, -1)
         self.rescale_carried(mma)  # while Q K^T runs
-        kv_wait(io.pipeline_v, state_v, self.gather_kv)
-        wgmma_gemm(mma.tiled_mma_pv, mma.acc_O, mma.tOrP, mma.tOrVt[None, None, None, state_v.index], False, -1)
+        v_stage = self.take_v(mma, io, state_v, tile, n_block + 1)  # fp8: widened while Q K^T runs
+        wgmma_gemm(mma.tiled_mma_pv, mma.acc_O, mma.tOrP, mma.tOrVt[None, None, None, v_stage], False, -1)
         self.scheduler_arrive(wg_idx)
         warpgroup.wait_group(1)  # S landed; P V may still run
-        kv_release(io.pipeline_k, state, self.gather_kv)
+        self.give_kv(io.pipeline_k, state)
         apply_to_scores(self.variant, acc_mn_view(acc_S), mma.tScS_mn, tile.ctx, row0, n_block * self.tile_n,
                         self.qhead_per_kvhead_packed, tile.softmax_scale, masked)
         row_scale = mma.softmax.step(acc_S, ex2_emulate_every=0 if masked else self.ex2_emulate_every)
         warpgroup.wait_group(0)  # P V landed: acc_O and tOrP are free
-        kv_release(io.pipeline_v, state_v, self.gather_kv)
+        self.give_kv(io.pipeline_v, state_v)
         self.softmax(mma, acc_S, row_scale)
         return state
+
+    @cute.jit
+    def take_k(self, mma: "_MmaState", io: "_Io", state):
+        """Waits for K of ``state``'s stage; returns the stage index the Q K^T reads. FP8:
+        the block is widened into the 16-bit buffer (index 0) and its stage freed at once.
+        The buffer is free: the last Q K^T that read it completed (``wait_group`` of the
+        previous step), and one warpgroup reads it (``config.fp8_tile``)."""
+        kv_wait(io.pipeline_k, state, self.gather_kv)
+        stage = state.index
+        if cutlass.const_expr(self.fp8):
+            widen_fp8(mma.widen.tKs8[None, None, None, state.index], mma.widen.tKsK, self.dtype)
+            self.widened(io.pipeline_k, state)
+            stage = 0
+        return stage
+
+    @cute.jit
+    def take_v(self, mma: "_MmaState", io: "_Io", state, tile: FwdTile, n_block):
+        """``take_k`` for V of block ``n_block``. FP8 over a cache whose tail may hold
+        garbage: rows past the sequence end are zeroed as they are widened (``zero_v_tail``
+        for 16-bit stages)."""
+        kv_wait(io.pipeline_v, state, self.gather_kv)
+        stage = state.index
+        if cutlass.const_expr(self.fp8):
+            rows_valid = None
+            if cutlass.const_expr(self.cache_tail_may_be_garbage):
+                rows_valid = tile.ctx.seqlen_k - n_block * self.tile_n
+            widen_fp8(mma.widen.tVs8[None, None, None, state.index], mma.widen.tVsV, self.dtype, mma.widen.tVcV,
+                      rows_valid)
+            self.widened(io.pipeline_v, state)
+            stage = 0
+        return stage
+
+    def widened(self, pipe, state):
+        """Generic-proxy stores, read next by wgmma (async proxy): fenced, every consumer
+        thread's part done; then the fp8 stage goes back to the producer."""
+        cute.arch.fence_view_async_shared()
+        self.consumers_sync()
+        kv_release(pipe, state, self.gather_kv)
+
+    def give_kv(self, pipe, state):
+        """Frees a 16-bit stage once the wgmma that read it completed (fp8 stages were freed
+        when widened)."""
+        if cutlass.const_expr(not self.fp8):
+            kv_release(pipe, state, self.gather_kv)
 
     @cute.jit
     def softmax(self, mma: "_MmaState", acc_S, row_scale):
@@ -728,6 +803,8 @@ class _Io:
     pipeline_k: object
     pipeline_v: object
     gmem_copy_Q: cute.TiledCopy
+    sKw: Optional[cute.Tensor]  # fp8: the widened K block (tile_n, d, 1) the wgmma reads; else None
+    sVw: Optional[cute.Tensor]
 
 
 @dataclass(frozen=True)
@@ -758,6 +835,19 @@ class _MmaState:
     acc_O: cute.Tensor
     softmax: OnlineSoftmax
     scale_carry: Optional[cute.Tensor]
+    widen: Optional["_Widen"]  # fp8 K/V only
+
+
+@dataclass(frozen=True)
+class _Widen:
+    """FP8 K/V: a consumer thread's chunks of the fp8 stages (CPY, M, chunks, stages) and
+    of the 16-bit buffers (CPY, M, chunks), and V's tile coordinates (tail rows zeroed)."""
+
+    tKs8: cute.Tensor
+    tKsK: cute.Tensor
+    tVs8: cute.Tensor
+    tVsV: cute.Tensor
+    tVcV: cute.Tensor
 
 
 # ---------------------------------------------------------------------------------------
