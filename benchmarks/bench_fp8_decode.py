@@ -11,7 +11,8 @@ row (>= 1.8 is the target). FP8 rows for each of our kernels that runs here (SM8
 
 ``--sm90-tiles`` (a tuning aid) adds SM90 fp8 rows on the named tiles
 (FLASH_ATTN_CUTE_SM90_TILE "m,n,stages", ``tuning.py``; the fp8 plan keeps n and fits
-the stages), each with its own ``num_splits`` after "@" (default 0: the heuristic).
+the stages), each with its own ``num_splits`` after "@" on the one-sequence row
+(default, and on the batched rows: 0, the heuristic).
 """
 
 import argparse
@@ -96,7 +97,7 @@ def main(argv=None):
         for spec in filter(None, args.sm90_tiles.split(";")):
             tile, _, splits = spec.partition("@")
             os.environ["FLASH_ATTN_CUTE_SM90_TILE"] = tile
-            record(f"ours_sm90 fp8 [{spec}]", lambda s=int(splits or 0): fa.flash_attn_with_kvcache(
+            record(f"ours_sm90 fp8 [{spec}]", lambda s=int(splits or 0) if B == 1 else 0: fa.flash_attn_with_kvcache(
                 q, k8p, v8p, seqlens, page_table=table, k_descale=kd, v_descale=vd, backend="sm90", num_splits=s), 1)
             os.environ.pop("FLASH_ATTN_CUTE_SM90_TILE")
         if fa4 is not None:

@@ -77,14 +77,19 @@ def widen_fp8(tXs8: cute.Tensor, tXs: cute.Tensor, dtype, tXc=None, rows_valid=N
     ``tXs8`` and ``tXs`` are (CPY, M, chunks) partitions by one tiled copy. With
     ``rows_valid`` (and ``tXc``, the same partition of the tile's coordinates), rows at or
     past it are zeroed instead: what a cache holds past a sequence's end may be NaN, and a
-    zero probability does not cancel it in P V."""
+    zero probability does not cancel it in P V.
+
+    Every chunk is loaded before the first is stored: the compiler cannot move a load
+    from one buffer above a store to the other (it cannot tell they do not alias), so one
+    chunk at a time would put a full shared-memory round trip per chunk on the path of a
+    warpgroup with no other warps to hide it (H200, SM90 decode: 1.46 TB/s of fp8)."""
+    r8 = cute.make_fragment_like(tXs8)
+    cute.autovec_copy(tXs8, r8)
+    r16 = cute.make_fragment_like(tXs)
     for m in cutlass.range_constexpr(cute.size(tXs, mode=[1])):
         for k in cutlass.range_constexpr(cute.size(tXs, mode=[2])):
-            r8 = cute.make_fragment_like(tXs8[None, m, k])
-            cute.autovec_copy(tXs8[None, m, k], r8)
-            r16 = cute.make_fragment_like(tXs[None, m, k])
-            r16.store(r8.load().to(dtype))
+            r16[None, m, k].store(r8[None, m, k].load().to(dtype))
             if cutlass.const_expr(rows_valid is not None):
                 if tXc[0, m, k][0] >= rows_valid:
-                    r16.fill(0.0)
-            cute.autovec_copy(r16, tXs[None, m, k])
+                    r16[None, m, k].fill(0.0)
+    cute.autovec_copy(r16, tXs)

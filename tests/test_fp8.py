@@ -151,7 +151,7 @@ def test_fp8_tiles_fit_the_shared_memory_of_the_arch():
     assert sm80.check(decode._replace(d=96, d_v=96)) is None
     # SM90: one consumer warpgroup, the stages that fit next to the widened K and V blocks
     for d, rows, tile in ((128, 1, (64, 128, 4)), (128, 2048, (64, 128, 4)), (64, 2048, (64, 128, 4)),
-                          (256, 1, (64, 80, 2)), (256, 2048, (64, 64, 4))):
+                          (256, 1, (64, 64, 4)), (256, 2048, (64, 64, 4))):
         p = decode._replace(d=d, d_v=d, max_seqlen_q=rows)
         config = sm90.plan(p, 1, False, 132).config
         assert config[:3] == tile and not config.persistent, (d, rows, config)

@@ -62,10 +62,12 @@ def fp8_smem_bytes(d: int, dv: int, tile_m: int, tile_n: int, stages: int) -> in
 def fp8_tile(d: int, dv: int, tile: tuple, max_stages: int = 4) -> tuple:
     """The tile over FP8 K/V: the consumers widen each staged block into one 16-bit buffer
     its wgmma read, so one consumer warpgroup (tile_m 64: no second one reads a buffer the
-    first overwrites); tile_n as for 16 bits; as many stages (up to ``max_stages``: 4, or
+    first overwrites); tile_n as for 16 bits, rounded to 64 rows; as many stages (up to ``max_stages``: 4, or
     a tuning override's) as fit, since half the bytes a stage now holds is what keeps a
     decode CTA's loads in flight."""
-    _, n, _, _ = tile
+    # A multiple of 64 rows: a gathering producer (128 threads, 16 fp8 values a copy) copies
+    # up to 64 rows a pass (``copy_utils.gmem_tiled_copy``: rows of 96 values).
+    n = max(64, tile[1] - tile[1] % 64)
     stages = next((s for s in range(max_stages, 2, -1) if fp8_smem_bytes(d, dv, 64, n, s) <= SMEM_LIMIT), 2)
     return 64, n, stages, 0
 
