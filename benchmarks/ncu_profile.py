@@ -5,6 +5,8 @@ launches of the kernel it filters and profiles the third):
 
     prefill: --impl ours|fa4 --D 128 [--causal]     (b4 s8192, H = 2048 / D; ours = SM90)
     mla:     --impl sm80|sm90 --batch 768 --seqlen 2048 [--page 1] [--heads 64]
+    decode:  --impl bf16|fp8 --batch 1 --seqlen 131072 (h32/8 d128, one query, contiguous
+             cache, the SM90 kernel; fp8: an e4m3 cache with descales)
     variant: --impl ours --variant causal|document|alibi|sliding1024|softcap30 (bench_variants'
              definitions, B4 S8192 H16 D128; ours = SM90)
 """
@@ -48,6 +50,21 @@ def mla_fn(args):
     return lambda: flash_attn_cute.flash_mla_decode(q_nope, q_pe, ckv, kpe, seqlens, table, backend=args.impl)
 
 
+def decode_fn(args):
+    import torch
+
+    import flash_attn_cute
+
+    q = randn(args.batch, 1, 32, 128, dtype=torch.bfloat16)
+    k, v = (randn(args.batch, args.seqlen, 8, 128, dtype=torch.bfloat16) for _ in range(2))
+    lens = torch.full((args.batch,), args.seqlen, dtype=torch.int32, device=common.DEVICE)
+    scales = {}
+    if args.impl == "fp8":
+        (k, kd), (v, vd) = flash_attn_cute.quantize_fp8(k), flash_attn_cute.quantize_fp8(v)
+        scales = dict(k_descale=kd, v_descale=vd)
+    return lambda: flash_attn_cute.flash_attn_with_kvcache(q, k, v, lens, backend="sm90", **scales)
+
+
 def variant_fn(args):
     import torch
 
@@ -62,7 +79,7 @@ def variant_fn(args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("kind", choices=["prefill", "mla", "variant"])
+    p.add_argument("kind", choices=["prefill", "mla", "variant", "decode"])
     p.add_argument("--variant", default="document")
     p.add_argument("--impl", required=True, help="prefill: ours | fa4; mla: sm80 | sm90")
     p.add_argument("--B", type=int, default=4)
@@ -78,7 +95,7 @@ def main(argv=None):
     import torch
 
     torch.manual_seed(0)
-    fn = {"prefill": prefill_fn, "mla": mla_fn, "variant": variant_fn}[args.kind](args)
+    fn = {"prefill": prefill_fn, "mla": mla_fn, "variant": variant_fn, "decode": decode_fn}[args.kind](args)
     for _ in range(args.calls):
         fn()
     torch.cuda.synchronize()

@@ -5,6 +5,7 @@
 #   bash benchmarks/ncu_profile.sh prefill "128 64c"       # D, trailing c = causal: ours (SM90) and FA4
 #   bash benchmarks/ncu_profile.sh mla "768x2048 64x1024"  # batch x seqlen, page 1, 64 heads: SM80 and SM90
 #   bash benchmarks/ncu_profile.sh variant "document causal"  # bench_variants definitions, ours (SM90)
+#   bash benchmarks/ncu_profile.sh decode 1x131072         # batch x seqlen, h32/8 d128: SM90 on bf16 and fp8 caches
 #   IMPLS=sm90:MlaDecodeSm90 bash benchmarks/ncu_profile.sh mla 768x2048  # one implementation only
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -14,6 +15,9 @@ for cfg in ${2:-128}; do
   if [ "$kind" = prefill ]; then
     D=${cfg%c}; extra="--D $D"; [ "$cfg" != "$D" ] && extra="$extra --causal"
     impls="ours:FlashAttnFwdSm90 fa4:FlashAttentionForwardSm90"
+  elif [ "$kind" = decode ]; then
+    extra="--batch ${cfg%x*} --seqlen ${cfg#*x}"
+    impls="bf16:FlashAttnFwdSm90 fp8:FlashAttnFwdSm90"
   elif [ "$kind" = variant ]; then
     extra="--variant $cfg"
     impls="ours:FlashAttnFwdSm90"
