@@ -34,6 +34,8 @@ def parse_args(argv=None):
     p.add_argument("--D", type=int, default=128)
     p.add_argument("--no-md", action="store_true")
     p.add_argument("--csv", default=None)
+    p.add_argument("--q-dtype", default="bf16", choices=["bf16", "fp16"],
+                   help="the queries' dtype, and the 16-bit cache's the fp8 rows are compared with")
     p.add_argument("--sm90-tiles", default="", help='";"-separated "m,n,stages[@num_splits]"')
     return p.parse_args(argv)
 
@@ -49,16 +51,17 @@ def main(argv=None):
 
     fa4, fa4_why = load_fa4()
     H, hkv, D = args.H, args.hkv, args.D
+    qdtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.q_dtype]
     rows = []
     for name, B, K, page in ROWS:
         torch.manual_seed(0)
         dev = common.DEVICE
-        q = torch.randn(B, 1, H, D, device=dev, dtype=torch.bfloat16)
+        q = torch.randn(B, 1, H, D, device=dev, dtype=qdtype)
         seqlens = torch.full((B,), K, dtype=torch.int32, device=dev)
         k, v = (torch.randn(B, K, hkv, D, device=dev) for _ in range(2))
         k8, kd = fa.quantize_fp8(k)
         v8, vd = fa.quantize_fp8(v)
-        kq, vq = dequantize_kv(k8, kd).bfloat16(), dequantize_kv(v8, vd).bfloat16()  # the bf16 cache holds the same values
+        kq, vq = dequantize_kv(k8, kd).to(qdtype), dequantize_kv(v8, vd).to(qdtype)  # the 16-bit cache: same values
         del k, v
         table = None
         if page:
@@ -89,7 +92,7 @@ def main(argv=None):
             group.append(row)
 
         for b in our_backends("all"):
-            record(f"ours_{b} bf16", lambda b=b: fa.flash_attn_with_kvcache(q, kqp, vqp, seqlens, page_table=table,
+            record(f"ours_{b} {args.q_dtype}", lambda b=b: fa.flash_attn_with_kvcache(q, kqp, vqp, seqlens, page_table=table,
                                                                             backend=b), 2)
         for b in our_backends("all"):
             record(f"ours_{b} fp8", lambda b=b: fa.flash_attn_with_kvcache(q, k8p, v8p, seqlens, page_table=table,
@@ -107,17 +110,17 @@ def main(argv=None):
                          fa4.flash_attn_varlen_func(q, kqp, vqp, seqused_k=seqlens, page_table=table))
                 return r[0] if isinstance(r, tuple) else r
 
-            record("fa4 bf16", fa4_fn, 2)
+            record(f"fa4 {args.q_dtype}", fa4_fn, 2)
         else:
-            group.append(dict(impl="fa4 bf16", cache=name, note=f"{UNAVAILABLE}: {fa4_why}"))
-        best_bf16 = min((r["us"] for r in group if r["impl"].endswith(" bf16") and r["impl"].startswith("ours_")
+            group.append(dict(impl=f"fa4 {args.q_dtype}", cache=name, note=f"{UNAVAILABLE}: {fa4_why}"))
+        best_bf16 = min((r["us"] for r in group if r["impl"].endswith(" " + args.q_dtype) and r["impl"].startswith("ours_")
                          and r["us"] == r["us"]),
                         default=float("nan"))
         for r in group:
             if r.get("us") == r.get("us"):
                 r["keys_vs_bf16"] = best_bf16 / r["us"]
         rows += group
-    report(args, f"FP8 KV-cache decode, h{H}/{hkv} d{D} (us: CUDA-graph replay)", "FP8 KV-cache decode", rows,
+    report(args, f"FP8 KV-cache decode, {args.q_dtype} queries, h{H}/{hkv} d{D} (us: CUDA-graph replay)", "FP8 KV-cache decode", rows,
            COLUMNS, notes="flash_attn_with_kvcache, default arguments; cache_tbps counts the cache as stored; "
                           "keys_vs_bf16 = our best bf16 time / this time.")
     return rows
