@@ -124,13 +124,17 @@ def compile_mla(kernel, dtype, nheads: int, arch: str, *, is_split: bool, has_ls
     return cute.compile(kernel, *tensors, F32(1.0), I32(1), I32(1), I32(1), fake_stream(), options=compile_options(arch))
 
 
-def launch_ctas(kernel, grid, num_threads: int, SharedStorage, stream, setmaxnreg: bool = False):
+def launch_ctas(kernel, grid, num_threads: int, SharedStorage, stream, setmaxnreg: bool = False,
+                ctas_per_sm: int = 1):
     """Launches a ``@cute.kernel`` call on ``grid``: CTAs of ``num_threads`` threads with the
     dynamic shared memory of ``SharedStorage``. ``setmaxnreg``: the kernel's warp roles
     trade registers (setmaxnreg), which needs a register cap at entry
-    (``min_blocks_per_mp=1``)."""
+    (``min_blocks_per_mp``: ``ctas_per_sm`` CTAs share the register file)."""
+    # Several CTAs per SM need the whole shared memory carveout (100%); naming it also keeps
+    # the DSL from asking the device for it, so that compiling needs no GPU.
+    carveout = {"preferred_smem_carveout": 100} if ctas_per_sm > 1 else {}
     kernel.launch(grid=grid, block=(num_threads, 1, 1), smem=SharedStorage.size_in_bytes(), stream=stream,
-                  min_blocks_per_mp=1 if setmaxnreg else 0)
+                  min_blocks_per_mp=ctas_per_sm if setmaxnreg else 0, **carveout)
 
 
 def fake_stream():

@@ -38,6 +38,7 @@ class Sm90Config(NamedTuple):
     gather_kv: bool  # paged rows gathered by cp.async (pages not holding whole tile_n blocks)
     persistent: bool  # one CTA per SM looping over the tiles
     split_blocks: int = 0  # batch invariant: KV blocks per split (backend_kit.invariant_splits)
+    ctas_per_sm: int = 1  # 2: a tile that fits twice (fp8 K/V, config.fp8_ctas_per_sm)
 
 
 def runs_on(capability: tuple) -> bool:
@@ -61,10 +62,12 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     tile = config.select_tile(problem.d, problem.d_v, rows, causal=problem.causal, local=problem.local,
                               page_size=problem.page_size or None, override=tuning.sm90_tile,
                               batch_invariant=problem.batch_invariant)
+    ctas_per_sm = _CTAS_PER_SM
     if problem.kv_fp8:
         tile = config.fp8_tile(problem.d, problem.d_v, tile, tile[2] if tuning.sm90_tile else 4)
+        ctas_per_sm = config.fp8_ctas_per_sm(problem.d, problem.d_v, tile)
     num_splits, split_blocks = plan_splits(problem, num_splits, num_sms, head_groups(problem, pack_gqa), rows,
-                                           tile_m=tile[0], tile_n=tile[1], ctas_per_sm=_CTAS_PER_SM,
+                                           tile_m=tile[0], tile_n=tile[1], ctas_per_sm=ctas_per_sm,
                                            tolerance=_SPLIT_TOLERANCE)
     gather_kv = config.gathers_kv(tile[1], problem.page_size)
     fits = config.persistent_fits(problem.d, problem.d_v, tile, problem.qhead_per_kvhead if pack_gqa else 1,
@@ -72,7 +75,7 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
                                   problem.has_seqused_q)
     fits = fits and not problem.kv_fp8  # persistent_fits counts 16-bit stages
     return FwdPlan(NAME, Sm90Config(*tile, gather_kv, persistent(problem, fits, tuning.sm90_persistent),
-                                    split_blocks), pack_gqa, num_splits)
+                                    split_blocks, ctas_per_sm), pack_gqa, num_splits)
 
 
 def persistent(problem: FwdProblem, fits: bool, override: Optional[str] = None) -> bool:
@@ -98,7 +101,8 @@ def _extra_scalars(problem: FwdProblem, plan: FwdPlan, device) -> tuple:
 
 
 # compile_key, compile, launcher: the seam's shared entry points. The key holds the tile
-# (m, n, stages, ex2) first and gather_kv, persistent last.
+# (m, n, stages, ex2) first and gather_kv, persistent (, ctas_per_sm where it is 2) last.
 compile_key, compile, launcher = fwd_entry_points(
     NAME, "flash_attn_cute.sm90.flash_fwd", "compile_fwd_sm90", key_tile=lambda c: tuple(c[:4]),
-    key_extra=lambda c: (c.gather_kv, c.persistent), extra_scalars=_extra_scalars)
+    key_extra=lambda c: (c.gather_kv, c.persistent) + ((c.ctas_per_sm,) if c.ctas_per_sm > 1 else ()),
+    extra_scalars=_extra_scalars)

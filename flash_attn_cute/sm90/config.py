@@ -55,8 +55,19 @@ def select_tile(d: int, dv: int, rows_per_kv_head: int, *, causal: bool = False,
 
 def fp8_smem_bytes(d: int, dv: int, tile_m: int, tile_n: int, stages: int) -> int:
     """Shared memory of a tile over FP8 K/V: 16-bit Q, fp8 stages, one widened 16-bit K
-    and V block."""
-    return 2 * tile_m * d + stages * tile_n * (d + dv) + 2 * tile_n * (d + dv) + 1024
+    and V block, 2 KB for the mbarriers and the 1 KB alignment of the buffers."""
+    return 2 * tile_m * d + stages * tile_n * (d + dv) + 2 * tile_n * (d + dv) + 2048
+
+
+# Shared memory of an SM (228 KB) less 1 KB reserved per CTA, halved: two CTAs per SM.
+TWO_CTAS_SMEM = 113 * 1024
+
+
+def fp8_ctas_per_sm(d: int, dv: int, tile: tuple) -> int:
+    """CTAs per SM of an FP8 tile: two where the tile fits twice (the register file is then
+    split too, ``WarpRoles.for_consumers``), so that one CTA's widening, softmax and wgmma
+    chain runs while the other's waits."""
+    return 2 if fp8_smem_bytes(d, dv, *tile[:3]) <= TWO_CTAS_SMEM else 1
 
 
 def fp8_tile(d: int, dv: int, tile: tuple, max_stages: int = 4) -> tuple:
@@ -129,7 +140,7 @@ class WarpRoles(WarpgroupRoles):
     gather_kv: bool  # every producer warp gathers KV rows by cp.async (else warp 0 issues TMA)
 
     @staticmethod
-    def for_consumers(num_consumer_wgs: int, gather_kv: bool = False) -> "WarpRoles":
+    def for_consumers(num_consumer_wgs: int, gather_kv: bool = False, ctas_per_sm: int = 1) -> "WarpRoles":
         # A gathering producer holds a page and a row per gathered row (8 of each at
         # tile_n 128) to overlap their lookups: with one consumer warpgroup the register
         # file has room for 96 (56 spilled); with two, 40, paid for by the consumers
@@ -137,6 +148,9 @@ class WarpRoles(WarpgroupRoles):
         # setmaxnreg redistributes: producer + consumers <= 512, 504, 512 for 1, 2, 3.
         regs = {1: (96 if gather_kv else 56, 256), 2: (40, 232) if gather_kv else (24, 240),
                 3: (32, 160)}[num_consumer_wgs]
+        if ctas_per_sm == 2:  # two CTAs of one consumer warpgroup share the file: 256 per pair
+            assert num_consumer_wgs == 1
+            regs = (64, 192) if gather_kv else (56, 200)
         return WarpRoles(num_consumer_wgs, *regs, gather_kv)
 
 

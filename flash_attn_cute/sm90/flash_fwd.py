@@ -64,7 +64,7 @@ class FlashAttnFwdSm90:
     def __init__(self, dtype, head_dim: int, head_dim_v: int, tile_m: int, tile_n: int, num_stages: int,
                  variant: AttentionVariant, qhead_per_kvhead_packed: int = 1, is_split: bool = False,
                  ex2_emulate_every: int = 0, gather_kv: bool = False, persistent: bool = False, split_blocks: int = 0,
-                 q_class: int = 0):
+                 q_class: int = 0, ctas_per_sm: int = 1):
         set_fwd_config(self, dtype, head_dim, head_dim_v, variant, qhead_per_kvhead_packed, is_split, split_blocks,
                        q_class)
         self.tile_m = tile_m
@@ -80,7 +80,9 @@ class FlashAttnFwdSm90:
         self.gather_kv = gather_kv
         # One CTA per SM looping over tiles (``PersistentScheduler``), else one per tile.
         self.persistent = persistent
-        self.roles = WarpRoles.for_consumers(tile_m // 64, gather_kv)
+        # Two CTAs per SM (fp8 tiles that fit twice): each gets half the register file.
+        self.ctas_per_sm = ctas_per_sm
+        self.roles = WarpRoles.for_consumers(tile_m // 64, gather_kv, ctas_per_sm)
         # Ping-pong pays when the softmax of one warpgroup can hide the other's MMAs;
         # at d=256 the MMAs dominate and the turn-taking only adds waits.
         self.use_scheduler_barrier = self.roles.num_consumer_wgs >= 2 and max(head_dim, head_dim_v) <= 128
@@ -198,7 +200,8 @@ class FlashAttnFwdSm90:
             gmem_tiled_copy(self.dtype, self.head_dim, self.roles.consumer_threads),
             tx_bytes, SharedStorage, num_m_blocks, grid_divisor, heads_eff, l2_heads,
         )
-        launch_ctas(kernel, grid, self.roles.threads, SharedStorage, stream, setmaxnreg=True)
+        launch_ctas(kernel, grid, self.roles.threads, SharedStorage, stream, setmaxnreg=True,
+                    ctas_per_sm=self.ctas_per_sm)
 
     @cute.kernel
     def kernel(
@@ -858,8 +861,8 @@ class _Widen:
 def compile_fwd_sm90(key: tuple):
     """Compiles the kernel for ``key`` (``sm90.compile_key``) on fake tensors: no GPU needed."""
     return compile_from_key(
-        key, 4, lambda dtype, d, dv, tile, variant, packed, is_split, split_blocks, gather_kv, persistent, q_class:
-        FlashAttnFwdSm90(dtype, d, dv, *tile[:3], variant, qhead_per_kvhead_packed=packed, is_split=is_split,
-                         ex2_emulate_every=tile[3], gather_kv=gather_kv, persistent=persistent,
-                         split_blocks=split_blocks, q_class=q_class),
+        key, 4, lambda dtype, d, dv, tile, variant, packed, is_split, split_blocks, gather_kv, persistent, *ctas,
+        q_class: FlashAttnFwdSm90(dtype, d, dv, *tile[:3], variant, qhead_per_kvhead_packed=packed, is_split=is_split,
+                                  ex2_emulate_every=tile[3], gather_kv=gather_kv, persistent=persistent,
+                                  split_blocks=split_blocks, q_class=q_class, ctas_per_sm=ctas[0] if ctas else 1),
         extra_scalars=(Int32(1), Int32(1)))  # l2_heads, max_ctas
