@@ -150,9 +150,17 @@ def test_fp8_tiles_fit_the_shared_memory_of_the_arch():
     assert "not supported" in sm80.check(decode._replace(d=96, d_v=256))
     assert sm80.check(decode._replace(d=96, d_v=96)) is None
     # SM90: one consumer warpgroup, the stages that fit next to the widened K and V blocks
-    for d, rows, tile in ((128, 1, (64, 128, 4)), (128, 2048, (64, 128, 4)), (64, 2048, (64, 128, 4)),
-                          (256, 1, (64, 64, 4)), (256, 2048, (64, 64, 4))):
+    # (decode rows of d <= 128: a tile that fits twice, two CTAs per SM)
+    for d, rows, tile, ctas in ((128, 1, (64, 64, 3), 2), (64, 4, (64, 64, 3), 2), (128, 2048, (64, 128, 4), 1),
+                                (64, 2048, (64, 128, 4), 1), (256, 1, (64, 64, 4), 1), (256, 2048, (64, 64, 4), 1)):
         p = decode._replace(d=d, d_v=d, max_seqlen_q=rows)
         config = sm90.plan(p, 1, False, 132).config
-        assert config[:3] == tile and not config.persistent, (d, rows, config)
-        assert sm90.config.fp8_smem_bytes(d, d, *tile) <= sm90.config.SMEM_LIMIT
+        assert config[:3] == tile and config.ctas_per_sm == ctas and not config.persistent, (d, rows, config)
+        assert sm90.config.fp8_smem_bytes(d, d, *tile) <= (sm90.config.TWO_CTAS_SMEM if ctas == 2 else
+                                                            sm90.config.SMEM_LIMIT)
+    # batch invariant: the decode rows keep the prefill tile (its tile_n may not depend on the rows)
+    assert sm90.plan(decode._replace(batch_invariant=True), 1, False, 132).config[:2] == (64, 128)
+    # 16-bit keys keep their form; a two-CTA fp8 key names it last
+    assert sm90.compile_key(decode, sm90.plan(decode, 1, False, 132), "sm_90a")[-1] == 2
+    plain = decode._replace(kv_dtype=None)
+    assert sm90.compile_key(plain, sm90.plan(plain, 1, False, 132), "sm_90a")[-2:] == (False, False)

@@ -64,8 +64,11 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
                               batch_invariant=problem.batch_invariant)
     ctas_per_sm = _CTAS_PER_SM
     if problem.kv_fp8:
-        tile = config.fp8_tile(problem.d, problem.d_v, tile, tile[2] if tuning.sm90_tile else 4)
-        ctas_per_sm = config.fp8_ctas_per_sm(problem.d, problem.d_v, tile)
+        decode = rows <= 64 and not problem.batch_invariant and not tuning.sm90_tile
+        tile = config.fp8_tile(problem.d, problem.d_v, tile, tile[2] if tuning.sm90_tile else 4, decode)
+        # Two CTAs per SM where measured: decode tiles, and tuning sweeps.
+        if decode or tuning.sm90_tile:
+            ctas_per_sm = config.fp8_ctas_per_sm(problem.d, problem.d_v, tile)
     num_splits, split_blocks = plan_splits(problem, num_splits, num_sms, head_groups(problem, pack_gqa), rows,
                                            tile_m=tile[0], tile_n=tile[1], ctas_per_sm=ctas_per_sm,
                                            tolerance=_SPLIT_TOLERANCE)
