@@ -258,10 +258,10 @@ def test_serving_features_are_described():
     assert {e.name for e in mla} == {"mla_sm80", "combine"} and mla[0].key[7] == 128  # split_blocks
     with pytest.raises(ValueError, match="no learnable_sink"):
         aot.expand({"api": "mla", "qhead_per_kvhead": 64, "nheads_kv": 1, "learnable_sink": True})
-    # FP8 caches: keys of the SM80 kernel with the fp8 dtype on Hopper; refused below 8.9, as at runtime
+    # FP8 caches: keys of the SM90 kernel with the fp8 dtype on Hopper; refused below 8.9, as at runtime
     fp8 = [{"api": "kvcache", "page_size": 16, "qhead_per_kvhead": 4, "kv_fp8": True}]
     hopper, skipped = aot.entries_for(fp8, "sm_90a")
-    assert skipped == [] and [(e.name, e.key[2]) for e in hopper] == [("fwd_sm80", "bf16/e4m3")]
+    assert skipped == [] and [(e.name, e.key[2]) for e in hopper] == [("fwd_sm90", "bf16/e4m3")]
     ampere, skipped = aot.entries_for(fp8, "sm_80")
     assert ampere == [] and "compute capability >= 8.9" in skipped[0]
 

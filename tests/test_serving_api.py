@@ -220,10 +220,9 @@ def test_features_a_kernel_lacks_are_refused_by_name(fake_device):
                      ({"seqused_q": torch.tensor([3], dtype=torch.int32)}, "seqused_q")):
         with pytest.raises(NotImplementedError, match=f"{name} is not implemented"):
             flash_attn_varlen_func(q, k, v, backend="sm80", **kw)
-    # every forward backend implements all of them but FP8 K/V, which runs on the SM80 kernel
+    # every forward backend implements all of them
     for name, module in fwd.BACKENDS.items():
-        want = {n for _, n in FEATURES} - (set() if name == "sm80" else {"fp8_kv"})
-        assert importlib.import_module(module).FEATURES == want
+        assert importlib.import_module(module).FEATURES == {n for _, n in FEATURES}, name
 
 
 def test_sink_and_seqused_q_reach_the_kernel(launches):

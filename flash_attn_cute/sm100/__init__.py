@@ -18,7 +18,7 @@ from ..backend_kit import feature_refusal, fwd_entry_points, head_groups, plan_r
 from ..keys import DTYPE_NAMES
 from ..problems import FwdPlan, FwdProblem
 from ..tuning import NO_TUNING, Tuning
-from .config import TILE_M, kv_stages_for
+from .config import SMEM_LIMIT, TILE_M, kv_stages_for, smem_bytes
 
 NAME = "sm100"
 HEAD_DIMS = (64, 128, 192)  # q/k head dims; d_v is 64 or 128 (192 only as (192, 128))
@@ -34,7 +34,7 @@ _SPLIT_TOLERANCE = 0.95
 # check refuses runs the SM80 kernel (fwd.select_backend logs why). Compiled and SASS-checked
 # for sm_100a on CPU, not yet run on Blackwell hardware.
 AUTO = True
-FEATURES = frozenset({"learnable_sink", "seqused_q", "batch_invariant"})  # backend_kit.FEATURES this kernel implements
+FEATURES = frozenset({"learnable_sink", "seqused_q", "batch_invariant", "fp8_kv"})  # backend_kit.FEATURES this kernel implements
 
 log = logging.getLogger("flash_attn_cute")
 
@@ -71,9 +71,10 @@ def select_q_stage(rows: int, is_split: bool) -> int:
     return 2
 
 
-def select_tile(d: int, d_v: int, q_stage: int, split_blocks: int = 0) -> Sm100Config:
-    """The deepest K/V ring that fits shared memory beside ``q_stage`` Q stages."""
-    return Sm100Config(q_stage, TILE_N, kv_stages_for(d, d_v, q_stage, TILE_N), split_blocks)
+def select_tile(d: int, d_v: int, q_stage: int, split_blocks: int = 0, fp8: bool = False) -> Sm100Config:
+    """The deepest K/V ring that fits shared memory beside ``q_stage`` Q stages (and the
+    fp8 staging rings of an FP8 cache)."""
+    return Sm100Config(q_stage, TILE_N, kv_stages_for(d, d_v, q_stage, TILE_N, fp8), split_blocks)
 
 
 def pack_refusal(ratio: int) -> Optional[str]:
@@ -101,7 +102,10 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
                                            tile_m=TILE_M, tile_n=TILE_N, ctas_per_sm=_CTAS_PER_SM,
                                            tolerance=_SPLIT_TOLERANCE)
     q_stage = select_q_stage(rows, num_splits > 1 or split_blocks > 0)
-    return FwdPlan(NAME, select_tile(problem.d, problem.d_v, q_stage, split_blocks), pack_gqa, num_splits)
+    if problem.kv_fp8 and q_stage == 2 and smem_bytes(problem.d, problem.d_v, 2, TILE_N, 1, fp8=True) > SMEM_LIMIT:
+        q_stage = 1  # d 192: the fp8 staging rings leave no room for a second Q stage
+    return FwdPlan(NAME, select_tile(problem.d, problem.d_v, q_stage, split_blocks, problem.kv_fp8), pack_gqa,
+                   num_splits)
 
 
 # compile_key(problem, plan, arch=None), compile(key), launcher(problem, plan, device=None):

@@ -14,9 +14,10 @@ class WarpRoles:
     """Which warp does what, and its register budget (setmaxnreg, per thread).
 
     Warps [4s, 4s + 4) are the softmax warpgroup of stage s, then one correction /
-    epilogue warpgroup, then a warpgroup holding the MMA warp, the load warp and two idle
-    warps (setmaxnreg acts on whole warpgroups, and a warp reads only the TMEM lanes
-    32 * (warp % 4)..+31, so every 128-row role is a whole warpgroup).
+    epilogue warpgroup, then a warpgroup holding the MMA warp, the load warp and two
+    widening warps (FP8 K/V only; idle otherwise: setmaxnreg acts on whole warpgroups, and
+    a warp reads only the TMEM lanes 32 * (warp % 4)..+31, so every 128-row role is a
+    whole warpgroup).
 
     Budgets (x 128 threads per warpgroup, within the 64K registers of the SM):
     q_stage 2: 2 x 184 + 64 + 80 = 512 (entry 128 x 512 threads); q_stage 1: 192 + 128 +
@@ -41,6 +42,10 @@ class WarpRoles:
     @property
     def load_warp(self) -> int:
         return self.num_softmax_warps + 5
+
+    @property
+    def widen_warps(self) -> tuple:
+        return (self.num_softmax_warps + 6, self.num_softmax_warps + 7)
 
     @property
     def num_warps(self) -> int:
@@ -79,21 +84,28 @@ def tmem_alloc_columns(used: int) -> int:
     return n
 
 
-def smem_bytes(d: int, d_v: int, q_stage: int, tile_n: int, kv_stages: int, elem: int = 2) -> int:
-    """Shared memory of one CTA: Q stages, K and V rings (1 KiB aligned each), row
-    statistics and mbarriers."""
+# FP8 K/V: fp8 blocks land (TMA) in staging rings this deep, and the widening warps write
+# them, 16-bit, into the K/V rings the MMAs read.
+FP8_STAGES = 2
+
+
+def smem_bytes(d: int, d_v: int, q_stage: int, tile_n: int, kv_stages: int, elem: int = 2,
+               fp8: bool = False) -> int:
+    """Shared memory of one CTA: Q stages, K and V rings (1 KiB aligned each), the fp8
+    staging rings (``fp8``), row statistics and mbarriers."""
     align = lambda x: (x + 1023) // 1024 * 1024
     q = align(q_stage * TILE_M * d * elem)
     k = align(kv_stages * tile_n * d * elem)
     v = align(kv_stages * tile_n * d_v * elem)
+    staging = align(FP8_STAGES * tile_n * d) + align(FP8_STAGES * tile_n * d_v) if fp8 else 0
     stats = q_stage * TILE_M * 3 * 4
-    barriers = 8 * (2 + 4 * kv_stages + 5 * q_stage) + 4
-    return q + k + v + stats + barriers + 1024  # + the allocator's alignment slack
+    barriers = 8 * (2 + 4 * kv_stages + 5 * q_stage + (4 * FP8_STAGES if fp8 else 0)) + 4
+    return q + k + v + staging + stats + barriers + 1024  # + the allocator's alignment slack
 
 
-def kv_stages_for(d: int, d_v: int, q_stage: int, tile_n: int) -> int:
+def kv_stages_for(d: int, d_v: int, q_stage: int, tile_n: int, fp8: bool = False) -> int:
     """Deepest K/V ring (at most 4, at least 1) that fits the shared memory."""
     for stages in (4, 3, 2, 1):
-        if smem_bytes(d, d_v, q_stage, tile_n, stages) <= SMEM_LIMIT:
+        if smem_bytes(d, d_v, q_stage, tile_n, stages, fp8=fp8) <= SMEM_LIMIT:
             return stages
     raise ValueError(f"no K/V stage fits in shared memory for d={d}, d_v={d_v}, q_stage={q_stage}")

@@ -23,6 +23,12 @@ Warp roles (``WarpRoles``), all of one CTA:
 * correction warpgroup: rescales O_s in TMEM by the softmax's per-row correction before
   the MMA warp may issue the next PV_s (skipped per warp when no row max moved), then is
   the epilogue: O_s normalised from TMEM to global memory and the LSE.
+* FP8 K/V only, two widening warps: the load warp's TMA puts the fp8 blocks in staging
+  rings (``FP8_STAGES`` deep, half the bytes of a 16-bit block); the widening warps turn
+  each into the 16-bit K or V stage the MMA warp reads (exact: every fp8 value is a
+  16-bit value), zeroing V rows past a cache's length, and signal it like a TMA would
+  (``PipelineAsyncUmma``: shared stores, proxy fence, arrive). ``k_descale`` joins the
+  softmax scale, ``v_descale`` O's final scale.
 
 TMEM (512 columns x 128 lanes of 32 bits): S_0 [0, n), S_1 [n, 2n), O_0, O_1 after them;
 P_s aliases the upper half of S_s. Handshakes are mbarriers (``_Barriers``); every role
@@ -38,7 +44,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 
 from flash_attn_cute.block_info import BlockInfo
-from flash_attn_cute.copy_utils import aligned_row_ptr
+from flash_attn_cute.copy_utils import aligned_row_ptr, gmem_tiled_copy, widen_fp8
 from flash_attn_cute.cute_utils import launch_ctas
 from flash_attn_cute.fwd_kernel import (FwdArgs, FwdTile, compile_from_key, fwd_call, set_fwd_config, tile_grid,
                                         tile_work, zero_rows_from)
@@ -46,7 +52,10 @@ from flash_attn_cute.layout_utils import select
 from flash_attn_cute.named_barrier import Sm100FwdBarrier
 from flash_attn_cute.pack_gqa import query_of_row
 from flash_attn_cute.paged_kv import page_and_row
-from flash_attn_cute.sm100.config import SMEM_LIMIT, TILE_M, TMEM_COLUMNS, WarpRoles, tmem_alloc_columns, tmem_columns
+from flash_attn_cute.sm100.config import (FP8_STAGES, SMEM_LIMIT, TILE_M, TMEM_COLUMNS, WarpRoles, tmem_alloc_columns,
+                                          tmem_columns)
+# The fp8 staging tiles: row-major, swizzled, one TMA box (the layout SM90's wgmma reads).
+from flash_attn_cute.sm90.wgmma_utils import smem_layout as row_major_smem_layout
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
 from flash_attn_cute.variants import AttentionVariant, apply_to_scores
 
@@ -173,17 +182,38 @@ class FlashAttnFwdSm100:
         tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_A(
             tma_load, mQ_t, cute.select(sQ_layout, mode=[0, 1, 2]), self.mma_tiler_qk, tiled_mma_qk,
         )
-        tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_B(
-            tma_load, select(args.mK, k_modes), cute.select(sK_layout, mode=[0, 1, 2]), self.mma_tiler_qk, tiled_mma_qk,
-        )
-        tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_B(
-            tma_load, select(args.mV, v_modes), cute.select(sV_layout, mode=[0, 1, 2]), self.mma_tiler_pv, tiled_mma_pv,
-        )
-        tx_bytes = (
-            self.q_stage * cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1, 2])),
-            cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2])),
-            cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1, 2])),
-        )
+        kv_dtype = args.mK.element_type
+        self.fp8 = kv_dtype.width == 8
+        # FP8: (tile_n, d) row-major staging tiles, one TMA box of the (keys, d, ...) view each.
+        sK8_layout = row_major_smem_layout(kv_dtype, self.tile_n, self.head_dim, FP8_STAGES)
+        sV8_layout = row_major_smem_layout(kv_dtype, self.tile_n, self.head_dim_v, FP8_STAGES)
+        if cutlass.const_expr(self.fp8):
+            rows_modes = [0, 2, 1] if args.varlen_k else [1, 3, 2, 0]  # (keys, d, h_kv[, b | pages])
+            tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), select(args.mK, rows_modes), cute.select(sK8_layout, mode=[0, 1]),
+                (self.tile_n, self.head_dim))
+            tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), select(args.mV, rows_modes), cute.select(sV8_layout, mode=[0, 1]),
+                (self.tile_n, self.head_dim_v))
+            kv_tx = (cute.size_in_bytes(kv_dtype, cute.select(sK8_layout, mode=[0, 1])),
+                     cute.size_in_bytes(kv_dtype, cute.select(sV8_layout, mode=[0, 1])))
+        else:
+            tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_B(
+                tma_load, select(args.mK, k_modes), cute.select(sK_layout, mode=[0, 1, 2]), self.mma_tiler_qk,
+                tiled_mma_qk,
+            )
+            tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_B(
+                tma_load, select(args.mV, v_modes), cute.select(sV_layout, mode=[0, 1, 2]), self.mma_tiler_pv,
+                tiled_mma_pv,
+            )
+            kv_tx = (cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2])),
+                     cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1, 2])))
+        tx_bytes = (self.q_stage * cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1, 2])), *kv_tx)
+        align8 = 1024 if self.fp8 else 16
+        k8_elems, v8_elems = (cute.cosize(sK8_layout), cute.cosize(sV8_layout)) if self.fp8 else (16, 16)
+        k8_field = cute.struct.Align[cute.struct.MemRange[kv_dtype, k8_elems], align8]
+        v8_field = cute.struct.Align[cute.struct.MemRange[kv_dtype, v8_elems], align8]
+        fp8_bars = 2 * FP8_STAGES if self.fp8 else 1
 
         @cute.struct
         class SharedStorage:
@@ -197,12 +227,17 @@ class FlashAttnFwdSm100:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            mbar_K8: cute.struct.MemRange[cutlass.Int64, fp8_bars]
+            mbar_V8: cute.struct.MemRange[cutlass.Int64, fp8_bars]
+            sK8: k8_field  # fp8: the staging rings (16-byte stand-ins otherwise)
+            sV8: v8_field
 
         assert SharedStorage.size_in_bytes() <= SMEM_LIMIT, (SharedStorage.size_in_bytes(), SMEM_LIMIT)
         grid, grid_divisor, num_m_blocks, _ = tile_grid(args, self.tile_m, self.qhead_per_kvhead_packed)
         kernel = self.kernel(
             args, (tma_Q, tma_K, tma_V), (tma_atom_Q, tma_atom_K, tma_atom_V),
-            (sQ_layout, sK_layout, sV_layout, tP_layout), tiled_mma_qk, tiled_mma_pv, tx_bytes, SharedStorage,
+            (sQ_layout, sK_layout, sV_layout, tP_layout, sK8_layout, sV8_layout), tiled_mma_qk, tiled_mma_pv, tx_bytes,
+            SharedStorage,
             grid_divisor,
         )
         launch_ctas(kernel, grid, self.roles.num_threads, SharedStorage, stream, setmaxnreg=True)
@@ -222,11 +257,12 @@ class FlashAttnFwdSm100:
                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tx_bytes: cutlass.Constexpr,
                SharedStorage: cutlass.Constexpr, grid_divisor: cute.FastDivmodDivisorV2):
         """``args``: the caller's tensors (Q and K for shapes only: loads go through the TMA
-        views) and scalars; ``smem_layouts``: Q, K, V and P's (TMEM) operand layouts;
-        ``grid_divisor``: what ``tile_work`` divides the block index by (``tile_grid``)."""
+        views) and scalars; ``smem_layouts``: Q, K, V and P's (TMEM) operand layouts, then
+        the fp8 K and V staging; ``grid_divisor``: what ``tile_work`` divides the block
+        index by (``tile_grid``)."""
         tma_Q, tma_K, tma_V = tma_views
         tma_atom_Q, tma_atom_K, tma_atom_V = tma_atoms
-        sQ_layout, sK_layout, sV_layout, tP_layout = smem_layouts
+        sQ_layout, sK_layout, sV_layout, tP_layout, sK8_layout, sV8_layout = smem_layouts
         roles = self.roles
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -241,14 +277,34 @@ class FlashAttnFwdSm100:
             barrier_storage=storage.mbar_Q.data_ptr(), num_stages=1, producer_group=one_thread,
             consumer_group=one_thread, tx_count=tx_bytes[0], defer_sync=True,
         )
-        pipeline_k = pipeline.PipelineTmaUmma.create(
-            barrier_storage=storage.mbar_K.data_ptr(), num_stages=self.kv_stages, producer_group=one_thread,
-            consumer_group=one_thread, tx_count=tx_bytes[1], defer_sync=True,
-        )
-        pipeline_v = pipeline.PipelineTmaUmma.create(
-            barrier_storage=storage.mbar_V.data_ptr(), num_stages=self.kv_stages, producer_group=one_thread,
-            consumer_group=one_thread, tx_count=tx_bytes[2], defer_sync=True,
-        )
+        pipeline_k8, pipeline_v8 = None, None
+        if cutlass.const_expr(self.fp8):
+            # TMA -> widening warps (one release per warp), widening threads -> MMA warp.
+            widen_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, len(roles.widen_warps))
+            widen_threads = pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * len(roles.widen_warps))
+            pipeline_k8, pipeline_v8 = (
+                pipeline.PipelineTmaAsync.create(
+                    barrier_storage=mbar.data_ptr(), num_stages=FP8_STAGES, producer_group=one_thread,
+                    consumer_group=widen_warps, tx_count=tx, defer_sync=True,
+                )
+                for mbar, tx in ((storage.mbar_K8, tx_bytes[1]), (storage.mbar_V8, tx_bytes[2]))
+            )
+            pipeline_k, pipeline_v = (
+                pipeline.PipelineAsyncUmma.create(
+                    barrier_storage=mbar.data_ptr(), num_stages=self.kv_stages, producer_group=widen_threads,
+                    consumer_group=one_thread, defer_sync=True,
+                )
+                for mbar in (storage.mbar_K, storage.mbar_V)
+            )
+        else:
+            pipeline_k = pipeline.PipelineTmaUmma.create(
+                barrier_storage=storage.mbar_K.data_ptr(), num_stages=self.kv_stages, producer_group=one_thread,
+                consumer_group=one_thread, tx_count=tx_bytes[1], defer_sync=True,
+            )
+            pipeline_v = pipeline.PipelineTmaUmma.create(
+                barrier_storage=storage.mbar_V.data_ptr(), num_stages=self.kv_stages, producer_group=one_thread,
+                consumer_group=one_thread, tx_count=tx_bytes[2], defer_sync=True,
+            )
         if warp_idx == roles.load_warp:
             with cute.arch.elect_one():
                 _Barriers.init(storage.mbar_roles.data_ptr(), self.q_stage)
@@ -265,6 +321,10 @@ class FlashAttnFwdSm100:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sStats = storage.sStats.get_tensor(cute.make_layout((TILE_M, 3, self.q_stage)))
+        sK8, sV8 = None, None
+        if cutlass.const_expr(self.fp8):
+            sK8 = storage.sK8.get_tensor(sK8_layout.outer, swizzle=sK8_layout.inner)
+            sV8 = storage.sV8.get_tensor(sV8_layout.outer, swizzle=sV8_layout.inner)
 
         pipeline.pipeline_init_wait()
 
@@ -278,16 +338,27 @@ class FlashAttnFwdSm100:
             if tile.rows_valid > 0:
                 if warp_idx == roles.load_warp:
                     if tile.n_block_max > tile.n_block_min:
-                        self.load(tma_Q, tma_K, tma_V, args.mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K,
-                                  tma_atom_V, tiled_mma_qk, tiled_mma_pv, pipeline_q, pipeline_k, pipeline_v, tile,
-                                  args.varlen_q, args.varlen_k, args.paged)
+                        if cutlass.const_expr(self.fp8):  # into the staging rings
+                            self.load(tma_Q, tma_K, tma_V, args.mPageTable, sQ, sK8, sV8, tma_atom_Q, tma_atom_K,
+                                      tma_atom_V, tiled_mma_qk, tiled_mma_pv, pipeline_q, pipeline_k8, pipeline_v8,
+                                      tile, args.varlen_q, args.varlen_k, args.paged)
+                        else:
+                            self.load(tma_Q, tma_K, tma_V, args.mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K,
+                                      tma_atom_V, tiled_mma_qk, tiled_mma_pv, pipeline_q, pipeline_k, pipeline_v,
+                                      tile, args.varlen_q, args.varlen_k, args.paged)
+                if cutlass.const_expr(self.fp8):
+                    if warp_idx >= roles.widen_warps[0]:
+                        if tile.n_block_max > tile.n_block_min:
+                            self.widen(sK8, sV8, sK, sV, (pipeline_k8, pipeline_v8, pipeline_k, pipeline_v), tile,
+                                       args.cache_tail_may_be_garbage, tidx - 32 * roles.widen_warps[0])
                 if warp_idx == roles.mma_warp:
                     tmem.allocate(self.tmem_cols)
                     tmem.wait_for_alloc()
                     tmem_ptr = tmem.retrieve_ptr(Float32)
                     if tile.n_block_max > tile.n_block_min:
                         self.mma(tmem_ptr, sQ, sK, sV, tP_layout, tiled_mma_qk, tiled_mma_pv,
-                                 pipeline_q, pipeline_k, pipeline_v, bars, tile, args.cache_tail_may_be_garbage)
+                                 pipeline_q, pipeline_k, pipeline_v, bars, tile,
+                                 args.cache_tail_may_be_garbage and not self.fp8)  # fp8: zeroed as widened
                     tmem.relinquish_alloc_permit()
                     # Every TMEM reader is done: free it.
                     tmem_barrier.arrive_and_wait()
@@ -299,7 +370,9 @@ class FlashAttnFwdSm100:
                 tmem.wait_for_alloc()
                 tmem_ptr = tmem.retrieve_ptr(Float32)
                 if tile.n_block_max > tile.n_block_min:
-                    self.softmax_loop(tmem_ptr, tiled_mma_qk, sStats, bars, tile, warp_idx // 4, tidx % TILE_M, mSink)
+                    # fp8 K: k_descale joins the softmax scale (read only by a tile with rows)
+                    self.softmax_loop(tmem_ptr, tiled_mma_qk, sStats, bars, tile.with_k_descale(args), warp_idx // 4,
+                                      tidx % TILE_M, mSink)
                 tmem_barrier.arrive()
         else:
             cute.arch.setmaxregister_decrease(roles.correction_regs)
@@ -308,7 +381,7 @@ class FlashAttnFwdSm100:
                 tmem.wait_for_alloc()
                 tmem_ptr = tmem.retrieve_ptr(Float32)
                 self.correction_loop(tmem_ptr, tiled_mma_pv, sStats, bars, args.mO, args.mLSE, tile, tidx % TILE_M,
-                                     args.varlen_q, mSink)
+                                     args.varlen_q, mSink, args.mVDescale)
                 tmem_barrier.arrive()
 
     def block_info(self) -> BlockInfo:
@@ -352,10 +425,15 @@ class FlashAttnFwdSm100:
             cute.copy(tma_atom_Q, tQgQ[None, tile.m_block * self.q_stage + s, 0], tQsQ[None, s],
                       tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
 
-        k_src = self._kv_source(tma_K, tma_atom_K, sK, thr_mma_qk, tile, mPageTable, varlen_k, paged, is_v=False)
-        v_src = self._kv_source(tma_V, tma_atom_V, sV, thr_mma_pv, tile, mPageTable, varlen_k, paged, is_v=True)
-        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
-        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+        if cutlass.const_expr(self.fp8):
+            k_src = self._kv_rows_source(tma_K, tma_atom_K, sK, self.head_dim, tile, mPageTable, varlen_k, paged)
+            v_src = self._kv_rows_source(tma_V, tma_atom_V, sV, self.head_dim_v, tile, mPageTable, varlen_k, paged)
+        else:
+            k_src = self._kv_source(tma_K, tma_atom_K, sK, thr_mma_qk, tile, mPageTable, varlen_k, paged, is_v=False)
+            v_src = self._kv_source(tma_V, tma_atom_V, sV, thr_mma_pv, tile, mPageTable, varlen_k, paged, is_v=True)
+        ring = FP8_STAGES if cutlass.const_expr(self.fp8) else self.kv_stages  # the fp8 staging rings, or the K/V rings
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, ring)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, ring)
         n_block_max, n_block_min = tile.n_block_max, tile.n_block_min
         self._load_block(tma_atom_K, k_src, pipeline_k, k_state, n_block_max - 1, mPageTable, ctx.batch)
         k_state.advance()
@@ -393,11 +471,94 @@ class FlashAttnFwdSm100:
             block = lambda n: tXgX[None, n, 0]  # (TMA, n_blocks, 1)
         return tXsX, block
 
+    def _kv_rows_source(self, tma_X, tma_atom, sX, cols: int, tile, mPageTable, varlen_k, paged):
+        """``_kv_source`` for the fp8 staging rings: (tile_n, cols) boxes of the (keys, cols,
+        h_kv[, b | pages]) view, one per block (a page is one block)."""
+        if cutlass.const_expr(paged):
+            gX = cute.local_tile(tma_X[None, None, tile.head_kv, None], (self.tile_n, cols), (None, 0, None))
+        elif cutlass.const_expr(varlen_k):
+            gX = cute.local_tile(cute.domain_offset((tile.seqlen.offset_k, 0), tma_X[None, None, tile.head_kv]),
+                                 (self.tile_n, cols), (None, 0))
+        else:
+            gX = cute.local_tile(tma_X[None, None, tile.head_kv, tile.ctx.batch], (self.tile_n, cols), (None, 0))
+        tXsX, tXgX = cpasync.tma_partition(
+            tma_atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2)
+        )
+        if cutlass.const_expr(paged):
+            batch, num_pages = tile.ctx.batch, tXgX.shape[2]
+            block = lambda n: tXgX[None, 0, page_and_row(mPageTable, batch, n, 1, num_pages)[0]]
+        else:
+            block = lambda n: tXgX[None, n]
+        return tXsX, block
+
     @cute.jit
     def _load_block(self, tma_atom, src, pipe, state, n_block, mPageTable, batch):
         tXsX, block = src
         pipe.producer_acquire(state)
         cute.copy(tma_atom, block(n_block), tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
+
+    # -----------------------------------------------------------------------------------
+    # Widening warps (FP8 K/V)
+    # -----------------------------------------------------------------------------------
+
+    @cute.jit
+    def widen(self, sK8, sV8, sK, sV, pipes: tuple, tile, cache_tail_may_be_garbage: cutlass.Constexpr, wtidx):
+        """Each staged fp8 block, in the load warp's order (K one block ahead of V), into
+        the K or V stage the MMA warp reads next. ``wtidx``: this thread among the widening
+        warps. V rows past the sequence end are zeroed (a cache's tail may hold NaN)."""
+        pipeline_k8, pipeline_v8, pipeline_k, pipeline_v = pipes
+        nthreads = 32 * len(self.roles.widen_warps)
+        # The MMA operand stages as (tile_n, d) views: K is K-major (N, K) with N fastest in
+        # its domain, V is MN-major (d_v, tile_n) with d_v fastest (``_zero_v_tail``).
+        k_view = lambda st: cute.composition(sK[None, None, None, st],
+                                             cute.make_layout((self.tile_n, self.head_dim), stride=(1, self.tile_n)))
+        v_view = lambda st: cute.composition(sV[None, None, None, st], cute.make_layout(
+            (self.tile_n, self.head_dim_v), stride=(self.head_dim_v, 1)))
+        k_job = (pipeline_k8, sK8, pipeline_k, k_view, gmem_tiled_copy(self.dtype, self.head_dim, nthreads),
+                 self.head_dim)
+        v_job = (pipeline_v8, sV8, pipeline_v, v_view, gmem_tiled_copy(self.dtype, self.head_dim_v, nthreads),
+                 self.head_dim_v)
+        k8_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, FP8_STAGES)
+        v8_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, FP8_STAGES)
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+        seqlen_k = tile.ctx.seqlen_k if cutlass.const_expr(cache_tail_may_be_garbage) else None
+        n_block_max, n_block_min = tile.n_block_max, tile.n_block_min
+        self._widen_block(k_job, k8_state, k_state, None, wtidx)
+        k8_state.advance()
+        k_state.advance()
+        for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+            n_block = n_block_max - 2 - i
+            self._widen_block(k_job, k8_state, k_state, None, wtidx)
+            k8_state.advance()
+            k_state.advance()
+            self._widen_block(v_job, v8_state, v_state, self._rows_valid(seqlen_k, n_block + 1), wtidx)
+            v8_state.advance()
+            v_state.advance()
+        self._widen_block(v_job, v8_state, v_state, self._rows_valid(seqlen_k, n_block_min), wtidx)
+
+    def _rows_valid(self, seqlen_k, n_block):
+        return None if seqlen_k is None else seqlen_k - n_block * self.tile_n
+
+    @cute.jit
+    def _widen_block(self, job, s8, s16, rows_valid, wtidx):
+        """One staged block into its 16-bit stage, 16 rows at a time (a thread holds that
+        slab's chunks in flight: the widening warps keep 96 registers or fewer)."""
+        pipe8, sX8, pipe16, view, tiled_copy, cols = job
+        thr_copy = tiled_copy.get_slice(wtidx)
+        pipe8.consumer_wait(s8)
+        pipe16.producer_acquire(s16)
+        src, dst = sX8[None, None, s8.index], view(s16.index)
+        coords = cute.make_identity_tensor((self.tile_n, cols))
+        slab = (16, cols)
+        for r in cutlass.range(self.tile_n // 16, unroll=1):
+            widen_fp8(thr_copy.partition_S(cute.local_tile(src, slab, (r, 0))),
+                      thr_copy.partition_D(cute.local_tile(dst, slab, (r, 0))), self.dtype,
+                      thr_copy.partition_S(cute.local_tile(coords, slab, (r, 0))), rows_valid)
+        # Generic-proxy stores, read next by tcgen05.mma (async proxy).
+        cute.arch.fence_view_async_shared()
+        pipe16.producer_commit(s16)
+        pipe8.consumer_release(s8)
 
     # -----------------------------------------------------------------------------------
     # MMA warp
@@ -627,9 +788,10 @@ class FlashAttnFwdSm100:
 
     @cute.jit
     def correction_loop(self, tmem_ptr, tiled_mma_pv, sStats, bars, mO, mLSE, tile, tidx,
-                        varlen_q: cutlass.Constexpr, mSink):
+                        varlen_q: cutlass.Constexpr, mSink, mVDescale=None):
         """Rescales O per block, then the epilogue; a tile without KV blocks stores O = 0 and
-        LSE = -inf, or the row's sink (``mSink``: None without one, or in a split kernel)."""
+        LSE = -inf, or the row's sink (``mSink``: None without one, or in a split kernel).
+        ``mVDescale`` (fp8 V): O's final scale is also ``v_descale[b, h_kv]``."""
         thr_mma_pv = tiled_mma_pv.get_slice(0)
         num_blocks = tile.n_block_max - tile.n_block_min
         for j in cutlass.range(1, num_blocks, unroll=1):
@@ -652,6 +814,8 @@ class FlashAttnFwdSm100:
                 bars.wait("scale_ready", s, (num_blocks - 1) & 1)
                 bars.wait("o_final", s, 0)
                 inv = sStats[tidx, 1, s]
+                if cutlass.const_expr(mVDescale is not None):
+                    inv = inv * mVDescale[tile.ctx.batch, tile.head_kv]
                 lse = sStats[tidx, 2, s]
             self._epilogue_stage(self._tmem_O(tmem_ptr, thr_mma_pv, s), mO, mLSE, tile, s, tidx, inv, lse,
                                  num_blocks > 0, varlen_q)
