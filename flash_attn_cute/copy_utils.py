@@ -71,13 +71,15 @@ def _copy_src(tiled_copy: cute.TiledCopy, tXsX_row: cute.Tensor, tXcX_row: cute.
 
 
 @cute.jit
-def widen_fp8(tXs8: cute.Tensor, tXs: cute.Tensor, dtype, tXc=None, rows_valid=None):
+def widen_fp8(tXs8: cute.Tensor, tXs: cute.Tensor, dtype, tXc=None, rows_valid=None, before_store=None):
     """FP8 K/V: a thread's chunks of a staged fp8 block, widened into the same chunks of
     the 16-bit tile the MMAs read (exact: every fp8 value is a bf16 and an fp16 value).
     ``tXs8`` and ``tXs`` are (CPY, M, chunks) partitions by one tiled copy. With
     ``rows_valid`` (and ``tXc``, the same partition of the tile's coordinates), rows at or
     past it are zeroed instead: what a cache holds past a sequence's end may be NaN, and a
-    zero probability does not cancel it in P V.
+    zero probability does not cancel it in P V. ``before_store()``, if given, runs between
+    the loads and the stores (a barrier that frees the 16-bit tile: it waits while the
+    loads are in flight).
 
     Every chunk is loaded before the first is stored: the compiler cannot move a load
     from one buffer above a store to the other (it cannot tell they do not alias), so one
@@ -86,6 +88,8 @@ def widen_fp8(tXs8: cute.Tensor, tXs: cute.Tensor, dtype, tXc=None, rows_valid=N
     r8 = cute.make_fragment_like(tXs8)
     cute.autovec_copy(tXs8, r8)
     r16 = cute.make_fragment_like(tXs)
+    if cutlass.const_expr(before_store is not None):
+        before_store()
     for m in cutlass.range_constexpr(cute.size(tXs, mode=[1])):
         for k in cutlass.range_constexpr(cute.size(tXs, mode=[2])):
             r16[None, m, k].store(r8[None, m, k].load().to(dtype))

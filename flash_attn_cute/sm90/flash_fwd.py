@@ -51,7 +51,7 @@ from flash_attn_cute.fwd_kernel import (FwdArgs, FwdTile, compile_from_key, fwd_
 from flash_attn_cute.layout_utils import acc_mn_view, acc_to_operand_a, select, transpose_view
 from flash_attn_cute.named_barrier import Sm90FwdBarrier
 from flash_attn_cute.paged_kv import page_and_row, page_lookups
-from flash_attn_cute.sm90.config import WarpRoles
+from flash_attn_cute.sm90.config import TWO_CTAS_SMEM, WarpRoles
 from flash_attn_cute.sm90.wgmma_utils import convert_pairs, kv_release, kv_wait, smem_layout, wgmma_gemm
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
 from flash_attn_cute.tile_scheduler import LptScheduler, PersistentScheduler, SingleTileScheduler
@@ -142,6 +142,9 @@ class FlashAttnFwdSm90:
             sO: o_field
             sKw: kw_field  # fp8: the widened block (unused 16-byte stand-ins otherwise)
             sVw: vw_field
+
+        # A tile planned to fit twice per SM must: else it silently runs one CTA per SM.
+        assert self.ctas_per_sm == 1 or SharedStorage.size_in_bytes() <= TWO_CTAS_SMEM, SharedStorage.size_in_bytes()
 
         # Each consumer warpgroup owns 64 rows: wgmma's M.
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
@@ -590,7 +593,7 @@ class FlashAttnFwdSm90:
 
         # Last P V.
         self.rescale_carried(mma)
-        v_stage = self.take_v(mma, io, state, tile, n_block_min)
+        v_stage = self.take_v(mma, io, state, tile, n_block_min, last=True)
         wgmma_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_stage], False, 0)
         self.give_kv(io.pipeline_v, state)
         state.advance()
@@ -625,21 +628,24 @@ class FlashAttnFwdSm90:
     def take_k(self, mma: "_MmaState", io: "_Io", state):
         """Waits for K of ``state``'s stage; returns the stage index the Q K^T reads. FP8:
         the block is widened into the 16-bit buffer (index 0) and its stage freed at once.
-        The buffer is free: the last Q K^T that read it completed (``wait_group`` of the
-        previous step), and one warpgroup reads it (``config.fp8_tile``)."""
+        One warpgroup reads the buffer (``config.fp8_tile``), each warp's tensor core its own
+        rows: a warp's ``wait_group`` says its part of the last Q K^T completed, so the
+        warps meet before any overwrites the buffer."""
         kv_wait(io.pipeline_k, state, self.gather_kv)
         stage = state.index
         if cutlass.const_expr(self.fp8):
-            widen_fp8(mma.widen.tKs8[None, None, None, state.index], mma.widen.tKsK, self.dtype)
+            widen_fp8(mma.widen.tKs8[None, None, None, state.index], mma.widen.tKsK, self.dtype,
+                      before_store=self.consumers_sync)
             self.widened(io.pipeline_k, state)
             stage = 0
         return stage
 
     @cute.jit
-    def take_v(self, mma: "_MmaState", io: "_Io", state, tile: FwdTile, n_block):
+    def take_v(self, mma: "_MmaState", io: "_Io", state, tile: FwdTile, n_block, last: cutlass.Constexpr = False):
         """``take_k`` for V of block ``n_block``. FP8 over a cache whose tail may hold
         garbage: rows past the sequence end are zeroed as they are widened (``zero_v_tail``
-        for 16-bit stages)."""
+        for 16-bit stages). The buffer's last reader, the previous P V, is known complete
+        in every warp through ``take_k``'s meeting, except before the ``last`` P V."""
         kv_wait(io.pipeline_v, state, self.gather_kv)
         stage = state.index
         if cutlass.const_expr(self.fp8):
@@ -647,7 +653,7 @@ class FlashAttnFwdSm90:
             if cutlass.const_expr(self.cache_tail_may_be_garbage):
                 rows_valid = tile.ctx.seqlen_k - n_block * self.tile_n
             widen_fp8(mma.widen.tVs8[None, None, None, state.index], mma.widen.tVsV, self.dtype, mma.widen.tVcV,
-                      rows_valid)
+                      rows_valid, self.consumers_sync if cutlass.const_expr(last) else None)
             self.widened(io.pipeline_v, state)
             stage = 0
         return stage
