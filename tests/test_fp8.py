@@ -157,6 +157,8 @@ def test_fp8_tiles_fit_the_shared_memory_of_the_arch():
         assert config[:3] == tile and config.ctas_per_sm == ctas and not config.persistent, (d, rows, config)
         assert sm90.config.fp8_smem_bytes(d, d, *tile) <= (sm90.config.TWO_CTAS_SMEM if ctas == 2 else
                                                             sm90.config.SMEM_LIMIT)
+    # a tuning override's tile that does not fit beside the widened buffers: tile_n shrinks
+    assert sm90.config.fp8_tile(256, 256, (128, 128, 2, 0), 2) == (64, 64, 2, 0)
     # batch invariant: the decode rows keep the prefill tile (its tile_n may not depend on the rows)
     assert sm90.plan(decode._replace(batch_invariant=True), 1, False, 132).config[:2] == (64, 128)
     # 16-bit keys keep their form; a two-CTA fp8 key names it last

@@ -88,6 +88,8 @@ def fp8_tile(d: int, dv: int, tile: tuple, max_stages: int = 4, decode: bool = F
     # A multiple of 64 rows: a gathering producer (128 threads, 16 fp8 values a copy) copies
     # up to 64 rows a pass (``copy_utils.gmem_tiled_copy``: rows of 96 values).
     n = max(64, tile[1] - tile[1] % 64)
+    while n > 64 and fp8_smem_bytes(d, dv, 64, n, 2) > SMEM_LIMIT:  # a tuning override's tile_n
+        n -= 64
     stages = next((s for s in range(max_stages, 2, -1) if fp8_smem_bytes(d, dv, 64, n, s) <= SMEM_LIMIT), 2)
     return 64, n, stages, 0
 
