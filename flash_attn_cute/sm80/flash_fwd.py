@@ -120,10 +120,8 @@ class FlashAttnFwdSm80:
         rows_valid = FwdTile.rows_valid_of(seqlen, work, block_info)
         if rows_valid > 0:
             ctx = FwdTile.ctx_of(args, work, seqlen, block_info)
-            softmax_scale = args.softmax_scale
-            if cutlass.const_expr(args.mKDescale is not None):
-                softmax_scale = softmax_scale * args.mKDescale[ctx.batch, head_kv]
-            tile = FwdTile(ctx, seqlen, work.m_block, head_kv, work.split_idx, rows_valid, softmax_scale, None, None)
+            tile = FwdTile(ctx, seqlen, work.m_block, head_kv, work.split_idx, rows_valid, args.softmax_scale, None,
+                           None).with_k_descale(args)
             self.attend(args, tile, block_info, smem_layouts, gmem_copy_QK, gmem_copy_V, gmem_copy_KV8, tiled_mma,
                         SharedStorage, tidx)
 

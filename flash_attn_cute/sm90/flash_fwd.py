@@ -626,44 +626,46 @@ class FlashAttnFwdSm90:
 
     @cute.jit
     def take_k(self, mma: "_MmaState", io: "_Io", state):
-        """Waits for K of ``state``'s stage; returns the stage index the Q K^T reads. FP8:
-        the block is widened into the 16-bit buffer (index 0) and its stage freed at once.
-        One warpgroup reads the buffer (``config.fp8_tile``), each warp's tensor core its own
-        rows: a warp's ``wait_group`` says its part of the last Q K^T completed, so the
-        warps meet before any overwrites the buffer."""
-        kv_wait(io.pipeline_k, state, self.gather_kv)
-        stage = state.index
-        if cutlass.const_expr(self.fp8):
-            widen_fp8(mma.widen.tKs8[None, None, None, state.index], mma.widen.tKsK, self.dtype,
-                      before_store=self.consumers_sync)
-            self.widened(io.pipeline_k, state)
-            stage = 0
-        return stage
+        """``take`` of K. Its widened buffer's last reader, the previous Q K^T, ran on each
+        warp's tensor core for that warp's rows: a warp's ``wait_group`` covers only its
+        own part, so the warps meet before any overwrites the buffer."""
+        parts = None
+        if cutlass.const_expr(mma.widen is not None):
+            parts = (mma.widen.tKs8, mma.widen.tKsK, None)
+        return self.take(io.pipeline_k, state, parts, None, True)
 
     @cute.jit
     def take_v(self, mma: "_MmaState", io: "_Io", state, tile: FwdTile, n_block, last: cutlass.Constexpr = False):
-        """``take_k`` for V of block ``n_block``. FP8 over a cache whose tail may hold
-        garbage: rows past the sequence end are zeroed as they are widened (``zero_v_tail``
-        for 16-bit stages). The buffer's last reader, the previous P V, is known complete
-        in every warp through ``take_k``'s meeting, except before the ``last`` P V."""
-        kv_wait(io.pipeline_v, state, self.gather_kv)
-        stage = state.index
-        if cutlass.const_expr(self.fp8):
-            rows_valid = None
+        """``take`` of V of block ``n_block``. FP8 over a cache whose tail may hold garbage:
+        rows past the sequence end are zeroed as they are widened (``zero_v_tail`` for
+        16-bit stages). The buffer's last reader, the previous P V, is known complete in
+        every warp through ``take_k``'s meeting, except before the ``last`` P V."""
+        parts, rows_valid = None, None
+        if cutlass.const_expr(mma.widen is not None):
+            parts = (mma.widen.tVs8, mma.widen.tVsV, mma.widen.tVcV)
             if cutlass.const_expr(self.cache_tail_may_be_garbage):
                 rows_valid = tile.ctx.seqlen_k - n_block * self.tile_n
-            widen_fp8(mma.widen.tVs8[None, None, None, state.index], mma.widen.tVsV, self.dtype, mma.widen.tVcV,
-                      rows_valid, self.consumers_sync if cutlass.const_expr(last) else None)
-            self.widened(io.pipeline_v, state)
+        return self.take(io.pipeline_v, state, parts, rows_valid, last)
+
+    @cute.jit
+    def take(self, pipe, state, parts, rows_valid, meet: cutlass.Constexpr):
+        """Waits for a K/V stage; returns the stage index the wgmma reads. FP8 (``parts``:
+        this thread's chunks of the fp8 stages, of the 16-bit buffer and of the tile's
+        coordinates): the block is widened into the 16-bit buffer (index 0), the consumer
+        warps meeting between its loads and stores if ``meet``; the stores are fenced for
+        the wgmma (async proxy), every consumer thread's part done, and the fp8 stage goes
+        back to the producer at once. One warpgroup reads the buffer (``config.fp8_tile``)."""
+        kv_wait(pipe, state, self.gather_kv)
+        stage = state.index
+        if cutlass.const_expr(parts is not None):
+            tXs8, tXsX, tXcX = parts
+            widen_fp8(tXs8[None, None, None, state.index], tXsX, self.dtype, tXcX, rows_valid,
+                      self.consumers_sync if cutlass.const_expr(meet) else None)
+            cute.arch.fence_view_async_shared()
+            self.consumers_sync()
+            kv_release(pipe, state, self.gather_kv)
             stage = 0
         return stage
-
-    def widened(self, pipe, state):
-        """Generic-proxy stores, read next by wgmma (async proxy): fenced, every consumer
-        thread's part done; then the fp8 stage goes back to the producer."""
-        cute.arch.fence_view_async_shared()
-        self.consumers_sync()
-        kv_release(pipe, state, self.gather_kv)
 
     def give_kv(self, pipe, state):
         """Frees a 16-bit stage once the wgmma that read it completed (fp8 stages were freed
