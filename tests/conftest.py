@@ -15,7 +15,10 @@ import pytest
 import torch
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
+    # trylast: slice after ``-m gpu`` has deselected the CPU tests, so every shard of a
+    # GPU run gets GPU tests (sliced first, the first shards held only CPU tests).
     _keep_shard(config, items)
     if torch.cuda.is_available():
         return
