@@ -50,8 +50,8 @@ optional, and a field given as a list expands to one description per combination
     learnable_sink, seqused_q, batch_invariant
                       bools (default false): a sink tensor, a seqused_q tensor,
                       batch_invariant=True (mla: batch_invariant only)
-    kv_fp8            bool (default false): an e4m3 K/V cache with its descales
-                      (not mla; refused below compute capability 8.9, as at runtime)
+    kv_fp8            bool (default false): an e4m3 K/V cache with its descales (mla:
+                      an e4m3 latent cache; refused below compute capability 8.9, as at runtime)
 
 Each description becomes a problem (``FwdProblem``, ``MlaProblem``); the backend the runtime would pick for the
 arch (or ``--backend``) turns it into a key through its ``plan`` and ``compile_key``,
@@ -194,8 +194,7 @@ def _validate(one: dict) -> None:
     if one["api"] == "mla":
         need(one["nheads_kv"] == 1, "api mla has one latent KV head: nheads_kv must be 1")
         need(one["qhead_per_kvhead"] in MLA_NHEADS, f"api mla: qhead_per_kvhead (the query heads) in {MLA_NHEADS}")
-        need(not (one["learnable_sink"] or one["seqused_q"] or one["kv_fp8"]),
-             "api mla has no learnable_sink, seqused_q or kv_fp8")
+        need(not (one["learnable_sink"] or one["seqused_q"]), "api mla has no learnable_sink or seqused_q")
     need(is_int(one["num_splits"]) and one["num_splits"] >= 0, "num_splits must be an int >= 0")
     need(one["num_sms"] is None or (is_int(one["num_sms"]) and one["num_sms"] >= 1), "num_sms must be >= 1")
     need(one["num_splits"] != 0 or one["num_sms"] is not None, "num_splits 0 (auto) needs num_sms")
@@ -214,7 +213,8 @@ def problem_of(one: dict):
         return MlaProblem(dtype=dtype, batch=one["batch"], max_seqlen_q=one["seqlen_q"], max_seqlen_k=one["seqlen_k"],
                           nheads=one["qhead_per_kvhead"], page_size=max(1, one["page_size"]),
                           softmax_scale=576 ** -0.5, causal=one["causal"], has_lse=one["has_lse"],
-                          batch_invariant=one["batch_invariant"])
+                          batch_invariant=one["batch_invariant"],
+                          kv_dtype=torch.float8_e4m3fn if one["kv_fp8"] else None)
     causal, window_left, window_right = normalize_window(one["causal"], tuple(one["window"]))
     varlen_q, varlen_k, seqused_k = _APIS[one["api"]]
     d, d_v = one["d"], one["d_v"] or one["d"]

@@ -10,7 +10,7 @@ from typing import Callable, Optional
 
 from . import heuristics, jit_cache
 from .constants import KEYS_PER_SPLIT, MAX_SPLITS, MLA_NHEADS
-from .keys import DTYPE_NAMES, dtype_key, make_key, mla_key, target_arch
+from .keys import dtype_key, make_key, mla_key, target_arch
 from .problems import FwdPlan, FwdProblem, MlaProblem
 
 # A user variant's kernel tensors when there is none: the aux slots and the block ranges
@@ -21,7 +21,7 @@ NO_VARIANT = (None,) * 5
 # Problem features a forward kernel must implement explicitly: (field, what it is).
 FEATURES = (("has_sink", "learnable_sink"), ("has_seqused_q", "seqused_q"), ("batch_invariant", "batch_invariant"),
             ("kv_fp8", "fp8_kv"))
-MLA_FEATURES = (("batch_invariant", "batch_invariant"),)  # MLA has no sinks and no query counts
+MLA_FEATURES = (("batch_invariant", "batch_invariant"), ("kv_fp8", "fp8_kv"))  # MLA has no sinks, no query counts
 
 
 def feature_refusal(problem, supported: frozenset, fields: tuple = FEATURES) -> Optional[str]:
@@ -157,11 +157,13 @@ def mla_entry_points(name: str, kernel_module: str, compile_fn: str, key_config:
     """An MLA backend's entry points: the key (``keys.mla_key``) ends with
     ``key_config(plan.config)`` (its fields but ``split_blocks``, a common one); the launcher
     binds softmax_scale, num_splits, max_seqlen_q and batch after ``launch(q_nope, q_pe, ckv,
-    kpe, out, lse, cache_seqlens, page_table)``."""
+    kpe, out, lse, cache_seqlens, page_table, kv_descale)`` (kv_descale: fp32 ``(batch,)``
+    for an FP8 cache, else None)."""
 
     def key(problem: MlaProblem, plan: FwdPlan, arch: str) -> tuple:
-        return mla_key(name, arch, DTYPE_NAMES[problem.dtype], problem.nheads, problem.causal, plan.is_split,
-                       problem.has_lse or plan.is_split, plan.config.split_blocks, key_config(plan.config))
+        return mla_key(name, arch, dtype_key(problem.dtype, problem.kv_dtype), problem.nheads, problem.causal,
+                       plan.is_split, problem.has_lse or plan.is_split, plan.config.split_blocks,
+                       key_config(plan.config))
 
     def scalars(problem: MlaProblem, plan: FwdPlan, device) -> tuple:
         return float(problem.softmax_scale), int(plan.num_splits), int(problem.max_seqlen_q), int(problem.batch)

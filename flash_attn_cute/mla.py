@@ -38,7 +38,7 @@ def _backend(backend) -> Optional[str]:
 
 
 def _validate(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, softmax_scale, causal, num_splits,
-              out, backend, batch_invariant=False):
+              out, backend, batch_invariant=False, kv_descale=None):
     """Shapes, then dtypes, then scalars, then the device; errors name the argument."""
     q_form = "(batch, seqlen_q, nheads, {})"
     checks.check_tensor("q_nope", q_nope, 4, q_form.format(D_CKV))
@@ -64,8 +64,21 @@ def _validate(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, sof
     checks.page_table_arg(page_table, batch, ckv_cache.shape[1], "ckv_cache")
     checks.int32_vector("cache_seqlens", cache_seqlens, batch, "(batch,)")
     checks.check_dtype("q_nope", q_nope, checks.SUPPORTED_DTYPES, "float16 or bfloat16")
-    for name, t in (("q_pe", q_pe), ("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):
-        checks.check_dtype(name, t, q_nope.dtype, f"{q_nope.dtype} like q_nope")
+    checks.check_dtype("q_pe", q_pe, q_nope.dtype, f"{q_nope.dtype} like q_nope")
+    if ckv_cache.dtype in checks.FP8_DTYPES:  # an FP8 latent cache: one dtype, one descale
+        checks.check_dtype("kpe_cache", kpe_cache, ckv_cache.dtype, f"{ckv_cache.dtype} like ckv_cache")
+    else:
+        for name, t in (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):
+            checks.check_dtype(name, t, q_nope.dtype, f"{q_nope.dtype} like q_nope, or an FP8 dtype "
+                                                      f"{checks.FP8_DTYPES} (both caches)")
+    if kv_descale is not None:
+        if not isinstance(kv_descale, torch.Tensor):
+            raise TypeError(f"kv_descale must be a torch.Tensor (float32, one element or (batch,)), got "
+                            f"{type(kv_descale).__name__}")
+        checks.check_dtype("kv_descale", kv_descale, torch.float32, "float32")
+        if kv_descale.numel() != 1 and tuple(kv_descale.shape) != (batch,):
+            raise ValueError(f"kv_descale must have one element or shape (batch,) = {(batch,)}, got "
+                             f"{tuple(kv_descale.shape)}")
     scale = checks.softmax_scale(softmax_scale, (D_CKV + D_KPE) ** -0.5)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
@@ -77,12 +90,24 @@ def _validate(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, sof
                                                   ("kpe_cache", kpe_cache))]
     out = checks.check_out(out, (batch, seqlen_q, nheads, D_CKV), q_nope.dtype, q_form.format(D_CKV))
     checks.check_device({"q_nope": q_nope, "q_pe": q_pe, "ckv_cache": ckv_cache, "kpe_cache": kpe_cache,
-                         "cache_seqlens": cache_seqlens, "page_table": page_table, "out": out})
+                         "cache_seqlens": cache_seqlens, "page_table": page_table, "out": out,
+                         "kv_descale": kv_descale})
     return (*tensors, out, scale, num_splits, backend)
 
 
+def _kv_descale_view(problem: MlaProblem, kv_descale, device):
+    """The cache's descale as the kernels read it: fp32 ``(batch,)`` (a broadcast view of one
+    element; 1.0 when None) for an FP8 cache, else None (a 16-bit cache ignores it)."""
+    if not problem.kv_fp8:
+        return None
+    if kv_descale is not None and kv_descale.numel() != 1:
+        return kv_descale
+    return checks.descale_view(kv_descale, problem.batch, 1, device)[:, 0]
+
+
 def flash_mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, *, softmax_scale=None,
-                     causal=False, num_splits=0, return_lse=False, out=None, backend=None, batch_invariant=False):
+                     causal=False, num_splits=0, return_lse=False, out=None, backend=None, batch_invariant=False,
+                     kv_descale=None):
     """MLA decode against a paged latent cache.
 
     q_nope ``(batch, seqlen_q, nheads, 512)``, q_pe ``(batch, seqlen_q, nheads, 64)``;
@@ -98,23 +123,31 @@ def flash_mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_tab
     ``batch_invariant=True``: a sequence's output and LSE are bitwise the same whatever else
     is in the batch (a fixed number of keys per KV split; ``num_splits`` is then ignored).
 
+    FP8 latent cache: ``ckv_cache`` and ``kpe_cache`` both ``float8_e4m3fn`` (or
+    ``float8_e5m2``), the queries fp16/bf16, and ``kv_descale`` fp32 (one element, or
+    ``(batch,)``; default 1) the factor that turns the stored values of both caches back
+    into real ones (one scale per token's 576 values, as vLLM stores an MLA cache; quantize
+    with ``quantize_fp8(torch.cat([ckv, kpe], -1), granularity="tensor")``). The kernels
+    widen the cache to 16 bits in shared memory; scores and output use the descale.
+    Compute capability 8.9 or newer. ``kv_descale`` is ignored for a 16-bit cache.
+
     No device synchronisation: lengths beyond the table's capacity and page ids outside
     the pool are clamped in the kernel (wrong results, never an illegal read). A
     repeated call (same shapes, strides, dtypes, arguments) skips validation and planning."""
     hit, key = call_cache.lookup(call_cache.key(
-        "mla", (q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, out),
+        "mla", (q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, out, kv_descale),
         (softmax_scale, causal, num_splits, return_lse, backend, batch_invariant)))
     if hit is not None:
         if out is None:
             out = q_nope.new_empty(hit.out_shape)
         lse = q_nope.new_empty(hit.lse_shape, dtype=torch.float32) if return_lse else None
         fwd.run_resolved(hit.resolved, hit.problem, (q_nope, q_pe, ckv_cache, kpe_cache), out, lse,
-                         (cache_seqlens, page_table))
+                         (cache_seqlens, page_table, _kv_descale_view(hit.problem, kv_descale, q_nope.device)))
         return (out, lse) if return_lse else out
     inputs = (q_nope, q_pe, ckv_cache, kpe_cache, out)
     q_nope, q_pe, ckv_cache, kpe_cache, out, scale, num_splits, name = _validate(
         q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, softmax_scale, causal, num_splits, out,
-        backend, batch_invariant)
+        backend, batch_invariant, kv_descale)
     # Cacheable when validation handed the tensors through unchanged (checked before out is allocated).
     fast_key = call_cache.same(key, inputs, (q_nope, q_pe, ckv_cache, kpe_cache, out))
     batch, seqlen_q, nheads, _ = q_nope.shape
@@ -130,8 +163,10 @@ def flash_mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_tab
         return (out, lse) if return_lse else out
     problem = MlaProblem(dtype=q_nope.dtype, batch=batch, max_seqlen_q=seqlen_q, max_seqlen_k=capacity, nheads=nheads,
                          page_size=ckv_cache.shape[1], softmax_scale=scale, causal=causal, has_lse=bool(return_lse),
-                         batch_invariant=batch_invariant)
+                         batch_invariant=batch_invariant,
+                         kv_dtype=ckv_cache.dtype if ckv_cache.dtype in checks.FP8_DTYPES else None)
     resolved = fwd.resolve(problem, name, num_splits, None, q_nope.device, tuning.from_env())
-    fwd.run_resolved(resolved, problem, (q_nope, q_pe, ckv_cache, kpe_cache), out, lse, (cache_seqlens, page_table))
+    fwd.run_resolved(resolved, problem, (q_nope, q_pe, ckv_cache, kpe_cache), out, lse,
+                     (cache_seqlens, page_table, _kv_descale_view(problem, kv_descale, q_nope.device)))
     call_cache.store(fast_key, call_cache.Entry(problem, resolved, out_shape, lse_shape))
     return (out, lse) if return_lse else out

@@ -15,7 +15,7 @@ table's capacity (``SeqlenInfo``), so a bad ``cache_seqlens`` never walks past t
 page ids are clamped where rows are gathered (``paged_kv.page_and_row``).
 """
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Callable, NamedTuple, Optional
 
 import cutlass
@@ -23,9 +23,12 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from flash_attn_cute.block_info import BlockInfo
+from flash_attn_cute.constants import D_CKV, D_KPE
+from flash_attn_cute.copy_utils import copy_row, gmem_tiled_copy, swizzle_atom_cols
 from flash_attn_cute.cute_utils import CUTE_DTYPE_BY_NAME, compile_mla
 from flash_attn_cute.fwd_kernel import FwdTile
 from flash_attn_cute.keys import parse_mla_key
+from flash_attn_cute.paged_kv import page_lookups
 from flash_attn_cute.seqlen_info import SeqlenInfo
 from flash_attn_cute.tile_scheduler import SingleTileScheduler
 from flash_attn_cute.variants import AttnCtx, VariantParams, make_variant
@@ -42,6 +45,7 @@ class MlaArgs(NamedTuple):
     mLSE: Optional[cute.Tensor]  # (b, h, s_q); split: (num_splits, ...)
     mSeqlens: cute.Tensor  # cache lengths (b,) int32
     mPageTable: cute.Tensor  # (b, max_pages) int32
+    mKvDescale: Optional[cute.Tensor]  # an FP8 cache: fp32 (b,), the stored values' factor; else None
     softmax_scale: Float32
     num_splits: Int32
     max_seqlen_q: Int32
@@ -65,22 +69,26 @@ def set_mla_config(kernel, dtype, nheads: int, causal: bool, is_split: bool, spl
 
 @cute.jit
 def mla_call(self, mQn: cute.Tensor, mQp: cute.Tensor, mCkv: cute.Tensor, mKpe: cute.Tensor, mO: cute.Tensor,
-             mLSE: Optional[cute.Tensor], mSeqlens: cute.Tensor, mPageTable: cute.Tensor, softmax_scale: Float32,
-             num_splits: Int32, max_seqlen_q: Int32, batch_size: Int32, stream):
+             mLSE: Optional[cute.Tensor], mSeqlens: cute.Tensor, mPageTable: cute.Tensor,
+             mKvDescale: Optional[cute.Tensor], softmax_scale: Float32, num_splits: Int32, max_seqlen_q: Int32,
+             batch_size: Int32, stream):
     """The compiled entry point of both MLA kernel classes (``__call__ = mla_call``):
     ``MlaArgs`` in order, then the stream, handed to the class's ``launch(args, stream)``."""
-    self.launch(MlaArgs(mQn, mQp, mCkv, mKpe, mO, mLSE, mSeqlens, mPageTable, softmax_scale, num_splits,
-                        max_seqlen_q, batch_size), stream)
+    self.launch(MlaArgs(mQn, mQp, mCkv, mKpe, mO, mLSE, mSeqlens, mPageTable, mKvDescale, softmax_scale,
+                        num_splits, max_seqlen_q, batch_size), stream)
 
 
 def compile_mla_from_key(key: tuple, make_kernel: Callable):
     """Compiles an MLA kernel for a compile key (``keys.mla_key``) on fake tensors (no GPU
     needed): ``make_kernel(dtype, nheads, causal, is_split, split_blocks, *config)`` builds
-    the kernel object, ``config`` being the key's backend fields."""
+    the kernel object, ``config`` being the key's backend fields. The dtype field is q's,
+    then ``/`` and the cache's for an FP8 cache (``keys.dtype_key``)."""
     f = parse_mla_key(key)
-    dtype = CUTE_DTYPE_BY_NAME[f.dtype_name]
+    q_name, _, kv_name = f.dtype_name.partition("/")
+    dtype = CUTE_DTYPE_BY_NAME[q_name]
     kernel = make_kernel(dtype, f.nheads, f.causal, f.is_split, f.split_blocks, *f.config)
-    return compile_mla(kernel, dtype, f.nheads, f.arch, is_split=f.is_split, has_lse=f.has_lse)
+    return compile_mla(kernel, dtype, f.nheads, f.arch, is_split=f.is_split, has_lse=f.has_lse,
+                       kv_dtype=CUTE_DTYPE_BY_NAME[kv_name or q_name])
 
 
 @dataclass(frozen=True)
@@ -112,3 +120,93 @@ class MlaTile(FwdTile):
         n_mid_hi, n_mid_lo = tile.n_block_runs(block_info)
         return MlaTile(*(getattr(tile, f.name) for f in fields(FwdTile)),
                        cutlass.max(tile.n_block_max - tile.n_block_min, 0), n_mid_hi, n_mid_lo)
+
+    def with_kv_descale(self, args: MlaArgs) -> "MlaTile":
+        """An FP8 cache: the softmax scale times ``kv_descale[b]`` (the scores scale with the
+        stored keys); the tile itself otherwise."""
+        if args.mKvDescale is None:
+            return self
+        return replace(self, softmax_scale=self.softmax_scale * args.mKvDescale[self.ctx.batch])
+
+    @cute.jit
+    def descale_o(self, args: MlaArgs, acc_O: cute.Tensor):
+        """An FP8 cache: O (registers) times ``kv_descale[b]`` (V is the stored values times it)."""
+        if cutlass.const_expr(args.mKvDescale is not None):
+            acc_O.store(acc_O.load() * args.mKvDescale[self.ctx.batch])
+
+
+@dataclass(frozen=True)
+class MlaFp8Staging:
+    """An FP8 latent cache, one loading thread's share: it gathers its own 16-byte chunks
+    of a KV tile (one key: 8 of ckv, 1 of kpe, one page lookup; 16 fp8 values a chunk, 4
+    threads along a 64-column row slice, so 128 threads cover 32 keys) by cp.async into
+    an fp8 staging tile, and, once ``cp.async.wait_group`` says they landed, widens
+    exactly those chunks into the 16-bit stage the MMAs read. The chunks are private to
+    the thread: no barrier among the loading threads, only the caller's signal to the
+    MMA warps (and, for wgmma, its proxy fence) after ``widen``."""
+
+    copy_C8: cute.TiledCopy
+    copy_Kp8: cute.TiledCopy
+    tCcC: cute.Tensor  # (CPY, 1, chunks) coordinates of this thread's ckv chunks
+    tKcKp: cute.Tensor
+    tCs8: cute.Tensor  # (CPY, 1, chunks, staging) its staging chunks
+    tKs8: cute.Tensor
+    tCs16: cute.Tensor  # (CPY, 1, chunks, stages) the same chunks of the 16-bit stages
+    tKs16: cute.Tensor
+
+    @staticmethod
+    def create(args: MlaArgs, sC8, sKp8, sC, sKp, dtype, num_threads: int, tidx) -> "MlaFp8Staging":
+        """``sC8``/``sKp8``: the staging (tile_n, cols, staging stages) in fp8; ``sC``/``sKp``:
+        the 16-bit stages; ``num_threads`` loading threads (tile_n = num_threads / 4 keys)."""
+        kv_dtype = args.mCkv.element_type
+        copy_C8, copy_Kp8 = gmem_tiled_copy(kv_dtype, D_CKV, num_threads), gmem_tiled_copy(kv_dtype, D_KPE, num_threads)
+        thr_C8, thr_Kp8 = copy_C8.get_slice(tidx), copy_Kp8.get_slice(tidx)
+        thr_C16 = _chunks_copy(dtype, D_CKV, num_threads).get_slice(tidx)
+        thr_Kp16 = _chunks_copy(dtype, D_KPE, num_threads).get_slice(tidx)
+        rows = cute.size(sC8, mode=[0])
+        return MlaFp8Staging(copy_C8, copy_Kp8, thr_C8.partition_S(cute.make_identity_tensor((rows, D_CKV))),
+                             thr_Kp8.partition_S(cute.make_identity_tensor((rows, D_KPE))),
+                             thr_C8.partition_D(sC8), thr_Kp8.partition_D(sKp8),
+                             thr_C16.partition_D(sC), thr_Kp16.partition_D(sKp))
+
+    @cute.jit
+    def gather(self, tile, args: MlaArgs, i, tile_n: cutlass.Constexpr):
+        """cp.async of this thread's chunks of tile i (KV block n_block_max - 1 - i) into
+        staging tile i % staging stages. Rows past the sequence end re-read the last key:
+        finite, and their scores are masked to -inf."""
+        mCkv, mKpe = args.mCkv, args.mKpe
+        tPrPage, tPrRow = page_lookups(args.mPageTable, tile.ctx.batch, self.tCcC, (tile.n_block_max - 1 - i) * tile_n,
+                                       tile.ctx.seqlen_k - 1, 0, 1, mCkv.shape[1], mCkv.shape[0])
+        slot = i % cute.size(self.tCs8, mode=[3])
+        copy_row(self.copy_C8, self.tCs8[None, 0, None, slot], self.tCcC[None, 0, None],
+                 mCkv[tPrPage[0], tPrRow[0], None])
+        copy_row(self.copy_Kp8, self.tKs8[None, 0, None, slot], self.tKcKp[None, 0, None],
+                 mKpe[tPrPage[0], tPrRow[0], None])
+
+    @cute.jit
+    def widen(self, slot, stage, dtype):
+        """This thread's chunks of staging tile ``slot`` into 16-bit stage ``stage``."""
+        _widen_chunks(self.tCs8[None, 0, None, slot], self.tCs16[None, 0, None, stage], dtype)
+        _widen_chunks(self.tKs8[None, 0, None, slot], self.tKs16[None, 0, None, stage], dtype)
+
+
+def _chunks_copy(dtype, cols: int, num_threads: int) -> cute.TiledCopy:
+    """The 16-bit twin of ``gmem_tiled_copy(fp8, cols, num_threads)``: the same thread
+    layout, 16 values a thread and chunk, so a thread's chunks of a 16-bit tile are the
+    widened values of its fp8 chunks."""
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
+    per_row = swizzle_atom_cols(cols) // 16
+    thr = cute.make_layout((num_threads // per_row, per_row), stride=(per_row, 1))
+    return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, 16)))
+
+
+@cute.jit
+def _widen_chunks(tXs8: cute.Tensor, tXs16: cute.Tensor, dtype):
+    """A thread's fp8 chunks (CPY, chunks) widened into its 16-bit chunks, one at a time (a
+    chunk's load, conversion and two stores: 4 + 8 registers in flight)."""
+    for k in cutlass.range_constexpr(cute.size(tXs8, mode=[1])):
+        r8 = cute.make_fragment_like(tXs8[None, k])
+        cute.autovec_copy(tXs8[None, k], r8)
+        r16 = cute.make_fragment_like(tXs16[None, k])
+        r16.store(r8.load().to(dtype))
+        cute.autovec_copy(r16, tXs16[None, k])

@@ -115,6 +115,11 @@ class MlaProblem(NamedTuple):
     causal: bool  # bottom-right aligned
     has_lse: bool
     batch_invariant: bool = False  # fixed keys per split: bitwise the same in any batch
+    kv_dtype: Optional[torch.dtype] = None  # an FP8 latent cache (with kv_descale); None: q's dtype
+
+    @property
+    def kv_fp8(self) -> bool:
+        return self.kv_dtype is not None
 
     kind = "mla"
     nheads_kv = 1  # one latent cache shared by every head

@@ -264,6 +264,11 @@ def test_serving_features_are_described():
     assert skipped == [] and [(e.name, e.key[2]) for e in hopper] == [("fwd_sm90", "bf16/e4m3")]
     ampere, skipped = aot.entries_for(fp8, "sm_80")
     assert ampere == [] and "compute capability >= 8.9" in skipped[0]
+    # An FP8 MLA latent cache: the SM90 MLA key with the fp8 dtype and its staging depth.
+    mla8, skipped = aot.entries_for([{"api": "mla", "qhead_per_kvhead": 64, "nheads_kv": 1, "page_size": 64,
+                                      "kv_fp8": True}], "sm_90a")
+    assert skipped == [] and [(e.name, e.key[2], e.key[8]) for e in mla8] == [("mla_sm90", "bf16/e4m3",
+                                                                               (32, 3, "one", 2))]
 
 
 def test_expand_and_validate(tmp_path):

@@ -95,5 +95,35 @@ def test_mla_sm90_compiles_and_sass(tmp_path):
 def test_stages_and_override():
     assert mla_stages_for("sm_80") == 2 and mla_stages_for("sm_90a") == 3 and mla_stages_for("sm_100a") == 3
     assert mla_stages_for("sm_90a", "2") == 2
+    assert mla_stages_for("sm_90a", fp8=True) == 2  # the fp8 staging takes the third stage's room
     with pytest.raises(ValueError, match="MLA_STAGES"):
         mla_stages_for("sm_80", "3")
+    with pytest.raises(ValueError, match="MLA_STAGES"):
+        mla_stages_for("sm_90a", "3", fp8=True)
+
+
+# FP8 latent caches (dtype field "bf16/e4m3"): both kernels on sm_90a (FP8 needs compute
+# capability 8.9), both SM90 Q K^T modes. The loading threads gather their own fp8 chunks
+# (16-byte LDGSTS), read them back (LDS.128), unpack e4m3 pairs (F2FP.F16.E4M3.UNPACK_B)
+# and store 16-bit chunks (STS.128). SM80: the widening runs in the O warps, whose 168
+# registers hold O (128): ptxas spills a few scalars (10 local-memory instructions at
+# the time of writing), bounded like the 16-bit kernel's.
+FP8_CONFIGS = [("bf16/e4m3", 64, True, True, True, 0), ("fp16/e5m2", 16, False, False, False, 0)]
+FP8_SASS_EXPECT = ["LDGSTS", "LDS.128", "STS.128", "F2FP.F16.E"]
+
+
+def test_mla_fp8_compiles_and_sass(tmp_path):
+    keys8 = [mla_key("sm80", "sm_90a", *c, (mla_stages_for("sm_90a", fp8=True),)) for c in FP8_CONFIGS]
+    keys8 += [mla_key("sm90", "sm_90a", *c, (((32, 2, "split", 2) if i % 2 else (32, 3, "one", 2)),))
+              for i, c in enumerate(FP8_CONFIGS)]
+    entries = [(f"k{i}", f"flash_attn_cute.{k[0][4:]}.mla:compile", k) for i, k in enumerate(keys8)]
+    out_dir, seconds = compile_entries("sm_90a", entries, tmp_path)
+    print("\nmla fp8 sm_90a: " + ", ".join(f"{v:.1f}s" for v in seconds.values()))
+    n80 = len(FP8_CONFIGS)
+    check_artifacts(out_dir, keys8[:n80], "sm_90a", FP8_SASS_EXPECT + SASS_EXPECT, SPILL_BOUND["sm_90a"])
+    # check_artifacts numbers the entry directories from 0: the SM90 ones start at n80.
+    for i, key in enumerate(keys8[n80:], start=n80):
+        sass = next((out_dir / f"k{i}").glob("*.sass")).read_text()
+        for op in FP8_SASS_EXPECT + SM90_SASS_EXPECT[2:]:
+            assert op in sass, (op, key)
+        assert not re.findall(r"\b(LDL|STL)\b", sass), ("local-memory spill", key)

@@ -133,3 +133,81 @@ def test_mla_nan_past_the_end(backend):
             kpe_bad[table[b, t // page], t % page] = float("nan")
     out = flash_attn_cute.flash_mla_decode(q_nope, q_pe, ckv_bad, kpe_bad, seqlens, table, backend=backend)
     check_close(out, out_ref, out_pt)
+
+
+# ---------------------------------------------------------------------------------------
+# FP8 latent cache (e4m3 / e5m2 with kv_descale): the reference runs on the dequantized
+# values (``mla_decode_ref(kv_descale=)``), PyTorch's own error on the same values in q's
+# dtype. Compile keys: the dtype field "bf16/e4m3" (one key per case below).
+# ---------------------------------------------------------------------------------------
+
+
+def fp8_inputs(seqlens, nheads, page_size, *, seqlen_q=1, dtype=torch.bfloat16, fp8=torch.float8_e4m3fn, seed=10,
+               per_batch=False):
+    """``make_inputs`` with the caches quantized: one scale for ckv and kpe together (the
+    576 values of a token, as vLLM stores them), or (``per_batch``) a descale per sequence
+    (the pool quantized once, each sequence's descale a power of two apart from it)."""
+    from flash_attn_cute import quantize_fp8
+
+    q_nope, q_pe, ckv, kpe, seqlens_t, table = make_inputs(seqlens, nheads, page_size, seqlen_q=seqlen_q, dtype=dtype,
+                                                           seed=seed)
+    both, descale = quantize_fp8(torch.cat([ckv, kpe], -1).unsqueeze(2), granularity="tensor", dtype=fp8)
+    ckv8, kpe8 = both[..., 0, :512].contiguous(), both[..., 0, 512:].contiguous()
+    if per_batch:
+        descale = descale * torch.tensor([2.0 ** (i % 3 - 1) for i in range(len(seqlens))], device="cuda")
+    return (q_nope, q_pe, ckv8, kpe8, seqlens_t, table), descale.float()
+
+
+def run_and_check_fp8(backend, inputs, kv_descale, *, causal=False, num_splits=1, return_lse=False):
+    import flash_attn_cute
+
+    q_nope = inputs[0]
+    out = torch.full(q_nope.shape, float("nan"), dtype=q_nope.dtype, device="cuda")
+    res = flash_attn_cute.flash_mla_decode(*inputs, causal=causal, num_splits=num_splits, return_lse=return_lse,
+                                           out=out, backend=backend, kv_descale=kv_descale)
+    out_ref, lse_ref = mla_decode_ref(*inputs, causal=causal, kv_descale=kv_descale)
+    out_pt, lse_pt = mla_decode_ref(*inputs, causal=causal, upcast=False, kv_descale=kv_descale)
+    if return_lse:
+        check_lse(res[1], lse_ref, lse_pt)
+    check_close(out, out_ref, out_pt)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_mla_fp8_pages(backend, page_size):
+    inputs, descale = fp8_inputs(SEQLENS + (1000,), 64, page_size)
+    run_and_check_fp8(backend, inputs, descale)
+
+
+@pytest.mark.parametrize("num_splits", [3, 0])
+def test_mla_fp8_causal_splits_per_batch_descale(backend, num_splits):
+    inputs, descale = fp8_inputs((2, 1000, 65, 1), 64, 64, seqlen_q=2, seed=11, per_batch=True)
+    run_and_check_fp8(backend, inputs, descale, causal=True, num_splits=num_splits, return_lse=True)
+
+
+def test_mla_fp8_e5m2_fp16_16_heads_default_descale(backend):
+    # No kv_descale: 1.0. e5m2 values of a unit-scale Gaussian stay in range unscaled.
+    import flash_attn_cute
+
+    q_nope, q_pe, ckv, kpe, seqlens, table = make_inputs((300, 33, 4097), 16, 16, dtype=torch.float16, seed=12)
+    inputs = (q_nope, q_pe, ckv.to(torch.float8_e5m2), kpe.to(torch.float8_e5m2), seqlens, table)
+    out = flash_attn_cute.flash_mla_decode(*inputs, backend=backend, num_splits=0)
+    check_close(out, mla_decode_ref(*inputs)[0], mla_decode_ref(*inputs, upcast=False)[0])
+
+
+def test_mla_fp8_nan_past_the_end(backend):
+    # FP8 cache bytes past each sequence's end are NaN (0x7f in e4m3): never read into a score.
+    import flash_attn_cute
+
+    inputs, descale = fp8_inputs((5, 70, 33), 64, 16, seed=13)
+    q_nope, q_pe, ckv, kpe, seqlens, table = inputs
+    out_ref, _ = mla_decode_ref(*inputs, kv_descale=descale)
+    out_pt, _ = mla_decode_ref(*inputs, upcast=False, kv_descale=descale)
+    page = ckv.shape[1]
+    ckv_bad, kpe_bad = ckv.clone().view(torch.uint8), kpe.clone().view(torch.uint8)
+    for b, n in enumerate(seqlens.tolist()):
+        for t in range(n, table.shape[1] * page):
+            ckv_bad[table[b, t // page], t % page] = 0x7F
+            kpe_bad[table[b, t // page], t % page] = 0x7F
+    out = flash_attn_cute.flash_mla_decode(q_nope, q_pe, ckv_bad.view(ckv.dtype), kpe_bad.view(kpe.dtype), seqlens,
+                                           table, backend=backend, kv_descale=descale)
+    check_close(out, out_ref, out_pt)

@@ -67,6 +67,17 @@ def test_exported():
     (dict(backend="sm100"), NotImplementedError, "has no MLA kernel"),
     (dict(out=torch.empty(2, 1, 16, 256, dtype=BF16)), ValueError, "out must have shape"),
     (dict(out=torch.empty(2, 1, 16, 512)), TypeError, "out must be"),
+    # An FP8 latent cache: both caches in one fp8 dtype, an fp32 descale of one element or (batch,).
+    (dict(ckv_cache=torch.randn(6, 4, 512).to(torch.float8_e4m3fn)), TypeError,
+     "kpe_cache must be torch.float8_e4m3fn like ckv_cache"),
+    (dict(kpe_cache=torch.randn(6, 4, 64).to(torch.float8_e4m3fn)), TypeError,
+     "kpe_cache must be torch.bfloat16 like q_nope, or an FP8 dtype"),
+    (dict(ckv_cache=torch.randn(6, 4, 512).to(torch.float8_e4m3fn),
+          kpe_cache=torch.randn(6, 4, 64).to(torch.float8_e5m2)), TypeError, "kpe_cache must be"),
+    (dict(q_nope=torch.randn(2, 1, 16, 512).to(torch.float8_e4m3fn)), TypeError, "q_nope must be float16"),
+    (dict(kv_descale=torch.ones(3)), ValueError, r"kv_descale must have one element or shape \(batch,\)"),
+    (dict(kv_descale=torch.ones(1, dtype=torch.float64)), TypeError, "kv_descale must be float32"),
+    (dict(kv_descale=1.0), TypeError, "kv_descale must be a torch.Tensor"),
 ])
 def test_validation_names_the_argument(over, exc, match):
     with pytest.raises(exc, match=match):
@@ -150,12 +161,18 @@ def test_sm90_seam_key_roles_and_selection(monkeypatch):
     assert plan.backend == "sm90" and plan.num_splits == 3
     default = sm90.compile_key(p, plan, "sm_90a")
     assert default[:8] == ("mla_sm90", "sm_90a", "bf16", 128, True, True, True, 0)
-    assert default[8] == (32, 4, "one") and plan.config == (32, 4, "one", 0)
+    assert default[8] == (32, 4, "one") and plan.config == (32, 4, "one", 0, 0)
     split = sm90.plan(p, 3, None, None, tuning=Tuning(mla_sm90_qk="split"))
     assert sm90.compile_key(p, split, "sm_90a")[8] == (32, 3, "split")
     inv = sm90.plan(p._replace(batch_invariant=True), 3, None, None)
     assert inv.config.split_blocks == 128 and inv.num_splits == 8 and sm90.compile_key(p, inv, "sm_90a")[7] == 128
     assert sm90.plan(p, 3, None, None, tuning=Tuning(mla_sm90_qk="one")) == plan
+    # An FP8 cache: "bf16/e4m3", two fp8 staging tiles in the key, one 16-bit stage fewer.
+    p8 = p._replace(kv_dtype=torch.float8_e4m3fn)
+    key8 = sm90.compile_key(p8, sm90.plan(p8, 3, None, None), "sm_90a")
+    assert key8[2] == "bf16/e4m3" and key8[8] == (32, 3, "one", 2)
+    split8 = sm90.plan(p8, 3, None, None, tuning=Tuning(mla_sm90_qk="split"))
+    assert sm90.compile_key(p8, split8, "sm_90a")[8] == (32, 2, "split", 2)
     with pytest.raises(ValueError, match="MLA_SM90_QK"):
         sm90.plan(p, 3, None, None, tuning=Tuning(mla_sm90_qk="half"))
     # backend=None on a 9.x GPU: the SM90 kernel when it is automatic, else SM80.

@@ -111,13 +111,14 @@ class MlaWarpRoles:
 MLA_SMEM_KB = {(8, 0): 163, (9, 0): 227, (10, 0): 227, (10, 3): 227}
 
 
-def mla_stages_for(arch: str, override: Optional[str] = None) -> int:
+def mla_stages_for(arch: str, override: Optional[str] = None, fp8: bool = False) -> int:
     """MLA pipeline depth: 3 from sm_90 on (188 KB of shared memory; H200, 2026-11-29: 2.31
-    against 1.79 TB/s for 2 stages at 768 x 2048), 2 on the A100 (152 KB of its 163).
+    against 1.79 TB/s for 2 stages at 768 x 2048), 2 on the A100 (152 KB of its 163). An FP8
+    cache: 2 (its fp8 staging, 18 KB a stage, takes the third's room: 188 KB).
     ``override`` "2" / "3" (``tuning.Tuning.mla_stages``) replaces it (tuning sweeps)."""
     sm = int("".join(c for c in arch[3:] if c.isdigit()))
     if override:
-        if override not in ("2", "3") or (override == "3" and sm < 90):
-            raise ValueError(f"FLASH_ATTN_CUTE_MLA_STAGES={override}: 2, or 3 on sm_90 and later")
+        if override not in ("2", "3") or (override == "3" and (sm < 90 or fp8)):
+            raise ValueError(f"FLASH_ATTN_CUTE_MLA_STAGES={override}: 2, or 3 on sm_90 and later (16-bit caches)")
         return int(override)
-    return 3 if sm >= 90 else 2
+    return 3 if sm >= 90 and not fp8 else 2

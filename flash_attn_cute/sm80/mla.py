@@ -14,7 +14,7 @@ from ..tuning import NO_TUNING, Tuning
 from .config import MLA_SMEM_KB, MlaWarpRoles, mla_stages_for
 
 NAME, NHEADS, AUTO = "sm80", MLA_NHEADS, True
-FEATURES = frozenset({"batch_invariant"})  # what this kernel implements of backend_kit.MLA_FEATURES
+FEATURES = frozenset({"batch_invariant", "fp8_kv"})  # what this kernel implements of backend_kit.MLA_FEATURES
 # One CTA per SM (72 KB of Q and 36 KB per stage): the split heuristic counts the grid in
 # 64-row tiles of 32-key blocks against num_sms resident CTAs, last wave at least 90% full.
 _CTAS_PER_SM, _SPLIT_TOLERANCE = 1, 0.9
@@ -43,7 +43,7 @@ def plan(problem: MlaProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     rows = problem.max_seqlen_q * problem.nheads
     num_splits, split_blocks = plan_splits(problem, num_splits, num_sms, 1, rows, tile_m=roles.tile_m,
                                            tile_n=roles.tile_n, ctas_per_sm=_CTAS_PER_SM, tolerance=_SPLIT_TOLERANCE)
-    stages = mla_stages_for(arch or target_arch(), tuning.mla_stages)
+    stages = mla_stages_for(arch or target_arch(), tuning.mla_stages, problem.kv_fp8)
     return FwdPlan(NAME, MlaSm80Config(stages, split_blocks), True, num_splits)
 
 

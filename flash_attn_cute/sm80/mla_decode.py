@@ -48,9 +48,15 @@ Synchronisation (named barriers ``named_barrier.Sm80MlaBarrier``, ``bar.sync`` /
 
 Every arrival is matched by a sync of the same phase: arrivals for tiles nobody will
 consume are skipped, so no barrier is left half-arrived at exit.
+
+FP8 latent cache: the first 128 O threads gather their own fp8 chunks of each tile into an
+fp8 staging ring as deep as the KV ring (``mla_kernel.MlaFp8Staging``: one key a thread),
+and widen them into the tile's 16-bit stage once they landed, just before arriving on its
+FULL barrier; two stages (188 KB with the staging). The scores and O carry ``kv_descale``.
 """
 
 from dataclasses import dataclass
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -63,11 +69,12 @@ from flash_attn_cute.copy_utils import copy_row, copy_rows, gmem_tiled_copy
 from flash_attn_cute.cute_utils import launch_ctas
 from flash_attn_cute.epilogue import store_lse, store_o
 from flash_attn_cute.layout_utils import acc_mn_view
-from flash_attn_cute.mla_kernel import MlaArgs, MlaTile, compile_mla_from_key, mla_call, set_mla_config
+from flash_attn_cute.mla_kernel import MlaArgs, MlaFp8Staging, MlaTile, compile_mla_from_key, mla_call, set_mla_config
 from flash_attn_cute.named_barrier import Sm80MlaBarrier
 from flash_attn_cute.paged_kv import page_and_row
 from flash_attn_cute.sm80.config import MlaWarpRoles
 from flash_attn_cute.sm80.gemm import smem_layout
+from flash_attn_cute.sm90.wgmma_utils import smem_layout as row_major_smem_layout
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
 from flash_attn_cute.tile_scheduler import SingleTileScheduler, m_blocks_divisor
 from flash_attn_cute.variants import apply_to_scores
@@ -96,6 +103,14 @@ class MlaDecodeSm80:
         sC_layout = smem_layout(n, D_CKV, st)
         sKp_layout = smem_layout(n, D_KPE, st)
         sP_layout = smem_layout(m, n, 2)
+        # An FP8 cache's staging ring (fp8 rows in a byte-swizzled layout: the 16-byte
+        # chunks its loading threads write and read back stay whole).
+        kv_dtype = args.mCkv.element_type
+        self.fp8 = kv_dtype.width == 8
+        sC8_layout = row_major_smem_layout(kv_dtype, n, D_CKV, st)
+        sKp8_layout = row_major_smem_layout(kv_dtype, n, D_KPE, st)
+        staging = lambda layout: (cute.struct.Align[cute.struct.MemRange[kv_dtype, cute.cosize(layout)], 1024]
+                                  if self.fp8 else cute.struct.MemRange[kv_dtype, 16])
 
         @cute.struct
         class SharedStorage:
@@ -106,6 +121,8 @@ class MlaDecodeSm80:
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
             sScale: cute.struct.Align[cute.struct.MemRange[Float32, 2 * m], 16]
             sInv: cute.struct.Align[cute.struct.MemRange[Float32, m], 16]
+            sC8: staging(sC8_layout)  # an FP8 cache's staging (16-byte stand-ins otherwise)
+            sKp8: staging(sKp8_layout)
 
         op = warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16))
         # S: 4 warps along M, each 16 rows x all keys. O: 8 warps along N, each all rows
@@ -115,7 +132,7 @@ class MlaDecodeSm80:
                                     permutation_mnk=(16, 16 * self.roles.o_warps, 16))
         num_m_blocks = args.num_m_blocks(m, self.qhead_per_kvhead_packed)
         kernel = self.kernel(
-            args, (sQn_layout, sQp_layout, sC_layout, sKp_layout, sP_layout), mma_S, mma_O,
+            args, (sQn_layout, sQp_layout, sC_layout, sKp_layout, sP_layout, sC8_layout, sKp8_layout), mma_S, mma_O,
             gmem_tiled_copy(self.dtype, D_CKV, self.roles.o_threads),
             gmem_tiled_copy(self.dtype, D_KPE, self.roles.o_threads),
             SharedStorage,
@@ -128,7 +145,7 @@ class MlaDecodeSm80:
     def kernel(
         self,
         args: MlaArgs,
-        smem_layouts: tuple,  # Qn, Qp, ckv, kpe, P
+        smem_layouts: tuple,  # Qn, Qp, ckv, kpe, P, fp8 staging ckv and kpe
         mma_S: cute.TiledMma,
         mma_O: cute.TiledMma,
         copy_C: cute.TiledCopy,
@@ -136,7 +153,7 @@ class MlaDecodeSm80:
         SharedStorage: cutlass.Constexpr,
         m_blocks: cute.FastDivmodDivisorV2,  # the grid's M blocks (tile_scheduler.m_blocks_divisor)
     ):
-        sQn_layout, sQp_layout, sC_layout, sKp_layout, sP_layout = smem_layouts
+        sQn_layout, sQp_layout, sC_layout, sKp_layout, sP_layout, sC8_layout, sKp8_layout = smem_layouts
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tile = MlaTile.create(
@@ -150,9 +167,12 @@ class MlaDecodeSm80:
                 storage.sP.get_tensor(sP_layout),
                 storage.sScale.get_tensor(cute.make_layout((self.tile_m, 2))),
                 storage.sInv.get_tensor(cute.make_layout((self.tile_m,))),
+                storage.sC8.get_tensor(sC8_layout.outer, swizzle=sC8_layout.inner) if self.fp8 else None,
+                storage.sKp8.get_tensor(sKp8_layout.outer, swizzle=sKp8_layout.inner) if self.fp8 else None,
             )
             if warp_idx < self.roles.s_warps:
-                self.score_warps(tile, smem, mma_S, args.mLSE, tidx)
+                # An FP8 cache: the scores carry kv_descale.
+                self.score_warps(tile.with_kv_descale(args), smem, mma_S, args.mLSE, tidx)
             else:
                 self.output_warps(tile, smem, mma_O, copy_C, copy_Kp, args, tidx - self.roles.s_threads)
 
@@ -272,13 +292,18 @@ class MlaDecodeSm80:
                   thr_Kp.partition_S(cute.make_identity_tensor((self.tile_m, D_KPE))),
                   lambda r, m: mQp_rows[row0 + r, None], tile.rows_valid)
         cute.arch.cp_async_commit_group()
+        # An FP8 cache: the first 128 O threads gather (one key each) and widen their chunks.
+        fp8 = None
+        if cutlass.const_expr(self.fp8):
+            fp8 = MlaFp8Staging.create(args, smem.sC8, smem.sKp8, smem.sC, smem.sKp, self.dtype, 128, otidx % 128)
         for j in cutlass.range_constexpr(self.stages):
             if j < tile.n_tiles:
-                self.load_tile(copy_C, copy_Kp, gather, tile, j)
+                self.load_tile(copy_C, copy_Kp, gather, tile, j, fp8, args, otidx)
             cute.arch.cp_async_commit_group()
         # Q and tile 0 landed (the older groups): S may start.
         cute.arch.cp_async_wait_group(self.stages - 1)
         if tile.n_tiles > 0:
+            self.widen(fp8, 0, otidx)
             cute.arch.barrier_arrive(barrier_id=self.bar(Sm80MlaBarrier.FULL), number_of_threads=n_all)
 
         thr_mma = mma_O.get_slice(otidx)
@@ -302,6 +327,7 @@ class MlaDecodeSm80:
             cute.arch.barrier(barrier_id=self.bar(Sm80MlaBarrier.P_FULL) + buf, number_of_threads=n_all)
             if i + 1 < tile.n_tiles:  # let the S warps start tile i + 1 while PV(i) runs
                 cute.arch.cp_async_wait_group(self.stages - 2)
+                self.widen(fp8, (i + 1) % self.stages, otidx)
                 cute.arch.barrier_arrive(barrier_id=self.bar(Sm80MlaBarrier.FULL) + (i + 1) % self.stages,
                                          number_of_threads=n_all)
             self.scale_rows(acc_O, smem.sScale[None, buf], tOcO_mn)
@@ -314,11 +340,12 @@ class MlaDecodeSm80:
                 cute.arch.barrier_arrive(barrier_id=self.bar(Sm80MlaBarrier.P_EMPTY) + buf, number_of_threads=n_all)
             cute.arch.barrier(barrier_id=self.bar(Sm80MlaBarrier.O_DONE), number_of_threads=n_o)
             if i + self.stages < tile.n_tiles:
-                self.load_tile(copy_C, copy_Kp, gather, tile, i + self.stages)
+                self.load_tile(copy_C, copy_Kp, gather, tile, i + self.stages, fp8, args, otidx)
             cute.arch.cp_async_commit_group()
 
         cute.arch.barrier(barrier_id=self.bar(Sm80MlaBarrier.FINAL), number_of_threads=n_all)
         self.scale_rows(acc_O, smem.sInv, tOcO_mn)
+        tile.descale_o(args, acc_O)  # an FP8 cache: O carries kv_descale
         # Each row as the first + a static offset: one register for all rows of O (a row index
         # each was spilled across the mainloop: 3 STL / LDL).
         store_o(acc_O, self.out_dtype, tOcO_mn, tile.out_rows(args.mO, packed, self.is_split, False), row0,
@@ -331,8 +358,26 @@ class MlaDecodeSm80:
             o_mn[r, None].store(o_mn[r, None].load() * sRow[tOcO_mn[0, 0][0] + _acc_row_offset(r)])
 
     @cute.jit
-    def load_tile(self, copy_C, copy_Kp, gather, tile, i):
-        """cp.async of tile i (KV block n_block_max - 1 - i, walked last to first) into its stage."""
+    def widen(self, fp8, stage, otidx):
+        """An FP8 cache: a loading thread's landed chunks of staging ``stage`` into the 16-bit
+        stage of the same index (the ring and the staging advance together)."""
+        if cutlass.const_expr(fp8 is not None):
+            if otidx < 128:
+                fp8.widen(stage, stage, self.dtype)
+
+    @cute.jit
+    def load_tile(self, copy_C, copy_Kp, gather, tile, i, fp8, args: MlaArgs, otidx):
+        """cp.async of tile i (KV block n_block_max - 1 - i, walked last to first) into its
+        stage (an FP8 cache: the first 128 O threads' chunks, into its staging)."""
+        if cutlass.const_expr(fp8 is not None):
+            if otidx < 128:
+                fp8.gather(tile, args, i, self.tile_n)
+        else:
+            self.load_tile_16(copy_C, copy_Kp, gather, tile, i)
+
+    @cute.jit
+    def load_tile_16(self, copy_C, copy_Kp, gather, tile, i):
+        """A 16-bit cache: every O thread's rows of tile i, cp.async into its stage."""
         n_block = tile.n_block_max - 1 - i
         stage = i % self.stages
         key0 = n_block * self.tile_n
@@ -386,6 +431,8 @@ class _MlaSmem:
     sP: cute.Tensor  # (tile_m, tile_n, 2)
     sScale: cute.Tensor  # (tile_m, 2) fp32
     sInv: cute.Tensor  # (tile_m,) fp32
+    sC8: Optional[cute.Tensor]  # an FP8 cache's staging (tile_n, 512, stages); else None
+    sKp8: Optional[cute.Tensor]
 
 
 @dataclass(frozen=True)

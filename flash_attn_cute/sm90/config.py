@@ -187,6 +187,9 @@ class MlaRoles(WarpgroupRoles):
     # H200, 2026-11-29, bf16, 64 heads, page 1: "one" 3.06 against 2.96 TB/s at 768 x 2048,
     # 3.08 against 2.94 at 768 x 1024 (both modes pass every GPU test).
     qk: str = "one"
+    # An FP8 cache: the producer gathers fp8 tiles into staging buffers this deep (each
+    # thread its own chunks), then widens its chunks into the 16-bit stages; 0: 16 bits.
+    fp8_stages: int = 0
 
     @property
     def o_cols(self) -> int:
@@ -200,8 +203,9 @@ class MlaRoles(WarpgroupRoles):
         return 4 * self.tile_m * self.tile_n if self.qk == "split" else self.tile_m * (self.stages + 1)
 
     def smem_bytes(self, elem: int = 2) -> int:
-        """Q, the stages, the exchange, and 4 KB for the mbarriers and alignment."""
-        return elem * (self.tile_m + self.stages * self.tile_n) * (D_CKV + D_KPE) + 4 * self.xchg_words + 4 * 1024
+        """Q, the stages, the fp8 staging, the exchange, and 4 KB for the mbarriers and alignment."""
+        return ((elem * (self.tile_m + self.stages * self.tile_n) + self.fp8_stages * self.tile_n) * (D_CKV + D_KPE)
+                + 4 * self.xchg_words + 4 * 1024)
 
     def __post_init__(self):
         # The launch gives each thread 65536 / 384 registers; setmaxnreg moves them around

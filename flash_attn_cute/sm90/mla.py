@@ -18,7 +18,7 @@ NHEADS = MLA_NHEADS
 # Automatic on 9.x (preferred to SM80): all GPU tests pass on the H200 in both Q K^T
 # modes (2026-11-29), and it reads 3.06 TB/s at 768 x 2048 where the SM80 kernel reads 2.31.
 AUTO = True
-FEATURES = frozenset({"batch_invariant"})  # what this kernel implements of backend_kit.MLA_FEATURES
+FEATURES = frozenset({"batch_invariant", "fp8_kv"})  # what this kernel implements of backend_kit.MLA_FEATURES
 # 224 KB of shared memory and 384 threads at 504 registers per thread-slot: one CTA per
 # SM. The split heuristic counts 64-row tiles of 32-key blocks against num_sms.
 _CTAS_PER_SM = 1
@@ -33,6 +33,7 @@ class MlaSm90Config(NamedTuple):
     stages: int
     qk: str  # how the consumer warpgroups share Q K^T (``config.MlaRoles.qk``)
     split_blocks: int = 0  # batch invariant: KV blocks per split (backend_kit.invariant_splits)
+    fp8_stages: int = 0  # an FP8 cache's staging depth (``config.MlaRoles.fp8_stages``); 0: 16 bits
 
 
 def runs_on(capability: tuple) -> bool:
@@ -43,14 +44,17 @@ def check(problem: MlaProblem) -> Optional[str]:
     return mla_refusal(problem, FEATURES)
 
 
-def roles(qk: Optional[str] = None) -> MlaRoles:
+def roles(qk: Optional[str] = None, fp8: bool = False) -> MlaRoles:
     """The kernel's static roles for a Q K^T mode: "one" (warpgroup 0 computes S and hands P
     to warpgroup 1 through smem; 4 stages of 32 keys) or "split" (each half of the K
-    slices, summed through smem; 3 stages). None: ``DEFAULT_QK_MODE``."""
+    slices, summed through smem; 3 stages). None: ``DEFAULT_QK_MODE``. An FP8 cache
+    (``fp8``) takes two fp8 staging tiles (36 KB) from the 16-bit stages: 3, resp. 2."""
     mode = qk or DEFAULT_QK_MODE
     if mode not in QK_MODES:
         raise ValueError(f"FLASH_ATTN_CUTE_MLA_SM90_QK={mode}: one of {QK_MODES}")
-    return MlaRoles() if mode == "one" else MlaRoles(stages=3, qk="split")
+    if mode == "one":
+        return MlaRoles(stages=3, fp8_stages=2) if fp8 else MlaRoles()
+    return MlaRoles(stages=2 if fp8 else 3, qk="split", fp8_stages=2 if fp8 else 0)
 
 
 def plan(problem: MlaProblem, num_splits: int, pack_gqa: Optional[bool], num_sms: Optional[int],
@@ -60,14 +64,15 @@ def plan(problem: MlaProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     package's wave-efficiency heuristic on this grid (shapes only; batch invariant: fixed
     keys per split). ``tuning.mla_sm90_qk`` overrides the Q K^T mode (tuning, and the GPU
     tests of both)."""
-    r = roles(tuning.mla_sm90_qk)
+    r = roles(tuning.mla_sm90_qk, problem.kv_fp8)
     rows = problem.max_seqlen_q * problem.nheads
     num_splits, split_blocks = plan_splits(problem, num_splits, num_sms, 1, rows, tile_m=r.tile_m, tile_n=r.tile_n,
                                            ctas_per_sm=_CTAS_PER_SM, tolerance=_SPLIT_TOLERANCE)
-    return FwdPlan(NAME, MlaSm90Config(r.tile_n, r.stages, r.qk, split_blocks), True, num_splits)
+    return FwdPlan(NAME, MlaSm90Config(r.tile_n, r.stages, r.qk, split_blocks, r.fp8_stages), True, num_splits)
 
 
 # compile_key, compile, launcher: the seam's MLA entry points; the key ends with the config
-# as one tuple (tile_n, stages, qk).
-compile_key, compile, launcher = mla_entry_points(NAME, "flash_attn_cute.sm90.mla_decode", "compile_mla_sm90",
-                                                  key_config=lambda c: ((c.tile_n, c.stages, c.qk),))
+# as one tuple (tile_n, stages, qk[, fp8_stages for an FP8 cache]).
+compile_key, compile, launcher = mla_entry_points(
+    NAME, "flash_attn_cute.sm90.mla_decode", "compile_mla_sm90",
+    key_config=lambda c: ((c.tile_n, c.stages, c.qk) + ((c.fp8_stages,) if c.fp8_stages else ()),))

@@ -68,6 +68,14 @@ exchange 64 x 5 x 4 = 1.25 KB, 16 mbarriers: 224 KB of the 227 KB ("split": 3 st
 a 32 KB exchange, 212 KB). O leaves straight from registers (2 adjacent columns per
 store, fp32 partials for split-KV, merged by ``combine.py``), so no O buffer is borrowed.
 
+FP8 latent cache (``roles.fp8_stages`` > 0): each producer thread gathers its own 16-byte
+chunks of a tile (one row: 8 of ckv, 1 of kpe, one page lookup) by cp.async into an fp8
+staging tile (``fp8_stages`` deep, 18 KB each, taken from one 16-bit stage), and, one
+tile later, once ``cp.async.wait_group`` says its own chunks landed, widens exactly those
+chunks into the 16-bit stage (no barrier among producer threads: the chunks are private),
+fences them for wgmma and arrives on the stage's full barrier (``PipelineAsync``). The
+consumers are unchanged; the scores and O carry ``kv_descale``.
+
 Measured (H200, 2026-11-29, bf16, 64 heads, page 1, ``benchmarks/bench_mla.py``, two
 runs): 3.06 / 3.11 TB/s at 768 x 2048 (``qk="split"``: 2.96; FlashInfer fa3 3.61), 3.08 /
 3.07 at 768 x 1024 (2.94), 3.01 / 3.05 at 128 x 2048 (2.90), 1.81 at 128 heads page 64
@@ -80,6 +88,7 @@ page lookup per row) and TMA for page sizes >= 32.
 """
 
 from dataclasses import dataclass
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -94,7 +103,7 @@ from flash_attn_cute.copy_utils import copy_row, copy_rows, gmem_tiled_copy
 from flash_attn_cute.cute_utils import launch_ctas
 from flash_attn_cute.epilogue import store_lse, store_o
 from flash_attn_cute.layout_utils import acc_mn_view, acc_to_operand_a, transpose_view
-from flash_attn_cute.mla_kernel import MlaArgs, MlaTile, compile_mla_from_key, mla_call, set_mla_config
+from flash_attn_cute.mla_kernel import MlaArgs, MlaFp8Staging, MlaTile, compile_mla_from_key, mla_call, set_mla_config
 from flash_attn_cute.named_barrier import Sm90MlaBarrier
 from flash_attn_cute.paged_kv import page_lookups
 from flash_attn_cute.sm90.config import MlaRoles
@@ -115,12 +124,20 @@ class MlaDecodeSm90:
     @cute.jit
     def launch(self, args: MlaArgs, stream):
         r = self.roles
+        kv_dtype = args.mCkv.element_type
+        self.fp8 = kv_dtype.width == 8
+        assert self.fp8 == (r.fp8_stages > 0), "an FP8 cache needs staging stages (sm90/mla.py roles)"
+        fp8_stages = max(r.fp8_stages, 1)
         layouts = (
             smem_layout(self.dtype, r.tile_m, D_CKV), smem_layout(self.dtype, r.tile_m, D_KPE),
             smem_layout(self.dtype, r.tile_n, D_CKV, r.stages), smem_layout(self.dtype, r.tile_n, D_KPE, r.stages),
             # "one": P of a stage, K-major A operand, over the same bytes as its kpe rows.
             smem_layout(self.dtype, r.tile_m, r.tile_n, r.stages),
+            # An FP8 cache's staging tiles (each producer thread reads back only its own chunks).
+            smem_layout(kv_dtype, r.tile_n, D_CKV, fp8_stages), smem_layout(kv_dtype, r.tile_n, D_KPE, fp8_stages),
         )
+        staging = lambda layout: (cute.struct.Align[cute.struct.MemRange[kv_dtype, cute.cosize(layout)], 1024]
+                                  if self.fp8 else cute.struct.MemRange[kv_dtype, 16])
 
         @cute.struct
         class SharedStorage:
@@ -131,6 +148,8 @@ class MlaDecodeSm90:
             sC: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts[2])], 1024]
             sKp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts[3])], 1024]
             sXchg: cute.struct.Align[cute.struct.MemRange[Float32, r.xchg_words], 16]
+            sC8: staging(layouts[5])  # an FP8 cache's staging (16-byte stand-ins otherwise)
+            sKp8: staging(layouts[6])
 
         k_major, mn_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         # S: one warpgroup-wide 64 x 32 product. O: the two consumer warpgroups side by side
@@ -156,20 +175,22 @@ class MlaDecodeSm90:
         self,
         args: MlaArgs,
         m_blocks: cute.FastDivmodDivisorV2,  # the grid's M blocks (tile_scheduler.m_blocks_divisor)
-        smem_layouts: tuple,  # Qn, Qp, ckv, kpe, P
+        smem_layouts: tuple,  # Qn, Qp, ckv, kpe, P, fp8 staging ckv and kpe
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         tiled_mma_pv_ss: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
     ):
-        sQn_layout, sQp_layout, sC_layout, sKp_layout, sP_layout = smem_layouts
+        sQn_layout, sQp_layout, sC_layout, sKp_layout, sP_layout, sC8_layout, sKp8_layout = smem_layouts
         r = self.roles
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-        # Full: one cp.async arrive per producer thread once its copies landed. Empty: one
-        # arrive per consumer warp (of both warpgroups) after the P V that last reads the stage.
-        pipeline_kv = pipeline.PipelineCpAsync.create(
+        # Full: one cp.async arrive per producer thread once its copies landed (an FP8 cache:
+        # one plain arrive per producer thread once it widened and fenced its chunks). Empty:
+        # one arrive per consumer warp (of both warpgroups) after the P V that last reads the stage.
+        kv_pipeline = pipeline.PipelineAsync if cutlass.const_expr(self.fp8) else pipeline.PipelineCpAsync
+        pipeline_kv = kv_pipeline.create(
             barrier_storage=storage.mbar_kv.data_ptr(), num_stages=r.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, r.producer_threads),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, r.consumer_threads // 32),
@@ -194,6 +215,8 @@ class MlaDecodeSm90:
             storage.sKp.get_tensor(sKp_layout.outer, swizzle=sKp_layout.inner),
             storage.sKp.get_tensor(sP_layout.outer, swizzle=sP_layout.inner),
             storage.sXchg.get_tensor(cute.make_layout(r.xchg_words)),
+            storage.sC8.get_tensor(sC8_layout.outer, swizzle=sC8_layout.inner) if self.fp8 else None,
+            storage.sKp8.get_tensor(sKp8_layout.outer, swizzle=sKp8_layout.inner) if self.fp8 else None,
         )
         tile = MlaTile.create(
             args, BlockInfo(r.tile_m, r.tile_n, self.qhead_per_kvhead_packed, self.variant, self.split_blocks),
@@ -203,7 +226,10 @@ class MlaDecodeSm90:
             if warp_idx < r.producer_threads // 32:
                 cute.arch.setmaxregister_decrease(r.producer_regs)
                 if tile.n_tiles > 0:
-                    self.load(tile, smem, pipeline_kv, args, tidx)
+                    if cutlass.const_expr(self.fp8):
+                        self.load_fp8(tile, smem, pipeline_kv, args, tidx)
+                    else:
+                        self.load(tile, smem, pipeline_kv, args, tidx)
             else:
                 cute.arch.setmaxregister_increase(r.consumer_regs)
                 self.mma(tile, smem, pipeline_kv, pipeline_p, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_ss, args,
@@ -240,6 +266,32 @@ class MlaDecodeSm90:
             pipeline_kv.producer_commit(state)
             state.advance()
         # Keep the CTA alive until the consumers released every stage it filled.
+        pipeline_kv.producer_tail(state)
+
+    @cute.jit
+    def load_fp8(self, tile, smem, pipeline_kv, args: MlaArgs, tidx):
+        """An FP8 cache: each thread gathers its chunks of tile i + fp8_stages - 1 into the
+        staging, then widens its own (landed) chunks of tile i into tile i's 16-bit stage
+        (``mla_kernel.MlaFp8Staging``)."""
+        r = self.roles
+        ahead = r.fp8_stages - 1
+        fp8 = MlaFp8Staging.create(args, smem.sC8, smem.sKp8, smem.sC, smem.sKp, self.dtype, r.producer_threads, tidx)
+        for p in cutlass.range_constexpr(ahead):
+            if p < tile.n_tiles:
+                fp8.gather(tile, args, p, r.tile_n)
+            cute.arch.cp_async_commit_group()
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, r.stages)
+        for i in cutlass.range(tile.n_tiles, unroll=1):
+            if i + ahead < tile.n_tiles:
+                fp8.gather(tile, args, i + ahead, r.tile_n)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(ahead)  # this thread's chunks of tile i landed
+            pipeline_kv.producer_acquire(state)
+            fp8.widen(i % r.fp8_stages, state.index, self.dtype)
+            # Generic-proxy stores, read next by wgmma (async proxy).
+            cute.arch.fence_view_async_shared()
+            pipeline_kv.producer_commit(state)
+            state.advance()
         pipeline_kv.producer_tail(state)
 
     # ------------------------------------------------------------------ consumers
@@ -292,12 +344,14 @@ class MlaDecodeSm90:
         acc_O.fill(0.0)
         lse = cute.make_rmem_tensor((cute.size(ops.tScS_mn, mode=[0]),), Float32)
         self.load_q(tile, smem, args, cidx)
+        tile_s = tile.with_kv_descale(args)  # an FP8 cache: the scores carry kv_descale
         if cutlass.const_expr(r.qk == "split"):
-            self.s_warpgroup(tile, ops, pipeline_kv, None, acc_O, lse, cidx)
+            self.s_warpgroup(tile_s, ops, pipeline_kv, None, acc_O, lse, cidx)
         elif wg_idx == 0:
-            self.s_warpgroup(tile, ops, pipeline_kv, pipeline_p, acc_O, lse, cidx)
+            self.s_warpgroup(tile_s, ops, pipeline_kv, pipeline_p, acc_O, lse, cidx)
         else:
             self.o_warpgroup(tile, ops, pipeline_kv, pipeline_p, acc_O)
+        tile.descale_o(args, acc_O)  # and O, its V
         self.epilogue(tile, acc_O, lse, ops, args.mO, args.mLSE, cidx, wg_idx)
 
     @cute.jit
@@ -536,6 +590,8 @@ class _Sm90Smem:
     sKp: cute.Tensor  # (tile_n, 64, stages)
     sP: cute.Tensor  # (64, tile_n, stages): qk="one", P over the same bytes as sKp
     sXchg: cute.Tensor  # flat fp32, see MlaRoles.xchg_words
+    sC8: Optional[cute.Tensor]  # an FP8 cache's staging (tile_n, 512, fp8_stages); else None
+    sKp8: Optional[cute.Tensor]  # (tile_n, 64, fp8_stages)
 
 
 @dataclass(frozen=True)
@@ -563,7 +619,8 @@ class _Sm90Ops:
 
 
 def compile_mla_sm90(key: tuple):
-    """Compiles the kernel for ``key`` (``keys.mla_key``; config ``((tile_n, stages, qk),)``)
-    on fake tensors: no GPU needed."""
+    """Compiles the kernel for ``key`` (``keys.mla_key``; config ``((tile_n, stages, qk[,
+    fp8_stages]),)``) on fake tensors: no GPU needed."""
     return compile_mla_from_key(key, lambda dtype, nheads, causal, is_split, split_blocks, config: MlaDecodeSm90(
-        dtype, nheads, causal, is_split, split_blocks, MlaRoles(tile_n=config[0], stages=config[1], qk=config[2])))
+        dtype, nheads, causal, is_split, split_blocks,
+        MlaRoles(tile_n=config[0], stages=config[1], qk=config[2], fp8_stages=config[3] if len(config) > 3 else 0)))
