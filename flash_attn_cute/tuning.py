@@ -23,13 +23,15 @@ class Tuning(NamedTuple):
     sm90_persistent: Optional[str] = None  # "0" / "1" (where it fits)
     mla_stages: Optional[str] = None  # SM80 MLA pipeline depth: "2" / "3"
     mla_sm90_qk: Optional[str] = None  # SM90 MLA Q K^T sharing: "one" / "split"
+    mla_fp8_stages: Optional[str] = None  # MLA over an FP8 cache: "stages,staging stages"
 
 
 NO_TUNING = Tuning()
 
 _ENV = ("FLASH_ATTN_CUTE_BACKEND", "FLASH_ATTN_CUTE_SM80_TILE", "FLASH_ATTN_CUTE_SM90_TILE",
-        "FLASH_ATTN_CUTE_SM90_PERSISTENT", "FLASH_ATTN_CUTE_MLA_STAGES", "FLASH_ATTN_CUTE_MLA_SM90_QK")
-# os.environ.get encodes its key on every call: 10 us for these six on the CI machine.
+        "FLASH_ATTN_CUTE_SM90_PERSISTENT", "FLASH_ATTN_CUTE_MLA_STAGES", "FLASH_ATTN_CUTE_MLA_SM90_QK",
+        "FLASH_ATTN_CUTE_MLA_FP8_STAGES")
+# os.environ.get encodes its key on every call: 10 us for these seven on the CI machine.
 # CPython's POSIX environ keeps a dict of bytes, read here with pre-encoded keys (0.5 us).
 _ENV_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None
 _ENV_BYTES = tuple(os.environ.encodekey(k) for k in _ENV) if _ENV_DATA is not None else None
@@ -41,6 +43,19 @@ def env_knobs() -> tuple:
     if _ENV_DATA is not None:
         return tuple(v if v is None else os.environ.decodevalue(v) for v in map(_ENV_DATA.get, _ENV_BYTES))
     return tuple(map(os.environ.get, _ENV))
+
+
+def fp8_stages_override(value: Optional[str]) -> Optional[tuple]:
+    """``mla_fp8_stages`` "s,s8" as (16-bit stages, fp8 staging stages), or None."""
+    if not value:
+        return None
+    try:
+        stages, staging = (int(x) for x in value.split(","))
+    except ValueError:
+        raise ValueError(f"FLASH_ATTN_CUTE_MLA_FP8_STAGES={value}: two ints, 'stages,staging stages'") from None
+    if stages < 2 or staging < 2:
+        raise ValueError(f"FLASH_ATTN_CUTE_MLA_FP8_STAGES={value}: at least two of each")
+    return stages, staging
 
 
 def from_env(knobs: Optional[tuple] = None) -> Tuning:

@@ -12,7 +12,7 @@ import pytest
 from compile_harness import compile_entries
 
 from flash_attn_cute.keys import mla_key
-from flash_attn_cute.sm80.config import mla_stages_for
+from flash_attn_cute.sm80.config import MLA_FP8_STAGING, mla_stages_for
 
 ARCHS = ["sm_80", "sm_90a"]
 # (dtype, nheads, causal, split, lse, split_blocks): the GPU sweeps' keys, covered.
@@ -113,7 +113,7 @@ FP8_SASS_EXPECT = ["LDGSTS", "LDS.128", "STS.128", "F2FP.F16.E"]
 
 
 def test_mla_fp8_compiles_and_sass(tmp_path):
-    keys8 = [mla_key("sm80", "sm_90a", *c, (mla_stages_for("sm_90a", fp8=True),)) for c in FP8_CONFIGS]
+    keys8 = [mla_key("sm80", "sm_90a", *c, (mla_stages_for("sm_90a", fp8=True), MLA_FP8_STAGING)) for c in FP8_CONFIGS]
     keys8 += [mla_key("sm90", "sm_90a", *c, (((32, 2, "split", 2) if i % 2 else (32, 3, "one", 2)),))
               for i, c in enumerate(FP8_CONFIGS)]
     entries = [(f"k{i}", f"flash_attn_cute.{k[0][4:]}.mla:compile", k) for i, k in enumerate(keys8)]

@@ -105,6 +105,16 @@ class MlaWarpRoles:
         assert self.o_regs + 32 <= self.regs_cap, "O plus one P/V k-slice must fit the per-thread cap"
 
 
+# An FP8 cache: the O threads' fp8 staging ring depth (the tiles in flight from HBM).
+MLA_FP8_STAGING = 2
+
+
+def mla_smem_kb(stages: int, staging: int = 0) -> float:
+    """Shared memory of the MLA kernel (KB): Q, the KV stages, two P buffers, the fp8
+    staging, 1 KB of row statistics and alignment."""
+    return 72 + 36 * stages + 8 + 18 * staging + 1
+
+
 # Shared memory of the MLA kernel: Q 72 KB + stages x 36 KB + P 8 KB. Two stages fit the
 # A100 (163 KB per CTA), three the H100/H200 and B200 (227 KB); GPUs with 99 KB
 # (sm_86, sm_89, sm_120) cannot hold Q and one stage, so they are refused.
@@ -114,7 +124,7 @@ MLA_SMEM_KB = {(8, 0): 163, (9, 0): 227, (10, 0): 227, (10, 3): 227}
 def mla_stages_for(arch: str, override: Optional[str] = None, fp8: bool = False) -> int:
     """MLA pipeline depth: 3 from sm_90 on (188 KB of shared memory; H200, 2026-11-29: 2.31
     against 1.79 TB/s for 2 stages at 768 x 2048), 2 on the A100 (152 KB of its 163). An FP8
-    cache: 2 (its fp8 staging, 18 KB a stage, takes the third's room: 188 KB).
+    cache: 2 (its fp8 staging, ``MLA_FP8_STAGING`` x 18 KB, takes the third's room).
     ``override`` "2" / "3" (``tuning.Tuning.mla_stages``) replaces it (tuning sweeps)."""
     sm = int("".join(c for c in arch[3:] if c.isdigit()))
     if override:

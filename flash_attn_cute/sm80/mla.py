@@ -10,8 +10,8 @@ from ..backend_kit import mla_entry_points, mla_refusal, plan_splits
 from ..constants import MLA_NHEADS
 from ..keys import target_arch
 from ..problems import FwdPlan, MlaProblem
-from ..tuning import NO_TUNING, Tuning
-from .config import MLA_SMEM_KB, MlaWarpRoles, mla_stages_for
+from ..tuning import NO_TUNING, Tuning, fp8_stages_override
+from .config import MLA_FP8_STAGING, MLA_SMEM_KB, MlaWarpRoles, mla_smem_kb, mla_stages_for
 
 NAME, NHEADS, AUTO = "sm80", MLA_NHEADS, True
 FEATURES = frozenset({"batch_invariant", "fp8_kv"})  # what this kernel implements of backend_kit.MLA_FEATURES
@@ -23,6 +23,7 @@ _CTAS_PER_SM, _SPLIT_TOLERANCE = 1, 0.9
 class MlaSm80Config(NamedTuple):
     stages: int  # KV pipeline depth (``config.mla_stages_for``)
     split_blocks: int = 0  # batch invariant: KV blocks per split (backend_kit.invariant_splits)
+    fp8_stages: int = 0  # an FP8 cache's staging depth (``config.MLA_FP8_STAGING``); 0: 16 bits
 
 
 def runs_on(capability: tuple) -> bool:
@@ -43,10 +44,23 @@ def plan(problem: MlaProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     rows = problem.max_seqlen_q * problem.nheads
     num_splits, split_blocks = plan_splits(problem, num_splits, num_sms, 1, rows, tile_m=roles.tile_m,
                                            tile_n=roles.tile_n, ctas_per_sm=_CTAS_PER_SM, tolerance=_SPLIT_TOLERANCE)
-    stages = mla_stages_for(arch or target_arch(), tuning.mla_stages, problem.kv_fp8)
-    return FwdPlan(NAME, MlaSm80Config(stages, split_blocks), True, num_splits)
+    arch = arch or target_arch()
+    stages, staging = mla_stages_for(arch, tuning.mla_stages, problem.kv_fp8), 0
+    if problem.kv_fp8:
+        stages, staging = fp8_stages_override(tuning.mla_fp8_stages) or (stages, MLA_FP8_STAGING)
+        if mla_smem_kb(stages, staging) > MLA_SMEM_KB.get(_capability(arch), 0):
+            raise ValueError(f"FLASH_ATTN_CUTE_MLA_FP8_STAGES={tuning.mla_fp8_stages}: {mla_smem_kb(stages, staging)} "
+                             f"KB of shared memory, over the {arch} limit")
+    return FwdPlan(NAME, MlaSm80Config(stages, split_blocks, staging), True, num_splits)
 
 
-# compile_key, compile, launcher: the seam's MLA entry points (the key ends with the stages).
-compile_key, compile, launcher = mla_entry_points(NAME, "flash_attn_cute.sm80.mla_decode", "compile_mla_sm80",
-                                                  key_config=lambda c: (c.stages,))
+def _capability(arch: str) -> tuple:
+    digits = "".join(c for c in arch[3:] if c.isdigit())
+    return int(digits[:-1]), int(digits[-1])
+
+
+# compile_key, compile, launcher: the seam's MLA entry points (the key ends with the stages
+# [and an FP8 cache's staging depth]).
+compile_key, compile, launcher = mla_entry_points(
+    NAME, "flash_attn_cute.sm80.mla_decode", "compile_mla_sm80",
+    key_config=lambda c: (c.stages,) + ((c.fp8_stages,) if c.fp8_stages else ()))

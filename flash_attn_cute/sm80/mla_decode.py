@@ -50,9 +50,10 @@ Every arrival is matched by a sync of the same phase: arrivals for tiles nobody 
 consume are skipped, so no barrier is left half-arrived at exit.
 
 FP8 latent cache: the first 128 O threads gather their own fp8 chunks of each tile into an
-fp8 staging ring as deep as the KV ring (``mla_kernel.MlaFp8Staging``: one key a thread),
-and widen them into the tile's 16-bit stage once they landed, just before arriving on its
-FULL barrier; two stages (188 KB with the staging). The scores and O carry ``kv_descale``.
+fp8 staging ring (``fp8_stages`` deep; ``mla_kernel.MlaFp8Staging``: one key a thread),
+issuing tile i + fp8_stages at the start of step i, and widen a tile's chunks into its
+16-bit stage once they landed, just before arriving on its FULL barrier; two KV stages.
+The scores and O carry ``kv_descale``.
 """
 
 from dataclasses import dataclass
@@ -84,9 +85,10 @@ class MlaDecodeSm80:
     __call__ = mla_call  # the MLA kernels' shared entry point: MlaArgs -> launch
 
     def __init__(self, dtype, nheads: int, causal: bool, is_split: bool, split_blocks: int, stages: int,
-                 roles: MlaWarpRoles = MlaWarpRoles()):
+                 fp8_stages: int = 0, roles: MlaWarpRoles = MlaWarpRoles()):
         set_mla_config(self, dtype, nheads, causal, is_split, split_blocks)
         self.stages = stages
+        self.fp8_stages = fp8_stages  # an FP8 cache's staging depth (0: 16 bits)
         self.roles = roles
         self.tile_m, self.tile_n = roles.tile_m, roles.tile_n
         assert Sm80MlaBarrier.FINAL.id(stages) < 16
@@ -107,8 +109,9 @@ class MlaDecodeSm80:
         # chunks its loading threads write and read back stay whole).
         kv_dtype = args.mCkv.element_type
         self.fp8 = kv_dtype.width == 8
-        sC8_layout = row_major_smem_layout(kv_dtype, n, D_CKV, st)
-        sKp8_layout = row_major_smem_layout(kv_dtype, n, D_KPE, st)
+        assert self.fp8 == (self.fp8_stages > 0), "an FP8 cache needs staging stages (sm80/mla.py plan)"
+        sC8_layout = row_major_smem_layout(kv_dtype, n, D_CKV, max(self.fp8_stages, 1))
+        sKp8_layout = row_major_smem_layout(kv_dtype, n, D_KPE, max(self.fp8_stages, 1))
         staging = lambda layout: (cute.struct.Align[cute.struct.MemRange[kv_dtype, cute.cosize(layout)], 1024]
                                   if self.fp8 else cute.struct.MemRange[kv_dtype, 16])
 
@@ -293,17 +296,19 @@ class MlaDecodeSm80:
                   lambda r, m: mQp_rows[row0 + r, None], tile.rows_valid)
         cute.arch.cp_async_commit_group()
         # An FP8 cache: the first 128 O threads gather (one key each) and widen their chunks.
-        fp8 = None
+        # The loads in flight: the KV ring's depth, or an FP8 cache's staging ring's.
+        fp8, ahead = None, self.stages
         if cutlass.const_expr(self.fp8):
             fp8 = MlaFp8Staging.create(args, smem.sC8, smem.sKp8, smem.sC, smem.sKp, self.dtype, 128, otidx % 128)
-        for j in cutlass.range_constexpr(self.stages):
+            ahead = self.fp8_stages
+        for j in cutlass.range_constexpr(ahead):
             if j < tile.n_tiles:
                 self.load_tile(copy_C, copy_Kp, gather, tile, j, fp8, args, otidx)
             cute.arch.cp_async_commit_group()
         # Q and tile 0 landed (the older groups): S may start.
-        cute.arch.cp_async_wait_group(self.stages - 1)
+        cute.arch.cp_async_wait_group(ahead - 1)
         if tile.n_tiles > 0:
-            self.widen(fp8, 0, otidx)
+            self.widen(fp8, 0, 0, otidx)
             cute.arch.barrier_arrive(barrier_id=self.bar(Sm80MlaBarrier.FULL), number_of_threads=n_all)
 
         thr_mma = mma_O.get_slice(otidx)
@@ -324,10 +329,17 @@ class MlaDecodeSm80:
 
         for i in cutlass.range(tile.n_tiles, unroll=1):
             stage, buf = i % self.stages, i % 2
+            if cutlass.const_expr(self.fp8):
+                # Tile i + fp8_stages into tile i's staging (widened in the previous step):
+                # the HBM reads run ahead of the KV ring, bounded by the staging alone.
+                if i + ahead < tile.n_tiles:
+                    self.load_tile(copy_C, copy_Kp, gather, tile, i + ahead, fp8, args, otidx)
+                cute.arch.cp_async_commit_group()
             cute.arch.barrier(barrier_id=self.bar(Sm80MlaBarrier.P_FULL) + buf, number_of_threads=n_all)
             if i + 1 < tile.n_tiles:  # let the S warps start tile i + 1 while PV(i) runs
-                cute.arch.cp_async_wait_group(self.stages - 2)
-                self.widen(fp8, (i + 1) % self.stages, otidx)
+                # Tile i + 1 landed (the newer groups: tiles i + 2 .. i + ahead [- 1 for 16 bits]).
+                cute.arch.cp_async_wait_group(ahead - 1 if cutlass.const_expr(self.fp8) else self.stages - 2)
+                self.widen(fp8, (i + 1) % ahead, (i + 1) % self.stages, otidx)
                 cute.arch.barrier_arrive(barrier_id=self.bar(Sm80MlaBarrier.FULL) + (i + 1) % self.stages,
                                          number_of_threads=n_all)
             self.scale_rows(acc_O, smem.sScale[None, buf], tOcO_mn)
@@ -339,9 +351,10 @@ class MlaDecodeSm80:
             if i + 2 < tile.n_tiles:
                 cute.arch.barrier_arrive(barrier_id=self.bar(Sm80MlaBarrier.P_EMPTY) + buf, number_of_threads=n_all)
             cute.arch.barrier(barrier_id=self.bar(Sm80MlaBarrier.O_DONE), number_of_threads=n_o)
-            if i + self.stages < tile.n_tiles:
-                self.load_tile(copy_C, copy_Kp, gather, tile, i + self.stages, fp8, args, otidx)
-            cute.arch.cp_async_commit_group()
+            if cutlass.const_expr(not self.fp8):
+                if i + self.stages < tile.n_tiles:
+                    self.load_tile(copy_C, copy_Kp, gather, tile, i + self.stages, fp8, args, otidx)
+                cute.arch.cp_async_commit_group()
 
         cute.arch.barrier(barrier_id=self.bar(Sm80MlaBarrier.FINAL), number_of_threads=n_all)
         self.scale_rows(acc_O, smem.sInv, tOcO_mn)
@@ -358,17 +371,17 @@ class MlaDecodeSm80:
             o_mn[r, None].store(o_mn[r, None].load() * sRow[tOcO_mn[0, 0][0] + _acc_row_offset(r)])
 
     @cute.jit
-    def widen(self, fp8, stage, otidx):
-        """An FP8 cache: a loading thread's landed chunks of staging ``stage`` into the 16-bit
-        stage of the same index (the ring and the staging advance together)."""
+    def widen(self, fp8, slot, stage, otidx):
+        """An FP8 cache: a loading thread's landed chunks of staging ``slot`` into 16-bit
+        ``stage``."""
         if cutlass.const_expr(fp8 is not None):
             if otidx < 128:
-                fp8.widen(stage, stage, self.dtype)
+                fp8.widen(slot, stage, self.dtype)
 
     @cute.jit
     def load_tile(self, copy_C, copy_Kp, gather, tile, i, fp8, args: MlaArgs, otidx):
         """cp.async of tile i (KV block n_block_max - 1 - i, walked last to first) into its
-        stage (an FP8 cache: the first 128 O threads' chunks, into its staging)."""
+        stage (an FP8 cache: the first 128 O threads' chunks, into staging i % fp8_stages)."""
         if cutlass.const_expr(fp8 is not None):
             if otidx < 128:
                 fp8.gather(tile, args, i, self.tile_n)
@@ -455,6 +468,6 @@ class _Gather:
 
 
 def compile_mla_sm80(key: tuple):
-    """Compiles the kernel for ``key`` (``keys.mla_key``; config ``(stages,)``) on fake
-    tensors: no GPU needed."""
+    """Compiles the kernel for ``key`` (``keys.mla_key``; config ``(stages[, fp8_stages])``) on
+    fake tensors: no GPU needed."""
     return compile_mla_from_key(key, MlaDecodeSm80)

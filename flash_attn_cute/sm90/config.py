@@ -217,4 +217,4 @@ class MlaRoles(WarpgroupRoles):
         # "one": P (tile_m x tile_n) lives in a stage's kpe rows (tile_n x D_KPE), same
         # size and stage stride; exactly one warpgroup computes S, the other only P V.
         assert self.qk == "split" or (self.tile_m == D_KPE and self.num_consumer_wgs == 2)
-        assert self.smem_bytes() <= SMEM_LIMIT
+        assert self.smem_bytes() <= SMEM_LIMIT, "shared memory"

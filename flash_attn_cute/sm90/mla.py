@@ -10,8 +10,8 @@ from typing import NamedTuple, Optional
 from ..backend_kit import mla_entry_points, mla_refusal, plan_splits
 from ..constants import MLA_NHEADS
 from ..problems import FwdPlan, MlaProblem
-from ..tuning import NO_TUNING, Tuning
-from .config import QK_MODES, MlaRoles
+from ..tuning import NO_TUNING, Tuning, fp8_stages_override
+from .config import QK_MODES, SMEM_LIMIT, MlaRoles
 
 NAME = "sm90"
 NHEADS = MLA_NHEADS
@@ -44,17 +44,23 @@ def check(problem: MlaProblem) -> Optional[str]:
     return mla_refusal(problem, FEATURES)
 
 
-def roles(qk: Optional[str] = None, fp8: bool = False) -> MlaRoles:
+def roles(qk: Optional[str] = None, fp8: bool = False, fp8_stages: Optional[str] = None) -> MlaRoles:
     """The kernel's static roles for a Q K^T mode: "one" (warpgroup 0 computes S and hands P
     to warpgroup 1 through smem; 4 stages of 32 keys) or "split" (each half of the K
     slices, summed through smem; 3 stages). None: ``DEFAULT_QK_MODE``. An FP8 cache
-    (``fp8``) takes two fp8 staging tiles (36 KB) from the 16-bit stages: 3, resp. 2."""
+    (``fp8``) takes two fp8 staging tiles (36 KB) from the 16-bit stages: 3, resp. 2
+    (``fp8_stages`` "s,s8", ``tuning.mla_fp8_stages``, overrides both depths)."""
     mode = qk or DEFAULT_QK_MODE
     if mode not in QK_MODES:
         raise ValueError(f"FLASH_ATTN_CUTE_MLA_SM90_QK={mode}: one of {QK_MODES}")
-    if mode == "one":
-        return MlaRoles(stages=3, fp8_stages=2) if fp8 else MlaRoles()
-    return MlaRoles(stages=2 if fp8 else 3, qk="split", fp8_stages=2 if fp8 else 0)
+    if not fp8:
+        return MlaRoles() if mode == "one" else MlaRoles(stages=3, qk="split")
+    stages, staging = fp8_stages_override(fp8_stages) or ((3, 2) if mode == "one" else (2, 2))
+    try:
+        return MlaRoles(stages=stages, qk=mode, fp8_stages=staging)
+    except AssertionError:
+        raise ValueError(f"FLASH_ATTN_CUTE_MLA_FP8_STAGES={fp8_stages}: over the {SMEM_LIMIT} bytes of shared "
+                         f"memory with qk={mode}") from None
 
 
 def plan(problem: MlaProblem, num_splits: int, pack_gqa: Optional[bool], num_sms: Optional[int],
@@ -64,7 +70,7 @@ def plan(problem: MlaProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     package's wave-efficiency heuristic on this grid (shapes only; batch invariant: fixed
     keys per split). ``tuning.mla_sm90_qk`` overrides the Q K^T mode (tuning, and the GPU
     tests of both)."""
-    r = roles(tuning.mla_sm90_qk, problem.kv_fp8)
+    r = roles(tuning.mla_sm90_qk, problem.kv_fp8, tuning.mla_fp8_stages)
     rows = problem.max_seqlen_q * problem.nheads
     num_splits, split_blocks = plan_splits(problem, num_splits, num_sms, 1, rows, tile_m=r.tile_m, tile_n=r.tile_n,
                                            ctas_per_sm=_CTAS_PER_SM, tolerance=_SPLIT_TOLERANCE)
