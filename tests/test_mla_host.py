@@ -117,7 +117,7 @@ def test_compile_key_fields_and_registry():
     sm80 = fwd.backend_module("sm80", "mla")
     p = _problem(h=128, causal=True)
     plan = sm80.plan(p, 3, None, None, arch="sm_90a")
-    assert plan.config == (3, 0) and plan.pack_gqa and plan.qhead_per_kvhead_packed(p) == 128
+    assert plan.config == (3, 0, 0) and plan.pack_gqa and plan.qhead_per_kvhead_packed(p) == 128
     key = sm80.compile_key(p, plan, "sm_90a")
     assert key == ("mla_sm80", "sm_90a", "bf16", 128, True, True, True, 0, 3)
     plan_a100 = sm80.plan(p, 1, None, None, arch="sm_80")
@@ -132,6 +132,14 @@ def test_compile_key_fields_and_registry():
     # the pipeline depth is the plan's: a tuning override changes the plan, never the key builder
     deep = sm80.plan(p, 1, None, None, tuning=Tuning(mla_stages="2"), arch="sm_90a")
     assert deep.config.stages == 2 and sm80.compile_key(p, deep, "sm_90a")[-1] == 2
+    # An FP8 cache: two KV stages and the staging depth at the key's end; the knob sets both.
+    p8 = p._replace(kv_dtype=torch.float8_e4m3fn)
+    assert sm80.compile_key(p8, sm80.plan(p8, 3, None, None, arch="sm_90a"), "sm_90a")[2:] == (
+        "bf16/e4m3", 128, True, True, True, 0, 2, 2)
+    knob = sm80.plan(p8, 3, None, None, Tuning(mla_fp8_stages="2,4"), arch="sm_90a")
+    assert sm80.compile_key(p8, knob, "sm_90a")[-2:] == (2, 4)
+    with pytest.raises(ValueError, match="MLA_FP8_STAGES"):
+        sm80.plan(p8, 3, None, None, Tuning(mla_fp8_stages="3,4"), arch="sm_90a")
     with pytest.raises(ValueError, match="MLA_STAGES"):
         sm80.plan(p, 1, None, None, tuning=Tuning(mla_stages="3"), arch="sm_80")
     assert sm80.check(p) is None and "nheads" in sm80.check(p._replace(nheads=8))
