@@ -170,18 +170,22 @@ class MlaFp8Staging:
                              thr_C16.partition_D(sC), thr_Kp16.partition_D(sKp))
 
     @cute.jit
-    def gather(self, tile, args: MlaArgs, i, tile_n: cutlass.Constexpr):
-        """cp.async of this thread's chunks of tile i (KV block n_block_max - 1 - i) into
-        staging tile i % staging stages. Rows past the sequence end re-read the last key:
-        finite, and their scores are masked to -inf."""
-        mCkv, mKpe = args.mCkv, args.mKpe
+    def lookup(self, tile, args: MlaArgs, i, tile_n: cutlass.Constexpr):
+        """(page, row) of this thread's key of tile i (KV block n_block_max - 1 - i): a load
+        of the page table, issued a step before ``issue`` needs it so that its latency
+        overlaps the widening. Rows past the sequence end re-read the last key: finite, and
+        their scores are masked to -inf. ``i`` must be a tile of the range."""
         tPrPage, tPrRow = page_lookups(args.mPageTable, tile.ctx.batch, self.tCcC, (tile.n_block_max - 1 - i) * tile_n,
-                                       tile.ctx.seqlen_k - 1, 0, 1, mCkv.shape[1], mCkv.shape[0])
+                                       tile.ctx.seqlen_k - 1, 0, 1, args.mCkv.shape[1], args.mCkv.shape[0])
+        return tPrPage[0], tPrRow[0]
+
+    @cute.jit
+    def issue(self, args: MlaArgs, i, page, row):
+        """cp.async of this thread's chunks of tile i (its key at ``page``, ``row``) into
+        staging tile i % staging stages."""
         slot = i % cute.size(self.tCs8, mode=[3])
-        copy_row(self.copy_C8, self.tCs8[None, 0, None, slot], self.tCcC[None, 0, None],
-                 mCkv[tPrPage[0], tPrRow[0], None])
-        copy_row(self.copy_Kp8, self.tKs8[None, 0, None, slot], self.tKcKp[None, 0, None],
-                 mKpe[tPrPage[0], tPrRow[0], None])
+        copy_row(self.copy_C8, self.tCs8[None, 0, None, slot], self.tCcC[None, 0, None], args.mCkv[page, row, None])
+        copy_row(self.copy_Kp8, self.tKs8[None, 0, None, slot], self.tKcKp[None, 0, None], args.mKpe[page, row, None])
 
     @cute.jit
     def widen(self, slot, stage, dtype):
@@ -200,13 +204,22 @@ def _chunks_copy(dtype, cols: int, num_threads: int) -> cute.TiledCopy:
     return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, 16)))
 
 
+# Chunks a loading thread widens at once: their loads are issued before the first store (the
+# compiler keeps a shared load below a possibly aliasing shared store), 4 + 8 registers each.
+WIDEN_GROUP = 3
+
+
 @cute.jit
 def _widen_chunks(tXs8: cute.Tensor, tXs16: cute.Tensor, dtype):
-    """A thread's fp8 chunks (CPY, chunks) widened into its 16-bit chunks, one at a time (a
-    chunk's load, conversion and two stores: 4 + 8 registers in flight)."""
-    for k in cutlass.range_constexpr(cute.size(tXs8, mode=[1])):
-        r8 = cute.make_fragment_like(tXs8[None, k])
-        cute.autovec_copy(tXs8[None, k], r8)
-        r16 = cute.make_fragment_like(tXs16[None, k])
-        r16.store(r8.load().to(dtype))
-        cute.autovec_copy(r16, tXs16[None, k])
+    """A thread's fp8 chunks (CPY, chunks) widened into its 16-bit chunks, ``WIDEN_GROUP``
+    at a time."""
+    n = cute.size(tXs8, mode=[1])
+    for g in cutlass.range_constexpr(0, n, WIDEN_GROUP):
+        ks = range(g, min(g + WIDEN_GROUP, n))
+        r8 = [cute.make_fragment_like(tXs8[None, k]) for k in ks]
+        for j, k in enumerate(ks):
+            cute.autovec_copy(tXs8[None, k], r8[j])
+        for j, k in enumerate(ks):
+            r16 = cute.make_fragment_like(tXs16[None, k])
+            r16.store(r8[j].load().to(dtype))
+            cute.autovec_copy(r16, tXs16[None, k])

@@ -305,6 +305,8 @@ class MlaDecodeSm80:
             if j < tile.n_tiles:
                 self.load_tile(copy_C, copy_Kp, gather, tile, j, fp8, args, otidx)
             cute.arch.cp_async_commit_group()
+        # An FP8 cache: the page lookup of the next gather is loaded a step early (loop-carried).
+        page, row = self.lookup(fp8, tile, args, cutlass.min(ahead, tile.n_tiles - 1), otidx)
         # Q and tile 0 landed (the older groups): S may start.
         cute.arch.cp_async_wait_group(ahead - 1)
         if tile.n_tiles > 0:
@@ -333,8 +335,10 @@ class MlaDecodeSm80:
                 # Tile i + fp8_stages into tile i's staging (widened in the previous step):
                 # the HBM reads run ahead of the KV ring, bounded by the staging alone.
                 if i + ahead < tile.n_tiles:
-                    self.load_tile(copy_C, copy_Kp, gather, tile, i + ahead, fp8, args, otidx)
+                    if otidx < 128:
+                        fp8.issue(args, i + ahead, page, row)
                 cute.arch.cp_async_commit_group()
+                page, row = self.lookup(fp8, tile, args, cutlass.min(i + ahead + 1, tile.n_tiles - 1), otidx)
             cute.arch.barrier(barrier_id=self.bar(Sm80MlaBarrier.P_FULL) + buf, number_of_threads=n_all)
             if i + 1 < tile.n_tiles:  # let the S warps start tile i + 1 while PV(i) runs
                 # Tile i + 1 landed (the newer groups: tiles i + 2 .. i + ahead [- 1 for 16 bits]).
@@ -379,12 +383,23 @@ class MlaDecodeSm80:
                 fp8.widen(slot, stage, self.dtype)
 
     @cute.jit
+    def lookup(self, fp8, tile, args: MlaArgs, i, otidx):
+        """An FP8 cache: (page, row) of a loading thread's key of tile i (``MlaFp8Staging.lookup``;
+        zeros for the other threads and for a 16-bit cache)."""
+        page, row = Int32(0), Int32(0)
+        if cutlass.const_expr(fp8 is not None):
+            if otidx < 128:
+                page, row = fp8.lookup(tile, args, i, self.tile_n)
+        return page, row
+
+    @cute.jit
     def load_tile(self, copy_C, copy_Kp, gather, tile, i, fp8, args: MlaArgs, otidx):
         """cp.async of tile i (KV block n_block_max - 1 - i, walked last to first) into its
         stage (an FP8 cache: the first 128 O threads' chunks, into staging i % fp8_stages)."""
         if cutlass.const_expr(fp8 is not None):
             if otidx < 128:
-                fp8.gather(tile, args, i, self.tile_n)
+                page, row = fp8.lookup(tile, args, i, self.tile_n)
+                fp8.issue(args, i, page, row)
         else:
             self.load_tile_16(copy_C, copy_Kp, gather, tile, i)
 

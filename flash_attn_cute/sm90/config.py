@@ -218,3 +218,12 @@ class MlaRoles(WarpgroupRoles):
         # size and stage stride; exactly one warpgroup computes S, the other only P V.
         assert self.qk == "split" or (self.tile_m == D_KPE and self.num_consumer_wgs == 2)
         assert self.smem_bytes() <= SMEM_LIMIT, "shared memory"
+
+
+def mla_roles(tile_n: int, stages: int, qk: str, fp8_stages: int = 0) -> MlaRoles:
+    """The MLA kernel's roles from its key's config. An FP8 cache's producer also widens
+    (``mla_kernel.WIDEN_GROUP`` chunks in flight): 56 registers (at 40 ptxas spilled the
+    tile's scalars around the role split), taken from the consumers (the highest register
+    of the 16-bit kernel's S warpgroup is R179)."""
+    regs = dict(producer_regs=56, consumer_regs=224) if fp8_stages else {}
+    return MlaRoles(tile_n=tile_n, stages=stages, qk=qk, fp8_stages=fp8_stages, **regs)

@@ -11,7 +11,7 @@ from ..backend_kit import mla_entry_points, mla_refusal, plan_splits
 from ..constants import MLA_NHEADS
 from ..problems import FwdPlan, MlaProblem
 from ..tuning import NO_TUNING, Tuning, fp8_stages_override
-from .config import QK_MODES, SMEM_LIMIT, MlaRoles
+from .config import QK_MODES, SMEM_LIMIT, MlaRoles, mla_roles
 
 NAME = "sm90"
 NHEADS = MLA_NHEADS
@@ -57,7 +57,7 @@ def roles(qk: Optional[str] = None, fp8: bool = False, fp8_stages: Optional[str]
         return MlaRoles() if mode == "one" else MlaRoles(stages=3, qk="split")
     stages, staging = fp8_stages_override(fp8_stages) or ((3, 2) if mode == "one" else (2, 2))
     try:
-        return MlaRoles(stages=stages, qk=mode, fp8_stages=staging)
+        return mla_roles(32, stages, mode, staging)
     except AssertionError:
         raise ValueError(f"FLASH_ATTN_CUTE_MLA_FP8_STAGES={fp8_stages}: over the {SMEM_LIMIT} bytes of shared "
                          f"memory with qk={mode}") from None

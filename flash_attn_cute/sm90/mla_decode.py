@@ -106,7 +106,7 @@ from flash_attn_cute.layout_utils import acc_mn_view, acc_to_operand_a, transpos
 from flash_attn_cute.mla_kernel import MlaArgs, MlaFp8Staging, MlaTile, compile_mla_from_key, mla_call, set_mla_config
 from flash_attn_cute.named_barrier import Sm90MlaBarrier
 from flash_attn_cute.paged_kv import page_lookups
-from flash_attn_cute.sm90.config import MlaRoles
+from flash_attn_cute.sm90.config import MlaRoles, mla_roles
 from flash_attn_cute.sm90.wgmma_utils import convert_pairs, kv_release, kv_wait, smem_layout, wgmma_gemm
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
 from flash_attn_cute.tile_scheduler import SingleTileScheduler, m_blocks_divisor
@@ -276,15 +276,20 @@ class MlaDecodeSm90:
         r = self.roles
         ahead = r.fp8_stages - 1
         fp8 = MlaFp8Staging.create(args, smem.sC8, smem.sKp8, smem.sC, smem.sKp, self.dtype, r.producer_threads, tidx)
+        last = tile.n_tiles - 1
         for p in cutlass.range_constexpr(ahead):
             if p < tile.n_tiles:
-                fp8.gather(tile, args, p, r.tile_n)
+                page, row = fp8.lookup(tile, args, p, r.tile_n)
+                fp8.issue(args, p, page, row)
             cute.arch.cp_async_commit_group()
+        # The page lookup of the next gather is loaded a step early (loop-carried).
+        page, row = fp8.lookup(tile, args, cutlass.min(ahead, last), r.tile_n)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, r.stages)
         for i in cutlass.range(tile.n_tiles, unroll=1):
             if i + ahead < tile.n_tiles:
-                fp8.gather(tile, args, i + ahead, r.tile_n)
+                fp8.issue(args, i + ahead, page, row)
             cute.arch.cp_async_commit_group()
+            page, row = fp8.lookup(tile, args, cutlass.min(i + ahead + 1, last), r.tile_n)
             cute.arch.cp_async_wait_group(ahead)  # this thread's chunks of tile i landed
             pipeline_kv.producer_acquire(state)
             fp8.widen(i % r.fp8_stages, state.index, self.dtype)
@@ -623,4 +628,4 @@ def compile_mla_sm90(key: tuple):
     fp8_stages]),)``) on fake tensors: no GPU needed."""
     return compile_mla_from_key(key, lambda dtype, nheads, causal, is_split, split_blocks, config: MlaDecodeSm90(
         dtype, nheads, causal, is_split, split_blocks,
-        MlaRoles(tile_n=config[0], stages=config[1], qk=config[2], fp8_stages=config[3] if len(config) > 3 else 0)))
+        mla_roles(*config)))
