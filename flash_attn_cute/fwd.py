@@ -20,8 +20,8 @@ A backend module owns everything architecture-specific about its kind:
   function of a short key that reads only the problem and the plan;
 - ``launcher(problem, plan, device=None)``: a callable taking the kind's tensors (forward:
   ``q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q,
-  learnable_sink[, variant tensors]``; MLA: ``q_nope, q_pe, ckv, kpe, out, lse,
-  cache_seqlens, page_table``) with the compiled kernel and every runtime scalar bound
+  learnable_sink[, k_descale, v_descale, variant tensors]``; MLA: ``q_nope, q_pe, ckv, kpe,
+  out, lse, cache_seqlens, page_table, kv_descale``) with the compiled kernel and every runtime scalar bound
   (``backend_kit`` builds these three).
 
 ``resolve`` selects, plans and binds once per distinct problem and keeps the result in a
