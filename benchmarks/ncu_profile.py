@@ -4,7 +4,8 @@ The call runs ``--calls`` times (the first compiles and warms; ncu skips the fir
 launches of the kernel it filters and profiles the third):
 
     prefill: --impl ours|fa4 --D 128 [--causal]     (b4 s8192, H = 2048 / D; ours = SM90)
-    mla:     --impl sm80|sm90 --batch 768 --seqlen 2048 [--page 1] [--heads 64]
+    mla:     --impl sm80|sm90[-fp8] --batch 768 --seqlen 2048 [--page 1] [--heads 64]
+             (-fp8: an e4m3 latent cache, one kv_descale)
     decode:  --impl bf16|fp8 --batch 1 --seqlen 131072 (h32/8 d128, one query, contiguous
              cache, the SM90 kernel; fp8: an e4m3 cache with descales)
     variant: --impl ours --variant causal|document|alibi|sliding1024|softcap30 (bench_variants'
@@ -47,7 +48,13 @@ def mla_fn(args):
     kpe = randn(args.batch * pages, args.page, 64, dtype=torch.bfloat16)
     table = torch.randperm(args.batch * pages, device=common.DEVICE).view(args.batch, -1).to(torch.int32)
     seqlens = torch.full((args.batch,), args.seqlen, dtype=torch.int32, device=common.DEVICE)
-    return lambda: flash_attn_cute.flash_mla_decode(q_nope, q_pe, ckv, kpe, seqlens, table, backend=args.impl)
+    backend, _, fp8 = args.impl.partition("-")
+    kw = {}
+    if fp8:
+        both, kw["kv_descale"] = flash_attn_cute.quantize_fp8(torch.cat([ckv, kpe], -1).unsqueeze(2),
+                                                              granularity="tensor")
+        ckv, kpe = both[..., 0, :512].contiguous(), both[..., 0, 512:].contiguous()
+    return lambda: flash_attn_cute.flash_mla_decode(q_nope, q_pe, ckv, kpe, seqlens, table, backend=backend, **kw)
 
 
 def decode_fn(args):

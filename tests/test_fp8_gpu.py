@@ -164,3 +164,72 @@ def test_fp8_head_dims_and_gqa_packing(backend, d):
     out_ref, _ = attention_kvcache_ref(q, k, v, lens, causal=True)
     out_torch, _ = attention_kvcache_ref(q, k.bfloat16(), v.bfloat16(), lens, causal=True, upcast=False)
     check_close(out, out_ref, out_torch)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_fp8_paged_nan_tails(backend, page_size):
+    # The pages of a sequence past its length hold NaN bytes (a serving pool's stale or
+    # unwritten slots): TMA pages (64) read them in the block, row gathers (16) may not,
+    # and either way no NaN may reach O.
+    torch.manual_seed(4)
+    batch, pages_per_seq, h, hkv, d = 3, 640 // page_size, 16, 4, 128
+    q = torch.randn(batch, 1, h, d, device=DEVICE, dtype=torch.bfloat16)
+    k_dense8, kd = _cache(batch, pages_per_seq * page_size, hkv, d, E4M3)
+    v_dense8, vd = _cache(batch, pages_per_seq * page_size, hkv, d, E4M3)
+    lens = _i32([640, 97, 321])
+    table = torch.randperm(batch * pages_per_seq, device=DEVICE).view(batch, pages_per_seq).int()
+    k8 = _paged(_poison_tails(k_dense8, lens), table, page_size, batch * pages_per_seq)
+    v8 = _paged(_poison_tails(v_dense8, lens), table, page_size, batch * pages_per_seq)
+    out = flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens, page_table=table, k_descale=kd, v_descale=vd,
+                                  num_splits=0, backend=backend)
+    k, v = dequantize_kv(k_dense8, kd), dequantize_kv(v_dense8, vd)
+    out_ref, _ = attention_kvcache_ref(q, k, v, lens)
+    out_torch, _ = attention_kvcache_ref(q, k.bfloat16(), v.bfloat16(), lens, upcast=False)
+    check_close(out, out_ref, out_torch)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp8_prefill_chunk_over_pages(backend):
+    # A chunked-prefill step over an FP8 paged cache (pages of 64: whole TMA blocks): 200
+    # queries a sequence, causal bottom-right, the prefill tile (16-bit stages widened from
+    # the fp8 ones), NaN bytes past each length, the LSE.
+    torch.manual_seed(5)
+    batch, pages_per_seq, page_size, h, hkv, d = 2, 16, 64, 8, 2, 128
+    q = torch.randn(batch, 200, h, d, device=DEVICE, dtype=torch.bfloat16)
+    k_dense8, kd = _cache(batch, pages_per_seq * page_size, hkv, d, E4M3)
+    v_dense8, vd = _cache(batch, pages_per_seq * page_size, hkv, d, E4M3)
+    lens = _i32([1024, 400])
+    table = torch.randperm(batch * pages_per_seq, device=DEVICE).view(batch, pages_per_seq).int()
+    k8 = _paged(_poison_tails(k_dense8, lens), table, page_size, batch * pages_per_seq)
+    v8 = _paged(_poison_tails(v_dense8, lens), table, page_size, batch * pages_per_seq)
+    out = torch.full_like(q, float("nan"))
+    res = flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens, page_table=table, k_descale=kd, v_descale=vd,
+                                  causal=True, return_lse=True, out=out, backend=backend)
+    k, v = dequantize_kv(k_dense8, kd), dequantize_kv(v_dense8, vd)
+    out_ref, lse_ref = attention_kvcache_ref(q, k, v, lens, causal=True)
+    out_torch, lse_torch = attention_kvcache_ref(q, k.bfloat16(), v.bfloat16(), lens, causal=True, upcast=False)
+    _check(out, res[1], out_ref, lse_ref, out_torch, lse_torch)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp8_varlen_packed_keys(backend):
+    # flash_attn_varlen_func over packed FP8 keys (cu_seqlens_k, no cache), one descale for
+    # the tensor: a sequence of 0 keys, ragged queries, causal.
+    torch.manual_seed(6)
+    h, hkv, d = 8, 2, 128
+    lens_q, lens_k = [3, 1, 130, 0], [300, 0, 500, 77]
+    cu_q = _i32([0, *torch.tensor(lens_q).cumsum(0).tolist()])
+    cu_k = _i32([0, *torch.tensor(lens_k).cumsum(0).tolist()])
+    q = torch.randn(sum(lens_q), h, d, device=DEVICE, dtype=torch.bfloat16)
+    k8, kd = quantize_fp8(torch.randn(sum(lens_k), hkv, d, device=DEVICE), granularity="tensor")
+    v8, vd = quantize_fp8(torch.randn(sum(lens_k), hkv, d, device=DEVICE) * 2, granularity="tensor")
+    out = torch.full_like(q, float("nan"))
+    out, lse = flash_attn_varlen_func(q, k8, v8, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
+                                      max_seqlen_k=max(lens_k), causal=True, k_descale=kd, v_descale=vd,
+                                      return_lse=True, out=out, backend=backend)
+    k, v = k8.float() * kd, v8.float() * vd
+    kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True)
+    out_ref, lse_ref = attention_serving_ref(q, k, v, **kw)
+    out_torch, lse_torch = attention_serving_ref(q, k.bfloat16(), v.bfloat16(), upcast=False, **kw)
+    _check(out, lse, out_ref, lse_ref, out_torch, lse_torch)
