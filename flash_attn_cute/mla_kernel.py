@@ -174,9 +174,11 @@ class MlaFp8Staging:
         """(page, row) of this thread's key of tile i (KV block n_block_max - 1 - i): a load
         of the page table, issued a step before ``issue`` needs it so that its latency
         overlaps the widening. Rows past the sequence end re-read the last key: finite, and
-        their scores are masked to -inf. ``i`` must be a tile of the range."""
+        their scores are masked to -inf. ``i`` is a tile of the range, or (a CTA without
+        tiles) -1: key 0 then, a table entry that exists (the API refuses a zero capacity)."""
+        last = cutlass.max(tile.ctx.seqlen_k - 1, 0)
         tPrPage, tPrRow = page_lookups(args.mPageTable, tile.ctx.batch, self.tCcC, (tile.n_block_max - 1 - i) * tile_n,
-                                       tile.ctx.seqlen_k - 1, 0, 1, args.mCkv.shape[1], args.mCkv.shape[0])
+                                       last, 0, 1, args.mCkv.shape[1], args.mCkv.shape[0])
         return tPrPage[0], tPrRow[0]
 
     @cute.jit

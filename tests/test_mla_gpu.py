@@ -211,3 +211,10 @@ def test_mla_fp8_nan_past_the_end(backend):
     out = flash_attn_cute.flash_mla_decode(q_nope, q_pe, ckv_bad.view(ckv.dtype), kpe_bad.view(kpe.dtype), seqlens,
                                            table, backend=backend, kv_descale=descale)
     check_close(out, out_ref, out_pt)
+
+
+def test_mla_fp8_split_many_empty_and_long(backend):
+    # An FP8 cache with a zero-length sequence (out 0, lse -inf) and splits holding no key:
+    # CTAs without tiles still look their first gather's page up (key 0, never past the table).
+    inputs, descale = fp8_inputs((0, 5, 4097), 16, 16, seed=14)
+    run_and_check_fp8(backend, inputs, descale, num_splits=7, return_lse=True)
