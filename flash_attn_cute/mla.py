@@ -76,9 +76,9 @@ def _validate(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, sof
             raise TypeError(f"kv_descale must be a torch.Tensor (float32, one element or (batch,)), got "
                             f"{type(kv_descale).__name__}")
         checks.check_dtype("kv_descale", kv_descale, torch.float32, "float32")
-        if kv_descale.numel() != 1 and tuple(kv_descale.shape) != (batch,):
-            raise ValueError(f"kv_descale must have one element or shape (batch,) = {(batch,)}, got "
-                             f"{tuple(kv_descale.shape)}")
+        if kv_descale.numel() != 1 and tuple(kv_descale.shape) not in ((batch,), (batch, 1)):
+            raise ValueError(f"kv_descale must have one element or shape (batch,) = {(batch,)} (or (batch, 1), "
+                             f"FA3's (batch, nheads_kv) for the one latent head), got {tuple(kv_descale.shape)}")
     scale = checks.softmax_scale(softmax_scale, (D_CKV + D_KPE) ** -0.5)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
@@ -101,7 +101,7 @@ def _kv_descale_view(problem: MlaProblem, kv_descale, device):
     if not problem.kv_fp8:
         return None
     if kv_descale is not None and kv_descale.numel() != 1:
-        return kv_descale
+        return kv_descale.reshape(problem.batch)  # (batch,) or (batch, 1)
     return checks.descale_view(kv_descale, problem.batch, 1, device)[:, 0]
 
 
@@ -125,11 +125,12 @@ def flash_mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_tab
 
     FP8 latent cache: ``ckv_cache`` and ``kpe_cache`` both ``float8_e4m3fn`` (or
     ``float8_e5m2``), the queries fp16/bf16, and ``kv_descale`` fp32 (one element, or
-    ``(batch,)``; default 1) the factor that turns the stored values of both caches back
-    into real ones (one scale per token's 576 values, as vLLM stores an MLA cache; quantize
-    with ``quantize_fp8(torch.cat([ckv, kpe], -1), granularity="tensor")``). The kernels
-    widen the cache to 16 bits in shared memory; scores and output use the descale.
-    Compute capability 8.9 or newer. ``kv_descale`` is ignored for a 16-bit cache.
+    ``(batch,)`` / ``(batch, 1)``; default 1) the factor that turns the stored values of
+    both caches back into real ones (one scale per token's 576 values, as vLLM stores an
+    MLA cache; quantize with ``quantize_fp8(torch.cat([ckv, kpe], -1), granularity=
+    "tensor")``). The kernels widen the cache to 16 bits in shared memory; scores and
+    output use the descale. On the GPUs the MLA kernels run on that have fp8 conversions
+    (sm_90, sm_100; not the A100). ``kv_descale`` is ignored for a 16-bit cache.
 
     No device synchronisation: lengths beyond the table's capacity and page ids outside
     the pool are clamped in the kernel (wrong results, never an illegal read). A

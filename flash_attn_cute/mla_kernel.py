@@ -164,6 +164,7 @@ class MlaFp8Staging:
         thr_C16 = _chunks_copy(dtype, D_CKV, num_threads).get_slice(tidx)
         thr_Kp16 = _chunks_copy(dtype, D_KPE, num_threads).get_slice(tidx)
         rows = cute.size(sC8, mode=[0])
+        assert rows * 4 == num_threads, "one key a loading thread (gather, widen and lookup touch partition row 0)"
         return MlaFp8Staging(copy_C8, copy_Kp8, thr_C8.partition_S(cute.make_identity_tensor((rows, D_CKV))),
                              thr_Kp8.partition_S(cute.make_identity_tensor((rows, D_KPE))),
                              thr_C8.partition_D(sC8), thr_Kp8.partition_D(sKp8),
@@ -174,8 +175,9 @@ class MlaFp8Staging:
         """(page, row) of this thread's key of tile i (KV block n_block_max - 1 - i): a load
         of the page table, issued a step before ``issue`` needs it so that its latency
         overlaps the widening. Rows past the sequence end re-read the last key: finite, and
-        their scores are masked to -inf. ``i`` is a tile of the range, or (a CTA without
-        tiles) -1: key 0 then, a table entry that exists (the API refuses a zero capacity)."""
+        their scores are masked to -inf. ``i`` is a tile of the range, or -1 (a CTA without
+        tiles: its sequence's last key, or key 0 for an empty sequence, never a table
+        entry before the first; the API launches nothing for a zero capacity)."""
         last = cutlass.max(tile.ctx.seqlen_k - 1, 0)
         tPrPage, tPrRow = page_lookups(args.mPageTable, tile.ctx.batch, self.tCcC, (tile.n_block_max - 1 - i) * tile_n,
                                        last, 0, 1, args.mCkv.shape[1], args.mCkv.shape[0])
@@ -208,6 +210,8 @@ def _chunks_copy(dtype, cols: int, num_threads: int) -> cute.TiledCopy:
 
 # Chunks a loading thread widens at once: their loads are issued before the first store (the
 # compiler keeps a shared load below a possibly aliasing shared store), 4 + 8 registers each.
+# SM80: one at a time spilled more of the O warps' scalars (27 local-memory instructions
+# against 23, fp16/e5m2, 16 heads).
 WIDEN_GROUP = 3
 
 

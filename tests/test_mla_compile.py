@@ -96,20 +96,21 @@ def test_stages_and_override():
     assert mla_stages_for("sm_80") == 2 and mla_stages_for("sm_90a") == 3 and mla_stages_for("sm_100a") == 3
     assert mla_stages_for("sm_90a", "2") == 2
     assert mla_stages_for("sm_90a", fp8=True) == 2  # the fp8 staging takes the third stage's room
+    assert mla_stages_for("sm_90a", "3", fp8=True) == 2  # the 16-bit knob leaves FP8 caches alone
     with pytest.raises(ValueError, match="MLA_STAGES"):
         mla_stages_for("sm_80", "3")
-    with pytest.raises(ValueError, match="MLA_STAGES"):
-        mla_stages_for("sm_90a", "3", fp8=True)
 
 
 # FP8 latent caches (dtype field "bf16/e4m3"): both kernels on sm_90a (FP8 needs compute
 # capability 8.9), both SM90 Q K^T modes. The loading threads gather their own fp8 chunks
 # (16-byte LDGSTS), read them back (LDS.128), unpack e4m3 pairs (F2FP.F16.E4M3.UNPACK_B)
-# and store 16-bit chunks (STS.128). SM80: the widening runs in the O warps, whose 168
-# registers hold O (128): ptxas spills a few scalars (10 local-memory instructions at
-# the time of writing), bounded like the 16-bit kernel's.
+# and store 16-bit chunks (STS.128). SM80: the gathers and the widening run in the O warps,
+# whose 168 registers hold O (128): ptxas spills scalars of the loading threads' staging
+# (4 local-memory instructions for bf16/e4m3 64 heads, 23 for fp16/e5m2 16 heads at the
+# time of writing), bounded by FP8_SPILL_BOUND; the SM90 kernel spills none.
 FP8_CONFIGS = [("bf16/e4m3", 64, True, True, True, 0), ("fp16/e5m2", 16, False, False, False, 0)]
 FP8_SASS_EXPECT = ["LDGSTS", "LDS.128", "STS.128", "F2FP.F16.E"]
+FP8_SPILL_BOUND = 32
 
 
 def test_mla_fp8_compiles_and_sass(tmp_path):
@@ -120,7 +121,7 @@ def test_mla_fp8_compiles_and_sass(tmp_path):
     out_dir, seconds = compile_entries("sm_90a", entries, tmp_path)
     print("\nmla fp8 sm_90a: " + ", ".join(f"{v:.1f}s" for v in seconds.values()))
     n80 = len(FP8_CONFIGS)
-    check_artifacts(out_dir, keys8[:n80], "sm_90a", FP8_SASS_EXPECT + SASS_EXPECT, SPILL_BOUND["sm_90a"])
+    check_artifacts(out_dir, keys8[:n80], "sm_90a", FP8_SASS_EXPECT + SASS_EXPECT, FP8_SPILL_BOUND)
     # check_artifacts numbers the entry directories from 0: the SM90 ones start at n80.
     for i, key in enumerate(keys8[n80:], start=n80):
         sass = next((out_dir / f"k{i}").glob("*.sass")).read_text()

@@ -76,6 +76,7 @@ def test_exported():
           kpe_cache=torch.randn(6, 4, 64).to(torch.float8_e5m2)), TypeError, "kpe_cache must be"),
     (dict(q_nope=torch.randn(2, 1, 16, 512).to(torch.float8_e4m3fn)), TypeError, "q_nope must be float16"),
     (dict(kv_descale=torch.ones(3)), ValueError, r"kv_descale must have one element or shape \(batch,\)"),
+    (dict(kv_descale=torch.ones(2, 2)), ValueError, r"kv_descale must have one element or shape \(batch,\)"),
     (dict(kv_descale=torch.ones(1, dtype=torch.float64)), TypeError, "kv_descale must be float32"),
     (dict(kv_descale=1.0), TypeError, "kv_descale must be a torch.Tensor"),
 ])
@@ -140,6 +141,9 @@ def test_compile_key_fields_and_registry():
     assert sm80.compile_key(p8, knob, "sm_90a")[-2:] == (2, 4)
     with pytest.raises(ValueError, match="MLA_FP8_STAGES"):
         sm80.plan(p8, 3, None, None, Tuning(mla_fp8_stages="3,4"), arch="sm_90a")
+    # The 16-bit depth knob leaves an FP8 cache's plan alone.
+    assert sm80.plan(p8, 3, None, None, Tuning(mla_stages="3"), arch="sm_90a").config.stages == 2
+
     with pytest.raises(ValueError, match="MLA_STAGES"):
         sm80.plan(p, 1, None, None, tuning=Tuning(mla_stages="3"), arch="sm_80")
     assert sm80.check(p) is None and "nheads" in sm80.check(p._replace(nheads=8))
@@ -147,6 +151,17 @@ def test_compile_key_fields_and_registry():
     # the forward registry is untouched: forward backends never see an MLA problem
     assert "flash_attn_cute.sm80.mla" not in fwd.BACKENDS.values()
     assert fwd.REGISTRIES["mla"] is mla.MLA_BACKENDS
+
+
+def test_kv_descale_views():
+    # What the kernels read: fp32 (batch,), from one element (broadcast, stride 0), (batch,)
+    # or (batch, 1); None for a 16-bit cache; 1.0 when not given.
+    p8 = _problem(batch=3)._replace(kv_dtype=torch.float8_e4m3fn)
+    one = mla._kv_descale_view(p8, torch.tensor([2.0]), "cpu")
+    assert one.shape == (3,) and one.stride() == (0,) and one.tolist() == [2.0] * 3
+    assert mla._kv_descale_view(p8, torch.tensor([[1.0], [2.0], [3.0]]), "cpu").tolist() == [1.0, 2.0, 3.0]
+    assert mla._kv_descale_view(p8, None, "cpu").tolist() == [1.0] * 3
+    assert mla._kv_descale_view(_problem(batch=3), torch.tensor([2.0]), "cpu") is None
 
 
 def test_warp_roles_fit_the_register_file():

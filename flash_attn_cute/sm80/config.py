@@ -124,11 +124,14 @@ MLA_SMEM_KB = {(8, 0): 163, (9, 0): 227, (10, 0): 227, (10, 3): 227}
 def mla_stages_for(arch: str, override: Optional[str] = None, fp8: bool = False) -> int:
     """MLA pipeline depth: 3 from sm_90 on (188 KB of shared memory; H200, 2026-11-29: 2.31
     against 1.79 TB/s for 2 stages at 768 x 2048), 2 on the A100 (152 KB of its 163). An FP8
-    cache: 2 (its fp8 staging, ``MLA_FP8_STAGING`` x 18 KB, takes the third's room).
-    ``override`` "2" / "3" (``tuning.Tuning.mla_stages``) replaces it (tuning sweeps)."""
+    cache: 2 (its fp8 staging, ``MLA_FP8_STAGING`` x 18 KB, takes the third's room; its own
+    knob, ``tuning.mla_fp8_stages``, sets both depths). ``override`` "2" / "3"
+    (``tuning.Tuning.mla_stages``, 16-bit caches) replaces it (tuning sweeps)."""
     sm = int("".join(c for c in arch[3:] if c.isdigit()))
+    if fp8:
+        return 2
     if override:
-        if override not in ("2", "3") or (override == "3" and (sm < 90 or fp8)):
-            raise ValueError(f"FLASH_ATTN_CUTE_MLA_STAGES={override}: 2, or 3 on sm_90 and later (16-bit caches)")
+        if override not in ("2", "3") or (override == "3" and sm < 90):
+            raise ValueError(f"FLASH_ATTN_CUTE_MLA_STAGES={override}: 2, or 3 on sm_90 and later")
         return int(override)
-    return 3 if sm >= 90 and not fp8 else 2
+    return 3 if sm >= 90 else 2

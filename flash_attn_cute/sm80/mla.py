@@ -48,9 +48,11 @@ def plan(problem: MlaProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     stages, staging = mla_stages_for(arch, tuning.mla_stages, problem.kv_fp8), 0
     if problem.kv_fp8:
         stages, staging = fp8_stages_override(tuning.mla_fp8_stages) or (stages, MLA_FP8_STAGING)
-        if mla_smem_kb(stages, staging) > MLA_SMEM_KB.get(_capability(arch), 0):
-            raise ValueError(f"FLASH_ATTN_CUTE_MLA_FP8_STAGES={tuning.mla_fp8_stages}: {mla_smem_kb(stages, staging)} "
-                             f"KB of shared memory, over the {arch} limit")
+        limit = MLA_SMEM_KB.get(_capability(arch), min(MLA_SMEM_KB.values()))
+        if mla_smem_kb(stages, staging) > limit:
+            raise ValueError(f"MLA over an FP8 cache with {stages} KV stages and {staging} staging tiles "
+                             f"(FLASH_ATTN_CUTE_MLA_FP8_STAGES): {mla_smem_kb(stages, staging)} KB of shared memory, "
+                             f"over the {limit} KB of {arch}")
     return FwdPlan(NAME, MlaSm80Config(stages, split_blocks, staging), True, num_splits)
 
 

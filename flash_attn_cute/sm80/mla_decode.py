@@ -459,7 +459,7 @@ class _MlaSmem:
     sP: cute.Tensor  # (tile_m, tile_n, 2)
     sScale: cute.Tensor  # (tile_m, 2) fp32
     sInv: cute.Tensor  # (tile_m,) fp32
-    sC8: Optional[cute.Tensor]  # an FP8 cache's staging (tile_n, 512, stages); else None
+    sC8: Optional[cute.Tensor]  # an FP8 cache's staging (tile_n, 512, fp8_stages); else None
     sKp8: Optional[cute.Tensor]
 
 

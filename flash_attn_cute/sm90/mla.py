@@ -56,11 +56,15 @@ def roles(qk: Optional[str] = None, fp8: bool = False, fp8_stages: Optional[str]
     if not fp8:
         return MlaRoles() if mode == "one" else MlaRoles(stages=3, qk="split")
     stages, staging = fp8_stages_override(fp8_stages) or ((3, 2) if mode == "one" else (2, 2))
-    try:
-        return mla_roles(32, stages, mode, staging)
+    r = None
+    try:  # MlaRoles asserts its shared memory fits; checked here too (python -O drops asserts)
+        r = mla_roles(32, stages, mode, staging)
     except AssertionError:
-        raise ValueError(f"FLASH_ATTN_CUTE_MLA_FP8_STAGES={fp8_stages}: over the {SMEM_LIMIT} bytes of shared "
-                         f"memory with qk={mode}") from None
+        pass
+    if r is None or r.smem_bytes() > SMEM_LIMIT:
+        raise ValueError(f"FLASH_ATTN_CUTE_MLA_FP8_STAGES={fp8_stages}: {stages} KV stages and {staging} staging "
+                         f"tiles are over the {SMEM_LIMIT} bytes of shared memory with qk={mode}")
+    return r
 
 
 def plan(problem: MlaProblem, num_splits: int, pack_gqa: Optional[bool], num_sms: Optional[int],
