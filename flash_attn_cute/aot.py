@@ -68,7 +68,6 @@ import json
 import math
 import multiprocessing
 import os
-import re
 import sys
 import time
 import uuid
@@ -78,6 +77,7 @@ from pathlib import Path
 from typing import NamedTuple, Optional
 
 from .constants import MLA_NHEADS
+from .keys import arch_capability
 
 __all__ = ["PRESETS", "AotEntry", "load_descriptions", "expand", "entries_for", "build", "read_manifest", "main"]
 
@@ -227,13 +227,6 @@ def problem_of(one: dict):
                       kv_dtype=torch.float8_e4m3fn if one["kv_fp8"] else None)
 
 
-def _arch_capability(arch: str) -> tuple:
-    m = re.fullmatch(r"sm_(\d+)(\d)[af]?", arch)
-    if not m:
-        raise ValueError(f"arch must look like sm_80, sm_86, sm_90a, sm_100a; got {arch!r}")
-    return int(m.group(1)), int(m.group(2))
-
-
 def _backend_for(arch: str, requested: Optional[str], problem):
     """(name, module, None) of the backend the runtime would run ``problem`` with on
     ``arch`` (``fwd.select_backend``'s rule), or (None, None, why not)."""
@@ -243,7 +236,7 @@ def _backend_for(arch: str, requested: Optional[str], problem):
     if requested is not None and requested in fwd.REGISTRIES[kind]:
         names = [requested]
     else:
-        names = fwd.candidates(kind, _arch_capability(arch))
+        names = fwd.candidates(kind, arch_capability(arch))
     reasons = []
     for name in names:
         module = fwd.backend_module(name, kind)
@@ -260,12 +253,12 @@ def entries_for(descriptions: list, arch: str, backend: Optional[str] = None) ->
     from . import fwd
     from .keys import DTYPE_NAMES, combine_key
 
-    _arch_capability(arch)  # refuses a malformed arch before any work
+    arch_capability(arch)  # refuses a malformed arch before any work
     entries, skipped = {}, []
     for description in descriptions:
         for one in expand(description):
             whole = problem_of(one)
-            reason = fwd.capability_refusal(whole, _arch_capability(arch))
+            reason = fwd.capability_refusal(whole, arch_capability(arch))
             if reason is not None:
                 skipped.append(f"{one}: {reason}")
                 continue
@@ -454,7 +447,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="list the entries, compile nothing")
     args = parser.parse_args(argv)
     try:
-        major = _arch_capability(args.arch)[0]
+        major = arch_capability(args.arch)[0]
         entries, skipped = entries_for(load_descriptions(args.preset), args.arch, args.backend)
     except (ValueError, TypeError) as e:  # a bad preset or description: say which, no traceback
         parser.error(str(e))

@@ -20,6 +20,7 @@ divides each tile's KV range evenly into the launch's num_splits.
 from __future__ import annotations
 
 import os
+import re
 from typing import NamedTuple
 
 import torch
@@ -45,6 +46,15 @@ def target_arch(device=None) -> str:
         raise RuntimeError("no GPU: set CUTE_DSL_ARCH (e.g. sm_90a) to compile without one")
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+
+
+def arch_capability(arch: str) -> tuple:
+    """(major, minor) of an arch named the way the DSL names it (``sm_80``, ``sm_90a``,
+    ``sm_100a``, ``sm_103f``)."""
+    m = re.fullmatch(r"sm_(\d+)(\d)[af]?", arch)
+    if not m:
+        raise ValueError(f"arch must look like sm_80, sm_86, sm_90a, sm_100a; got {arch!r}")
+    return int(m.group(1)), int(m.group(2))
 
 
 def target_arch_or_none(device=None):

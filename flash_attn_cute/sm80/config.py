@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..constants import D_CKV
+from ..keys import arch_capability
 
 
 def select_tile(head_dim: int, head_dim_v: int, rows_per_kv_head: int, override: Optional[str] = None,
@@ -38,8 +39,7 @@ def select_tile(head_dim: int, head_dim_v: int, rows_per_kv_head: int, override:
 def smem_kb(arch: str) -> int:
     """Shared memory one CTA may use on ``arch`` (``sm_80``, ``sm_89``, ``sm_90a``...): 163 KB
     on the A100, 227 KB from sm_90 on, 99 KB on the other 8.x and 12.x parts."""
-    digits = "".join(c for c in arch[3:] if c.isdigit())
-    return MLA_SMEM_KB.get((int(digits[:-1]), int(digits[-1])), 99)
+    return MLA_SMEM_KB.get(arch_capability(arch), 99)
 
 
 def fp8_staging_fits(tile: tuple, head_dim: int, head_dim_v: int, arch: str) -> tuple:
@@ -127,7 +127,8 @@ def mla_stages_for(arch: str, override: Optional[str] = None, fp8: bool = False)
     cache: 2 (its fp8 staging, ``MLA_FP8_STAGING`` x 18 KB, takes the third's room; its own
     knob, ``tuning.mla_fp8_stages``, sets both depths). ``override`` "2" / "3"
     (``tuning.Tuning.mla_stages``, 16-bit caches) replaces it (tuning sweeps)."""
-    sm = int("".join(c for c in arch[3:] if c.isdigit()))
+    major, minor = arch_capability(arch)
+    sm = 10 * major + minor
     if fp8:
         return 2
     if override:

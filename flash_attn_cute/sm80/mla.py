@@ -11,7 +11,7 @@ from ..constants import MLA_NHEADS
 from ..keys import target_arch
 from ..problems import FwdPlan, MlaProblem
 from ..tuning import NO_TUNING, Tuning, fp8_stages_override
-from .config import MLA_FP8_STAGING, MLA_SMEM_KB, MlaWarpRoles, mla_smem_kb, mla_stages_for
+from .config import MLA_FP8_STAGING, MLA_SMEM_KB, MlaWarpRoles, mla_smem_kb, mla_stages_for, smem_kb
 
 NAME, NHEADS, AUTO = "sm80", MLA_NHEADS, True
 FEATURES = frozenset({"batch_invariant", "fp8_kv"})  # what this kernel implements of backend_kit.MLA_FEATURES
@@ -48,17 +48,12 @@ def plan(problem: MlaProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     stages, staging = mla_stages_for(arch, tuning.mla_stages, problem.kv_fp8), 0
     if problem.kv_fp8:
         stages, staging = fp8_stages_override(tuning.mla_fp8_stages) or (stages, MLA_FP8_STAGING)
-        limit = MLA_SMEM_KB.get(_capability(arch), min(MLA_SMEM_KB.values()))
+        limit = smem_kb(arch)
         if mla_smem_kb(stages, staging) > limit:
             raise ValueError(f"MLA over an FP8 cache with {stages} KV stages and {staging} staging tiles "
                              f"(FLASH_ATTN_CUTE_MLA_FP8_STAGES): {mla_smem_kb(stages, staging)} KB of shared memory, "
                              f"over the {limit} KB of {arch}")
     return FwdPlan(NAME, MlaSm80Config(stages, split_blocks, staging), True, num_splits)
-
-
-def _capability(arch: str) -> tuple:
-    digits = "".join(c for c in arch[3:] if c.isdigit())
-    return int(digits[:-1]), int(digits[-1])
 
 
 # compile_key, compile, launcher: the seam's MLA entry points (the key ends with the stages
