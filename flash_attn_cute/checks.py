@@ -312,15 +312,19 @@ def descales(k, q_descale, k_descale, v_descale, batch: int, nheads_kv: int) -> 
     back into real ones. They apply to FP8 tensors only (as in FA3, where vLLM passes unit
     scales for 16-bit caches too): with 16-bit K/V they are checked and ignored."""
     for name, t in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
-        if t is None:
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor (float32, (batch, nheads_kv) or one element), "
-                            f"got {type(t).__name__}")
-        check_dtype(name, t, torch.float32, "float32")
-        if t.numel() != 1 and tuple(t.shape) != (batch, nheads_kv):
-            raise ValueError(f"{name} must have shape (batch, nheads_kv) = {(batch, nheads_kv)} or one element, "
-                             f"got {tuple(t.shape)}")
+        descale(name, t, ((batch, nheads_kv),), f"shape (batch, nheads_kv) = {(batch, nheads_kv)} or one element")
+
+
+def descale(name: str, t, shapes: tuple, form: str) -> None:
+    """One descale argument: None, or an fp32 tensor of one element or of one of ``shapes``
+    (``form`` says which, in the messages)."""
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (float32, {form}), got {type(t).__name__}")
+    check_dtype(name, t, torch.float32, "float32")
+    if t.numel() != 1 and tuple(t.shape) not in shapes:
+        raise ValueError(f"{name} must have {form}, got {tuple(t.shape)}")
 
 
 _ONES: dict = {}

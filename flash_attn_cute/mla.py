@@ -71,14 +71,9 @@ def _validate(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, sof
         for name, t in (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):
             checks.check_dtype(name, t, q_nope.dtype, f"{q_nope.dtype} like q_nope, or an FP8 dtype "
                                                       f"{checks.FP8_DTYPES} (both caches)")
-    if kv_descale is not None:
-        if not isinstance(kv_descale, torch.Tensor):
-            raise TypeError(f"kv_descale must be a torch.Tensor (float32, one element or (batch,)), got "
-                            f"{type(kv_descale).__name__}")
-        checks.check_dtype("kv_descale", kv_descale, torch.float32, "float32")
-        if kv_descale.numel() != 1 and tuple(kv_descale.shape) not in ((batch,), (batch, 1)):
-            raise ValueError(f"kv_descale must have one element or shape (batch,) = {(batch,)} (or (batch, 1), "
-                             f"FA3's (batch, nheads_kv) for the one latent head), got {tuple(kv_descale.shape)}")
+    checks.descale("kv_descale", kv_descale, ((batch,), (batch, 1)),
+                   f"one element or shape (batch,) = {(batch,)} (or (batch, 1), FA3's (batch, nheads_kv) for the "
+                   f"one latent head)")
     scale = checks.softmax_scale(softmax_scale, (D_CKV + D_KPE) ** -0.5)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")

@@ -24,12 +24,13 @@ from cutlass import Float32, Int32
 
 from flash_attn_cute.block_info import BlockInfo
 from flash_attn_cute.constants import D_CKV, D_KPE
-from flash_attn_cute.copy_utils import copy_row, gmem_tiled_copy, swizzle_atom_cols
+from flash_attn_cute.copy_utils import copy_row, gmem_tiled_copy, swizzle_atom_cols, widen_fp8
 from flash_attn_cute.cute_utils import CUTE_DTYPE_BY_NAME, compile_mla
 from flash_attn_cute.fwd_kernel import FwdTile
 from flash_attn_cute.keys import parse_mla_key
 from flash_attn_cute.paged_kv import page_lookups
 from flash_attn_cute.seqlen_info import SeqlenInfo
+from flash_attn_cute.sm90.wgmma_utils import smem_layout as row_major_smem_layout
 from flash_attn_cute.tile_scheduler import SingleTileScheduler
 from flash_attn_cute.variants import AttnCtx, VariantParams, make_variant
 
@@ -135,6 +136,13 @@ class MlaTile(FwdTile):
             acc_O.store(acc_O.load() * args.mKvDescale[self.ctx.batch])
 
 
+# Chunks a loading thread widens at once: their loads are issued before the first store (the
+# compiler keeps a shared load below a possibly aliasing shared store), 4 + 8 registers each.
+# SM80: one at a time spilled more of the O warps' scalars (27 local-memory instructions
+# against 23, fp16/e5m2, 16 heads).
+WIDEN_GROUP = 3
+
+
 @dataclass(frozen=True)
 class MlaFp8Staging:
     """An FP8 latent cache, one loading thread's share: it gathers its own 16-byte chunks
@@ -153,6 +161,16 @@ class MlaFp8Staging:
     tKs8: cute.Tensor
     tCs16: cute.Tensor  # (CPY, 1, chunks, stages) the same chunks of the 16-bit stages
     tKs16: cute.Tensor
+
+    @staticmethod
+    def smem(kv_dtype, tile_n: int, stages: int) -> tuple:
+        """(ckv layout, kpe layout, ckv field, kpe field) of the staging in a kernel's shared
+        storage: fp8 rows byte-swizzled (the 16-byte chunks written and read back stay
+        whole), ``stages`` deep; a 16-bit cache (``stages`` 0) gets 16-byte stand-ins."""
+        layouts = tuple(row_major_smem_layout(kv_dtype, tile_n, cols, max(stages, 1)) for cols in (D_CKV, D_KPE))
+        fields = tuple(cute.struct.Align[cute.struct.MemRange[kv_dtype, cute.cosize(layout)], 1024] if stages
+                       else cute.struct.MemRange[kv_dtype, 16] for layout in layouts)
+        return (*layouts, *fields)
 
     @staticmethod
     def create(args: MlaArgs, sC8, sKp8, sC, sKp, dtype, num_threads: int, tidx) -> "MlaFp8Staging":
@@ -193,9 +211,10 @@ class MlaFp8Staging:
 
     @cute.jit
     def widen(self, slot, stage, dtype):
-        """This thread's chunks of staging tile ``slot`` into 16-bit stage ``stage``."""
-        _widen_chunks(self.tCs8[None, 0, None, slot], self.tCs16[None, 0, None, stage], dtype)
-        _widen_chunks(self.tKs8[None, 0, None, slot], self.tKs16[None, 0, None, stage], dtype)
+        """This thread's chunks of staging tile ``slot`` into 16-bit stage ``stage``,
+        ``WIDEN_GROUP`` at a time (``copy_utils.widen_fp8``)."""
+        widen_fp8(self.tCs8[None, None, None, slot], self.tCs16[None, None, None, stage], dtype, group=WIDEN_GROUP)
+        widen_fp8(self.tKs8[None, None, None, slot], self.tKs16[None, None, None, stage], dtype, group=WIDEN_GROUP)
 
 
 def _chunks_copy(dtype, cols: int, num_threads: int) -> cute.TiledCopy:
@@ -207,25 +226,3 @@ def _chunks_copy(dtype, cols: int, num_threads: int) -> cute.TiledCopy:
     thr = cute.make_layout((num_threads // per_row, per_row), stride=(per_row, 1))
     return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, 16)))
 
-
-# Chunks a loading thread widens at once: their loads are issued before the first store (the
-# compiler keeps a shared load below a possibly aliasing shared store), 4 + 8 registers each.
-# SM80: one at a time spilled more of the O warps' scalars (27 local-memory instructions
-# against 23, fp16/e5m2, 16 heads).
-WIDEN_GROUP = 3
-
-
-@cute.jit
-def _widen_chunks(tXs8: cute.Tensor, tXs16: cute.Tensor, dtype):
-    """A thread's fp8 chunks (CPY, chunks) widened into its 16-bit chunks, ``WIDEN_GROUP``
-    at a time."""
-    n = cute.size(tXs8, mode=[1])
-    for g in cutlass.range_constexpr(0, n, WIDEN_GROUP):
-        ks = range(g, min(g + WIDEN_GROUP, n))
-        r8 = [cute.make_fragment_like(tXs8[None, k]) for k in ks]
-        for j, k in enumerate(ks):
-            cute.autovec_copy(tXs8[None, k], r8[j])
-        for j, k in enumerate(ks):
-            r16 = cute.make_fragment_like(tXs16[None, k])
-            r16.store(r8[j].load().to(dtype))
-            cute.autovec_copy(r16, tXs16[None, k])

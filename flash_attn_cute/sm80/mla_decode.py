@@ -75,7 +75,6 @@ from flash_attn_cute.named_barrier import Sm80MlaBarrier
 from flash_attn_cute.paged_kv import page_and_row
 from flash_attn_cute.sm80.config import MlaWarpRoles
 from flash_attn_cute.sm80.gemm import smem_layout
-from flash_attn_cute.sm90.wgmma_utils import smem_layout as row_major_smem_layout
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
 from flash_attn_cute.tile_scheduler import SingleTileScheduler, m_blocks_divisor
 from flash_attn_cute.variants import apply_to_scores
@@ -105,15 +104,11 @@ class MlaDecodeSm80:
         sC_layout = smem_layout(n, D_CKV, st)
         sKp_layout = smem_layout(n, D_KPE, st)
         sP_layout = smem_layout(m, n, 2)
-        # An FP8 cache's staging ring (fp8 rows in a byte-swizzled layout: the 16-byte
-        # chunks its loading threads write and read back stay whole).
+        # An FP8 cache's staging ring (``MlaFp8Staging.smem``).
         kv_dtype = args.mCkv.element_type
         self.fp8 = kv_dtype.width == 8
         assert self.fp8 == (self.fp8_stages > 0), "an FP8 cache needs staging stages (sm80/mla.py plan)"
-        sC8_layout = row_major_smem_layout(kv_dtype, n, D_CKV, max(self.fp8_stages, 1))
-        sKp8_layout = row_major_smem_layout(kv_dtype, n, D_KPE, max(self.fp8_stages, 1))
-        staging = lambda layout: (cute.struct.Align[cute.struct.MemRange[kv_dtype, cute.cosize(layout)], 1024]
-                                  if self.fp8 else cute.struct.MemRange[kv_dtype, 16])
+        sC8_layout, sKp8_layout, c8_field, kp8_field = MlaFp8Staging.smem(kv_dtype, n, self.fp8_stages)
 
         @cute.struct
         class SharedStorage:
@@ -124,8 +119,8 @@ class MlaDecodeSm80:
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
             sScale: cute.struct.Align[cute.struct.MemRange[Float32, 2 * m], 16]
             sInv: cute.struct.Align[cute.struct.MemRange[Float32, m], 16]
-            sC8: staging(sC8_layout)  # an FP8 cache's staging (16-byte stand-ins otherwise)
-            sKp8: staging(sKp8_layout)
+            sC8: c8_field  # an FP8 cache's staging (16-byte stand-ins otherwise)
+            sKp8: kp8_field
 
         op = warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16))
         # S: 4 warps along M, each 16 rows x all keys. O: 8 warps along N, each all rows
@@ -305,8 +300,9 @@ class MlaDecodeSm80:
             if j < tile.n_tiles:
                 self.load_tile(copy_C, copy_Kp, gather, tile, j, fp8, args, otidx)
             cute.arch.cp_async_commit_group()
-        # An FP8 cache: the page lookup of the next gather is loaded a step early (loop-carried).
-        page, row = self.lookup(fp8, tile, args, cutlass.min(ahead, tile.n_tiles - 1), otidx)
+        if cutlass.const_expr(self.fp8):
+            # The page lookup of the next gather is loaded a step early (loop-carried).
+            page, row = self.lookup(fp8, tile, args, cutlass.min(ahead, tile.n_tiles - 1), otidx)
         # Q and tile 0 landed (the older groups): S may start.
         cute.arch.cp_async_wait_group(ahead - 1)
         if tile.n_tiles > 0:
@@ -385,11 +381,10 @@ class MlaDecodeSm80:
     @cute.jit
     def lookup(self, fp8, tile, args: MlaArgs, i, otidx):
         """An FP8 cache: (page, row) of a loading thread's key of tile i (``MlaFp8Staging.lookup``;
-        zeros for the other threads and for a 16-bit cache)."""
+        zeros for the other O threads)."""
         page, row = Int32(0), Int32(0)
-        if cutlass.const_expr(fp8 is not None):
-            if otidx < 128:
-                page, row = fp8.lookup(tile, args, i, self.tile_n)
+        if otidx < 128:
+            page, row = fp8.lookup(tile, args, i, self.tile_n)
         return page, row
 
     @cute.jit

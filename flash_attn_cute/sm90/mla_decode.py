@@ -127,17 +127,14 @@ class MlaDecodeSm90:
         kv_dtype = args.mCkv.element_type
         self.fp8 = kv_dtype.width == 8
         assert self.fp8 == (r.fp8_stages > 0), "an FP8 cache needs staging stages (sm90/mla.py roles)"
-        fp8_stages = max(r.fp8_stages, 1)
+        # An FP8 cache's staging tiles (each producer thread reads back only its own chunks).
+        sC8_layout, sKp8_layout, c8_field, kp8_field = MlaFp8Staging.smem(kv_dtype, r.tile_n, r.fp8_stages)
         layouts = (
             smem_layout(self.dtype, r.tile_m, D_CKV), smem_layout(self.dtype, r.tile_m, D_KPE),
             smem_layout(self.dtype, r.tile_n, D_CKV, r.stages), smem_layout(self.dtype, r.tile_n, D_KPE, r.stages),
             # "one": P of a stage, K-major A operand, over the same bytes as its kpe rows.
-            smem_layout(self.dtype, r.tile_m, r.tile_n, r.stages),
-            # An FP8 cache's staging tiles (each producer thread reads back only its own chunks).
-            smem_layout(kv_dtype, r.tile_n, D_CKV, fp8_stages), smem_layout(kv_dtype, r.tile_n, D_KPE, fp8_stages),
+            smem_layout(self.dtype, r.tile_m, r.tile_n, r.stages), sC8_layout, sKp8_layout,
         )
-        staging = lambda layout: (cute.struct.Align[cute.struct.MemRange[kv_dtype, cute.cosize(layout)], 1024]
-                                  if self.fp8 else cute.struct.MemRange[kv_dtype, 16])
 
         @cute.struct
         class SharedStorage:
@@ -148,8 +145,8 @@ class MlaDecodeSm90:
             sC: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts[2])], 1024]
             sKp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts[3])], 1024]
             sXchg: cute.struct.Align[cute.struct.MemRange[Float32, r.xchg_words], 16]
-            sC8: staging(layouts[5])  # an FP8 cache's staging (16-byte stand-ins otherwise)
-            sKp8: staging(layouts[6])
+            sC8: c8_field  # an FP8 cache's staging (16-byte stand-ins otherwise)
+            sKp8: kp8_field
 
         k_major, mn_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         # S: one warpgroup-wide 64 x 32 product. O: the two consumer warpgroups side by side
