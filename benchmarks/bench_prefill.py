@@ -3,6 +3,10 @@
 Default: B=4, S=8192, bf16, (D, H) in (64, 32), (128, 16), (256, 8), causal and not.
 Implementations:
   ours_<backend>         flash_attn_cute.flash_attn_func(..., backend=<backend>), per --backends
+  ours_fp8              with --fp8: q, k, v quantized to e4m3 (one descale per batch and head,
+                        quantize_fp8), automatic backend, bf16 output; its correctness is
+                        checked on the dequantized values against PyTorch's own FP8 algorithm
+                        (testing.attention_ref(p_fp8=True)) with a 3x bound
   sdpa_flash            torch SDPA, flash backend only
   sdpa_cudnn            torch SDPA, cuDNN backend only
   fa4                   flash_attn.cute.flash_attn_func (skipped if not importable)
@@ -12,6 +16,7 @@ Implementations:
 
 tflops = 4*B*H*S*S*D / t, halved for causal. ratio_vs_best_peer = (time of the fastest
 implementation other than ours) / (this row's time): > 1 means faster than every peer.
+ratio_vs_ours_16bit (with --fp8): our fastest 16-bit row's time / this row's time.
 correct: the output of batch 0, heads 0..1 against the fp32 reference, bounded by 2x
 PyTorch's own low-precision error.
 """
@@ -26,6 +31,7 @@ from common import UNAVAILABLE, append_results_md, attention_flops, bench, check
     our_backends, parse_dtype, print_exception, print_table, randn, sdpa, write_csv
 
 COLUMNS = ["impl", "causal", "B", "S", "H", "D", "avg_ms", "tflops", "ratio_vs_best_peer", "correct"]
+FP8_COLUMNS = COLUMNS[:-1] + ["ratio_vs_ours_16bit", "correct"]
 IMPLS = ["ours", "sdpa_flash", "sdpa_cudnn", "fa4", "cutlass_fa2_example"]
 HEADS_FOR_DIM = {64: 32, 128: 16, 256: 8}  # constant model width H * D = 2048
 REF_HEADS = 2  # heads of batch 0 checked against the fp32 reference
@@ -41,6 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join(IMPLS))
     p.add_argument("--backends", default="all", help="our backends to run as impl 'ours' (default: all registered)")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    p.add_argument("--fp8", action="store_true", help="add ours_fp8 (e4m3 q, k, v) beside the 16-bit rows")
     p.add_argument("--warmup", type=float, default=25, help="do_bench warmup, ms")
     p.add_argument("--rep", type=float, default=150, help="do_bench rep, ms")
     p.add_argument("--no-md", action="store_true", help="do not update benchmarks/RESULTS.md")
@@ -98,7 +105,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("bench_prefill.py needs a CUDA GPU")
     import flash_attn_cute
-    from flash_attn_cute.testing import attention_ref
+    from flash_attn_cute.testing import attention_ref, dequantize_kv, is_close
 
     dtype = parse_dtype(args.dtype)
     impls = [x for x in args.impls.split(",") if x]
@@ -118,6 +125,7 @@ def main(argv=None):
             example_why = error_text(e)
             print_exception("cutlass_fa2_example", e)
 
+    columns = FP8_COLUMNS if args.fp8 else COLUMNS
     rows = []
     notes = {}  # note text -> the configs it applies to (so a missing peer is noted once)
     for D in dims:
@@ -134,12 +142,22 @@ def main(argv=None):
             where = f"D={D}{' causal' if causal else ''}"
 
             ours = [f"ours_{b}" for b in backends] if "ours" in impls else []
+            if args.fp8:
+                ours.append("ours_fp8")
+                fp8_inputs = [flash_attn_cute.quantize_fp8(x) for x in (q, k, v)]
+                (q8, qd), (k8, kd), (v8, vd) = fp8_inputs
+                deq = [dequantize_kv(x8[sl], d[:1, :REF_HEADS]) for x8, d in fp8_inputs]
+                out_ref8, _ = attention_ref(*deq, causal=causal)
+                out_pt8, _ = attention_ref(*deq, causal=causal, p_fp8=True)
             for impl in ours + [i for i in impls if i != "ours"]:
                 row = dict(impl=impl, causal=causal, B=B, S=S, H=H, D=D, avg_ms=float("nan"),
                            tflops=float("nan"), ratio_vs_best_peer=float("nan"), correct=False)
                 group.append(row)
                 try:
-                    if impl.startswith("ours_"):
+                    if impl == "ours_fp8":
+                        fn = lambda: flash_attn_cute.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd,
+                                                                     k_descale=kd, v_descale=vd)
+                    elif impl.startswith("ours_"):
                         fn = lambda b=impl[len("ours_"):]: flash_attn_cute.flash_attn_func(
                             q, k, v, causal=causal, backend=b)
                     elif impl in ("sdpa_flash", "sdpa_cudnn"):
@@ -160,7 +178,10 @@ def main(argv=None):
                     else:
                         raise ValueError(f"unknown impl {impl}")
                     out = fn()
-                    row["correct"] = check_correct(out[sl], out_ref, out_pt)
+                    if impl == "ours_fp8":
+                        row["correct"] = bool(is_close(out[sl], out_ref8, out_pt8, mult=3.0)[0])
+                    else:
+                        row["correct"] = check_correct(out[sl], out_ref, out_pt)
                     t_ms = bench(fn, args.warmup, args.rep)
                     row.update(avg_ms=t_ms, tflops=flops / (t_ms * 1e-3) / 1e12)
                 except Exception as e:
@@ -175,17 +196,23 @@ def main(argv=None):
                 for r in group:
                     if not math.isnan(r["avg_ms"]):
                         r["ratio_vs_best_peer"] = min(peer_ms) / r["avg_ms"]
+            ours16 = [r["avg_ms"] for r in group if r["impl"].startswith("ours_") and r["impl"] != "ours_fp8"
+                      and not math.isnan(r["avg_ms"])]
+            for r in group:
+                r["ratio_vs_ours_16bit"] = min(ours16) / r["avg_ms"] if ours16 and not math.isnan(r["avg_ms"]) \
+                    else float("nan")
             rows += group
 
-    write_csv(args.csv, COLUMNS, rows)
+    write_csv(args.csv, columns, rows)
     print(f"\nprefill {args.dtype}: avg_ms (median), tflops TFLOP/s, ratio = best peer time / this time")
-    print_table(rows, COLUMNS)
+    print_table(rows, columns)
     notes = [f"{text} ({', '.join(where)})" for text, where in notes.items()]
     for n in notes:
         print("note:", n)
     if not args.no_md:
-        title = f"Prefill forward: B={B} S={S} {args.dtype}" + (" (quick)" if args.quick else "")
-        append_results_md(title, rows, COLUMNS, notes="\n".join(
+        title = f"Prefill forward: B={B} S={S} {args.dtype}" + (" and fp8" if args.fp8 else "") + (
+            " (quick)" if args.quick else "")
+        append_results_md(title, rows, columns, notes="\n".join(
             ["avg_ms median (triton do_bench); ratio_vs_best_peer = fastest non-ours time / row time."]
             + [f"- {n}" for n in notes]))
     return rows

@@ -23,6 +23,12 @@ from .fwd import BACKENDS, backend_module
 SUPPORTED_HEAD_DIMS = tuple(sorted(set().union(*(backend_module(b).HEAD_DIMS for b in BACKENDS))))
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # K/V caches (with 16-bit queries)
+
+
+def out_dtype(q_dtype: torch.dtype) -> torch.dtype:
+    """The output dtype of a call with queries in ``q_dtype``: bf16 for FP8 queries (as in
+    FA3 and FA4), q's dtype otherwise."""
+    return torch.bfloat16 if q_dtype in FP8_DTYPES else q_dtype
 BACKEND_NAMES = tuple(BACKENDS)  # names accepted by ``backend=`` / FLASH_ATTN_CUTE_BACKEND
 
 
@@ -281,17 +287,21 @@ def qkv(q, k, v, q_form: str, kv_rank: int, k_form: str, v_form: str):
     """Common q/k/v checks; returns (nheads, nheads_kv, d, d_v) and aligned views."""
     check_tensor("k", k, kv_rank, k_form)
     check_tensor("v", v, kv_rank, v_form)
-    if q.dtype in FP8_DTYPES:
-        raise NotImplementedError(f"q is {q.dtype}: FP8 queries (FP8 prefill) are not supported yet; FP8 K/V "
-                                  f"caches are, with float16 or bfloat16 queries")
-    check_dtype("q", q, SUPPORTED_DTYPES, "float16 or bfloat16")
-    if k.dtype in FP8_DTYPES or v.dtype in FP8_DTYPES:  # an FP8 cache: k_descale / v_descale scale it
-        if k.dtype != v.dtype:
-            raise TypeError(f"k and v must share one dtype: an FP8 cache has both in float8_e4m3fn or both in "
-                            f"float8_e5m2, got k {k.dtype} and v {v.dtype}")
+    if q.dtype in FP8_DTYPES:  # FP8 attention: q_descale / k_descale / v_descale scale q, k and v
+        if q.dtype != torch.float8_e4m3fn:
+            raise TypeError(f"FP8 queries must be float8_e4m3fn (FP8 attention with e4m3 q, k and v), got "
+                            f"{q.dtype}; float8_e5m2 is supported for K/V caches with 16-bit queries")
+        if k.dtype != q.dtype or v.dtype != q.dtype:
+            raise TypeError(f"FP8 queries need k and v in {q.dtype} too, got k {k.dtype} and v {v.dtype}")
     else:
-        check_dtype("k", k, q.dtype, f"{q.dtype} like q, or an FP8 dtype {FP8_DTYPES}")
-        check_dtype("v", v, q.dtype, f"{q.dtype} like q, or an FP8 dtype {FP8_DTYPES}")
+        check_dtype("q", q, SUPPORTED_DTYPES, "float16, bfloat16 or float8_e4m3fn")
+        if k.dtype in FP8_DTYPES or v.dtype in FP8_DTYPES:  # an FP8 cache: k_descale / v_descale scale it
+            if k.dtype != v.dtype:
+                raise TypeError(f"k and v must share one dtype: an FP8 cache has both in float8_e4m3fn or both in "
+                                f"float8_e5m2, got k {k.dtype} and v {v.dtype}")
+        else:
+            check_dtype("k", k, q.dtype, f"{q.dtype} like q, or an FP8 dtype {FP8_DTYPES}")
+            check_dtype("v", v, q.dtype, f"{q.dtype} like q, or an FP8 dtype {FP8_DTYPES}")
     if k.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"k {k_form} and v {v_form} must agree on all but the last dim, got "
                          f"{tuple(k.shape)} and {tuple(v.shape)}")
@@ -346,13 +356,16 @@ def descale_view(t, batch: int, nheads_kv: int, device):
     return t
 
 
-def kernel_descales(problem, k_descale, v_descale, device) -> tuple:
+def kernel_descales(problem, k_descale, v_descale, device, q_descale=None) -> tuple:
     """(k_descale, v_descale) as ``problem``'s kernel reads them: ``descale_view`` of each for
-    FP8 K/V, else (None, None) (16-bit K/V ignore them)."""
-    if not problem.kv_fp8:
+    FP8 K/V; for FP8 queries the first is ``q_descale * k_descale`` (both scale the scores
+    alike: one factor per (batch, KV head)); else (None, None) (16-bit K/V ignore them)."""
+    if not (problem.kv_fp8 or problem.qkv_fp8):
         return None, None
-    return (descale_view(k_descale, problem.batch, problem.nheads_kv, device),
-            descale_view(v_descale, problem.batch, problem.nheads_kv, device))
+    k_view = descale_view(k_descale, problem.batch, problem.nheads_kv, device)
+    if problem.qkv_fp8 and q_descale is not None:
+        k_view = descale_view(q_descale, problem.batch, problem.nheads_kv, device) * k_view
+    return k_view, descale_view(v_descale, problem.batch, problem.nheads_kv, device)
 
 
 def user_variant(score_mod, mask_mod, aux_tensors, block_mask, opts: Options, device, *, batch: int, nheads: int,

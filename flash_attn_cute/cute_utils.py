@@ -44,7 +44,7 @@ def fake_fwd_tensors(dtype, d: int, dv: int, *, is_split: bool, has_lse: bool, v
     q_rank = 3 if varlen_q else 4
     kv_rank = 3 if (varlen_k and not paged) else 4
     split_mode = (None,) if is_split else ()
-    out_dtype = cutlass.Float32 if is_split else dtype
+    out_dtype = cutlass.Float32 if is_split else (cutlass.BFloat16 if dtype.width == 8 else dtype)
     int_vec = lambda rank: fake_tensor(cutlass.Int32, rank, align=4)
     return (
         fake_tensor(dtype, q_rank, shape=(None,) * (q_rank - 1) + (d,)),

@@ -88,6 +88,10 @@ def capability_refusal(problem, capability: tuple) -> Optional[str]:
     if getattr(problem, "kv_fp8", False) and tuple(capability) < (8, 9):
         return (f"FP8 K/V needs a GPU of compute capability >= 8.9 (its conversion instructions), "
                 f"got {capability[0]}.{capability[1]}")
+    if getattr(problem, "qkv_fp8", False) and tuple(capability) < (9, 0):
+        return (f"FP8 attention (q, k and v in FP8) runs on the SM90 (Hopper) kernel, it needs fp8 wgmma; "
+                f"got compute capability {capability[0]}.{capability[1]} (FP8 K/V caches with 16-bit "
+                f"queries run from 8.9)")
     return None
 
 
@@ -187,7 +191,7 @@ def _resolve(problem, requested: Optional[str], num_splits: int, pack_gqa: Optio
     plan = module.plan(problem, num_splits, pack_gqa, num_sms, tuning=tuning)
     combine = None
     if plan.is_split:
-        combine = combine_launcher(problem.dtype, problem.d_v, problem.has_lse, problem.has_sink)
+        combine = combine_launcher(problem.out_dtype, problem.d_v, problem.has_lse, problem.has_sink)
     return Resolved(plan, module.launcher(problem, plan, device), combine)
 
 

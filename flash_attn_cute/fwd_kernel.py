@@ -108,7 +108,8 @@ def set_fwd_config(kernel, dtype, head_dim: int, head_dim_v: int, variant: Atten
     ``split_blocks`` > 0: split s covers the absolute KV blocks [s * split_blocks, (s + 1) *
     split_blocks) (batch invariant, ``BlockInfo``); 0: even splits of each tile's range."""
     kernel.dtype = dtype
-    kernel.out_dtype = Float32 if is_split else dtype  # split partials are fp32
+    # Split partials are fp32; FP8 queries give a bf16 output.
+    kernel.out_dtype = Float32 if is_split else (cutlass.BFloat16 if dtype.width == 8 else dtype)
     kernel.head_dim = head_dim
     kernel.head_dim_v = head_dim_v
     kernel.variant = variant

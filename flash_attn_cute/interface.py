@@ -70,6 +70,7 @@ class _Call(NamedTuple):
     variant: Optional[tuple] = None  # checks.user_variant's (spec, kernel tensors, block ranges)
     k_descale: Optional[torch.Tensor] = None  # checked (checks.descales); read for FP8 K/V only
     v_descale: Optional[torch.Tensor] = None
+    q_descale: Optional[torch.Tensor] = None  # read for FP8 queries only
 
 
 # ---------------------------------------------------------------------------------------
@@ -102,12 +103,12 @@ def _no_variant_under_compile(*variant_args) -> None:
 
 
 def _launch(entry: call_cache.Entry, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-            page_table, learnable_sink, variant_tensors, k_descale=None, v_descale=None) -> None:
+            page_table, learnable_sink, variant_tensors, k_descale=None, v_descale=None, q_descale=None) -> None:
     problem = entry.problem
     # The kernels and the combine read the sink as fp32 (a no-op for an fp32 sink; a
     # 16-bit one costs one small conversion per call, not a compiled variant per dtype).
     sink = None if learnable_sink is None else learnable_sink.float()
-    k_descale, v_descale = checks.kernel_descales(problem, k_descale, v_descale, q.device)
+    k_descale, v_descale = checks.kernel_descales(problem, k_descale, v_descale, q.device, q_descale)
     rest = (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q, sink, k_descale, v_descale)
     if problem.variant is not None:
         rest += (variant_tensors,)
@@ -116,9 +117,9 @@ def _launch(entry: call_cache.Entry, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
 
 def _replay(entry: call_cache.Entry, q, k, v, out, return_lse, cu_seqlens_q=None, cu_seqlens_k=None,
             seqused_q=None, seqused_k=None, page_table=None, learnable_sink=None, aux_tensors=None, k_descale=None,
-            v_descale=None):
+            v_descale=None, q_descale=None):
     if out is None:
-        out = q.new_empty(entry.out_shape)
+        out = q.new_empty(entry.out_shape, dtype=entry.problem.out_dtype)
     lse = q.new_empty(entry.lse_shape, dtype=torch.float32) if return_lse else None
     if entry.seqlens_fill is not None:
         seqused_k = torch.full((entry.problem.batch,), entry.seqlens_fill, dtype=torch.int32, device=q.device)
@@ -126,7 +127,7 @@ def _replay(entry: call_cache.Entry, q, k, v, out, return_lse, cu_seqlens_q=None
     if entry.problem.variant is not None:
         variant_tensors = user_variants.kernel_aux(aux_tensors or ()) + (entry.block_ranges,)
     _launch(entry, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, learnable_sink,
-            variant_tensors, k_descale, v_descale)
+            variant_tensors, k_descale, v_descale, q_descale)
     return (out, lse) if return_lse else out
 
 
@@ -163,7 +164,7 @@ def _execute(call: _Call, seqlens_fill=None) -> tuple:
     varlen_q = call.cu_seqlens_q is not None
     lse_shape = (call.nheads, q.shape[0]) if varlen_q else (call.batch, call.nheads, q.shape[1])
     if out is None:
-        out = q.new_empty(*q.shape[:-1], call.d_v)
+        out = q.new_empty(*q.shape[:-1], call.d_v, dtype=checks.out_dtype(q.dtype))
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if call.return_lse else None
     if out.numel() == 0 or call.batch == 0 or call.max_seqlen_q == 0 or call.max_seqlen_k == 0:
         _empty_result(out, lse, call.learnable_sink, varlen_q)
@@ -177,11 +178,12 @@ def _execute(call: _Call, seqlens_fill=None) -> tuple:
         varlen_q=varlen_q, varlen_k=call.cu_seqlens_k is not None, has_seqused_k=call.seqused_k is not None,
         page_size=k.shape[1] if call.page_table is not None else 0, has_lse=call.return_lse, variant=spec,
         has_seqused_q=call.seqused_q is not None, has_sink=call.learnable_sink is not None,
-        batch_invariant=opts.batch_invariant, kv_dtype=k.dtype if k.dtype in checks.FP8_DTYPES else None)
+        batch_invariant=opts.batch_invariant,
+        kv_dtype=k.dtype if k.dtype in checks.FP8_DTYPES and q.dtype not in checks.FP8_DTYPES else None)
     resolved = fwd.resolve(problem, opts.backend, opts.num_splits, opts.pack_gqa, q.device, tuning.from_env())
     entry = call_cache.Entry(problem, resolved, tuple(out.shape), lse_shape, seqlens_fill, block_ranges)
     _launch(entry, q, k, v, out, lse, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_q, call.seqused_k,
-            call.page_table, call.learnable_sink, variant_tensors, call.k_descale, call.v_descale)
+            call.page_table, call.learnable_sink, variant_tensors, call.k_descale, call.v_descale, call.q_descale)
     return ((out, lse) if call.return_lse else out), entry
 
 
@@ -223,7 +225,7 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
          mask_mod, block_mask), window_size))
     if hit is not None:
         return _replay(hit, q, k, v, out, return_lse, learnable_sink=learnable_sink,
-                       aux_tensors=_aux_of(aux_tensors, block_mask), k_descale=k_descale, v_descale=v_descale)
+                       aux_tensors=_aux_of(aux_tensors, block_mask), k_descale=k_descale, v_descale=v_descale, q_descale=q_descale)
     inputs = (q, k, v, out)
     checks.check_tensor("q", q, 4, _Q4)
     nheads, nheads_kv, d, d_v, q, k, v = checks.qkv(
@@ -235,13 +237,14 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     checks.descales(k, q_descale, k_descale, v_descale, batch, nheads_kv)
     opts = checks.options(d, softmax_scale, causal, window_size, softcap, num_splits, pack_gqa, backend,
                           batch_invariant)
-    out = checks.check_out(out, (batch, seqlen_q, nheads, d_v), q.dtype, "(batch, seqlen_q, nheads, headdim_v)")
+    out = checks.check_out(out, (batch, seqlen_q, nheads, d_v), checks.out_dtype(q.dtype),
+                           "(batch, seqlen_q, nheads, headdim_v)")
     checks.check_device({"q": q, "k": k, "v": v, "learnable_sink": learnable_sink, "q_descale": q_descale,
                          "k_descale": k_descale, "v_descale": v_descale, "out": out})
     opts, variant = checks.user_variant(score_mod, mask_mod, aux_tensors, block_mask, opts, q.device, batch=batch,
                                         nheads=nheads, max_seqlen_q=seqlen_q, max_seqlen_k=k.shape[1])
     call = _Call(q, k, v, out, opts, batch, seqlen_q, k.shape[1], nheads, nheads_kv, d_v, bool(return_lse),
-                 learnable_sink=learnable_sink, variant=variant, k_descale=k_descale, v_descale=v_descale)
+                 learnable_sink=learnable_sink, variant=variant, k_descale=k_descale, v_descale=v_descale, q_descale=q_descale)
     return _run(call, call_cache.same(key, inputs, (q, k, v, out)))
 
 
@@ -317,7 +320,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     if hit is not None:
         return _replay(hit, q, k, v, out, return_lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                        seqused_q=seqused_q, seqused_k=seqused_k, page_table=page_table, learnable_sink=learnable_sink,
-                       aux_tensors=_aux_of(aux_tensors, block_mask), k_descale=k_descale, v_descale=v_descale)
+                       aux_tensors=_aux_of(aux_tensors, block_mask), k_descale=k_descale, v_descale=v_descale, q_descale=q_descale)
     inputs = (q, k, v, out)
     call = _varlen_call(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                         page_table, learnable_sink, return_lse,
@@ -368,7 +371,7 @@ def _varlen_call(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     if not varlen_k:
         max_seqlen_k = min(max_seqlen_k, capacity)
     opts = checks.options(d, *option_args)
-    out = checks.check_out(out, (*q.shape[:-1], d_v), q.dtype,
+    out = checks.check_out(out, (*q.shape[:-1], d_v), checks.out_dtype(q.dtype),
                            "(total_q, nheads, headdim_v)" if varlen_q else "(batch, seqlen_q, nheads, headdim_v)")
     checks.check_device({"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
                          "seqused_q": seqused_q, "seqused_k": seqused_k, "page_table": page_table,
@@ -380,7 +383,7 @@ def _varlen_call(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         max_seqlen_k = 0
     return _Call(q, k, v, out, opts, batch, max_seqlen_q, max_seqlen_k, nheads, nheads_kv, d_v, bool(return_lse),
                  cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, learnable_sink, variant,
-                 descale_args[1], descale_args[2])
+                 descale_args[1], descale_args[2], descale_args[0])
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -483,7 +486,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if hit is not None:
             return _replay(hit, q, k_cache, v_cache, out, return_lse, cu_seqlens_q=cu_seqlens_q,
                            seqused_k=cache_seqlens, page_table=page_table, learnable_sink=learnable_sink,
-                           aux_tensors=_aux_of(aux_tensors, block_mask), k_descale=k_descale, v_descale=v_descale)
+                           aux_tensors=_aux_of(aux_tensors, block_mask), k_descale=k_descale, v_descale=v_descale, q_descale=q_descale)
     inputs = (q, k_cache, v_cache, out)
     call, seqlens_fill = _kvcache_call(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, max_seqlen_q,
                                        learnable_sink, return_lse, out, check_cache_bounds, option_args, variant_args,
@@ -506,7 +509,7 @@ def _kvcache_call(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, 
     checks.learnable_sink(learnable_sink, nheads)
     checks.descales(k_cache, *descale_args, batch, nheads_kv)
     opts = checks.options(d, *option_args)
-    out = checks.check_out(out, (*q.shape[:-1], d_v), q.dtype,
+    out = checks.check_out(out, (*q.shape[:-1], d_v), checks.out_dtype(q.dtype),
                            "(total_q, nheads, headdim_v)" if varlen_q else "(batch, seqlen_q, nheads, headdim_v)")
     checks.check_device({"q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens,
                          "page_table": page_table, "cu_seqlens_q": cu_seqlens_q, "learnable_sink": learnable_sink,
@@ -521,7 +524,8 @@ def _kvcache_call(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, 
                                         max_seqlen_q=seqlen_q, max_seqlen_k=capacity)
     call = _Call(q, k_cache, v_cache, out, opts, batch, seqlen_q, max_seqlen_k, nheads, nheads_kv, d_v,
                  bool(return_lse), cu_seqlens_q=cu_seqlens_q, seqused_k=cache_seqlens, page_table=page_table,
-                 learnable_sink=learnable_sink, variant=variant, k_descale=descale_args[1], v_descale=descale_args[2])
+                 learnable_sink=learnable_sink, variant=variant, k_descale=descale_args[1], v_descale=descale_args[2],
+                 q_descale=descale_args[0])
     return call, seqlens_fill
 
 

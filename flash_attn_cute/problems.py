@@ -56,6 +56,16 @@ class FwdProblem(NamedTuple):
     def kv_fp8(self) -> bool:
         return self.kv_dtype is not None
 
+    @property
+    def qkv_fp8(self) -> bool:
+        """FP8 Q, K and V (FP8 attention, ``q_descale`` / ``k_descale`` / ``v_descale``)."""
+        return self.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+    @property
+    def out_dtype(self) -> torch.dtype:
+        """The output's dtype: q's, bf16 for FP8 queries (as FA3 and FA4)."""
+        return torch.bfloat16 if self.qkv_fp8 else self.dtype
+
     kind = "fwd"
 
     @property

@@ -84,12 +84,17 @@ def _row_allreduce(val: Float32, op, threads_per_row: int):
 
 
 class OnlineSoftmax:
-    """Running row max and row sum of exp2(scale_log2 * (s - max))."""
+    """Running row max and row sum of exp2(scale_log2 * (s - max) + max_offset).
 
-    def __init__(self, num_rows: int, scale_log2: Float32, threads_per_row: int = 4):
+    ``max_offset`` (an integer, 0 for 16-bit P) scales P by 2^max_offset before it is
+    rounded to an 8-bit P operand; the row sum carries the same factor, so it cancels in
+    O, and ``finalize`` takes it out of the LSE."""
+
+    def __init__(self, num_rows: int, scale_log2: Float32, threads_per_row: int = 4, max_offset: int = 0):
         self.num_rows = num_rows
         self.scale_log2 = scale_log2
         self.threads_per_row = threads_per_row
+        self.max_offset = max_offset
         self.row_max = cute.make_rmem_tensor((num_rows,), Float32)
         self.row_sum = cute.make_rmem_tensor((num_rows,), Float32)
         self.row_max.fill(-Float32.inf)
@@ -120,15 +125,18 @@ class OnlineSoftmax:
             m_scaled = m_new * self.scale_log2
             if m_new == -Float32.inf:
                 m_scaled = Float32(0.0)
+            m_shift = m_scaled  # what P's exponent subtracts
+            if cutlass.const_expr(self.max_offset != 0):
+                m_shift = m_scaled - Float32(self.max_offset)
             if cutlass.const_expr(ex2_emulate_every > 0):
-                s_mn[r, None].store(row * self.scale_log2 - m_scaled)
+                s_mn[r, None].store(row * self.scale_log2 - m_shift)
                 for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
                     if cutlass.const_expr(c % ex2_emulate_every == ex2_emulate_every - 1):
                         s_mn[r, c] = ex2_poly(s_mn[r, c])
                     else:
                         s_mn[r, c] = cute.math.exp2(s_mn[r, c], fastmath=True)
             else:
-                s_mn[r, None].store(cute.math.exp2(row * self.scale_log2 - m_scaled, fastmath=True))
+                s_mn[r, None].store(cute.math.exp2(row * self.scale_log2 - m_shift, fastmath=True))
             row_p = s_mn[r, None]
             correction = cute.math.exp2(self.row_max[r] * self.scale_log2 - m_scaled, fastmath=True)
             self.row_max[r] = m_new
@@ -157,6 +165,8 @@ class OnlineSoftmax:
             total, empty, inv = self._row_total(r)
             if cutlass.const_expr(sink is not None):
                 inv, lse_r = self._with_sink(r, total, sink[r])
+                if cutlass.const_expr(self.max_offset != 0):
+                    inv = inv * Float32(2.0 ** -self.max_offset)
             else:
                 lse_r = (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
                 if empty:
@@ -192,10 +202,14 @@ class OnlineSoftmax:
 
     @cute.jit
     def _row_total(self, r: cutlass.Constexpr[int]):
-        """(row sum over the lanes sharing row r, whether the row saw no key, 1 / row sum or 0)."""
+        """(row sum over the lanes sharing row r, whether the row saw no key, 1 / row sum or
+        0: O's scale). The sum is the true one (``max_offset`` taken out), O's scale
+        takes out the factor O carries too."""
         total = _row_allreduce(self.row_sum[r], _add, self.threads_per_row)
         empty = total == 0.0 or total != total
         inv = cute.arch.rcp_approx(total)
+        if cutlass.const_expr(self.max_offset != 0):
+            total = total * Float32(2.0 ** -self.max_offset)
         if empty:
             inv = Float32(0.0)
         return total, empty, inv

@@ -76,7 +76,7 @@ def visible_mask(seqlen_q, seqlen_k, seqlens_k=None, *, causal=False, window_siz
 
 def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                   seqlens_k=None, upcast=True, score_mod=None, mask_mod=None, aux_tensors=None, batch_idx=None,
-                  learnable_sink=None):
+                  learnable_sink=None, p_fp8=False):
     """Returns (out (b, sq, h, dv), lse (b, h, sq) float32).
 
     ``out`` is float32 when ``upcast`` (the default), else in the input dtype.
@@ -86,6 +86,9 @@ def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1,
     ``score_mod`` / ``mask_mod`` (``user_variants.py``) run here on broadcast index
     tensors: b (b,1,1,1), h (1,h,1,1), q_idx (1,1,sq,1), kv_idx (1,1,1,sk), with
     ``aux_tensors``; ``batch_idx`` renumbers the batch rows (varlen calls one at a time).
+    ``p_fp8``: PyTorch's own FP8 attention, the error the FP8 kernels are measured against:
+    fp32 scores, probabilities scaled to 2^8 at each row's max and rounded to e4m3 for P V
+    (the kernels' P operand), divided by the unrounded row sum.
     """
     batch, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
@@ -116,6 +119,13 @@ def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1,
             lse = torch.logaddexp(lse, learnable_sink.float().view(1, -1, 1))
         # exp(s - lse) is the softmax; on fully masked rows it is exp(-inf) = 0, not NaN
         probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+        if p_fp8:
+            row_max = scores.amax(dim=-1, keepdim=True)
+            row_max = torch.where(torch.isinf(row_max), 0.0, row_max)
+            p8 = (torch.exp(scores - row_max) * 256.0).to(torch.float8_e4m3fn).float()
+            # exp(max - lse) = 1 / the row's exact sum (its sink included).
+            inv_sum = torch.exp(row_max - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+            probs = p8 * (inv_sum / 256.0)
         out = torch.einsum("bhqk,bkhd->bqhd", probs.to(v.dtype), v)
     return out, lse
 

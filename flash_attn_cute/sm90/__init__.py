@@ -25,7 +25,7 @@ _SPLIT_TOLERANCE = 0.95
 
 # wgmma and setmaxnreg exist on sm_90a only.
 AUTO = True
-FEATURES = frozenset({"learnable_sink", "seqused_q", "batch_invariant", "fp8_kv"})  # backend_kit.FEATURES this kernel implements
+FEATURES = frozenset({"learnable_sink", "seqused_q", "batch_invariant", "fp8_kv", "fp8_qkv"})  # backend_kit.FEATURES this kernel implements
 
 
 class Sm90Config(NamedTuple):
@@ -49,6 +49,9 @@ def check(problem: FwdProblem) -> Optional[str]:
     for what, d in (("q/k", problem.d), ("v", problem.d_v)):
         if d not in HEAD_DIMS:
             return f"{what} head dimension {d} is not one of {HEAD_DIMS}"
+    if problem.qkv_fp8 and problem.page_size % 64:
+        return (f"FP8 attention over a paged cache needs page_size a multiple of 64 (one TMA per block; "
+                f"row gathers of FP8 Q, K and V are not implemented), got {problem.page_size}")
     return config.unsupported_reason(problem.d, problem.d_v) or feature_refusal(problem, FEATURES)
 
 
@@ -69,6 +72,8 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
         # Two CTAs per SM where measured: decode tiles, and tuning sweeps.
         if decode or tuning.sm90_tile:
             ctas_per_sm = config.fp8_ctas_per_sm(problem.d, problem.d_v, tile)
+    if problem.qkv_fp8:
+        tile = config.fp8_qkv_tile(problem.d, problem.d_v, tile, problem.page_size)
     num_splits, split_blocks = plan_splits(problem, num_splits, num_sms, head_groups(problem, pack_gqa), rows,
                                            tile_m=tile[0], tile_n=tile[1], ctas_per_sm=ctas_per_sm,
                                            tolerance=_SPLIT_TOLERANCE)
@@ -76,7 +81,7 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     fits = config.persistent_fits(problem.d, problem.d_v, tile, problem.qhead_per_kvhead if pack_gqa else 1,
                                   problem.varlen_q, num_splits > 1 or split_blocks > 0, gather_kv,
                                   problem.has_seqused_q)
-    fits = fits and not problem.kv_fp8  # persistent_fits counts 16-bit stages
+    fits = fits and not problem.kv_fp8 and not problem.qkv_fp8  # persistent_fits counts 16-bit stages
     return FwdPlan(NAME, Sm90Config(*tile, gather_kv, persistent(problem, fits, tuning.sm90_persistent),
                                     split_blocks, ctas_per_sm), pack_gqa, num_splits)
 

@@ -94,6 +94,23 @@ def fp8_tile(d: int, dv: int, tile: tuple, max_stages: int = 4, decode: bool = F
     return 64, n, stages, 0
 
 
+def fp8_qkv_smem_bytes(d: int, dv: int, tile_m: int, tile_n: int, stages: int) -> int:
+    """Shared memory of an FP8 Q, K, V tile: Q, the K, V and V^T stages (one byte a value),
+    2 KB for the mbarriers and the 1 KB alignment of the buffers."""
+    return tile_m * d + stages * tile_n * (d + 2 * dv) + 2048
+
+
+def fp8_qkv_tile(d: int, dv: int, tile: tuple, page_size: int = 0) -> tuple:
+    """The tile of FP8 Q, K and V from the 16-bit one: tile_n a multiple of 32 (an 8-bit
+    wgmma's k-block, the unit of the V transposes) that divides a page (``page_size``, a
+    multiple of 64: one TMA per block), and the stages that fit."""
+    m, n, stages = tile[:3]
+    n = next(t for t in range(n - n % 32, 31, -32) if not page_size or page_size % t == 0)
+    while stages > 2 and fp8_qkv_smem_bytes(d, dv, m, n, stages) > SMEM_LIMIT:
+        stages -= 1
+    return m, n, stages, 0
+
+
 def gathers_kv(tile_n: int, page_size: int) -> bool:
     """Whether a paged cache (page_size > 0) is read by cp.async row gathers: its pages
     do not hold whole tile_n blocks, so no TMA box spans one."""
@@ -149,20 +166,30 @@ class WarpRoles(WarpgroupRoles):
     producer_regs: int
     consumer_regs: int
     gather_kv: bool  # every producer warp gathers KV rows by cp.async (else warp 0 issues TMA)
+    transpose_v: bool = False  # FP8 Q, K, V: producer warps 1-3 transpose V blocks for the P V wgmma
+
+    @property
+    def transposer_warps(self) -> int:
+        """Producer warps that transpose V (fp8 Q, K, V): all but warp 0, the TMA issuer."""
+        return len(self.producer_warps) - 1 if self.transpose_v else 0
 
     @staticmethod
-    def for_consumers(num_consumer_wgs: int, gather_kv: bool = False, ctas_per_sm: int = 1) -> "WarpRoles":
+    def for_consumers(num_consumer_wgs: int, gather_kv: bool = False, ctas_per_sm: int = 1,
+                      transpose_v: bool = False) -> "WarpRoles":
         # A gathering producer holds a page and a row per gathered row (8 of each at
         # tile_n 128) to overlap their lookups: with one consumer warpgroup the register
         # file has room for 96 (56 spilled); with two, 40, paid for by the consumers
         # (240 -> 232). The launch gives every thread 65536 / threads registers, the pool
         # setmaxnreg redistributes: producer + consumers <= 512, 504, 512 for 1, 2, 3.
-        regs = {1: (96 if gather_kv else 56, 256), 2: (40, 232) if gather_kv else (24, 240),
+        # Transposing producer warps (FP8 Q, K, V) hold four words of V and their
+        # transposes per step: the gathering producer's budgets.
+        busy = gather_kv or transpose_v
+        regs = {1: (96 if busy else 56, 256), 2: (40, 232) if busy else (24, 240),
                 3: (32, 160)}[num_consumer_wgs]
         if ctas_per_sm == 2:  # two CTAs of one consumer warpgroup share the file: 256 per pair
             assert num_consumer_wgs == 1
             regs = (64, 192) if gather_kv else (56, 200)
-        return WarpRoles(num_consumer_wgs, *regs, gather_kv)
+        return WarpRoles(num_consumer_wgs, *regs, gather_kv, transpose_v)
 
 
 QK_MODES = ("one", "split")

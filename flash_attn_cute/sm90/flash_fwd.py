@@ -52,8 +52,13 @@ from flash_attn_cute.layout_utils import acc_mn_view, acc_to_operand_a, select, 
 from flash_attn_cute.named_barrier import Sm90FwdBarrier
 from flash_attn_cute.paged_kv import page_and_row, page_lookups
 from flash_attn_cute.sm90.config import TWO_CTAS_SMEM, WarpRoles
+from flash_attn_cute.sm90.fp8_operands import p_to_fp8, transpose_v_block
 from flash_attn_cute.sm90.wgmma_utils import convert_pairs, kv_release, kv_wait, smem_layout, wgmma_gemm
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
+
+# FP8 Q, K, V: P = 2^8 exp2(s - max) before its e4m3 rounding (as FA4 on SM100): the large
+# probabilities keep 3 mantissa bits, and the small ones stay normal numbers 2^8 longer.
+FP8_P_OFFSET = 8
 from flash_attn_cute.tile_scheduler import LptScheduler, PersistentScheduler, SingleTileScheduler
 from flash_attn_cute.variants import AttentionVariant, apply_to_scores
 
@@ -82,7 +87,11 @@ class FlashAttnFwdSm90:
         self.persistent = persistent
         # Two CTAs per SM (fp8 tiles that fit twice): each gets half the register file.
         self.ctas_per_sm = ctas_per_sm
-        self.roles = WarpRoles.for_consumers(tile_m // 64, gather_kv, ctas_per_sm)
+        # FP8 Q, K and V: both GEMMs in fp8 wgmma. Its B operand is K-major, so the producer
+        # warpgroup transposes each V block (``fp8_operands``); P is quantized to e4m3 with
+        # its row max at 2^8 (``FP8_P_OFFSET``), O leaves in bf16.
+        self.fp8_qkv = dtype.width == 8
+        self.roles = WarpRoles.for_consumers(tile_m // 64, gather_kv, ctas_per_sm, transpose_v=self.fp8_qkv)
         # Ping-pong pays when the softmax of one warpgroup can hide the other's MMAs;
         # at d=256 the MMAs dominate and the turn-taking only adds waits.
         self.use_scheduler_barrier = self.roles.num_consumer_wgs >= 2 and max(head_dim, head_dim_v) <= 128
@@ -106,7 +115,8 @@ class FlashAttnFwdSm90:
         # tensors in the input dtype; packed rows, varlen rows (a box would spill into the
         # next sequence), rows cut by seqused_q (the box would write rows past it) and fp32
         # split partials are stored from registers.
-        self.use_tma_o = self.use_tma_q and not varlen_q and not self.is_split and args.mSeqUsedQ is None
+        self.use_tma_o = (self.use_tma_q and not varlen_q and not self.is_split and args.mSeqUsedQ is None
+                          and not self.fp8_qkv)  # fp8: O (bf16) would not fit Q's buffer
         self.use_lpt = self.variant.has_mask and not varlen_q
         # A persistent CTA loads the next Q while this tile's O is still in smem: O gets its
         # own buffer (``persistent_fits`` keeps the keys where it does not fit non-persistent).
@@ -115,7 +125,7 @@ class FlashAttnFwdSm90:
         # FP8 K/V: the stages hold fp8 blocks (TMA or gathers, half the bytes of 16-bit ones);
         # the consumers widen each into a 16-bit buffer the wgmma reads (``take_k``/``take_v``).
         kv_dtype = args.mK.element_type
-        self.fp8 = kv_dtype.width == 8
+        self.fp8 = kv_dtype.width == 8 and not self.fp8_qkv
         assert not self.fp8 or self.roles.num_consumer_wgs == 1, "fp8 K/V: one consumer warpgroup (sm90/config.py)"
         sK_layout = smem_layout(kv_dtype, self.tile_n, self.head_dim, self.num_stages)
         sV_layout = smem_layout(kv_dtype, self.tile_n, self.head_dim_v, self.num_stages)
@@ -123,12 +133,17 @@ class FlashAttnFwdSm90:
         sVw_layout = smem_layout(self.dtype, self.tile_n, self.head_dim_v, 1)
         kw_field = cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKw_layout) if self.fp8 else 8], 1024]
         vw_field = cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sVw_layout) if self.fp8 else 8], 1024]
+        # FP8 Q, K, V: V^T stages (d_v, tile_n), keys contiguous, written by the producer warpgroup.
+        sVt_layout = smem_layout(kv_dtype, self.head_dim_v, self.tile_n, self.num_stages)
+        vt_field = cute.struct.Align[
+            cute.struct.MemRange[kv_dtype, cute.cosize(sVt_layout) if self.fp8_qkv else 16], 1024]
 
         # O reuses Q's buffer (free once the last Q K^T completed), or has its own (separate_o).
         q_elems = cute.cosize(sQ_layout)
         o_field = cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], 1024]
         if cutlass.const_expr(not self.separate_o):
-            q_elems = max(q_elems, cute.cosize(sO_layout))
+            if cutlass.const_expr(self.use_tma_o):
+                q_elems = max(q_elems, cute.cosize(sO_layout))
             o_field = cute.struct.MemRange[self.dtype, 8]  # unused
 
         @cute.struct
@@ -136,12 +151,14 @@ class FlashAttnFwdSm90:
             mbar_Q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            mbar_Vt: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[kv_dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[kv_dtype, cute.cosize(sV_layout)], 1024]
             sO: o_field
             sKw: kw_field  # fp8: the widened block (unused 16-byte stand-ins otherwise)
             sVw: vw_field
+            sVt: vt_field
 
         # A tile planned to fit twice per SM must: else it silently runs one CTA per SM.
         assert self.ctas_per_sm == 1 or SharedStorage.size_in_bytes() <= TWO_CTAS_SMEM, SharedStorage.size_in_bytes()
@@ -151,8 +168,10 @@ class FlashAttnFwdSm90:
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
             atom_layout_mnk=(self.tile_m // 64, 1, 1), tiler_mn=(64, self.tile_n),
         )
+        # 8-bit wgmma reads B K-major only: V^T (fp8_qkv).
+        v_major = cute.nvgpu.OperandMajorMode.K if self.fp8_qkv else cute.nvgpu.OperandMajorMode.MN
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN, Float32,
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, v_major, Float32,
             atom_layout_mnk=(self.tile_m // 64, 1, 1), tiler_mn=(64, self.head_dim_v),
             a_source=warpgroup.OperandSource.RMEM,
         )
@@ -199,7 +218,8 @@ class FlashAttnFwdSm90:
             grid = LptScheduler.grid(num_m_blocks, heads_eff, args.num_splits, args.batch_size)
         kernel = self.kernel(
             args, (tma_Q, tma_K, tma_V, tma_O), (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O),
-            (sQ_layout, sK_layout, sV_layout, sO_layout, sKw_layout, sVw_layout), tiled_mma_qk, tiled_mma_pv,
+            (sQ_layout, sK_layout, sV_layout, sO_layout, sKw_layout, sVw_layout, sVt_layout), tiled_mma_qk,
+            tiled_mma_pv,
             gmem_tiled_copy(self.dtype, self.head_dim, self.roles.consumer_threads),
             tx_bytes, SharedStorage, num_m_blocks, grid_divisor, heads_eff, l2_heads,
         )
@@ -212,7 +232,7 @@ class FlashAttnFwdSm90:
         args: FwdArgs,  # the caller's tensors (Q and K for their shapes: loads go through the views) and scalars
         tma_views: tuple,  # Q, K, V, O: TMA views, or the tensors themselves where no TMA applies
         tma_atoms: tuple,  # Q, K, V, O: TMA atoms or None
-        smem_layouts: tuple,  # Q, K, V, O, widened K and V (fp8)
+        smem_layouts: tuple,  # Q, K, V, O, widened K and V (fp8 K/V), V^T (fp8 Q, K, V)
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         gmem_copy_Q: cute.TiledCopy,
@@ -224,7 +244,7 @@ class FlashAttnFwdSm90:
         l2_heads: Int32,
     ):
         tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O = tma_atoms
-        sQ_layout, sK_layout, sV_layout, sO_layout, sKw_layout, sVw_layout = smem_layouts
+        sQ_layout, sK_layout, sV_layout, sO_layout, sKw_layout, sVw_layout, sVt_layout = smem_layouts
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
@@ -253,12 +273,27 @@ class FlashAttnFwdSm90:
                 for mbar in (storage.mbar_K, storage.mbar_V)
             )
         else:
+            # fp8_qkv: V's TMA stages are read by the producer warpgroup's transposes (one
+            # arrive per producer warp), the consumers read the V^T stages (``pipeline_vt``).
+            v_readers = consumer_warps
+            if cutlass.const_expr(self.fp8_qkv):
+                v_readers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.roles.transposer_warps)
             pipeline_k, pipeline_v = (
                 pipeline.PipelineTmaAsync.create(
                     barrier_storage=mbar.data_ptr(), num_stages=self.num_stages, producer_group=tma_warp,
-                    consumer_group=consumer_warps, tx_count=tx, defer_sync=True,
+                    consumer_group=readers, tx_count=tx, defer_sync=True,
                 )
-                for mbar, tx in ((storage.mbar_K, tx_bytes[1]), (storage.mbar_V, tx_bytes[2]))
+                for mbar, tx, readers in ((storage.mbar_K, tx_bytes[1], consumer_warps),
+                                          (storage.mbar_V, tx_bytes[2], v_readers))
+            )
+        pipeline_vt = None
+        if cutlass.const_expr(self.fp8_qkv):
+            # Full: every transposing thread arrives once its stores are fenced. Empty: one
+            # arrive per consumer warp (``kv_release``).
+            pipeline_vt = pipeline.PipelineAsync.create(
+                barrier_storage=storage.mbar_Vt.data_ptr(), num_stages=self.num_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * self.roles.transposer_warps),
+                consumer_group=consumer_warps, defer_sync=True,
             )
         pipeline.pipeline_init_arrive()
 
@@ -267,11 +302,18 @@ class FlashAttnFwdSm90:
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         o_storage = storage.sO if cutlass.const_expr(self.separate_o) else storage.sQ
         sO = o_storage.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
-        sKw, sVw = None, None
+        sKw, sVw, sVt, sV32, sVt32 = None, None, None, None, None
         if cutlass.const_expr(self.fp8):
             sKw = storage.sKw.get_tensor(sKw_layout.outer, swizzle=sKw_layout.inner)
             sVw = storage.sVw.get_tensor(sVw_layout.outer, swizzle=sVw_layout.inner)
-        io = _Io(*tma_views, *tma_atoms, sQ, sK, sV, sO, pipeline_q, pipeline_k, pipeline_v, gmem_copy_Q, sKw, sVw)
+        if cutlass.const_expr(self.fp8_qkv):
+            sVt = storage.sVt.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
+            # The transposes' 32-bit views: the swizzle in the layout, where recast_tensor
+            # rescales it (a swizzled pointer would lose it).
+            sV32 = cute.recast_tensor(storage.sV.get_tensor(sV_layout), cutlass.Uint32)
+            sVt32 = cute.recast_tensor(storage.sVt.get_tensor(sVt_layout), cutlass.Uint32)
+        io = _Io(*tma_views, *tma_atoms, sQ, sK, sV, sO, pipeline_q, pipeline_k, pipeline_v, gmem_copy_Q, sKw, sVw,
+                 sVt, sV32, sVt32, pipeline_vt)
 
         block_info = BlockInfo(self.tile_m, self.tile_n, self.qhead_per_kvhead_packed, self.variant, self.split_blocks,
                          self.q_class)
@@ -282,6 +324,9 @@ class FlashAttnFwdSm90:
             cute.arch.setmaxregister_decrease(self.roles.producer_regs)
             if warp_idx == 0 or cutlass.const_expr(self.gather_kv):
                 self.load(args, io, sched, block_info, warp_idx, tidx)
+            if cutlass.const_expr(self.fp8_qkv):
+                if warp_idx > 0:
+                    self.transposes(args, io, sched, block_info, tidx - 32)
         else:
             cute.arch.setmaxregister_increase(self.roles.consumer_regs)
             self.mma(args, io, (tiled_mma_qk, tiled_mma_pv), sched, block_info, tidx - 128)
@@ -467,6 +512,40 @@ class FlashAttnFwdSm90:
                     copy_row(tiled_copy, tXsX_s[None, m, None], tXcX[None, m, None], mX_h[tPrPage[i], tPrRow[i], None])
         pipe.producer_commit(state)
 
+    @cute.jit
+    def transposes(self, args: FwdArgs, io: "_Io", sched: "_Sched", block_info: BlockInfo, ttid):
+        """FP8 Q, K, V: producer warps 1-3 (``ttid`` among their threads) turn each V stage
+        the TMA filled into a V^T stage, in the consumers' order of blocks (last to first).
+        Warp 0 only issues the TMAs, so a transpose waiting for its V never delays a K load."""
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        state_t = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        state, state_t = self.for_each_tile(
+            args, sched, lambda work, st, st_t: self.transpose_tile(args, io, work, block_info, st, st_t, ttid),
+            state, state_t)
+        io.pipeline_vt.producer_tail(state_t)
+
+    @cute.jit
+    def transpose_tile(self, args: FwdArgs, io: "_Io", work, block_info: BlockInfo, state, state_t, ttid):
+        """The V blocks of one tile (``load_tile``'s): wait for the TMA's stage and a free V^T
+        stage, transpose, fence the stores for the wgmma (async proxy), signal the V^T stage
+        full, and give the TMA stage back (one arrive per warp, after its loads)."""
+        tile = FwdTile.create(args, work, block_info, self.is_split)
+        if tile.rows_valid > 0:
+            for i in cutlass.range(tile.n_block_max - tile.n_block_min, unroll=1):
+                n_block = tile.n_block_max - 1 - i
+                io.pipeline_v.consumer_wait(state)
+                io.pipeline_vt.producer_acquire(state_t)
+                transpose_v_block(io.sV32[None, None, state.index], io.sVt32[None, None, state_t.index], ttid,
+                                  self.roles.transposer_warps, tile.ctx.seqlen_k - n_block * self.tile_n,
+                                  self.cache_tail_may_be_garbage)
+                cute.arch.fence_view_async_shared()
+                io.pipeline_vt.producer_commit(state_t)
+                cute.arch.sync_warp()
+                io.pipeline_v.consumer_release(state)
+                state.advance()
+                state_t.advance()
+        return state, state_t
+
     # -----------------------------------------------------------------------------------
     # Consumers
     # -----------------------------------------------------------------------------------
@@ -508,7 +587,8 @@ class FlashAttnFwdSm90:
             # With a score modifier the kernel scales S before calling it; otherwise the
             # scale folds into the exp2 argument (one FFMA per score).
             scale_log2 = LOG2_E if has_mod else tile_k.softmax_scale * LOG2_E
-            softmax = OnlineSoftmax(cute.size(tScS_mn, mode=[0]), Float32(scale_log2))
+            softmax = OnlineSoftmax(cute.size(tScS_mn, mode=[0]), Float32(scale_log2),
+                                    max_offset=FP8_P_OFFSET if self.fp8_qkv else 0)
             if tile.n_block_max > tile.n_block_min:
                 q_state, state = self.mainloop(args, io, tiled_mmas, acc_O, softmax, tScS_mn, tile_k, block_info,
                                                q_state, state, cidx, wg_idx)
@@ -544,12 +624,18 @@ class FlashAttnFwdSm90:
                            thr_copy_V.partition_D(io.sV), thr_copy_V.partition_D(io.sVw[None, None, 0]),
                            thr_copy_V.partition_S(cute.make_identity_tensor((self.tile_n, self.head_dim_v))))
         tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(io.sKw if cutlass.const_expr(self.fp8) else io.sK))
-        tOrVt = wg_mma_pv.make_fragment_B(
-            wg_mma_pv.partition_B(transpose_view(io.sVw if cutlass.const_expr(self.fp8) else io.sV)))
-        # P in 16 bits, laid out like S (so the conversion packs adjacent columns pairwise),
-        # read by the RS wgmma through the A-operand view.
-        rP = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), self.dtype)
-        tOrP = acc_to_operand_a(rP)
+        if cutlass.const_expr(self.fp8_qkv):
+            # V^T stages and P in the RS wgmma's own 8-bit A layout, in the key order the
+            # transposes wrote (``fp8_operands``).
+            tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(io.sVt))
+            tOrP = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_A((self.tile_m, self.tile_n)), self.dtype)
+        else:
+            tOrVt = wg_mma_pv.make_fragment_B(
+                wg_mma_pv.partition_B(transpose_view(io.sVw if cutlass.const_expr(self.fp8) else io.sV)))
+            # P in 16 bits, laid out like S (so the conversion packs adjacent columns pairwise),
+            # read by the RS wgmma through the A-operand view.
+            rP = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), self.dtype)
+            tOrP = acc_to_operand_a(rP)
         # The correction O still owes when rescale_o_before_pv defers it (loop-carried).
         scale_carry = None
         if cutlass.const_expr(self.rescale_o_before_pv):
@@ -577,7 +663,8 @@ class FlashAttnFwdSm90:
         apply_to_scores(self.variant, acc_mn_view(acc_S), tScS_mn, tile.ctx, row0, (n_block_max - 1) * self.tile_n,
                         self.qhead_per_kvhead_packed, tile.softmax_scale, True)
         self.softmax(mma, acc_S, None)
-        if cutlass.const_expr(self.cache_tail_may_be_garbage and not self.fp8):  # fp8: zeroed as widened
+        # fp8 K/V: zeroed as widened; fp8 Q, K, V: as transposed.
+        if cutlass.const_expr(self.cache_tail_may_be_garbage and not self.fp8 and not self.fp8_qkv):
             self.zero_v_tail(io.pipeline_v, state, io.sV, tile.ctx.seqlen_k - (n_block_max - 1) * self.tile_n, cidx)
 
         # The first block is done: the runs cover [n_block_min, n_block_max - 1).
@@ -595,7 +682,7 @@ class FlashAttnFwdSm90:
         self.rescale_carried(mma)
         v_stage = self.take_v(mma, io, state, tile, n_block_min, last=True)
         wgmma_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_stage], False, 0)
-        self.give_kv(io.pipeline_v, state)
+        self.give_v(io, state)
         state.advance()
         return q_state, state
 
@@ -620,7 +707,7 @@ class FlashAttnFwdSm90:
                         self.qhead_per_kvhead_packed, tile.softmax_scale, masked)
         row_scale = mma.softmax.step(acc_S, ex2_emulate_every=0 if masked else self.ex2_emulate_every)
         warpgroup.wait_group(0)  # P V landed: acc_O and tOrP are free
-        self.give_kv(io.pipeline_v, state_v)
+        self.give_v(io, state_v)
         self.softmax(mma, acc_S, row_scale)
         return state
 
@@ -645,6 +732,9 @@ class FlashAttnFwdSm90:
             parts = (mma.widen.tVs8, mma.widen.tVsV, mma.widen.tVcV)
             if cutlass.const_expr(self.cache_tail_may_be_garbage):
                 rows_valid = tile.ctx.seqlen_k - n_block * self.tile_n
+        if cutlass.const_expr(self.fp8_qkv):
+            io.pipeline_vt.consumer_wait(state)  # the transposes fenced their stores
+            return state.index
         return self.take(io.pipeline_v, state, parts, rows_valid, last)
 
     @cute.jit
@@ -673,6 +763,13 @@ class FlashAttnFwdSm90:
         if cutlass.const_expr(not self.fp8):
             kv_release(pipe, state, self.gather_kv)
 
+    def give_v(self, io: "_Io", state):
+        """``give_kv`` of V, or of the V^T stage (fp8 Q, K, V: one arrive per warp)."""
+        if cutlass.const_expr(self.fp8_qkv):
+            kv_release(io.pipeline_vt, state, True)
+        else:
+            self.give_kv(io.pipeline_v, state)
+
     @cute.jit
     def softmax(self, mma: "_MmaState", acc_S, row_scale):
         """P in the RS operand registers, O rescaled (or its correction carried to the next
@@ -681,7 +778,10 @@ class FlashAttnFwdSm90:
         first = cutlass.const_expr(row_scale is None)
         if cutlass.const_expr(first):
             row_scale = mma.softmax.step(acc_S)
-        convert_pairs(acc_S, cute.make_tensor(mma.tOrP.iterator, acc_S.layout))
+        if cutlass.const_expr(self.fp8_qkv):
+            p_to_fp8(acc_S, mma.tOrP)
+        else:
+            convert_pairs(acc_S, cute.make_tensor(mma.tOrP.iterator, acc_S.layout))
         if cutlass.const_expr(mma.scale_carry is not None):
             mma.scale_carry.store(row_scale.load())
         elif cutlass.const_expr(not first):
@@ -816,6 +916,10 @@ class _Io:
     gmem_copy_Q: cute.TiledCopy
     sKw: Optional[cute.Tensor]  # fp8: the widened K block (tile_n, d, 1) the wgmma reads; else None
     sVw: Optional[cute.Tensor]
+    sVt: Optional[cute.Tensor]  # fp8 Q, K, V: V^T stages (d_v, tile_n, stages) the P V wgmma reads; else None
+    sV32: Optional[cute.Tensor]  # fp8 Q, K, V: 32-bit views of the V and V^T stages, for the transposes
+    sVt32: Optional[cute.Tensor]
+    pipeline_vt: object  # fp8 Q, K, V: the V^T stages (transposing warps -> consumers); else None
 
 
 @dataclass(frozen=True)
