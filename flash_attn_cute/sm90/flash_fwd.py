@@ -52,7 +52,7 @@ from flash_attn_cute.layout_utils import acc_mn_view, acc_to_operand_a, select, 
 from flash_attn_cute.named_barrier import Sm90FwdBarrier
 from flash_attn_cute.paged_kv import page_and_row, page_lookups
 from flash_attn_cute.sm90.config import TWO_CTAS_SMEM, WarpRoles
-from flash_attn_cute.sm90.fp8_operands import p_to_fp8, transpose_v_block
+from flash_attn_cute.sm90.fp8_operands import FP8TileGeometry, p_to_fp8, transpose_v_block
 from flash_attn_cute.sm90.wgmma_utils import convert_pairs, kv_release, kv_wait, smem_layout, wgmma_gemm
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
 
@@ -137,6 +137,9 @@ class FlashAttnFwdSm90:
         sVt_layout = smem_layout(kv_dtype, self.head_dim_v, self.tile_n, self.num_stages)
         vt_field = cute.struct.Align[
             cute.struct.MemRange[kv_dtype, cute.cosize(sVt_layout) if self.fp8_qkv else 16], 1024]
+        if cutlass.const_expr(self.fp8_qkv):
+            self.v_geometry = FP8TileGeometry.of(sV_layout, self.tile_n, self.head_dim_v)
+            self.vt_geometry = FP8TileGeometry.of(sVt_layout, self.head_dim_v, self.tile_n)
 
         # O reuses Q's buffer (free once the last Q K^T completed), or has its own (separate_o).
         q_elems = cute.cosize(sQ_layout)
@@ -308,10 +311,10 @@ class FlashAttnFwdSm90:
             sVw = storage.sVw.get_tensor(sVw_layout.outer, swizzle=sVw_layout.inner)
         if cutlass.const_expr(self.fp8_qkv):
             sVt = storage.sVt.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
-            # The transposes' 32-bit views: the swizzle in the layout, where recast_tensor
-            # rescales it (a swizzled pointer would lose it).
-            sV32 = cute.recast_tensor(storage.sV.get_tensor(sV_layout), cutlass.Uint32)
-            sVt32 = cute.recast_tensor(storage.sVt.get_tensor(sVt_layout), cutlass.Uint32)
+            # The transposes' flat 32-bit views (they compute the swizzled offsets themselves).
+            sV32, sVt32 = (cute.make_tensor(cute.recast_ptr(buf.data_ptr(), dtype=cutlass.Uint32),
+                                            cute.make_layout(cute.cosize(lay) // 4))
+                           for buf, lay in ((storage.sV, sV_layout), (storage.sVt, sVt_layout)))
         io = _Io(*tma_views, *tma_atoms, sQ, sK, sV, sO, pipeline_q, pipeline_k, pipeline_v, gmem_copy_Q, sKw, sVw,
                  sVt, sV32, sVt32, pipeline_vt)
 
@@ -535,8 +538,8 @@ class FlashAttnFwdSm90:
                 n_block = tile.n_block_max - 1 - i
                 io.pipeline_v.consumer_wait(state)
                 io.pipeline_vt.producer_acquire(state_t)
-                transpose_v_block(io.sV32[None, None, state.index], io.sVt32[None, None, state_t.index], ttid,
-                                  self.roles.transposer_warps, tile.ctx.seqlen_k - n_block * self.tile_n,
+                transpose_v_block(io.sV32, io.sVt32, self.v_geometry, self.vt_geometry, state.index, state_t.index,
+                                  ttid, self.roles.transposer_warps, tile.ctx.seqlen_k - n_block * self.tile_n,
                                   self.cache_tail_may_be_garbage)
                 cute.arch.fence_view_async_shared()
                 io.pipeline_vt.producer_commit(state_t)
@@ -917,7 +920,7 @@ class _Io:
     sKw: Optional[cute.Tensor]  # fp8: the widened K block (tile_n, d, 1) the wgmma reads; else None
     sVw: Optional[cute.Tensor]
     sVt: Optional[cute.Tensor]  # fp8 Q, K, V: V^T stages (d_v, tile_n, stages) the P V wgmma reads; else None
-    sV32: Optional[cute.Tensor]  # fp8 Q, K, V: 32-bit views of the V and V^T stages, for the transposes
+    sV32: Optional[cute.Tensor]  # fp8 Q, K, V: flat 32-bit views of the V and V^T stages, for the transposes
     sVt32: Optional[cute.Tensor]
     pipeline_vt: object  # fp8 Q, K, V: the V^T stages (transposing warps -> consumers); else None
 

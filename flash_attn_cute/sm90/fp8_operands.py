@@ -19,6 +19,8 @@ conversions). V^T position 4 c + i + 16 l then holds key sigma(...): each 32-bit
 a V^T row gathers the same column of keys {k0, k0 + 1, k0 + 8, k0 + 9}, k0 = 16 l + 2 c.
 """
 
+from dataclasses import dataclass
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Uint32
@@ -40,72 +42,121 @@ def _prmt(a: Uint32, b: Uint32, sel: Int32, *, loc=None, ip=None) -> Uint32:
         asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
+@dataclass(frozen=True)
+class FP8TileGeometry:
+    """Byte offsets in an fp8 (rows, cols, stages) tile of ``wgmma_utils.smem_layout``: atoms
+    of 8 rows x ``width`` bytes (swizzle S<bits, 4, 3>: 16-byte chunk c of row r sits at
+    c ^ (r % 8 >> (3 - bits))), tiled down the rows, then across the columns. The
+    transposes compute their addresses from this directly, with the thread-constant parts
+    hoisted, instead of evaluating the swizzled layout per access (110 instructions per
+    4 x 4 unit at d = 128 that way)."""
+
+    rows: int
+    cols: int
+    width: int
+    bits: int
+    stage_bytes: int
+
+    @staticmethod
+    def of(layout, rows: int, cols: int) -> "FP8TileGeometry":
+        """The geometry of ``layout`` (static, fp8), checked against the layout itself at
+        every 4-byte column of the first 16 rows of two stages."""
+        bits = layout.inner.num_bits
+        assert layout.inner.num_base == 4 and layout.inner.num_shift == 3, layout
+        geo = FP8TileGeometry(rows, cols, 16 << bits, bits, cute.crd2idx((0, 0, 1), layout))
+        assert geo.width >= 32 and cols % geo.width == 0 and rows % 16 == 0, layout
+        for stage in range(2):
+            for r in range(16):
+                for col in range(0, cols, 4):
+                    assert geo.offset(r, col) + stage * geo.stage_bytes == cute.crd2idx((r, col, stage), layout), \
+                        (layout, r, col, stage)
+        return geo
+
+    def offset(self, r, col):
+        """Byte offset of (r, col) in stage 0 (non-negative ints or DSL integers; masks and
+        shifts rather than % and //, which signed integers would pay for)."""
+        w, log_w = self.width, 4 + self.bits
+        chunk = ((col & (w - 1)) >> 4) ^ ((r & 7) >> (3 - self.bits))
+        return (r & 7) * w + (r >> 3) * 8 * w + (col >> log_w) * self.rows * w + (chunk << 4) + (col & 15)
+
+
 @cute.jit
-def transpose_v_block(sV32: cute.Tensor, sVt32: cute.Tensor, ptid: Int32, num_warps: cutlass.Constexpr[int],
+def transpose_v_block(sV32: cute.Tensor, sVt32: cute.Tensor, gv: cutlass.Constexpr, gt: cutlass.Constexpr,
+                      stage_v: Int32, stage_t: Int32, ptid: Int32, num_warps: cutlass.Constexpr[int],
                       rows_valid: Int32, zero_tail: cutlass.Constexpr[bool]):
     """One V block (keys, d_v) of fp8 into V^T (d_v, keys) in the key order ``sigma``, by
-    ``num_warps`` warps (this thread: ``ptid`` among them). Both as 32-bit words: ``sV32``
-    (keys, d_v / 4), ``sVt32`` (d_v, keys / 4), swizzles in their layouts.
+    ``num_warps`` warps (this thread: ``ptid`` among them). ``sV32`` / ``sVt32``: the V and
+    V^T stages as flat 32-bit words, ``gv`` / ``gt`` their geometries.
 
-    A thread's unit: four words of V (keys k0, k0 + 1, k0 + 8, k0 + 9, columns d0..d0 + 3),
-    a 4 x 4 byte transpose (8 ``prmt``), four words of V^T (rows d0..d0 + 3, one word each).
-    Lane L = 4 q + c takes k0 = 32 kb + 16 l + 2 c and d0 = 32 dd + 4 q; a warp covers one
-    (kb, l, dd) at a time. Loads: each word instruction reads 4 rows x 8 words, the rows'
-    swizzles spread them over the 32 banks. Stores: lane q writes its rows rotated by
+    A thread's 4 x 4 unit: four words of V (keys k0, k0 + 1, k0 + 8, k0 + 9, columns d0..d0 +
+    3), a byte transpose (8 ``prmt``), four words of V^T (rows d0..d0 + 3). Lane L = 4 q + c
+    takes k0 = 16 kl + 2 c and d0 = 32 dd + 4 q; a warp step covers one column group dd
+    and ``_KL_PER_STEP`` consecutive kl. Loads: an instruction reads 4 rows x 8 words, the
+    rows' swizzles spread them over the 32 banks. Stores: lane q writes its rows rotated by
     q // 2 (byte e of each word goes out at step (e - q // 2) mod 4), so that one store
     instruction's 8 rows per c are distinct mod 8: distinct swizzle chunks, 32 banks.
     ``zero_tail``: keys at or past ``rows_valid`` are zeroed (a cache's tail may hold NaN
     bytes, and a zero probability does not cancel NaN in P V)."""
-    keys = cute.size(sV32, mode=[0])
-    cols = cute.size(sV32, mode=[1]) * 4
-    warp = ptid // 32
-    lane = ptid % 32
-    c = lane % 4
-    q = lane // 4
-    s = q // 2
+    warp = ptid >> 5
+    lane = ptid & 31
+    c = lane & 3
+    q = lane >> 2
+    s = q >> 1
     # Stage-one selectors: bytes (s, s + 1) and (s + 2, s + 3) (mod 4) of two words, interleaved.
-    b0 = s % 4
-    b1 = (s + 1) % 4
-    b2 = (s + 2) % 4
-    b3 = (s + 3) % 4
+    b0 = s & 3
+    b1 = (s + 1) & 3
+    b2 = (s + 2) & 3
+    b3 = (s + 3) & 3
     sel_lo = b0 | ((b0 + 4) << 4) | (b1 << 8) | ((b1 + 4) << 12)
     sel_hi = b2 | ((b2 + 4) << 4) | (b3 << 8) | ((b3 + 4) << 12)
-    units = (keys // 32) * 2 * (cols // 32)
-    # A loop, not unrolled: unrolled, the units' addresses outlive the 40 registers of a
-    # producer warp (192 spill stores at d = 128).
-    for it in cutlass.range(cute.ceil_div(units, num_warps), unroll=1):
-        unit = warp + num_warps * it
-        if cutlass.const_expr(units % num_warps == 0):
-            _transpose_unit(sV32, sVt32, unit, c, q, s, sel_lo, sel_hi, rows_valid, zero_tail)
+    d_groups = gv.cols // 32
+    kl_steps = gv.rows // (16 * _KL_PER_STEP)
+    steps = d_groups * kl_steps
+    # A loop, not unrolled: unrolled, the steps' addresses outlive the 40 registers of a
+    # producer warp.
+    for it in cutlass.range(cute.ceil_div(steps, num_warps), unroll=1):
+        step = warp + num_warps * it
+        if cutlass.const_expr(steps % num_warps == 0):
+            _transpose_step(sV32, sVt32, gv, gt, stage_v, stage_t, step, c, q, s, sel_lo, sel_hi, rows_valid,
+                            zero_tail)
         else:
-            if unit < units:
-                _transpose_unit(sV32, sVt32, unit, c, q, s, sel_lo, sel_hi, rows_valid, zero_tail)
+            if step < steps:
+                _transpose_step(sV32, sVt32, gv, gt, stage_v, stage_t, step, c, q, s, sel_lo, sel_hi, rows_valid,
+                                zero_tail)
+
+
+_KL_PER_STEP = 2  # 16-key groups per warp step: two units in flight hide the loads' latency
 
 
 @cute.jit
-def _transpose_unit(sV32: cute.Tensor, sVt32: cute.Tensor, unit: Int32, c: Int32, q: Int32, s: Int32, sel_lo: Int32,
+def _transpose_step(sV32: cute.Tensor, sVt32: cute.Tensor, gv: cutlass.Constexpr, gt: cutlass.Constexpr,
+                    stage_v: Int32, stage_t: Int32, step: Int32, c: Int32, q: Int32, s: Int32, sel_lo: Int32,
                     sel_hi: Int32, rows_valid: Int32, zero_tail: cutlass.Constexpr[bool]):
-    """``transpose_v_block``'s unit ``unit`` = (2 kb + l) * (d_v / 32) + dd for this lane."""
-    d_groups = cute.size(sV32, mode=[1]) // 8
-    dd = unit % d_groups
-    kl = unit // d_groups  # 2 kb + l
-    k0 = 16 * kl + 2 * c
-    w = [_v_word(sV32, k0 + _WORD_KEYS[r], 8 * dd + q, rows_valid, zero_tail) for r in range(4)]
-    t01_lo = _prmt(w[0], w[1], sel_lo)
-    t23_lo = _prmt(w[2], w[3], sel_lo)
-    t01_hi = _prmt(w[0], w[1], sel_hi)
-    t23_hi = _prmt(w[2], w[3], sel_hi)
-    out = (_prmt(t01_lo, t23_lo, 0x5410), _prmt(t01_lo, t23_lo, 0x7632),
-           _prmt(t01_hi, t23_hi, 0x5410), _prmt(t01_hi, t23_hi, 0x7632))
-    col = 4 * kl + c
-    for j in cutlass.range_constexpr(4):
-        sVt32[32 * dd + 4 * q + (j + s) % 4, col] = out[j]
+    """``transpose_v_block``'s step ``step`` = dd * kl_steps + kl // _KL_PER_STEP."""
+    kl_steps = gv.rows // (16 * _KL_PER_STEP)
+    dd = step // kl_steps
+    kl0 = (step - dd * kl_steps) * _KL_PER_STEP
+    v_base = stage_v * gv.stage_bytes
+    t_base = stage_t * gt.stage_bytes
+    d0 = 32 * dd + 4 * q
+    for g in cutlass.range_constexpr(_KL_PER_STEP):
+        kl = kl0 + g
+        w = [_v_word(sV32, v_base + gv.offset(16 * kl + 2 * c + _WORD_KEYS[r], d0), 16 * kl + 2 * c + _WORD_KEYS[r],
+                     rows_valid, zero_tail) for r in range(4)]
+        t01_lo = _prmt(w[0], w[1], sel_lo)
+        t23_lo = _prmt(w[2], w[3], sel_lo)
+        t01_hi = _prmt(w[0], w[1], sel_hi)
+        t23_hi = _prmt(w[2], w[3], sel_hi)
+        out = (_prmt(t01_lo, t23_lo, 0x5410), _prmt(t01_lo, t23_lo, 0x7632),
+               _prmt(t01_hi, t23_hi, 0x5410), _prmt(t01_hi, t23_hi, 0x7632))
+        for j in cutlass.range_constexpr(4):
+            sVt32[(t_base + gt.offset(d0 + ((j + s) & 3), 16 * kl + 4 * c)) >> 2] = out[j]
 
 
 @cute.jit
-def _v_word(sV32: cute.Tensor, key: Int32, col: Int32, rows_valid: Int32, zero_tail: cutlass.Constexpr[bool]):
-    """One word of V (4 columns of one key); 0 at or past ``rows_valid`` with ``zero_tail``."""
-    word = Uint32(sV32[key, col])
+def _v_word(sV32: cute.Tensor, byte: Int32, key: Int32, rows_valid: Int32, zero_tail: cutlass.Constexpr[bool]):
+    """The V word at ``byte``; 0 for a key at or past ``rows_valid`` with ``zero_tail``."""
+    word = Uint32(sV32[byte >> 2])
     if cutlass.const_expr(zero_tail):
         if key >= rows_valid:
             word = Uint32(0)
