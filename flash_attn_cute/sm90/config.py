@@ -96,16 +96,18 @@ def fp8_tile(d: int, dv: int, tile: tuple, max_stages: int = 4, decode: bool = F
 
 def fp8_qkv_smem_bytes(d: int, dv: int, tile_m: int, tile_n: int, stages: int) -> int:
     """Shared memory of an FP8 Q, K, V tile: Q, the K, V and V^T stages (one byte a value),
-    2 KB for the mbarriers and the 1 KB alignment of the buffers."""
-    return tile_m * d + stages * tile_n * (d + 2 * dv) + 2048
+    4 KB for the mbarriers and the 1 KB alignment of the buffers (d = 256, (128, 128, 2):
+    233,472 bytes allocated, 4 KB over the buffers)."""
+    return tile_m * d + stages * tile_n * (d + 2 * dv) + 4096
 
 
 def fp8_qkv_tile(d: int, dv: int, tile: tuple, page_size: int = 0) -> tuple:
     """The tile of FP8 Q, K and V from the 16-bit one: tile_n a multiple of 32 (an 8-bit
     wgmma's k-block, the unit of the V transposes) that divides a page (``page_size``, a
-    multiple of 64: one TMA per block), and the stages that fit."""
+    multiple of 64: one TMA per block) and fits two stages, and the stages that fit."""
     m, n, stages = tile[:3]
-    n = next(t for t in range(n - n % 32, 31, -32) if not page_size or page_size % t == 0)
+    fits = lambda t: (not page_size or page_size % t == 0) and fp8_qkv_smem_bytes(d, dv, m, t, 2) <= SMEM_LIMIT
+    n = next(t for t in range(n - n % 32, 31, -32) if fits(t))
     while stages > 2 and fp8_qkv_smem_bytes(d, dv, m, n, stages) > SMEM_LIMIT:
         stages -= 1
     return m, n, stages, 0

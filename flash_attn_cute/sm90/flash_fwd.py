@@ -305,18 +305,16 @@ class FlashAttnFwdSm90:
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         o_storage = storage.sO if cutlass.const_expr(self.separate_o) else storage.sQ
         sO = o_storage.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
-        sKw, sVw, sVt, sV32, sVt32 = None, None, None, None, None
+        sKw, sVw, sVt, sV_addr, sVt_addr = None, None, None, None, None
         if cutlass.const_expr(self.fp8):
             sKw = storage.sKw.get_tensor(sKw_layout.outer, swizzle=sKw_layout.inner)
             sVw = storage.sVw.get_tensor(sVw_layout.outer, swizzle=sVw_layout.inner)
         if cutlass.const_expr(self.fp8_qkv):
             sVt = storage.sVt.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
-            # The transposes' flat 32-bit views (they compute the swizzled offsets themselves).
-            sV32, sVt32 = (cute.make_tensor(cute.recast_ptr(buf.data_ptr(), dtype=cutlass.Uint32),
-                                            cute.make_layout(cute.cosize(lay) // 4))
-                           for buf, lay in ((storage.sV, sV_layout), (storage.sVt, sVt_layout)))
+            # The transposes' buffer addresses (they compute the swizzled offsets themselves).
+            sV_addr, sVt_addr = storage.sV.data_ptr().toint(), storage.sVt.data_ptr().toint()
         io = _Io(*tma_views, *tma_atoms, sQ, sK, sV, sO, pipeline_q, pipeline_k, pipeline_v, gmem_copy_Q, sKw, sVw,
-                 sVt, sV32, sVt32, pipeline_vt)
+                 sVt, sV_addr, sVt_addr, pipeline_vt)
 
         block_info = BlockInfo(self.tile_m, self.tile_n, self.qhead_per_kvhead_packed, self.variant, self.split_blocks,
                          self.q_class)
@@ -538,7 +536,7 @@ class FlashAttnFwdSm90:
                 n_block = tile.n_block_max - 1 - i
                 io.pipeline_v.consumer_wait(state)
                 io.pipeline_vt.producer_acquire(state_t)
-                transpose_v_block(io.sV32, io.sVt32, self.v_geometry, self.vt_geometry, state.index, state_t.index,
+                transpose_v_block(io.sV_addr, io.sVt_addr, self.v_geometry, self.vt_geometry, state.index, state_t.index,
                                   ttid, self.roles.transposer_warps, tile.ctx.seqlen_k - n_block * self.tile_n,
                                   self.cache_tail_may_be_garbage)
                 cute.arch.fence_view_async_shared()
@@ -920,8 +918,8 @@ class _Io:
     sKw: Optional[cute.Tensor]  # fp8: the widened K block (tile_n, d, 1) the wgmma reads; else None
     sVw: Optional[cute.Tensor]
     sVt: Optional[cute.Tensor]  # fp8 Q, K, V: V^T stages (d_v, tile_n, stages) the P V wgmma reads; else None
-    sV32: Optional[cute.Tensor]  # fp8 Q, K, V: flat 32-bit views of the V and V^T stages, for the transposes
-    sVt32: Optional[cute.Tensor]
+    sV_addr: Optional[Int32]  # fp8 Q, K, V: shared-window addresses of the V and V^T stages, for the transposes
+    sVt_addr: Optional[Int32]
     pipeline_vt: object  # fp8 Q, K, V: the V^T stages (transposing warps -> consumers); else None
 
 

@@ -80,87 +80,105 @@ class FP8TileGeometry:
         return (r & 7) * w + (r >> 3) * 8 * w + (col >> log_w) * self.rows * w + (chunk << 4) + (col & 15)
 
 
+@dsl_user_op
+def _ldmatrix_x4(addr: Int32, *, loc=None, ip=None) -> tuple:
+    """``ldmatrix.x4`` (b16, not transposed) at this lane's row address (shared window)."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 4), [Int32(addr).ir_value(loc=loc, ip=ip)],
+        "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return tuple(Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def _stmatrix_x4_trans(addr: Int32, r0: Uint32, r1: Uint32, r2: Uint32, r3: Uint32, *, loc=None, ip=None):
+    """``stmatrix.x4.trans`` (b16) of four registers at this lane's row address."""
+    llvm.inline_asm(
+        None, [Int32(addr).ir_value(loc=loc, ip=ip)] + [Uint32(r).ir_value(loc=loc, ip=ip) for r in (r0, r1, r2, r3)],
+        "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [$0], {$1, $2, $3, $4};", "r,r,r,r,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+def _pair_key(j: Int32, first: bool):
+    """Key (within 16) of row j of an ``ldmatrix`` of V: matrices "first" hold key
+    a(j) + j % 2, the others a(j) + 1 - j % 2, a(j) = 2 (j // 2) + 8 (j % 2) (the keys of
+    b16 unit j of a V^T segment). Each matrix's 8 rows then differ mod 8: no bank conflict."""
+    a = ((j >> 1) << 1) + ((j & 1) << 3)
+    return a + (j & 1) if first else a + 1 - (j & 1)
+
+
+def _d_of_row(c: Int32, second: bool):
+    """d (within 16) of memory row c of a transposed ``stmatrix`` of V^T: matrix "A" takes
+    d 4t + e (+ 2 for t >= 2), "B" the other pair (t = c // 2, e = c % 2): 8 rows that
+    differ mod 8."""
+    t = c >> 1
+    high = (t >> 1) ^ (1 if second else 0)
+    return 4 * t + (c & 1) + 2 * high
+
+
 @cute.jit
-def transpose_v_block(sV32: cute.Tensor, sVt32: cute.Tensor, gv: cutlass.Constexpr, gt: cutlass.Constexpr,
+def transpose_v_block(sV_addr: Int32, sVt_addr: Int32, gv: cutlass.Constexpr, gt: cutlass.Constexpr,
                       stage_v: Int32, stage_t: Int32, ptid: Int32, num_warps: cutlass.Constexpr[int],
                       rows_valid: Int32, zero_tail: cutlass.Constexpr[bool]):
     """One V block (keys, d_v) of fp8 into V^T (d_v, keys) in the key order ``sigma``, by
-    ``num_warps`` warps (this thread: ``ptid`` among them). ``sV32`` / ``sVt32``: the V and
-    V^T stages as flat 32-bit words, ``gv`` / ``gt`` their geometries.
+    ``num_warps`` warps (this thread: ``ptid`` among them). ``sV_addr`` / ``sVt_addr``: the
+    V and V^T buffers (shared window), ``gv`` / ``gt`` their geometries (``FP8TileGeometry``).
 
-    A thread's 4 x 4 unit: four words of V (keys k0, k0 + 1, k0 + 8, k0 + 9, columns d0..d0 +
-    3), a byte transpose (8 ``prmt``), four words of V^T (rows d0..d0 + 3). Lane L = 4 q + c
-    takes k0 = 16 kl + 2 c and d0 = 32 dd + 4 q; a warp step covers one column group dd
-    and ``_KL_PER_STEP`` consecutive kl. Loads: an instruction reads 4 rows x 8 words, the
-    rows' swizzles spread them over the 32 banks. Stores: lane q writes its rows rotated by
-    q // 2 (byte e of each word goes out at step (e - q // 2) mod 4), so that one store
-    instruction's 8 rows per c are distinct mod 8: distinct swizzle chunks, 32 banks.
-    ``zero_tail``: keys at or past ``rows_valid`` are zeroed (a cache's tail may hold NaN
-    bytes, and a zero probability does not cancel NaN in P V)."""
+    A warp step takes 16 keys (kl) and every 32 columns p of d: per p one ``ldmatrix.x4``
+    (8 x 16-byte rows of 4 matrices: keys of the V^T b16 units, ``_pair_key``, at 2 x 16
+    columns), 4 ``prmt`` that pair each key's bytes with its partner's (a b16 of V^T holds
+    keys a and a + 1 at one d), and one ``stmatrix.x4.trans``, which transposes the b16
+    units into the V^T rows (``_d_of_row``). 16 bytes per thread in 7 instructions; the
+    addresses' p terms are hoisted out of the key loop. ``zero_tail``: keys at or past
+    ``rows_valid`` are zeroed (a cache's tail may hold NaN bytes, and a zero probability
+    does not cancel NaN in P V)."""
     warp = ptid >> 5
     lane = ptid & 31
-    c = lane & 3
-    q = lane >> 2
-    s = q >> 1
-    # Stage-one selectors: bytes (s, s + 1) and (s + 2, s + 3) (mod 4) of two words, interleaved.
-    b0 = s & 3
-    b1 = (s + 1) & 3
-    b2 = (s + 2) & 3
-    b3 = (s + 3) & 3
-    sel_lo = b0 | ((b0 + 4) << 4) | (b1 << 8) | ((b1 + 4) << 12)
-    sel_hi = b2 | ((b2 + 4) << 4) | (b3 << 8) | ((b3 + 4) << 12)
-    d_groups = gv.cols // 32
-    kl_steps = gv.rows // (16 * _KL_PER_STEP)
-    steps = d_groups * kl_steps
-    # A loop, not unrolled: unrolled, the steps' addresses outlive the 40 registers of a
-    # producer warp.
-    for it in cutlass.range(cute.ceil_div(steps, num_warps), unroll=1):
-        step = warp + num_warps * it
-        if cutlass.const_expr(steps % num_warps == 0):
-            _transpose_step(sV32, sVt32, gv, gt, stage_v, stage_t, step, c, q, s, sel_lo, sel_hi, rows_valid,
-                            zero_tail)
-        else:
-            if step < steps:
-                _transpose_step(sV32, sVt32, gv, gt, stage_v, stage_t, step, c, q, s, sel_lo, sel_hi, rows_valid,
-                                zero_tail)
-
-
-_KL_PER_STEP = 2  # 16-key groups per warp step: two units in flight hide the loads' latency
-
-
-@cute.jit
-def _transpose_step(sV32: cute.Tensor, sVt32: cute.Tensor, gv: cutlass.Constexpr, gt: cutlass.Constexpr,
-                    stage_v: Int32, stage_t: Int32, step: Int32, c: Int32, q: Int32, s: Int32, sel_lo: Int32,
-                    sel_hi: Int32, rows_valid: Int32, zero_tail: cutlass.Constexpr[bool]):
-    """``transpose_v_block``'s step ``step`` = dd * kl_steps + kl // _KL_PER_STEP."""
-    kl_steps = gv.rows // (16 * _KL_PER_STEP)
-    dd = step // kl_steps
-    kl0 = (step - dd * kl_steps) * _KL_PER_STEP
-    v_base = stage_v * gv.stage_bytes
-    t_base = stage_t * gt.stage_bytes
-    d0 = 32 * dd + 4 * q
-    for g in cutlass.range_constexpr(_KL_PER_STEP):
-        kl = kl0 + g
-        w = [_v_word(sV32, v_base + gv.offset(16 * kl + 2 * c + _WORD_KEYS[r], d0), 16 * kl + 2 * c + _WORD_KEYS[r],
-                     rows_valid, zero_tail) for r in range(4)]
-        t01_lo = _prmt(w[0], w[1], sel_lo)
-        t23_lo = _prmt(w[2], w[3], sel_lo)
-        t01_hi = _prmt(w[0], w[1], sel_hi)
-        t23_hi = _prmt(w[2], w[3], sel_hi)
-        out = (_prmt(t01_lo, t23_lo, 0x5410), _prmt(t01_lo, t23_lo, 0x7632),
-               _prmt(t01_hi, t23_hi, 0x5410), _prmt(t01_hi, t23_hi, 0x7632))
-        for j in cutlass.range_constexpr(4):
-            sVt32[(t_base + gt.offset(d0 + ((j + s) & 3), 16 * kl + 4 * c)) >> 2] = out[j]
+    mat = lane >> 3  # the ldmatrix / stmatrix matrix whose row this lane addresses
+    row = lane & 7
+    u = lane >> 2  # the b16 unit (ldmatrix row) of this thread's registers
+    t = lane & 3
+    # ldmatrix: matrices 0, 2 "first" keys, 1, 3 the partners; 0, 1 columns 0-15 of p, 2, 3 16-31.
+    key_ld = cutlass.select_(mat & 1 == 0, _pair_key(row, True), _pair_key(row, False))
+    col_ld = (mat >> 1) * 16
+    # stmatrix: matrices 0, 2 "A" rows, 1, 3 "B"; 0, 1 columns 0-15 of p, 2, 3 16-31.
+    d_st = cutlass.select_(mat & 1 == 0, _d_of_row(row, False), _d_of_row(row, True)) + (mat >> 1) * 16
+    # prmt selectors: bytes e, e + 1 of the first key interleaved with its partner's; the
+    # first key's register is R0 for even u, R1 for odd u; A pairs e = 0 (t < 2) or 2.
+    e_a = (t >> 1) * 2
+    e_b = 2 - e_a
+    sel_a = cutlass.select_((u & 1) == 0, e_a | ((e_a + 4) << 4) | ((e_a + 1) << 8) | ((e_a + 5) << 12),
+                            (e_a + 4) | (e_a << 4) | ((e_a + 5) << 8) | ((e_a + 1) << 12))
+    sel_b = cutlass.select_((u & 1) == 0, e_b | ((e_b + 4) << 4) | ((e_b + 1) << 8) | ((e_b + 5) << 12),
+                            (e_b + 4) | (e_b << 4) | ((e_b + 5) << 8) | ((e_b + 1) << 12))
+    v_base = sV_addr + stage_v * gv.stage_bytes
+    t_base = sVt_addr + stage_t * gt.stage_bytes
+    # The keys of this thread's two registers pairs (tail zeroing).
+    key_r0 = _pair_key(u, True)
+    key_r1 = _pair_key(u, False)
+    p_count = gv.cols // 32
+    ld_p = [v_base + gv.offset(key_ld, 32 * p + col_ld) for p in range(p_count)]
+    st_p = [t_base + gt.offset(32 * p + d_st, 0) for p in range(p_count)]
+    for kl in cutlass.range(warp, gv.rows // 16, num_warps, unroll=1):
+        # Rows 16 kl.. of V: whole swizzle periods, a plain offset.
+        ld_kl = kl * 16 * gv.width
+        st_kl = gt.offset(d_st, 16 * kl) - gt.offset(d_st, 0)
+        for p in cutlass.range_constexpr(p_count):
+            r = list(_ldmatrix_x4(ld_p[p] + ld_kl))
+            if cutlass.const_expr(zero_tail):
+                r = [_zero_past(r[i], 16 * kl + (key_r0 if i % 2 == 0 else key_r1), rows_valid) for i in range(4)]
+            _stmatrix_x4_trans(st_p[p] + st_kl,
+                               _prmt(r[0], r[1], sel_a), _prmt(r[0], r[1], sel_b),
+                               _prmt(r[2], r[3], sel_a), _prmt(r[2], r[3], sel_b))
 
 
 @cute.jit
-def _v_word(sV32: cute.Tensor, byte: Int32, key: Int32, rows_valid: Int32, zero_tail: cutlass.Constexpr[bool]):
-    """The V word at ``byte``; 0 for a key at or past ``rows_valid`` with ``zero_tail``."""
-    word = Uint32(sV32[byte >> 2])
-    if cutlass.const_expr(zero_tail):
-        if key >= rows_valid:
-            word = Uint32(0)
-    return word
+def _zero_past(word: Uint32, key: Int32, rows_valid: Int32) -> Uint32:
+    """``word`` (4 bytes of one key), or 0 for a key at or past ``rows_valid``."""
+    out = word
+    if key >= rows_valid:
+        out = Uint32(0)
+    return out
 
 
 def p_to_fp8(acc_S: cute.Tensor, tOrP: cute.Tensor):
