@@ -36,6 +36,9 @@ def parse_args(argv=None):
     p.add_argument("--seqlen", type=int, default=8192)
     p.add_argument("--no-md", action="store_true")
     p.add_argument("--sm90-fp8", action="store_true", help="sweep the SM90 kernel on e4m3 q, k, v")
+    p.add_argument("--tiles", default=None, help='replaces the table: "D=tile/tile;D=..." (e.g. '
+                   '"128=128,192,2,0/128,192,2,4"); only those head dims run')
+    p.add_argument("--causal", choices=["both", "true", "false"], default="both")
     return p.parse_args(argv)
 
 
@@ -61,12 +64,17 @@ def main(argv=None):
 
     backend, var, tiles = ("sm90", "FLASH_ATTN_CUTE_SM90_TILE", FP8_SM90_TILES) if args.sm90_fp8 else (
         "sm80", "FLASH_ATTN_CUTE_SM80_TILE", TILES)
+    if args.tiles:
+        tiles = {int(d): t.split("/") for d, t in (part.split("=") for part in args.tiles.split(";"))}
+    causals = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
     rows = []
     for d, heads in ((64, 32), (128, 16), (256, 8)):
+        if d not in tiles:
+            continue
         q, k, v = (common.randn(4, args.seqlen, heads, d, dtype=torch.bfloat16) for _ in range(3))
         if args.sm90_fp8:
             q, k, v = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
-        for causal in (False, True):
+        for causal in causals:
             flops = attention_flops(4, heads, args.seqlen, args.seqlen, d, causal=causal)
             for tile in tiles[d]:
                 os.environ[var] = tile

@@ -73,7 +73,8 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
         if decode or tuning.sm90_tile:
             ctas_per_sm = config.fp8_ctas_per_sm(problem.d, problem.d_v, tile)
     if problem.qkv_fp8:
-        tile = config.fp8_qkv_tile(problem.d, problem.d_v, tile, problem.page_size)
+        tile = config.fp8_qkv_tile(problem.d, problem.d_v, tile, problem.page_size, problem.causal or problem.local,
+                                   measured=not tuning.sm90_tile and not problem.batch_invariant)
     num_splits, split_blocks = plan_splits(problem, num_splits, num_sms, head_groups(problem, pack_gqa), rows,
                                            tile_m=tile[0], tile_n=tile[1], ctas_per_sm=ctas_per_sm,
                                            tolerance=_SPLIT_TOLERANCE)

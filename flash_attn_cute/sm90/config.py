@@ -101,16 +101,27 @@ def fp8_qkv_smem_bytes(d: int, dv: int, tile_m: int, tile_n: int, stages: int) -
     return tile_m * d + stages * tile_n * (d + 2 * dv) + 4096
 
 
-def fp8_qkv_tile(d: int, dv: int, tile: tuple, page_size: int = 0) -> tuple:
+def fp8_qkv_tile(d: int, dv: int, tile: tuple, page_size: int = 0, causal: bool = False,
+                 measured: bool = True) -> tuple:
     """The tile of FP8 Q, K and V from the 16-bit one: tile_n a multiple of 32 (an 8-bit
     wgmma's k-block, the unit of the V transposes) that divides a page (``page_size``, a
-    multiple of 64: one TMA per block) and fits two stages, and the stages that fit."""
+    multiple of 64: one TMA per block) and fits two stages, and the stages that fit.
+
+    ``measured`` (no tuning override, a prefill tile): the tile_n measured best instead of
+    the 16-bit one. H200, b4 s8192, TFLOP/s non-causal / causal (``bench_tiles.py
+    --sm90-fp8``, results/tiles_sm90_fp8_2026-12-01.csv): d64 (192, 160) 643 / 514, (192,
+    128) 613 / 567; d128 (128, 192) 822 / 763, (128, 128) 767 / 731, (128, 224) 811 / 736;
+    d256 (128, 96) 937 / 891, (128, 64) 761 / 723. Larger blocks amortize the per-block
+    softmax and pipeline costs, which the fp8 GEMMs no longer hide."""
     m, n, stages = tile[:3]
+    if measured and m > 64:
+        dmax = max(d, dv)
+        n = (128 if causal else 160) if dmax <= 64 else 192 if dmax <= 128 else 96 if dmax > 192 else n
     fits = lambda t: (not page_size or page_size % t == 0) and fp8_qkv_smem_bytes(d, dv, m, t, 2) <= SMEM_LIMIT
     n = next(t for t in range(n - n % 32, 31, -32) if fits(t))
     while stages > 2 and fp8_qkv_smem_bytes(d, dv, m, n, stages) > SMEM_LIMIT:
         stages -= 1
-    return m, n, stages, 0
+    return m, n, stages, tile[3]
 
 
 def gathers_kv(tile_n: int, page_size: int) -> bool:

@@ -135,8 +135,9 @@ class FlashAttnFwdSm90:
         vw_field = cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sVw_layout) if self.fp8 else 8], 1024]
         # FP8 Q, K, V: V^T stages (d_v, tile_n), keys contiguous, written by the producer warpgroup.
         sVt_layout = smem_layout(kv_dtype, self.head_dim_v, self.tile_n, self.num_stages)
-        vt_field = cute.struct.Align[
-            cute.struct.MemRange[kv_dtype, cute.cosize(sVt_layout) if self.fp8_qkv else 16], 1024]
+        vt_field = cute.struct.MemRange[kv_dtype, 16]  # unused (16-bit kernels keep their smem layout)
+        if cutlass.const_expr(self.fp8_qkv):
+            vt_field = cute.struct.Align[cute.struct.MemRange[kv_dtype, cute.cosize(sVt_layout)], 1024]
         if cutlass.const_expr(self.fp8_qkv):
             self.v_geometry = FP8TileGeometry.of(sV_layout, self.tile_n, self.head_dim_v)
             self.vt_geometry = FP8TileGeometry.of(sVt_layout, self.head_dim_v, self.tile_n)
@@ -154,7 +155,7 @@ class FlashAttnFwdSm90:
             mbar_Q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-            mbar_Vt: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            mbar_Vt: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages if self.fp8_qkv else 1]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[kv_dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[kv_dtype, cute.cosize(sV_layout)], 1024]
