@@ -3,7 +3,8 @@
 The call runs ``--calls`` times (the first compiles and warms; ncu skips the first two
 launches of the kernel it filters and profiles the third):
 
-    prefill: --impl ours|fa4 --D 128 [--causal]     (b4 s8192, H = 2048 / D; ours = SM90)
+    prefill: --impl ours|ours-fp8|fa4 --D 128 [--causal]  (b4 s8192, H = 2048 / D; ours = SM90;
+             ours-fp8: q, k, v in e4m3 with per (batch, head) descales)
     mla:     --impl sm80|sm90[-fp8] --batch 768 --seqlen 2048 [--page 1] [--heads 64]
              (-fp8: an e4m3 latent cache, one kv_descale)
     decode:  --impl bf16|fp8 --batch 1 --seqlen 131072 (h32/8 d128, one query, contiguous
@@ -26,9 +27,13 @@ def prefill_fn(args):
 
     H = HEADS_FOR_DIM.get(args.D, 2048 // args.D)
     q, k, v = (randn(args.B, args.S, H, args.D, dtype=torch.bfloat16) for _ in range(3))
-    if args.impl == "ours":
+    if args.impl in ("ours", "ours-fp8"):
         import flash_attn_cute
 
+        if args.impl == "ours-fp8":
+            (q, qd), (k, kd), (v, vd) = (flash_attn_cute.quantize_fp8(x) for x in (q, k, v))
+            return lambda: flash_attn_cute.flash_attn_func(q, k, v, causal=args.causal, q_descale=qd, k_descale=kd,
+                                                           v_descale=vd, backend="sm90")
         return lambda: flash_attn_cute.flash_attn_func(q, k, v, causal=args.causal, backend="sm90")
     fa4, why = load_fa4()
     if fa4 is None:

@@ -113,8 +113,8 @@ def test_fp8_refusals(launches):
         flash_attn_func(q, k8, v8, v_descale=torch.ones(2, 2, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="q_descale must be a torch.Tensor"):
         flash_attn_func(q, k8, v8, q_descale=1.0)
-    with pytest.raises(NotImplementedError, match="FP8 queries"):
-        flash_attn_func(q.to(E4M3), k8, v8)
+    with pytest.raises(TypeError, match="FP8 queries need k and v in"):
+        flash_attn_func(q.to(E4M3), k8.to(torch.bfloat16), v8)
     with pytest.raises(NotImplementedError, match="into an FP8 cache"):
         flash_attn_with_kvcache(q, k8, v8, k=torch.randn(2, 1, 2, 64).to(E4M3), v=torch.randn(2, 1, 2, 64).to(E4M3),
                                 cache_seqlens=3)
@@ -165,3 +165,87 @@ def test_fp8_tiles_fit_the_shared_memory_of_the_arch():
     assert sm90.compile_key(decode, sm90.plan(decode, 1, False, 132), "sm_90a")[-1] == 2
     plain = decode._replace(kv_dtype=None)
     assert sm90.compile_key(plain, sm90.plan(plain, 1, False, 132), "sm_90a")[-2:] == (False, False)
+
+
+# ---------------------------------------------------------------------------------------
+# FP8 attention: q, k and v in e4m3 (SM90 kernel; fake device, launches recorded)
+# ---------------------------------------------------------------------------------------
+
+
+def _fp8_problem(**kw):
+    base = dict(dtype=E4M3, batch=4, max_seqlen_q=8192, max_seqlen_k=8192, nheads=16, nheads_kv=16, d=128, d_v=128,
+                softmax_scale=0.1, causal=False, window_left=-1, window_right=-1, softcap=0.0, varlen_q=False,
+                varlen_k=False, has_seqused_k=False, page_size=0, has_lse=False)
+    return FwdProblem(**{**base, **kw})
+
+
+def test_fp8_attention_reaches_the_sm90_kernel(launches):
+    q8 = torch.randn(2, 100, 8, 128).to(E4M3)
+    k8, v8 = _kv(seqlen=300, d=128)
+    qd, kd, vd = torch.rand(2, 2) + 0.5, torch.rand(2, 2) + 0.5, torch.rand(1) + 0.5
+    out = flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, causal=True)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 100, 8, 128)
+    call = launches[-1]
+    assert call.problem.qkv_fp8 and call.problem.kv_dtype is None and not call.problem.kv_fp8
+    assert call.plan.backend == "sm90" and call.plan.config[:3] == (192, 96, 2) and not call.plan.config.persistent
+    k_descale, v_descale = call.tensors[11:13]
+    # q_descale joins k_descale: both scale the scores, one factor per (batch, KV head)
+    assert torch.equal(k_descale, qd * kd) and v_descale.shape == (2, 2) and float(v_descale[1, 0]) == float(vd)
+    assert sm90.compile_key(call.problem, call.plan, "sm_90a")[2] == "e4m3"
+    # without q_descale, k_descale passes as given; the replay from the per-call cache too
+    for _ in range(2):
+        flash_attn_func(q8, k8, v8, k_descale=kd)
+        assert launches[-1].tensors[11] is kd
+    # out: bf16 (a 16-bit out of another dtype is refused)
+    flash_attn_func(q8, k8, v8, out=torch.empty(2, 100, 8, 128, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="out must be"):
+        flash_attn_func(q8, k8, v8, out=torch.empty(2, 100, 8, 128, dtype=torch.float16))
+    # packed queries and keys, split: the combine writes bf16
+    launches.clear()
+    qp, kp = torch.randn(50, 8, 128).to(E4M3), torch.randn(8000, 2, 128).to(E4M3)
+    out = flash_attn_varlen_func(qp, kp, kp, torch.tensor([0, 20, 50], dtype=torch.int32),
+                                 torch.tensor([0, 4000, 8000], dtype=torch.int32), 30, 4000, num_splits=2)
+    assert out.dtype == torch.bfloat16 and launches[-1].plan.num_splits == 2
+
+
+def test_fp8_attention_refusals(launches, monkeypatch):
+    q8 = torch.randn(2, 1, 8, 64).to(E4M3)
+    k8, v8 = _kv()
+    with pytest.raises(NotImplementedError, match="fp8_qkv is not implemented"):
+        flash_attn_func(q8, k8, v8, backend="sm80")
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        flash_attn_func(q8.float().to(torch.float8_e5m2), k8, v8)
+    with pytest.raises(TypeError, match="k and v in"):
+        flash_attn_func(q8, k8.to(torch.float8_e5m2), v8.to(torch.float8_e5m2))
+    pool = torch.randn(8, 16, 2, 64).to(E4M3)
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    with pytest.raises(NotImplementedError, match="page_size a multiple of 64"):
+        flash_attn_with_kvcache(q8, pool, pool, cache_seqlens=torch.tensor([60, 3], dtype=torch.int32),
+                                page_table=table)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    with pytest.raises(NotImplementedError, match="FP8 attention"):
+        flash_attn_func(q8, k8, v8)
+    assert sm80.check(_fp8_problem()) == "fp8_qkv is not implemented by this kernel"
+    assert sm100.check(_fp8_problem()) is not None  # SM100: FP8 attention not built (closing note)
+
+
+@pytest.mark.parametrize("page_size", [0, 64, 128, 192, 320, 1024])
+@pytest.mark.parametrize("d,d_v", [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)])
+def test_fp8_attention_tiles(d, d_v, page_size):
+    # tile_n: a multiple of 32 (the 8-bit k-block and the transposes' unit) dividing the page,
+    # two stages of K, V and V^T beside Q within the shared memory
+    for causal in (False, True):
+        for rows in (1, 8192):
+            p = _fp8_problem(d=d, d_v=d_v, page_size=page_size, has_seqused_k=page_size > 0, causal=causal,
+                             window_right=0 if causal else -1, max_seqlen_q=rows)
+            config = sm90.plan(p, 1, None, 132).config
+            m, n, stages = config[:3]
+            assert n % 32 == 0 and (not page_size or page_size % n == 0) and stages >= 2, config
+            assert sm90.config.fp8_qkv_smem_bytes(d, d_v, m, n, stages) <= sm90.config.SMEM_LIMIT
+            assert not config.gather_kv and not config.persistent and config.ctas_per_sm == 1
+    # the measured prefill tiles (config.fp8_qkv_tile)
+    if page_size == 0 and d == d_v:
+        want = {64: ((192, 160), (192, 128)), 96: ((192, 96),) * 2, 128: ((192, 96),) * 2, 256: ((128, 96),) * 2}[d]
+        for causal, tile in zip((False, True), want):
+            p = _fp8_problem(d=d, d_v=d_v, causal=causal, window_right=0 if causal else -1)
+            assert sm90.plan(p, 1, None, 132).config[:2] == tile

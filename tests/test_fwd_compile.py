@@ -52,7 +52,7 @@ def spill_bound(backend, key):
     if backend == "sm80":
         return None
     f = fields(backend, key)
-    if backend == "sm90" and f.d <= 64 and (f.flags[0] or f.flags[1]):
+    if backend == "sm90" and f.d <= 64 and (f.flags[0] or f.flags[1]) and f.dtype_name != "e4m3":
         return 40
     if backend == "sm100" and "/" in f.dtype_name and f.d > 128:
         # FP8 K/V at d 192: the softmax warpgroup keeps 6 tile scalars on the stack (the
@@ -126,11 +126,31 @@ def fp8_keys(arch, backend="sm80"):
     return [module.compile_key(p, module.plan(p, ns, True, 132), arch) for p, ns in problems]
 
 
+def fp8_attention_keys(arch):
+    """FP8 Q, K and V on the SM90 kernel (sm_90a only): the measured prefill tiles of d 128
+    (non-causal) and d 64 (causal, three consumer warpgroups), d 256 varlen split with an
+    LSE, d 192 / 128 with a sink, window and softcap, and a decode step over pages of 64
+    (packed GQA rows, a cache tail zeroed in the V transposes)."""
+    if arch != "sm_90a":
+        return []
+    base = fwd.FwdProblem(dtype=torch.float8_e4m3fn, batch=2, max_seqlen_q=4096, max_seqlen_k=4096, nheads=16,
+                          nheads_kv=4, d=128, d_v=128, softmax_scale=128 ** -0.5, causal=False, window_left=-1,
+                          window_right=-1, softcap=0.0, varlen_q=False, varlen_k=False, has_seqused_k=False,
+                          page_size=0, has_lse=False)
+    problems = [(base, 1), (base._replace(d=64, d_v=64, causal=True, window_right=0), 1),
+                (base._replace(d=256, d_v=256, varlen_q=True, varlen_k=True, has_lse=True), 3),
+                (base._replace(d=192, has_sink=True, window_left=200, window_right=0, softcap=20.0), 1),
+                (base._replace(max_seqlen_q=1, page_size=64, has_seqused_k=True, causal=True, window_right=0), 0)]
+    sm90 = fwd.backend_module("sm90")
+    return [sm90.compile_key(p, sm90.plan(p, ns, None, 132), arch) for p, ns in problems]
+
+
 def sm80_extra_keys(arch):
     return fp8_keys(arch)
 
 
-EXTRA_KEYS = {"sm100": sm100_extra_keys, "sm80": sm80_extra_keys, "sm90": lambda arch: fp8_keys(arch, "sm90")}
+EXTRA_KEYS = {"sm100": sm100_extra_keys, "sm80": sm80_extra_keys,
+              "sm90": lambda arch: fp8_keys(arch, "sm90") + fp8_attention_keys(arch)}
 
 
 def sm100_cache_tail_zeroed(key) -> bool:
@@ -176,8 +196,9 @@ def test_forward_sass(artifacts, backend, arch):
         if not sass_files:
             pytest.skip("no usable nvdisasm (pip install nvidia-cuda-nvdisasm): no SASS to check")
         sass = sass_files[0].read_text()
+        fp8_qkv = fields(backend, key).dtype_name == "e4m3"  # fp8 wgmma: QGMMA (test_fp8_attention_sass)
         for op in SASS_EXPECT[backend]:
-            assert op in sass, (op, key)
+            assert op in sass or (fp8_qkv and op == "HGMMA"), (op, key)
         for pattern in SASS_FORBID.get(backend, []):
             assert not re.search(pattern, sass), (pattern, key)
         if backend == "sm100":
@@ -241,6 +262,23 @@ def test_fp8_sass(artifacts, backend, arch):
             assert op in sass, (op, key)
         bound = spill_bound(backend, key)
         assert bound is None or len(re.findall(r"\b(LDL|STL)\b", sass)) <= bound, ("local memory", key)
+
+
+def test_fp8_attention_sass(artifacts):
+    # FP8 Q, K, V: both GEMMs as fp8 wgmma (QGMMA e4m3 x e4m3), V transposed by ldmatrix /
+    # stmatrix.trans in the producer warps, P rounded to e4m3 in pairs, O out in bf16
+    # pairs; no local memory (the transposing warps run at 40 registers).
+    keys, out_dir, _ = artifacts("sm90", "sm_90a")
+    for key in fp8_attention_keys("sm_90a"):
+        sass_files = list((out_dir / f"k{keys.index(key)}").glob("*.sass"))
+        if not sass_files:
+            pytest.skip("no usable nvdisasm (pip install nvidia-cuda-nvdisasm): no SASS to check")
+        sass = sass_files[0].read_text()
+        for op in ("QGMMA.64x", ".E4M3.E4M3", "LDSM.16.M88.4", "STSM.16.MT88.4", "F2FP.SATFINITE.E4M3.F32.PACK_AB",
+                   *sm90_loads(key)):
+            assert op in sass, (op, key)
+        assert "HGMMA" not in sass and not re.findall(r"\b(LDL|STL)\b", sass), key
+        assert ("F2FP.BF16.F32.PACK_AB" in sass) != fields("sm90", key).is_split, key
 
 
 def sm90_loads(key):

@@ -107,16 +107,22 @@ def fp8_qkv_tile(d: int, dv: int, tile: tuple, page_size: int = 0, causal: bool 
     wgmma's k-block, the unit of the V transposes) that divides a page (``page_size``, a
     multiple of 64: one TMA per block) and fits two stages, and the stages that fit.
 
-    ``measured`` (no tuning override, a prefill tile): the tile_n measured best instead of
+    ``measured`` (no tuning override, a prefill tile): the tile measured best instead of
     the 16-bit one. H200, b4 s8192, TFLOP/s non-causal / causal (``bench_tiles.py
-    --sm90-fp8``, results/tiles_sm90_fp8_2026-12-01.csv): d64 (192, 160) 643 / 514, (192,
-    128) 613 / 567; d128 (128, 192) 822 / 763, (128, 128) 767 / 731, (128, 224) 811 / 736;
-    d256 (128, 96) 937 / 891, (128, 64) 761 / 723. Larger blocks amortize the per-block
-    softmax and pipeline costs, which the fp8 GEMMs no longer hide."""
+    --sm90-fp8``, results/tiles_sm90_fp8_*2026-12-01.csv): d64 (192, 160) 643 / 514, (192,
+    128) 613 / 567, (192, 192) 535 / 458; d128 (192, 96) 897 / 801 (three consumer
+    warpgroups: the exponentials of two overlap the third's GEMMs), (128, 192) 822 / 763,
+    (128, 128) 767 / 731, (128, 224) 811 / 736, (192, 128) 715 / 655 (spills at 160
+    registers), 3 or 4 stages no faster; d256 (128, 96) 937 / 891, (128, 64) 761 / 723."""
     m, n, stages = tile[:3]
     if measured and m > 64:
         dmax = max(d, dv)
-        n = (128 if causal else 160) if dmax <= 64 else 192 if dmax <= 128 else 96 if dmax > 192 else n
+        if dmax <= 64:
+            n = 128 if causal else 160
+        elif dmax <= 128:
+            m, n = 192, 96
+        elif dmax > 192:
+            n = 96
     fits = lambda t: (not page_size or page_size % t == 0) and fp8_qkv_smem_bytes(d, dv, m, t, 2) <= SMEM_LIMIT
     n = next(t for t in range(n - n % 32, 31, -32) if fits(t))
     while stages > 2 and fp8_qkv_smem_bytes(d, dv, m, n, stages) > SMEM_LIMIT:

@@ -151,23 +151,31 @@ def transpose_v_block(sV_addr: Int32, sVt_addr: Int32, gv: cutlass.Constexpr, gt
                             (e_a + 4) | (e_a << 4) | ((e_a + 5) << 8) | ((e_a + 1) << 12))
     sel_b = cutlass.select_((u & 1) == 0, e_b | ((e_b + 4) << 4) | ((e_b + 1) << 8) | ((e_b + 5) << 12),
                             (e_b + 4) | (e_b << 4) | ((e_b + 5) << 8) | ((e_b + 1) << 12))
-    v_base = sV_addr + stage_v * gv.stage_bytes
-    t_base = sVt_addr + stage_t * gt.stage_bytes
+    # This lane's ldmatrix row (key key_ld, columns 32 p + col_ld) at column group p:
+    # ld_row + ld_x[p mod atoms] + the p's column atom, all but ld_x static. The 16-byte
+    # chunk index 2 a + h (a = p mod atoms, h = col_ld / 16) is XORed with the row's
+    # swizzle z: (2 a + h) ^ z = (2 a ^ (z & ~1)) + (h ^ (z & 1)).
+    w, rows = gv.width, gv.rows
+    atoms = min(w // 32, gv.cols // 32)  # column groups per swizzle row
+    z = (key_ld & 7) >> (3 - gv.bits)
+    ld_row = (sV_addr + stage_v * gv.stage_bytes + (key_ld & 7) * w + (key_ld >> 3) * 8 * w
+              + (((col_ld >> 4) ^ (z & 1)) << 4))
+    ld_x = [ld_row + (((2 * a) ^ (z & ~1)) << 4) for a in range(atoms)]
+    # This lane's stmatrix row d_st (+ 32 p: whole swizzle periods of V^T, a static offset)
+    # at key column 16 kl: st_row + the kl terms.
+    st_row = sVt_addr + stage_t * gt.stage_bytes + gt.offset(d_st, 0)
     # The keys of this thread's two registers pairs (tail zeroing).
     key_r0 = _pair_key(u, True)
     key_r1 = _pair_key(u, False)
-    p_count = gv.cols // 32
-    ld_p = [v_base + gv.offset(key_ld, 32 * p + col_ld) for p in range(p_count)]
-    st_p = [t_base + gt.offset(32 * p + d_st, 0) for p in range(p_count)]
-    for kl in cutlass.range(warp, gv.rows // 16, num_warps, unroll=1):
+    for kl in cutlass.range(warp, rows // 16, num_warps, unroll=1):
         # Rows 16 kl.. of V: whole swizzle periods, a plain offset.
-        ld_kl = kl * 16 * gv.width
-        st_kl = gt.offset(d_st, 16 * kl) - gt.offset(d_st, 0)
-        for p in cutlass.range_constexpr(p_count):
-            r = list(_ldmatrix_x4(ld_p[p] + ld_kl))
+        ld_kl = kl * 16 * w
+        st_at = st_row + gt.offset(d_st, 16 * kl) - gt.offset(d_st, 0)
+        for p in cutlass.range_constexpr(gv.cols // 32):
+            r = list(_ldmatrix_x4(ld_x[p % atoms] + ld_kl + ((32 * p) // w) * rows * w))
             if cutlass.const_expr(zero_tail):
                 r = [_zero_past(r[i], 16 * kl + (key_r0 if i % 2 == 0 else key_r1), rows_valid) for i in range(4)]
-            _stmatrix_x4_trans(st_p[p] + st_kl,
+            _stmatrix_x4_trans(st_at + 32 * p * gt.width,
                                _prmt(r[0], r[1], sel_a), _prmt(r[0], r[1], sel_b),
                                _prmt(r[2], r[3], sel_a), _prmt(r[2], r[3], sel_b))
 
