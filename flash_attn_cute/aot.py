@@ -35,7 +35,8 @@ optional, and a field given as a list expands to one description per combination
                       page_size, page_table: seqlen_q is its max_seqlen_q, and a step
                       mixing short and long rows builds both launches of its mixed
                       plan) or flash_mla_decode (qhead_per_kvhead query heads, nheads_kv 1)
-    dtype             "bf16" (default) | "fp16"
+    dtype             "bf16" (default) | "fp16" | "e4m3" (FP8 attention: q, k, v in e4m3 with
+                      their descales, bf16 out; Hopper, not with api mla or kv_fp8)
     d, d_v            head dims of q/k and v (default 128; d_v defaults to d)
     qhead_per_kvhead  GQA ratio (default 1); nheads_kv (default 8), batch (default 1)
     seqlen_q          max_seqlen_q: 1 for decode (default), e.g. 4096 for prefill
@@ -120,7 +121,7 @@ _DEFAULTS = {"api": "func", "dtype": "bf16", "d": 128, "d_v": None, "qhead_per_k
              "learnable_sink": False, "seqused_q": False, "batch_invariant": False, "kv_fp8": False}
 _APIS = {"func": (False, False, False), "varlen": (True, True, False), "kvcache": (False, False, True),
          "serving": (True, False, True), "mla": (False, False, True)}
-_DTYPES = ("bf16", "fp16")
+_DTYPES = ("bf16", "fp16", "e4m3")
 
 
 class AotEntry(NamedTuple):
@@ -191,6 +192,8 @@ def _validate(one: dict) -> None:
     need(is_int(one["page_size"]) and one["page_size"] >= 0, "page_size must be an int >= 0")
     need(one["page_size"] == 0 or one["api"] in ("kvcache", "serving", "mla"),
          "page_size > 0 needs api kvcache, serving or mla")
+    need(one["dtype"] != "e4m3" or (one["api"] != "mla" and not one["kv_fp8"]),
+         "dtype e4m3 (FP8 attention) is not for api mla nor with kv_fp8 (an FP8 cache under 16-bit queries)")
     if one["api"] == "mla":
         need(one["nheads_kv"] == 1, "api mla has one latent KV head: nheads_kv must be 1")
         need(one["qhead_per_kvhead"] in MLA_NHEADS, f"api mla: qhead_per_kvhead (the query heads) in {MLA_NHEADS}")
@@ -208,7 +211,7 @@ def problem_of(one: dict):
     from .checks import normalize_window
     from .problems import FwdProblem, MlaProblem
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[one["dtype"]]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn}[one["dtype"]]
     if one["api"] == "mla":
         return MlaProblem(dtype=dtype, batch=one["batch"], max_seqlen_q=one["seqlen_q"], max_seqlen_k=one["seqlen_k"],
                           nheads=one["qhead_per_kvhead"], page_size=max(1, one["page_size"]),
@@ -272,7 +275,7 @@ def entries_for(descriptions: list, arch: str, backend: Optional[str] = None) ->
                 target = f"{fwd.REGISTRIES[problem.kind][name]}:compile"
                 entries.setdefault((key[0], key), AotEntry(key[0], key, target))
                 if plan.is_split:
-                    ckey = combine_key(DTYPE_NAMES[problem.dtype], problem.d_v, problem.has_lse, arch,
+                    ckey = combine_key(DTYPE_NAMES[problem.out_dtype], problem.d_v, problem.has_lse, arch,
                                        problem.has_sink)
                     entries.setdefault(("combine", ckey),
                                        AotEntry("combine", ckey, "flash_attn_cute.combine:compile_combine"))

@@ -204,8 +204,8 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     0 = heuristic, n = n splits (<= 256). ``pack_gqa``: None = heuristic. Returns out
     ``(batch, seqlen_q, nheads, d_v)`` in q's dtype, or ``(out, lse)`` with lse
     ``(batch, nheads, seqlen_q)`` fp32 when ``return_lse``. ``out`` may be preallocated.
-    ``learnable_sink``, ``batch_invariant`` and FP8 K/V (``k_descale``, ``v_descale``): see
-    ``flash_attn_varlen_func``.
+    ``learnable_sink``, ``batch_invariant``, FP8 K/V (``k_descale``, ``v_descale``) and FP8
+    attention (e4m3 q, k, v with ``q_descale``; bf16 out): see ``flash_attn_varlen_func``.
 
     User variants (``user_variants.py``, examples in ``mods.py``): ``score_mod(score, b, h,
     q_idx, kv_idx, aux)`` rewrites each scaled score, ``mask_mod(b, h, q_idx, kv_idx, aux)``
@@ -299,8 +299,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     and values being the stored ones times their descale; the kernel widens each block in
     shared memory (exact) and applies the descales to the scores and the output. Runs on
     the SM80 kernel (any GPU of compute capability >= 8.9; Hopper picks it automatically).
-    For 16-bit K/V the descales are checked and ignored, as in FA3; ``q_descale`` (FP8
-    queries) is not supported yet."""
+    For 16-bit K/V the descales are checked and ignored, as in FA3.
+
+    FP8 attention (Hopper, the SM90 kernel): q, k and v all ``float8_e4m3fn`` with
+    ``q_descale`` / ``k_descale`` / ``v_descale`` (fp32 ``(batch, nheads_kv)`` or one
+    element, default 1.0); the output is bf16. Both GEMMs run in fp8 (P rounded to e4m3);
+    paged keys need pages of a multiple of 64 tokens."""
     page_table = _alias("page_table", page_table, "block_table", block_table)
     learnable_sink = _alias("learnable_sink", learnable_sink, "s_aux", s_aux)
     if torch.compiler.is_compiling():

@@ -131,6 +131,10 @@ class MlaProblem(NamedTuple):
     def kv_fp8(self) -> bool:
         return self.kv_dtype is not None
 
+    @property
+    def out_dtype(self) -> torch.dtype:
+        return self.dtype
+
     kind = "mla"
     nheads_kv = 1  # one latent cache shared by every head
     has_sink = False  # no learnable sink

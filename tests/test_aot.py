@@ -269,6 +269,18 @@ def test_serving_features_are_described():
                                       "kv_fp8": True}], "sm_90a")
     assert skipped == [] and [(e.name, e.key[2], e.key[8]) for e in mla8] == [("mla_sm90", "bf16/e4m3",
                                                                                (32, 3, "one", 2))]
+    # FP8 attention (e4m3 q, k, v): SM90 keys of dtype e4m3, a split's combine writes bf16;
+    # refused on Ampere (no fp8 MMA), and not a form of MLA or of an FP8 cache
+    qkv8, skipped = aot.entries_for([{"api": "varlen", "dtype": "e4m3", "seqlen_q": 4096, "num_splits": [1, 2]}],
+                                    "sm_90a")
+    assert skipped == [] and {(e.name, e.key[1 if e.name == "combine" else 2]) for e in qkv8} == {
+        ("fwd_sm90", "e4m3"), ("combine", "bf16")}
+    ampere, skipped = aot.entries_for([{"dtype": "e4m3", "seqlen_q": 4096}], "sm_80")
+    assert ampere == [] and "FP8 attention" in skipped[0]
+    for bad in ({"api": "mla", "dtype": "e4m3", "qhead_per_kvhead": 64, "nheads_kv": 1}, {"dtype": "e4m3",
+                                                                                         "kv_fp8": True}):
+        with pytest.raises(ValueError, match="e4m3"):
+            aot.expand(bad)
 
 
 def test_expand_and_validate(tmp_path):
