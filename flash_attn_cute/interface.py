@@ -301,7 +301,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     the SM80 kernel (any GPU of compute capability >= 8.9; Hopper picks it automatically).
     For 16-bit K/V the descales are checked and ignored, as in FA3.
 
-    FP8 attention (Hopper, the SM90 kernel): q, k and v all ``float8_e4m3fn`` with
+    FP8 attention (Hopper, the SM90 kernel; SM100 compiled): q, k and v all ``float8_e4m3fn`` with
     ``q_descale`` / ``k_descale`` / ``v_descale`` (fp32 ``(batch, nheads_kv)`` or one
     element, default 1.0); the output is bf16. Both GEMMs run in fp8 (P rounded to e4m3);
     paged keys need pages of a multiple of 64 tokens."""

@@ -20,6 +20,10 @@ from flash_attn_cute.layout_utils import acc_mn_view
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
+# FP8 P operands: P = 2^8 exp2(s - max) before its e4m3 rounding (``OnlineSoftmax``'s
+# max_offset, as FA4 on SM100): the large probabilities keep 3 mantissa bits, and the small
+# ones stay normal numbers 2^8 longer.
+FP8_P_OFFSET = 8
 
 
 # 2^f on [-0.5, 0.5], degree 3, least squares on Chebyshev nodes: relative error 1.0e-4,

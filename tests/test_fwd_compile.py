@@ -98,7 +98,8 @@ def sm100_extra_keys(arch):
                              d_v=128, softmax_scale=128 ** -0.5, causal=False, window_left=-1, window_right=-1,
                              softcap=0.0, varlen_q=False, varlen_k=False, has_seqused_k=True, page_size=0,
                              has_lse=True)
-    return [module.compile_key(problem, module.plan(problem, 3, True, 148), arch)] + fp8_keys(arch, "sm100")
+    return ([module.compile_key(problem, module.plan(problem, 3, True, 148), arch)] + fp8_keys(arch, "sm100")
+            + fp8_attention_keys(arch, "sm100"))
 
 
 def fp8_keys(arch, backend="sm80"):
@@ -126,23 +127,26 @@ def fp8_keys(arch, backend="sm80"):
     return [module.compile_key(p, module.plan(p, ns, True, 132), arch) for p, ns in problems]
 
 
-def fp8_attention_keys(arch):
-    """FP8 Q, K and V on the SM90 kernel (sm_90a only): the measured prefill tiles of d 128
-    (non-causal) and d 64 (causal, three consumer warpgroups), d 256 varlen split with an
-    LSE, d 192 / 128 with a sink, window and softcap, and a decode step over pages of 64
-    (packed GQA rows, a cache tail zeroed in the V transposes)."""
-    if arch != "sm_90a":
+def fp8_attention_keys(arch, backend="sm90"):
+    """FP8 Q, K and V on the SM90 kernel (sm_90a) or the SM100 kernel (sm_100a): prefill
+    tiles of d 128 (non-causal) and d 64 (causal; SM90: three consumer warpgroups), d 256
+    (SM100: 128) varlen split with an LSE, d 192 / 128 with a sink, window and softcap, and a
+    decode step over pages of 64 (SM100: 128; packed GQA rows, a cache tail zeroed: SM90 in
+    the V transposes, SM100 in smem)."""
+    if arch != {"sm90": "sm_90a", "sm100": "sm_100a"}[backend]:
         return []
     base = fwd.FwdProblem(dtype=torch.float8_e4m3fn, batch=2, max_seqlen_q=4096, max_seqlen_k=4096, nheads=16,
                           nheads_kv=4, d=128, d_v=128, softmax_scale=128 ** -0.5, causal=False, window_left=-1,
                           window_right=-1, softcap=0.0, varlen_q=False, varlen_k=False, has_seqused_k=False,
                           page_size=0, has_lse=False)
+    d_split = 256 if backend == "sm90" else 128
     problems = [(base, 1), (base._replace(d=64, d_v=64, causal=True, window_right=0), 1),
-                (base._replace(d=256, d_v=256, varlen_q=True, varlen_k=True, has_lse=True), 3),
+                (base._replace(d=d_split, d_v=d_split, varlen_q=True, varlen_k=True, has_lse=True), 3),
                 (base._replace(d=192, has_sink=True, window_left=200, window_right=0, softcap=20.0), 1),
-                (base._replace(max_seqlen_q=1, page_size=64, has_seqused_k=True, causal=True, window_right=0), 0)]
-    sm90 = fwd.backend_module("sm90")
-    return [sm90.compile_key(p, sm90.plan(p, ns, None, 132), arch) for p, ns in problems]
+                (base._replace(max_seqlen_q=1, page_size={"sm90": 64, "sm100": 128}[backend], has_seqused_k=True,
+                               causal=True, window_right=0), 0)]
+    module = fwd.backend_module(backend)
+    return [module.compile_key(p, module.plan(p, ns, None, 132), arch) for p, ns in problems]
 
 
 def sm80_extra_keys(arch):
@@ -158,7 +162,7 @@ def sm100_cache_tail_zeroed(key) -> bool:
     length are zeroed in smem before P V: 16-bit shared stores the other keys never emit
     (FP8 K/V: the widening zeroes them in its 16-byte stores)."""
     f = fields("sm100", key)
-    return (f.has_seqused_k or f.paged) and "/" not in f.dtype_name
+    return (f.has_seqused_k or f.paged) and f.dtype_name in ("bf16", "fp16")
 
 
 @pytest.fixture(scope="module")
@@ -196,9 +200,9 @@ def test_forward_sass(artifacts, backend, arch):
         if not sass_files:
             pytest.skip("no usable nvdisasm (pip install nvidia-cuda-nvdisasm): no SASS to check")
         sass = sass_files[0].read_text()
-        fp8_qkv = fields(backend, key).dtype_name == "e4m3"  # fp8 wgmma: QGMMA (test_fp8_attention_sass)
+        fp8_qkv = fields(backend, key).dtype_name == "e4m3"  # fp8 MMAs (test_fp8_attention_sass)
         for op in SASS_EXPECT[backend]:
-            assert op in sass or (fp8_qkv and op == "HGMMA"), (op, key)
+            assert op in sass or (fp8_qkv and op in ("HGMMA", "UTCHMMA")), (op, key)
         for pattern in SASS_FORBID.get(backend, []):
             assert not re.search(pattern, sass), (pattern, key)
         if backend == "sm100":
@@ -264,21 +268,27 @@ def test_fp8_sass(artifacts, backend, arch):
         assert bound is None or len(re.findall(r"\b(LDL|STL)\b", sass)) <= bound, ("local memory", key)
 
 
-def test_fp8_attention_sass(artifacts):
-    # FP8 Q, K, V: both GEMMs as fp8 wgmma (QGMMA e4m3 x e4m3), V transposed by ldmatrix /
-    # stmatrix.trans in the producer warps, P rounded to e4m3 in pairs, O out in bf16
-    # pairs; no local memory (the transposing warps run at 40 registers).
-    keys, out_dir, _ = artifacts("sm90", "sm_90a")
-    for key in fp8_attention_keys("sm_90a"):
+@pytest.mark.parametrize("backend,arch", [("sm90", "sm_90a"), ("sm100", "sm_100a")])
+def test_fp8_attention_sass(artifacts, backend, arch):
+    # FP8 Q, K, V: both GEMMs on fp8 operands (SM90: QGMMA e4m3 x e4m3, V transposed by
+    # ldmatrix / stmatrix.trans in the producer warps; SM100: UTCQMMA, V read MN-major, P
+    # stored to TMEM), P rounded to e4m3 in pairs, O out in bf16 pairs unless split; no
+    # local memory (SM90's transposing warps run at 40 registers).
+    keys, out_dir, _ = artifacts(backend, arch)
+    for key in fp8_attention_keys(arch, backend):
         sass_files = list((out_dir / f"k{keys.index(key)}").glob("*.sass"))
         if not sass_files:
             pytest.skip("no usable nvdisasm (pip install nvidia-cuda-nvdisasm): no SASS to check")
         sass = sass_files[0].read_text()
-        for op in ("QGMMA.64x", ".E4M3.E4M3", "LDSM.16.M88.4", "STSM.16.MT88.4", "F2FP.SATFINITE.E4M3.F32.PACK_AB",
-                   *sm90_loads(key)):
+        f = fields(backend, key)
+        ops = (("QGMMA.64x", ".E4M3.E4M3", "LDSM.16.M88.4", "STSM.16.MT88.4", *sm90_loads(key)) if backend == "sm90"
+               else ("UTCQMMA", "STTM", "LDTM", "UTMALDG"))
+        for op in ops + ("F2FP.SATFINITE.E4M3.F32.PACK_AB",):
             assert op in sass, (op, key)
-        assert "HGMMA" not in sass and not re.findall(r"\b(LDL|STL)\b", sass), key
-        assert ("F2FP.BF16.F32.PACK_AB" in sass) != fields("sm90", key).is_split, key
+        assert not re.search(r"\b(HGMMA|UTCHMMA)\b", sass) and not re.findall(r"\b(LDL|STL)\b", sass), key
+        assert ("F2FP.BF16.F32.PACK_AB" in sass) != f.is_split, key
+        if backend == "sm100":  # a cache's V tail zeroed in smem, one byte a value
+            assert ("STS.U8" in sass) == (f.has_seqused_k or f.paged), key
 
 
 def sm90_loads(key):

@@ -34,7 +34,7 @@ _SPLIT_TOLERANCE = 0.95
 # check refuses runs the SM80 kernel (fwd.select_backend logs why). Compiled and SASS-checked
 # for sm_100a on CPU, not yet run on Blackwell hardware.
 AUTO = True
-FEATURES = frozenset({"learnable_sink", "seqused_q", "batch_invariant", "fp8_kv"})  # backend_kit.FEATURES this kernel implements
+FEATURES = frozenset({"learnable_sink", "seqused_q", "batch_invariant", "fp8_kv", "fp8_qkv"})  # backend_kit.FEATURES this kernel implements
 
 log = logging.getLogger("flash_attn_cute")
 
@@ -58,8 +58,8 @@ def check(problem: FwdProblem) -> Optional[str]:
     if problem.paged and problem.page_size not in PAGE_SIZES:
         return (f"paged KV needs page_size in {PAGE_SIZES} (one TMA box per KV block), "
                 f"got {problem.page_size}")
-    if DTYPE_NAMES.get(problem.dtype) not in ("fp16", "bf16"):
-        return f"dtype {problem.dtype} is not fp16 or bf16"
+    if DTYPE_NAMES.get(problem.dtype) not in ("fp16", "bf16", "e4m3"):
+        return f"dtype {problem.dtype} is not fp16, bf16 or float8_e4m3fn"
     return feature_refusal(problem, FEATURES)
 
 
@@ -71,10 +71,11 @@ def select_q_stage(rows: int, is_split: bool) -> int:
     return 2
 
 
-def select_tile(d: int, d_v: int, q_stage: int, split_blocks: int = 0, fp8: bool = False) -> Sm100Config:
+def select_tile(d: int, d_v: int, q_stage: int, split_blocks: int = 0, fp8: bool = False,
+                elem: int = 2) -> Sm100Config:
     """The deepest K/V ring that fits shared memory beside ``q_stage`` Q stages (and the
-    fp8 staging rings of an FP8 cache)."""
-    return Sm100Config(q_stage, TILE_N, kv_stages_for(d, d_v, q_stage, TILE_N, fp8), split_blocks)
+    fp8 staging rings of an FP8 cache; ``elem`` 1: FP8 Q, K and V)."""
+    return Sm100Config(q_stage, TILE_N, kv_stages_for(d, d_v, q_stage, TILE_N, fp8, elem), split_blocks)
 
 
 def pack_refusal(ratio: int) -> Optional[str]:
@@ -104,7 +105,8 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     q_stage = select_q_stage(rows, num_splits > 1 or split_blocks > 0)
     if problem.kv_fp8 and q_stage == 2 and smem_bytes(problem.d, problem.d_v, 2, TILE_N, 1, fp8=True) > SMEM_LIMIT:
         q_stage = 1  # d 192: the fp8 staging rings leave no room for a second Q stage
-    return FwdPlan(NAME, select_tile(problem.d, problem.d_v, q_stage, split_blocks, problem.kv_fp8), pack_gqa,
+    return FwdPlan(NAME, select_tile(problem.d, problem.d_v, q_stage, split_blocks, problem.kv_fp8,
+                                     1 if problem.qkv_fp8 else 2), pack_gqa,
                    num_splits)
 
 

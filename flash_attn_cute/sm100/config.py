@@ -103,9 +103,10 @@ def smem_bytes(d: int, d_v: int, q_stage: int, tile_n: int, kv_stages: int, elem
     return q + k + v + staging + stats + barriers + 1024  # + the allocator's alignment slack
 
 
-def kv_stages_for(d: int, d_v: int, q_stage: int, tile_n: int, fp8: bool = False) -> int:
-    """Deepest K/V ring (at most 4, at least 1) that fits the shared memory."""
+def kv_stages_for(d: int, d_v: int, q_stage: int, tile_n: int, fp8: bool = False, elem: int = 2) -> int:
+    """Deepest K/V ring (at most 4, at least 1) that fits the shared memory (``elem``: bytes
+    a value of Q, K and V)."""
     for stages in (4, 3, 2, 1):
-        if smem_bytes(d, d_v, q_stage, tile_n, stages, fp8=fp8) <= SMEM_LIMIT:
+        if smem_bytes(d, d_v, q_stage, tile_n, stages, elem, fp8=fp8) <= SMEM_LIMIT:
             return stages
     raise ValueError(f"no K/V stage fits in shared memory for d={d}, d_v={d_v}, q_stage={q_stage}")

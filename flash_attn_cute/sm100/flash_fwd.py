@@ -56,7 +56,7 @@ from flash_attn_cute.sm100.config import (FP8_STAGES, SMEM_LIMIT, TILE_M, TMEM_C
                                           tmem_columns)
 # The fp8 staging tiles: row-major, swizzled, one TMA box (the layout SM90's wgmma reads).
 from flash_attn_cute.sm90.wgmma_utils import smem_layout as row_major_smem_layout
-from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
+from flash_attn_cute.softmax import FP8_P_OFFSET, LOG2_E, OnlineSoftmax
 from flash_attn_cute.variants import AttentionVariant, apply_to_scores
 
 
@@ -183,7 +183,10 @@ class FlashAttnFwdSm100:
             tma_load, mQ_t, cute.select(sQ_layout, mode=[0, 1, 2]), self.mma_tiler_qk, tiled_mma_qk,
         )
         kv_dtype = args.mK.element_type
-        self.fp8 = kv_dtype.width == 8
+        # FP8 K/V under 16-bit queries: staged in fp8 and widened. FP8 Q, K and V (fp8_qkv)
+        # need no widening: the tcgen05 MMAs read e4m3 operands (V MN-major included), P is
+        # stored to TMEM in e4m3, 4 a column.
+        self.fp8 = kv_dtype.width == 8 and self.dtype.width == 16
         # FP8: (tile_n, d) row-major staging tiles, one TMA box of the (keys, d, ...) view each.
         sK8_layout = row_major_smem_layout(kv_dtype, self.tile_n, self.head_dim, FP8_STAGES)
         sV8_layout = row_major_smem_layout(kv_dtype, self.tile_n, self.head_dim_v, FP8_STAGES)
@@ -696,7 +699,9 @@ class FlashAttnFwdSm100:
 
         has_mod = cutlass.const_expr(self.variant.has_score_mod)
         scale_log2 = LOG2_E if has_mod else tile.softmax_scale * LOG2_E
-        softmax = OnlineSoftmax(1, Float32(scale_log2), threads_per_row=1)
+        # FP8 P: 2^8 at the row max before its e4m3 rounding.
+        softmax = OnlineSoftmax(1, Float32(scale_log2), threads_per_row=1,
+                                max_offset=FP8_P_OFFSET if self.dtype.width == 8 else 0)
         n_cols = cute.size(tScS_t2r)
         # The thread's row as a 1 x n_cols view (the variant) and as a one-row accumulator (the softmax).
         row_view = cute.make_layout((1, n_cols), stride=(0, 1))

@@ -54,11 +54,7 @@ from flash_attn_cute.paged_kv import page_and_row, page_lookups
 from flash_attn_cute.sm90.config import TWO_CTAS_SMEM, WarpRoles
 from flash_attn_cute.sm90.fp8_operands import FP8TileGeometry, p_to_fp8, transpose_v_block
 from flash_attn_cute.sm90.wgmma_utils import convert_pairs, kv_release, kv_wait, smem_layout, wgmma_gemm
-from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
-
-# FP8 Q, K, V: P = 2^8 exp2(s - max) before its e4m3 rounding (as FA4 on SM100): the large
-# probabilities keep 3 mantissa bits, and the small ones stay normal numbers 2^8 longer.
-FP8_P_OFFSET = 8
+from flash_attn_cute.softmax import FP8_P_OFFSET, LOG2_E, OnlineSoftmax
 from flash_attn_cute.tile_scheduler import LptScheduler, PersistentScheduler, SingleTileScheduler
 from flash_attn_cute.variants import AttentionVariant, apply_to_scores
 
