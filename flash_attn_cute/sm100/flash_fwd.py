@@ -18,8 +18,8 @@ Warp roles (``WarpRoles``), all of one CTA:
   one thread execute in order, so P_s is read before S_s is overwritten).
 * softmax warpgroup per stage: thread t owns row t of its stage: tcgen05.ld of its S row
   (no cross-thread reduction at all), mask / score modifier through the variant,
-  ``OnlineSoftmax.step``, P converted to 16 bits and tcgen05.st back into the second half
-  of S's columns.
+  ``OnlineSoftmax.step``, P converted to 16 bits (FP8 Q, K, V: e4m3, at 2^8 of its row
+  max, four a column) and tcgen05.st back into the second half of S's columns.
 * correction warpgroup: rescales O_s in TMEM by the softmax's per-row correction before
   the MMA warp may issue the next PV_s (skipped per warp when no row max moved), then is
   the epilogue: O_s normalised from TMEM to global memory and the LSE.

@@ -30,6 +30,13 @@ KV blocks are visited from the last to the first (only the first visited can be 
 the sequence end), in the same three runs as the SM80 kernel: masked blocks above the
 unmasked range, the unmasked range, masked blocks below it. Per-score masking and score
 modification go through the variant (``variants.apply_to_scores``).
+
+FP8 K/V under 16-bit queries: the stages hold fp8 blocks that the consumer widens into one
+16-bit buffer (``take``). FP8 Q, K and V (``fp8_qkv``): both GEMMs run as fp8 wgmma; fp8
+wgmma reads B K-major only, so producer warps 1-3 turn each V stage into a V^T stage
+(``transposes``, ldmatrix / stmatrix.trans, in the key order that makes P's 8-bit A
+operand the thread's own S registers: ``fp8_operands``), a third ring between them and the
+consumers; the output is bf16, from registers.
 """
 
 from dataclasses import dataclass
@@ -83,9 +90,9 @@ class FlashAttnFwdSm90:
         self.persistent = persistent
         # Two CTAs per SM (fp8 tiles that fit twice): each gets half the register file.
         self.ctas_per_sm = ctas_per_sm
-        # FP8 Q, K and V: both GEMMs in fp8 wgmma. Its B operand is K-major, so the producer
-        # warpgroup transposes each V block (``fp8_operands``); P is quantized to e4m3 with
-        # its row max at 2^8 (``FP8_P_OFFSET``), O leaves in bf16.
+        # FP8 Q, K and V: both GEMMs in fp8 wgmma. Its B operand is K-major, so producer
+        # warps 1-3 transpose each V block (``transposes``, ``fp8_operands``); P is rounded
+        # to e4m3 with its row max at 2^8 (``FP8_P_OFFSET``), O leaves in bf16.
         self.fp8_qkv = dtype.width == 8
         self.roles = WarpRoles.for_consumers(tile_m // 64, gather_kv, ctas_per_sm, transpose_v=self.fp8_qkv)
         # Ping-pong pays when the softmax of one warpgroup can hide the other's MMAs;
@@ -129,12 +136,11 @@ class FlashAttnFwdSm90:
         sVw_layout = smem_layout(self.dtype, self.tile_n, self.head_dim_v, 1)
         kw_field = cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKw_layout) if self.fp8 else 8], 1024]
         vw_field = cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sVw_layout) if self.fp8 else 8], 1024]
-        # FP8 Q, K, V: V^T stages (d_v, tile_n), keys contiguous, written by the producer warpgroup.
+        # FP8 Q, K, V: V^T stages (d_v, tile_n), keys contiguous, written by the transposes.
         sVt_layout = smem_layout(kv_dtype, self.head_dim_v, self.tile_n, self.num_stages)
         vt_field = cute.struct.MemRange[kv_dtype, 16]  # unused (16-bit kernels keep their smem layout)
         if cutlass.const_expr(self.fp8_qkv):
             vt_field = cute.struct.Align[cute.struct.MemRange[kv_dtype, cute.cosize(sVt_layout)], 1024]
-        if cutlass.const_expr(self.fp8_qkv):
             self.v_geometry = FP8TileGeometry.of(sV_layout, self.tile_n, self.head_dim_v)
             self.vt_geometry = FP8TileGeometry.of(sVt_layout, self.head_dim_v, self.tile_n)
 
@@ -273,8 +279,8 @@ class FlashAttnFwdSm90:
                 for mbar in (storage.mbar_K, storage.mbar_V)
             )
         else:
-            # fp8_qkv: V's TMA stages are read by the producer warpgroup's transposes (one
-            # arrive per producer warp), the consumers read the V^T stages (``pipeline_vt``).
+            # fp8_qkv: V's TMA stages are read by the transposes (one arrive per transposing
+            # warp), the consumers read the V^T stages (``pipeline_vt``).
             v_readers = consumer_warps
             if cutlass.const_expr(self.fp8_qkv):
                 v_readers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.roles.transposer_warps)
@@ -725,14 +731,14 @@ class FlashAttnFwdSm90:
         rows past the sequence end are zeroed as they are widened (``zero_v_tail`` for
         16-bit stages). The buffer's last reader, the previous P V, is known complete in
         every warp through ``take_k``'s meeting, except before the ``last`` P V."""
+        if cutlass.const_expr(self.fp8_qkv):
+            io.pipeline_vt.consumer_wait(state)  # the transposes fenced their stores
+            return state.index
         parts, rows_valid = None, None
         if cutlass.const_expr(mma.widen is not None):
             parts = (mma.widen.tVs8, mma.widen.tVsV, mma.widen.tVcV)
             if cutlass.const_expr(self.cache_tail_may_be_garbage):
                 rows_valid = tile.ctx.seqlen_k - n_block * self.tile_n
-        if cutlass.const_expr(self.fp8_qkv):
-            io.pipeline_vt.consumer_wait(state)  # the transposes fenced their stores
-            return state.index
         return self.take(io.pipeline_v, state, parts, rows_valid, last)
 
     @cute.jit
