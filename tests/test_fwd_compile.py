@@ -54,6 +54,11 @@ def spill_bound(backend, key):
     f = fields(backend, key)
     if backend == "sm90" and f.d <= 64 and (f.flags[0] or f.flags[1]) and f.dtype_name != "e4m3":
         return 40
+    if backend == "sm90" and f.dtype_name == "e4m3" and f.tile[0] == 192:
+        # FP8 Q, K, V with three consumer warpgroups: the transposing warps run at 32
+        # registers and keep one value on the stack across each V block's waits (one
+        # store per tile, one reload per block, outside the transposes' loop).
+        return 2
     if backend == "sm100" and "/" in f.dtype_name and f.d > 128:
         # FP8 K/V at d 192: the softmax warpgroup keeps 6 tile scalars on the stack (the
         # same key with 16-bit K/V has none); compile-verified only, not measured.
@@ -272,8 +277,8 @@ def test_fp8_sass(artifacts, backend, arch):
 def test_fp8_attention_sass(artifacts, backend, arch):
     # FP8 Q, K, V: both GEMMs on fp8 operands (SM90: QGMMA e4m3 x e4m3, V transposed by
     # ldmatrix / stmatrix.trans in the producer warps; SM100: UTCQMMA, V read MN-major, P
-    # stored to TMEM), P rounded to e4m3 in pairs, O out in bf16 pairs unless split; no
-    # local memory (SM90's transposing warps run at 40 registers).
+    # stored to TMEM), P rounded to e4m3 in pairs, O out in bf16 pairs unless split; local
+    # memory within ``spill_bound``.
     keys, out_dir, _ = artifacts(backend, arch)
     for key in fp8_attention_keys(arch, backend):
         sass_files = list((out_dir / f"k{keys.index(key)}").glob("*.sass"))
@@ -285,7 +290,8 @@ def test_fp8_attention_sass(artifacts, backend, arch):
                else ("UTCQMMA", "STTM", "LDTM", "UTMALDG"))
         for op in ops + ("F2FP.SATFINITE.E4M3.F32.PACK_AB",):
             assert op in sass, (op, key)
-        assert not re.search(r"\b(HGMMA|UTCHMMA)\b", sass) and not re.findall(r"\b(LDL|STL)\b", sass), key
+        assert not re.search(r"\b(HGMMA|UTCHMMA)\b", sass), key
+        assert len(re.findall(r"\b(LDL|STL)\b", sass)) <= spill_bound(backend, key), ("local memory", key)
         assert ("F2FP.BF16.F32.PACK_AB" in sass) != f.is_split, key
         if backend == "sm100":  # a cache's V tail zeroed in smem, one byte a value
             assert ("STS.U8" in sass) == (f.has_seqused_k or f.paged), key
