@@ -41,7 +41,8 @@ if [ "$what" = variants ] || [ "$what" = all ]; then
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  timeout 240 python benchmarks/bench_prefill.py --csv "$OUT/prefill.csv" 2>&1 | tail -40
+  timeout 300 python benchmarks/bench_prefill.py --fp8 --csv "$OUT/prefill.csv" 2>&1 | tail -40
+  timeout 200 python benchmarks/bench_fp8_decode.py --csv "$OUT/fp8_decode.csv" 2>&1 | tail -20
   timeout 150 python benchmarks/bench_decode_splits.py --csv "$OUT/decode_splits.csv" 2>&1 | tail -28
   timeout 150 python benchmarks/bench_decode_splits.py --hkv 8 --csv "$OUT/decode_splits_gqa.csv" 2>&1 | tail -28
   timeout 200 python benchmarks/bench_paged_decode.py --csv "$OUT/paged_decode.csv" 2>&1 | tail -40
