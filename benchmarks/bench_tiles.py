@@ -86,7 +86,8 @@ def main(argv=None):
                 except Exception as e:  # a tile may not fit smem/registers
                     ms, tf = float("nan"), float("nan")
                     common.print_exception(f"d{d} tile {tile}", e)
-                rows.append(dict(impl=f"ours_{backend}" + ("_fp8" if args.sm90_fp8 else ""), causal=causal, B=4, S=args.seqlen, H=heads, D=d, tile=tile,
+                impl = f"ours_{backend}" + ("_fp8" if args.sm90_fp8 else "")
+                rows.append(dict(impl=impl, causal=causal, B=4, S=args.seqlen, H=heads, D=d, tile=tile,
                                  config=config, ms=ms, tflops=tf))
                 print(f"d{d:3d} causal={causal!s:5} tile {tile:10s} plan {config:10s} {ms:8.3f} ms {tf:7.1f} TFLOP/s",
                       flush=True)

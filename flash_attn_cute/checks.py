@@ -16,19 +16,13 @@ import torch
 
 from . import user_variants
 from .constants import INT32_MAX, MAX_SPLITS
+from .fp8 import FP8_DTYPES  # K/V caches (with 16-bit queries), and e4m3 queries (FP8 attention)
 from .fwd import BACKENDS, backend_module
 
 # Head dims some forward backend compiles (each backend's HEAD_DIMS says which it takes; a
 # call the chosen backend cannot run falls back to SM80 or names the reason).
 SUPPORTED_HEAD_DIMS = tuple(sorted(set().union(*(backend_module(b).HEAD_DIMS for b in BACKENDS))))
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # K/V caches (with 16-bit queries)
-
-
-def out_dtype(q_dtype: torch.dtype) -> torch.dtype:
-    """The output dtype of a call with queries in ``q_dtype``: bf16 for FP8 queries (as in
-    FA3 and FA4), q's dtype otherwise."""
-    return torch.bfloat16 if q_dtype in FP8_DTYPES else q_dtype
 BACKEND_NAMES = tuple(BACKENDS)  # names accepted by ``backend=`` / FLASH_ATTN_CUTE_BACKEND
 
 

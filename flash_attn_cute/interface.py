@@ -35,7 +35,7 @@ from . import call_cache, checks, fwd, ops, tuning, user_variants
 from .backend_kit import NO_VARIANT
 from .checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, normalize_window  # noqa: F401  (public names)
 from .constants import INT32_MAX, MAX_SPLITS
-from .problems import FwdProblem
+from .problems import FwdProblem, out_dtype
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_combine",
            "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES", "MAX_SPLITS", "BACKENDS"]
@@ -164,7 +164,7 @@ def _execute(call: _Call, seqlens_fill=None) -> tuple:
     varlen_q = call.cu_seqlens_q is not None
     lse_shape = (call.nheads, q.shape[0]) if varlen_q else (call.batch, call.nheads, q.shape[1])
     if out is None:
-        out = q.new_empty(*q.shape[:-1], call.d_v, dtype=checks.out_dtype(q.dtype))
+        out = q.new_empty(*q.shape[:-1], call.d_v, dtype=out_dtype(q.dtype))
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if call.return_lse else None
     if out.numel() == 0 or call.batch == 0 or call.max_seqlen_q == 0 or call.max_seqlen_k == 0:
         _empty_result(out, lse, call.learnable_sink, varlen_q)
@@ -225,7 +225,8 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
          mask_mod, block_mask), window_size))
     if hit is not None:
         return _replay(hit, q, k, v, out, return_lse, learnable_sink=learnable_sink,
-                       aux_tensors=_aux_of(aux_tensors, block_mask), k_descale=k_descale, v_descale=v_descale, q_descale=q_descale)
+                       aux_tensors=_aux_of(aux_tensors, block_mask),
+                       k_descale=k_descale, v_descale=v_descale, q_descale=q_descale)
     inputs = (q, k, v, out)
     checks.check_tensor("q", q, 4, _Q4)
     nheads, nheads_kv, d, d_v, q, k, v = checks.qkv(
@@ -237,14 +238,15 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     checks.descales(k, q_descale, k_descale, v_descale, batch, nheads_kv)
     opts = checks.options(d, softmax_scale, causal, window_size, softcap, num_splits, pack_gqa, backend,
                           batch_invariant)
-    out = checks.check_out(out, (batch, seqlen_q, nheads, d_v), checks.out_dtype(q.dtype),
+    out = checks.check_out(out, (batch, seqlen_q, nheads, d_v), out_dtype(q.dtype),
                            "(batch, seqlen_q, nheads, headdim_v)")
     checks.check_device({"q": q, "k": k, "v": v, "learnable_sink": learnable_sink, "q_descale": q_descale,
                          "k_descale": k_descale, "v_descale": v_descale, "out": out})
     opts, variant = checks.user_variant(score_mod, mask_mod, aux_tensors, block_mask, opts, q.device, batch=batch,
                                         nheads=nheads, max_seqlen_q=seqlen_q, max_seqlen_k=k.shape[1])
     call = _Call(q, k, v, out, opts, batch, seqlen_q, k.shape[1], nheads, nheads_kv, d_v, bool(return_lse),
-                 learnable_sink=learnable_sink, variant=variant, k_descale=k_descale, v_descale=v_descale, q_descale=q_descale)
+                 learnable_sink=learnable_sink, variant=variant,
+                 k_descale=k_descale, v_descale=v_descale, q_descale=q_descale)
     return _run(call, call_cache.same(key, inputs, (q, k, v, out)))
 
 
@@ -324,7 +326,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     if hit is not None:
         return _replay(hit, q, k, v, out, return_lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                        seqused_q=seqused_q, seqused_k=seqused_k, page_table=page_table, learnable_sink=learnable_sink,
-                       aux_tensors=_aux_of(aux_tensors, block_mask), k_descale=k_descale, v_descale=v_descale, q_descale=q_descale)
+                       aux_tensors=_aux_of(aux_tensors, block_mask),
+                       k_descale=k_descale, v_descale=v_descale, q_descale=q_descale)
     inputs = (q, k, v, out)
     call = _varlen_call(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                         page_table, learnable_sink, return_lse,
@@ -375,7 +378,7 @@ def _varlen_call(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     if not varlen_k:
         max_seqlen_k = min(max_seqlen_k, capacity)
     opts = checks.options(d, *option_args)
-    out = checks.check_out(out, (*q.shape[:-1], d_v), checks.out_dtype(q.dtype),
+    out = checks.check_out(out, (*q.shape[:-1], d_v), out_dtype(q.dtype),
                            "(total_q, nheads, headdim_v)" if varlen_q else "(batch, seqlen_q, nheads, headdim_v)")
     checks.check_device({"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
                          "seqused_q": seqused_q, "seqused_k": seqused_k, "page_table": page_table,
@@ -490,7 +493,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if hit is not None:
             return _replay(hit, q, k_cache, v_cache, out, return_lse, cu_seqlens_q=cu_seqlens_q,
                            seqused_k=cache_seqlens, page_table=page_table, learnable_sink=learnable_sink,
-                           aux_tensors=_aux_of(aux_tensors, block_mask), k_descale=k_descale, v_descale=v_descale, q_descale=q_descale)
+                           aux_tensors=_aux_of(aux_tensors, block_mask),
+                           k_descale=k_descale, v_descale=v_descale, q_descale=q_descale)
     inputs = (q, k_cache, v_cache, out)
     call, seqlens_fill = _kvcache_call(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, max_seqlen_q,
                                        learnable_sink, return_lse, out, check_cache_bounds, option_args, variant_args,
@@ -513,7 +517,7 @@ def _kvcache_call(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, 
     checks.learnable_sink(learnable_sink, nheads)
     checks.descales(k_cache, *descale_args, batch, nheads_kv)
     opts = checks.options(d, *option_args)
-    out = checks.check_out(out, (*q.shape[:-1], d_v), checks.out_dtype(q.dtype),
+    out = checks.check_out(out, (*q.shape[:-1], d_v), out_dtype(q.dtype),
                            "(total_q, nheads, headdim_v)" if varlen_q else "(batch, seqlen_q, nheads, headdim_v)")
     checks.check_device({"q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens,
                          "page_table": page_table, "cu_seqlens_q": cu_seqlens_q, "learnable_sink": learnable_sink,

@@ -13,6 +13,13 @@ from typing import NamedTuple, Optional
 import torch
 
 from .constants import D_CKV, D_KPE
+from .fp8 import FP8_DTYPES
+
+
+def out_dtype(q_dtype: torch.dtype) -> torch.dtype:
+    """The output dtype of a call with queries in ``q_dtype``: bf16 for FP8 queries (as in
+    FA3 and FA4), q's dtype otherwise."""
+    return torch.bfloat16 if q_dtype in FP8_DTYPES else q_dtype
 
 
 def _partials(num_splits: int, out_shape: tuple, lse_shape: tuple) -> tuple:
@@ -59,12 +66,11 @@ class FwdProblem(NamedTuple):
     @property
     def qkv_fp8(self) -> bool:
         """FP8 Q, K and V (FP8 attention, ``q_descale`` / ``k_descale`` / ``v_descale``)."""
-        return self.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        return self.dtype in FP8_DTYPES
 
     @property
     def out_dtype(self) -> torch.dtype:
-        """The output's dtype: q's, bf16 for FP8 queries (as FA3 and FA4)."""
-        return torch.bfloat16 if self.qkv_fp8 else self.dtype
+        return out_dtype(self.dtype)
 
     kind = "fwd"
 

@@ -539,9 +539,9 @@ class FlashAttnFwdSm90:
                 n_block = tile.n_block_max - 1 - i
                 io.pipeline_v.consumer_wait(state)
                 io.pipeline_vt.producer_acquire(state_t)
-                transpose_v_block(io.sV_addr, io.sVt_addr, self.v_geometry, self.vt_geometry, state.index, state_t.index,
-                                  ttid, self.roles.transposer_warps, tile.ctx.seqlen_k - n_block * self.tile_n,
-                                  self.cache_tail_may_be_garbage)
+                transpose_v_block(io.sV_addr, io.sVt_addr, self.v_geometry, self.vt_geometry, state.index,
+                                  state_t.index, ttid, self.roles.transposer_warps,
+                                  tile.ctx.seqlen_k - n_block * self.tile_n, self.cache_tail_may_be_garbage)
                 cute.arch.fence_view_async_shared()
                 io.pipeline_vt.producer_commit(state_t)
                 cute.arch.sync_warp()
