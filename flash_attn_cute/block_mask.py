@@ -11,7 +11,13 @@ the device, in chunks) and keeps, per (batch, head, ``block_size`` query rows):
 Both are exact to the key, so they hold for any kernel tile: a kernel visits only the
 KV blocks meeting [lo, hi) (``UserVariant.key_range``) and skips the per-element
 predicate on the blocks inside [full_lo, full_hi) (``unmasked_key_range``); blocks in
-between take the predicate. An empty block between two kept ones (a mask with holes)
+between take the predicate.
+
+Where every query row keeps one interval of keys (a document mask, a prefix, a window:
+checked on every row), ``row_bounds`` holds each row's [lo, hi) and the kernels mask those
+blocks with two compares per score instead of calling the ``mask_mod`` (a document mask
+calls it with two aux loads per score). H200, b4 s8192 h16 d128 causal, documents of 1000
+tokens (``bench_variants.py``): see ``benchmarks/RESULTS.md``, section User variants. An empty block between two kept ones (a mask with holes)
 is visited under the predicate: correct, not skipped. ``block_states`` records every
 (query block, key block) tile as empty (0), partial (1) or full (2) for inspection.
 """
@@ -42,6 +48,9 @@ class BlockMask:
     block_size: tuple  # (query rows, keys) per block_states entry
     ranges: torch.Tensor  # (batch, nheads, ceil(seqlen_q / block_q), 4) int32
     block_states: torch.Tensor  # (batch, nheads, q blocks, k blocks) uint8: EMPTY / PARTIAL / FULL
+    # (batch, nheads, seqlen_q, 2) int32: each row's kept keys [lo, hi) (an empty row: 0, 0),
+    # where every row keeps one interval; None otherwise.
+    row_bounds: Optional[torch.Tensor] = None
 
     @property
     def block_q(self) -> int:
@@ -51,10 +60,25 @@ class BlockMask:
         """Fraction of the (query block, key block) tiles that are empty."""
         return (self.block_states == EMPTY).float().mean().item()
 
-    def kernel_ranges(self, batch: int, nheads: int) -> torch.Tensor:
-        """``ranges`` broadcast to a call's (batch, nheads) (a view: stride 0 where the mask
-        was built with batch or nheads None)."""
-        return self.ranges.expand(batch, nheads, *self.ranges.shape[2:])
+    def kernel_ranges(self, batch: int, nheads: int, rows: bool = False) -> torch.Tensor:
+        """The kernels' table, broadcast to a call's (batch, nheads) (a view: stride 0 where
+        the mask was built with batch or nheads None): ``ranges``, or with ``rows`` (needs
+        ``row_bounds``) entry i = block i's four values (zeros past the last block) and row
+        i's [lo, hi), (batch, nheads, seqlen_q, 6)."""
+        table = self.ranges
+        if rows:
+            table = self._row_table()
+        return table.expand(batch, nheads, *table.shape[2:])
+
+    def _row_table(self) -> torch.Tensor:
+        table = self.__dict__.get("_row_table_cache")
+        if table is None:
+            B, H, n_qb, _ = self.ranges.shape
+            table = self.ranges.new_zeros(B, H, self.seqlen_q, 6)
+            table[:, :, :n_qb, :4] = self.ranges
+            table[..., 4:] = self.row_bounds
+            object.__setattr__(self, "_row_table_cache", table)  # built once per mask, not per call
+        return table
 
     def __repr__(self):
         return (f"BlockMask(batch={self.batch}, nheads={self.nheads}, seqlen_q={self.seqlen_q}, "
@@ -81,6 +105,8 @@ def create_block_mask(mask_mod: Callable, batch: Optional[int], nheads: Optional
     n_qb, n_kb = -(-seqlen_q // block_q), -(-seqlen_k // block_k)
     ranges = torch.empty(B, H, n_qb, 4, dtype=torch.int32, device=device)
     states = torch.empty(B, H, n_qb, n_kb, dtype=torch.uint8, device=device)
+    row_bounds = torch.empty(B, H, seqlen_q, 2, dtype=torch.int32, device=device)
+    intervals = torch.ones((), dtype=torch.bool, device=device)  # every row so far keeps one interval
     kv_idx = torch.arange(seqlen_k, device=device).view(1, 1, 1, -1)
     rows_per_chunk = max(block_q, (_CHUNK_ELEMS // max(seqlen_k * H, 1)) // block_q * block_q)
     for b in range(B):
@@ -97,7 +123,22 @@ def create_block_mask(mask_mod: Callable, batch: Optional[int], nheads: Optional
             keep = keep.expand(1, H, q1 - q0, seqlen_k)[0]  # (H, rows, seqlen_k)
             qb0, qb1 = q0 // block_q, -(-q1 // block_q)
             ranges[b, :, qb0:qb1], states[b, :, qb0:qb1] = _summarize(keep, block_q, block_k, seqlen_k)
-    return BlockMask(mask_mod, aux, B, H, seqlen_q, seqlen_k, (block_q, block_k), ranges, states)
+            row_bounds[b, :, q0:q1], one = _row_intervals(keep)
+            intervals &= one
+    return BlockMask(mask_mod, aux, B, H, seqlen_q, seqlen_k, (block_q, block_k), ranges, states,
+                     row_bounds if bool(intervals) else None)
+
+
+def _row_intervals(keep: torch.Tensor):
+    """(H, rows, seqlen_k) bool -> each row's kept span [lo, hi) (H, rows, 2) int32 (an empty
+    row: 0, 0) and whether every row keeps exactly its span (0-d bool)."""
+    pos = torch.arange(keep.shape[-1], device=keep.device)
+    count = keep.sum(-1)
+    lo = torch.where(keep, pos, keep.shape[-1]).amin(-1)
+    hi = torch.where(keep, pos + 1, 0).amax(-1)
+    empty = count == 0
+    lo, hi = torch.where(empty, 0, lo), torch.where(empty, 0, hi)
+    return torch.stack([lo, hi], dim=-1).to(torch.int32), (count == hi - lo).all()
 
 
 def _summarize(keep: torch.Tensor, block_q: int, block_k: int, seqlen_k: int):

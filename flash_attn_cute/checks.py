@@ -373,7 +373,7 @@ def user_variant(score_mod, mask_mod, aux_tensors, block_mask, opts: Options, de
         return opts, None
     from .block_mask import BlockMask
 
-    block_q, ranges = 0, None
+    block_q, ranges, rows = 0, None, False
     if block_mask is not None:
         if not isinstance(block_mask, BlockMask):
             raise TypeError(f"block_mask must be a flash_attn_cute.BlockMask (create_block_mask), "
@@ -384,6 +384,10 @@ def user_variant(score_mod, mask_mod, aux_tensors, block_mask, opts: Options, de
             raise ValueError("mask_mod must be the function block_mask was created with (or None to use it)")
         if aux_tensors is None:
             aux_tensors = block_mask.aux_tensors
+        # Its row bounds replace the mask_mod only over the aux tensors they were computed on.
+        own_aux = len(aux_tensors) == len(block_mask.aux_tensors) and all(
+            a is b for a, b in zip(aux_tensors, block_mask.aux_tensors))
+        rows = block_mask.row_bounds is not None and own_aux
         if block_mask.batch not in (1, batch) or block_mask.nheads not in (1, nheads):
             raise ValueError(f"block_mask was built for batch {block_mask.batch} and nheads {block_mask.nheads}; "
                              f"this call has batch {batch} and nheads {nheads} (1 = broadcast)")
@@ -396,12 +400,12 @@ def user_variant(score_mod, mask_mod, aux_tensors, block_mask, opts: Options, de
             raise ValueError("pack_gqa=True cannot take a block_mask (its entries are per query head); "
                              "leave pack_gqa None")
         opts = opts._replace(pack_gqa=False)
-        block_q, ranges = block_mask.block_q, block_mask.kernel_ranges(batch, nheads)
+        block_q, ranges = block_mask.block_q, block_mask.kernel_ranges(batch, nheads, rows)
     if score_mod is not None and opts.softcap > 0:
         raise ValueError("softcap and score_mod cannot be combined: apply the cap inside score_mod "
                          "(flash_attn_cute.mods.softcap)")
     aux = user_variants.check_aux_tensors(aux_tensors, device)
-    spec = user_variants.make_spec(score_mod, mask_mod, aux, block_q)
+    spec = user_variants.make_spec(score_mod, mask_mod, aux, block_q, rows)
     return opts, (spec, user_variants.kernel_aux(aux) + (ranges,), ranges)
 
 

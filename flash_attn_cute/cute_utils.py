@@ -71,12 +71,13 @@ def fake_variant_tensors(user_key: Optional[tuple]) -> tuple:
 
     aux, ranges = [], None
     if user_key is not None:
-        _, _, _, aux_sig, block_q = user_key
+        _, _, _, aux_sig, block_q, row_bounds = user_key
         for dtype_name, rank in aux_sig:
             dt = cutlass.Uint8 if dtype_name == "Boolean" else getattr(cutlass, dtype_name)
             aux.append(fake_tensor(dt, rank, align=max(1, dt.width // 8), contiguous_last=False))
         if block_q:
-            ranges = fake_tensor(cutlass.Int32, 4, align=4, shape=(None, None, None, 4), contiguous_last=False)
+            cols = 6 if row_bounds else 4  # BlockMask.kernel_ranges
+            ranges = fake_tensor(cutlass.Int32, 4, align=4, shape=(None, None, None, cols), contiguous_last=False)
     return tuple(aux) + (None,) * (MAX_AUX - len(aux)) + (ranges,)
 
 

@@ -303,15 +303,17 @@ def per_head_mask_mod(b, h, q_idx, kv_idx, aux):
 
 def variant_case_problem(name: str, backend: str):
     """(problem, num_splits, pack_gqa) of a named user-variant compile case, its spec
-    registered: ``alibi_document`` (ALiBi + document mask + block mask, causal prefill)
-    and ``table_perhead_paged`` (bias table + per-head mask, paged GQA decode, split)."""
+    registered: ``alibi_document`` (ALiBi + document mask + block mask, causal prefill),
+    ``document_rows`` (a document block mask with row bounds: no mask_mod call in the
+    kernel) and ``table_perhead_paged`` (bias table + per-head mask, paged GQA decode, split)."""
     from . import mods
     from .problems import FwdProblem
     from .user_variants import make_spec
 
-    if name == "alibi_document":
+    if name in ("alibi_document", "document_rows"):
         aux = (torch.empty(16, dtype=torch.float32), torch.empty(2, 4096, dtype=torch.int32))
-        spec = make_spec(mods.alibi(0), mods.document_mask(1), aux, 128)
+        rows = name == "document_rows"
+        spec = make_spec(None if rows else mods.alibi(0), mods.document_mask(1), aux, 128, row_bounds=rows)
         return FwdProblem(dtype=torch.bfloat16, batch=2, max_seqlen_q=4096, max_seqlen_k=4096, nheads=16,
                           nheads_kv=16, d=128, d_v=128, softmax_scale=0.088, causal=True, window_left=-1,
                           window_right=0, softcap=0.0, varlen_q=False, varlen_k=False, has_seqused_k=False,

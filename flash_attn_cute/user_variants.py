@@ -143,6 +143,9 @@ class VariantSpec:
     aux_sig: tuple  # ((dtype name, rank), ...) of the aux tensors
     block_q: int  # query rows per block-mask entry; 0 without a block mask
     key: tuple = field(default=())
+    # The block mask's table holds each row's kept interval (``BlockMask.row_bounds``): the
+    # kernels mask by those bounds and never call mask_mod.
+    row_bounds: bool = False
 
     def __hash__(self):
         return hash(self.key)
@@ -154,15 +157,16 @@ class VariantSpec:
 _registry: dict = {}
 
 
-def make_spec(score_mod, mask_mod, aux_tensors: tuple, block_q: int) -> VariantSpec:
-    """The spec of a call (``aux_tensors`` already validated), registered by its key."""
+def make_spec(score_mod, mask_mod, aux_tensors: tuple, block_q: int, row_bounds: bool = False) -> VariantSpec:
+    """The spec of a call (``aux_tensors`` already validated), registered by its key.
+    ``row_bounds``: the block mask's table holds per-row key intervals (``BlockMask``)."""
     for what, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
         if fn is not None and not callable(fn):
             raise TypeError(f"{what} must be a function, got {type(fn).__name__}")
     aux_sig = tuple((AUX_DTYPES[t.dtype], t.dim()) for t in aux_tensors)
     key = ("user", function_digest(score_mod) if score_mod is not None else None,
-           function_digest(mask_mod) if mask_mod is not None else None, aux_sig, int(block_q))
-    spec = VariantSpec(score_mod, mask_mod, aux_sig, int(block_q), key)
+           function_digest(mask_mod) if mask_mod is not None else None, aux_sig, int(block_q), bool(row_bounds))
+    spec = VariantSpec(score_mod, mask_mod, aux_sig, int(block_q), key, bool(row_bounds))
     _registry[key] = spec
     return spec
 

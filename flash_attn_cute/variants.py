@@ -54,8 +54,9 @@ class AttentionVariant:
 
     has_score_mod = False
     has_mask = False
-    # Whether each query q keeps exactly the keys ``key_range(q, q)`` (causal, sliding
-    # window): a kernel may then mask a row with two bounds instead of calling ``mask``.
+    # Whether each query q keeps exactly the keys ``row_interval(q, ...)`` (causal, sliding
+    # window, a block mask with row bounds): a kernel may then mask a row with two bounds
+    # instead of calling ``mask`` per score.
     mask_is_key_interval = False
 
     def key(self) -> tuple:
@@ -73,6 +74,11 @@ class AttentionVariant:
     def key_range(self, q_min, q_max, ctx: AttnCtx):
         """Keys [lo, hi) that any query in [q_min, q_max] may see (None: no bound)."""
         return None, None
+
+    def row_interval(self, q_idx, head, ctx: AttnCtx):
+        """Keys [lo, hi) query ``q_idx`` of query head ``head`` keeps (None: no bound), for
+        a mask that is a key interval per row."""
+        return self.key_range(q_idx, q_idx, ctx)
 
     def unmasked_key_range(self, q_min, q_max, ctx: AttnCtx):
         """Keys [lo, hi) kept for every query in [q_min, q_max]: blocks inside it
@@ -180,6 +186,9 @@ class Compose(AttentionVariant):
     def key_range(self, q_min, q_max, ctx):
         return self._mask.key_range(q_min, q_max, ctx)
 
+    def row_interval(self, q_idx, head, ctx):
+        return self._mask.row_interval(q_idx, head, ctx)
+
     def unmasked_key_range(self, q_min, q_max, ctx):
         return self._mask.unmasked_key_range(q_min, q_max, ctx)
 
@@ -200,23 +209,50 @@ def apply_to_scores(
     registers: the score modifier on every block (on the scaled score), and on a masked
     block the sequence end and the variant's mask (-inf where a score is dropped).
     Under pack_gqa ``ctx.head`` is the KV head; a row's query position and query head
-    come from ``pack_gqa.query_and_head_of_row``."""
+    come from ``pack_gqa.query_and_head_of_row``. A mask that is a key interval per row
+    (``mask_is_key_interval``) costs two bounds per row and a compare or two per score."""
     has_mod = cutlass.const_expr(variant.has_score_mod)
+    by_row = cutlass.const_expr(masked and variant.mask_is_key_interval)
     if cutlass.const_expr(has_mod or masked):
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
             q_idx, head = query_and_head_of_row(row0 + tScS_mn[r, 0][0], ctx.head, qhead_per_kvhead_packed)
+            lo_rel, hi_rel = None, None
+            if cutlass.const_expr(by_row):
+                lo_rel, hi_rel = row_bounds_rel(variant, q_idx, head, ctx, col0)
             for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
                 k_idx = col0 + tScS_mn[0, c][1]
                 s = s_mn[r, c]
                 if cutlass.const_expr(has_mod):
                     s = variant.score_mod(s * softmax_scale, q_idx, k_idx, head, ctx)
-                if cutlass.const_expr(masked):
+                if cutlass.const_expr(by_row):
+                    col = tScS_mn[0, c][1]
+                    drop = col >= hi_rel
+                    if cutlass.const_expr(lo_rel is not None):
+                        drop = drop or col < lo_rel
+                    if drop:
+                        s = -Float32.inf
+                elif cutlass.const_expr(masked):
                     keep = k_idx < ctx.seqlen_k
                     if cutlass.const_expr(variant.has_mask):
                         keep = keep and variant.mask(q_idx, k_idx, head, ctx)
                     if not keep:
                         s = -Float32.inf
                 s_mn[r, c] = s
+
+
+@cute.jit
+def row_bounds_rel(variant: cutlass.Constexpr, q_idx, head, ctx: AttnCtx, col0):
+    """A key-interval mask's kept keys of one row, relative to the block's first key
+    ``col0``, the sequence end folded in: (lo_rel or None: no lower bound, hi_rel); a
+    block column c is kept when lo_rel <= c < hi_rel."""
+    lo, hi = variant.row_interval(q_idx, head, ctx)
+    hi_rel = ctx.seqlen_k - col0
+    if cutlass.const_expr(hi is not None):
+        hi_rel = cutlass.min(hi_rel, hi - col0)
+    lo_rel = None
+    if cutlass.const_expr(lo is not None):
+        lo_rel = lo - col0
+    return lo_rel, hi_rel
 
 
 def make_variant(causal: bool, local: bool, softcap: bool, user_key: Optional[tuple] = None) -> AttentionVariant:

@@ -161,9 +161,10 @@ def test_fp8_tiles_fit_the_shared_memory_of_the_arch():
     assert sm90.config.fp8_tile(256, 256, (128, 128, 2, 0), 2) == (64, 64, 2, 0)
     # batch invariant: the decode rows keep the prefill tile (its tile_n may not depend on the rows)
     assert sm90.plan(decode._replace(batch_invariant=True), 1, False, 132).config[:2] == (64, 128)
-    # 16-bit keys keep their form; a two-CTA fp8 key names it last
+    # a two-CTA key names it last (fp8 decode, and 16-bit decode: config.decode_two_ctas); a
+    # one-CTA key keeps its form
     assert sm90.compile_key(decode, sm90.plan(decode, 1, False, 132), "sm_90a")[-1] == 2
-    plain = decode._replace(kv_dtype=None)
+    plain = decode._replace(kv_dtype=None, max_seqlen_q=2048)
     assert sm90.compile_key(plain, sm90.plan(plain, 1, False, 132), "sm_90a")[-2:] == (False, False)
 
 

@@ -85,6 +85,27 @@ def test_tuning_overrides_are_plan_arguments():
     assert sm90.plan(p, 1, None, None, tuning=Tuning(sm90_persistent="1")).config.persistent
 
 
+def test_sm90_decode_tiles_and_ctas_per_sm():
+    """16-bit decode rows of d <= 128: (64, 64, 2), two CTAs per SM, whatever the page size
+    (pages of 64 or 128 by TMA, others by row gathers); batch invariant, d256, FP8 caches,
+    prefill: one CTA. A tile override names its CTAs in a fifth field."""
+    for d, page, want, ctas, gather in ((128, 0, (64, 64, 2), 2, False), (64, 16, (64, 64, 2), 2, True),
+                                        (128, 128, (64, 64, 2), 2, False), (256, 0, (64, 80, 2), 1, False)):
+        p = _problem(d=d, d_v=d, max_seqlen_q=1, nheads_kv=4, page_size=page, has_seqused_k=page > 0)
+        config = sm90.plan(p, 1, None, 132).config
+        assert (config[:3], config.ctas_per_sm, config.gather_kv) == (want, ctas, gather), (d, page, config)
+        assert sm90.config.smem_bytes(d, d, *config[:3]) + 3072 <= (sm90.config.TWO_CTAS_SMEM if ctas == 2 else
+                                                                    sm90.config.SMEM_LIMIT)
+    decode = _problem(max_seqlen_q=1, nheads_kv=4)
+    assert sm90.plan(decode._replace(batch_invariant=True), 1, None, 132).config.ctas_per_sm == 1
+    assert sm90.plan(_problem(), 1, None, 132).config.ctas_per_sm == 1
+    key = sm90.compile_key(decode, sm90.plan(decode, 1, None, 132), "sm_90a")
+    assert key[-1] == 2  # the key names a two-CTA tile (its launch sets the shared-memory carveout)
+    tuned = sm90.plan(decode, 1, None, 132, tuning=Tuning(sm90_tile="64,80,2,0,2")).config
+    assert tuned[:3] == (64, 80, 2) and tuned.ctas_per_sm == 2
+    assert sm90.plan(decode, 1, None, 132, tuning=Tuning(sm90_tile="64,128,3")).config.ctas_per_sm == 1
+
+
 def test_env_knobs_are_read_at_the_edge(monkeypatch):
     for name in tuning._ENV:
         monkeypatch.delenv(name, raising=False)

@@ -89,6 +89,7 @@ def test_block_mask_against_brute_force(mask_mod, shape, block_size):
     docs = torch.stack([torch.arange(sk) // 41, torch.arange(sk) // 77]).to(torch.int32)
     bm = create_block_mask(mask_mod, B, H, sq, sk, aux_tensors=[docs], device="cpu", block_size=block_size)
     bq, bk = bm.block_size
+    intervals = []
     for b in range(B or 1):
         for h in range(H or 1):
             keep = mask_mod(torch.tensor(b), torch.tensor(h), torch.arange(sq)[:, None], torch.arange(sk)[None, :],
@@ -113,13 +114,49 @@ def test_block_mask_against_brute_force(mask_mod, shape, block_size):
                     tile = rows[:, kb * bk:(kb + 1) * bk]
                     want = FULL if tile.all() else (PARTIAL if tile.any() else EMPTY)
                     assert bm.block_states[b, h, qb, kb].item() == want
+            # Row bounds: each row's kept interval, present iff every row keeps one interval.
+            kept = keep.int()
+            runs = ((kept[:, 1:] - kept[:, :-1]) == 1).sum(1) + kept[:, 0]  # runs of kept keys per row
+            intervals.append(bool((runs <= 1).all()))
+            if bm.row_bounds is not None:
+                for q in range(sq):
+                    idx = keep[q].nonzero().flatten()
+                    want = (idx.min().item(), idx.max().item() + 1) if len(idx) else (0, 0)
+                    assert tuple(bm.row_bounds[b, h, q].tolist()) == want
+    assert (bm.row_bounds is not None) == all(intervals)
+
+
+def test_row_bounds_table_and_when_the_kernel_uses_it():
+    """The kernels' table: block entries then row bounds in columns 4-5; the row bounds
+    replace the mask_mod only over the block mask's own aux tensors."""
+    from flash_attn_cute import checks
+
+    sq = 300
+    docs = (torch.arange(sq) // 41).to(torch.int32)[None].expand(2, sq).contiguous()
+    mask = mods.document_mask(0)
+    bm = create_block_mask(mask, 2, None, sq, sq, aux_tensors=[docs], device="cpu", block_size=64)
+    assert bm.row_bounds is not None and bm.row_bounds.shape == (2, 1, sq, 2)
+    table = bm.kernel_ranges(2, 3, rows=True)
+    assert table.shape == (2, 3, sq, 6) and table.stride(1) == 0
+    assert torch.equal(table[:, 0, :5, :4], bm.ranges[:, 0]) and not table[:, :, 5:, :4].any()
+    assert torch.equal(table[:, 0, :, 4:], bm.row_bounds[:, 0])
+    assert table[1, 2, 45].tolist()[4:] == [41, 82]
+    holes = create_block_mask(lambda b, h, q, k, aux: k % 3 != 1, None, None, 70, 70, device="cpu")
+    assert holes.row_bounds is None
+    opts = checks.Options(softmax_scale=0.1, softcap=0.0, causal=True, window_left=-1, window_right=0, pack_gqa=None,
+                          num_splits=1, backend=None)
+    kw = dict(batch=2, nheads=3, max_seqlen_q=sq, max_seqlen_k=sq)
+    _, (spec, tensors, ranges) = checks.user_variant(None, None, None, bm, opts, docs.device, **kw)
+    assert spec.row_bounds and ranges.shape[-1] == 6 and spec.key[-1] is True
+    _, (spec, _, ranges) = checks.user_variant(None, None, [docs.clone()], bm, opts, docs.device, **kw)
+    assert not spec.row_bounds and ranges.shape[-1] == 4
 
 
 # ------------------------------------------------------------------------------ compile-only
 
 ARCHS = {"sm_80": ["sm80"], "sm_90a": ["sm80", "sm90"], "sm_100a": ["sm100"]}
 MMA = {"sm80": "HMMA.16816.F32", "sm90": "HGMMA", "sm100": "UTCHMMA"}
-VARIANT_CASES = ["alibi_document", "table_perhead_paged"]
+VARIANT_CASES = ["alibi_document", "document_rows", "table_perhead_paged"]
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +178,7 @@ def test_variant_path_compiles(variant_artifacts, arch):
     out_dir, seconds = variant_artifacts(arch)
     print(f"\n{arch}: " + ", ".join(f"{k} {v:.1f}s" for k, v in seconds.items()))
     for backend in ARCHS[arch]:
+        loads = {}
         for case in VARIANT_CASES:
             folder = out_dir / f"{backend}_{case}"
             cubins = list(folder.glob(f"*.{arch}.cubin"))
@@ -149,8 +187,12 @@ def test_variant_path_compiles(variant_artifacts, arch):
             if sass_files:
                 sass = sass_files[0].read_text()
                 assert MMA[backend] in sass, (backend, case)
-                # the variant reads its aux tensors from global memory
+                # the variant reads its aux tensors (row bounds: the block mask's table) from global memory
                 assert re.search(r"\bLDG\.E", sass), (backend, case)
+                loads[case] = len(re.findall(r"\bLDG\.E", sass))
+        if loads:
+            # Row bounds: two loads a row instead of the document ids of every score's query and key.
+            assert loads["document_rows"] < loads["alibi_document"], (backend, loads)
 
 
 def test_variant_key_is_in_the_compile_key():

@@ -50,7 +50,6 @@ from flash_attn_cute.fwd_kernel import (FwdArgs, FwdTile, compile_from_key, fwd_
                                         tile_work, zero_rows_from)
 from flash_attn_cute.layout_utils import select
 from flash_attn_cute.named_barrier import Sm100FwdBarrier
-from flash_attn_cute.pack_gqa import query_of_row
 from flash_attn_cute.paged_kv import page_and_row
 from flash_attn_cute.sm100.config import (FP8_STAGES, SMEM_LIMIT, TILE_M, TMEM_COLUMNS, WarpRoles, tmem_alloc_columns,
                                           tmem_columns)
@@ -743,13 +742,7 @@ class FlashAttnFwdSm100:
         s_mn = cute.make_tensor(tSrS.iterator, cute.composition(tSrS.layout, row_view))
         col0 = n_block * self.tile_n
         packed = self.qhead_per_kvhead_packed
-        if cutlass.const_expr(masked and not self.variant.mask_is_key_interval):
-            apply_to_scores(self.variant, s_mn, tScS_mn, tile.ctx, row0, col0, packed, tile.softmax_scale, True)
-        else:
-            # The score modifier through the shared helper; the mask below, per row.
-            apply_to_scores(self.variant, s_mn, tScS_mn, tile.ctx, row0, col0, packed, tile.softmax_scale, False)
-            if cutlass.const_expr(masked):
-                self._mask_row(s_mn, tScS_mn, tile.ctx, row0, col0)
+        apply_to_scores(self.variant, s_mn, tScS_mn, tile.ctx, row0, col0, packed, tile.softmax_scale, masked)
         row_scale = softmax.step(cute.make_tensor(tSrS.iterator, cute.composition(tSrS.layout, acc_view)))
         if j > 0:
             sStats[tidx, 0, s] = row_scale[0]
@@ -763,29 +756,6 @@ class FlashAttnFwdSm100:
             cute.copy(thr_store, tSrP32[None, None, i], tStP_r2t[None, None, i])
         cute.arch.fence_view_async_tmem_store()
         bars.arrive("p_full", s)
-
-    @cute.jit
-    def _mask_row(self, s_mn, tScS_mn, ctx, row0, col0):
-        """Sequence end and mask of one thread's row, for a variant whose kept keys are
-        the interval ``key_range(q, q)``: two bounds per row, then one compare of each
-        (static) column against them, with no per-element index arithmetic."""
-        q_idx = query_of_row(row0 + tScS_mn[0, 0][0], self.qhead_per_kvhead_packed)
-        lo, hi = self.variant.key_range(q_idx, q_idx, ctx)
-        hi_rel = ctx.seqlen_k - col0
-        if cutlass.const_expr(hi is not None):
-            hi_rel = cutlass.min(hi_rel, hi - col0)
-        lo_rel = Int32(0)
-        if cutlass.const_expr(lo is not None):
-            lo_rel = lo - col0
-        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-            col = tScS_mn[0, c][1]
-            s = s_mn[0, c]
-            drop = col >= hi_rel
-            if cutlass.const_expr(lo is not None):
-                drop = drop or col < lo_rel
-            if drop:
-                s = -Float32.inf
-            s_mn[0, c] = s
 
     # -----------------------------------------------------------------------------------
     # Correction warpgroup (and epilogue)

@@ -18,8 +18,8 @@ from . import config
 
 NAME = "sm90"
 HEAD_DIMS = (64, 96, 128, 192, 256)
-# One CTA per SM (the tiles take most of the 227 KB of shared memory and the register
-# file); a last wave 95% full, as for SM80.
+# One CTA per SM (the prefill tiles take most of the 227 KB of shared memory and the
+# register file; 16-bit decode tiles: config.decode_two_ctas); a last wave 95% full, as for SM80.
 _CTAS_PER_SM = 1
 _SPLIT_TOLERANCE = 0.95
 
@@ -66,12 +66,16 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
                               page_size=problem.page_size or None, override=tuning.sm90_tile,
                               batch_invariant=problem.batch_invariant)
     ctas_per_sm = _CTAS_PER_SM
+    sixteen_bit = not problem.kv_fp8 and not problem.qkv_fp8
+    if sixteen_bit and rows <= 64 and not problem.batch_invariant and not tuning.sm90_tile:
+        tile, ctas_per_sm = config.decode_two_ctas(problem.d, problem.d_v, tile)
     if problem.kv_fp8:
         decode = rows <= 64 and not problem.batch_invariant and not tuning.sm90_tile
         tile = config.fp8_tile(problem.d, problem.d_v, tile, tile[2] if tuning.sm90_tile else 4, decode)
         # Two CTAs per SM where measured: decode tiles, and tuning sweeps.
         if decode or tuning.sm90_tile:
             ctas_per_sm = config.fp8_ctas_per_sm(problem.d, problem.d_v, tile)
+    ctas_per_sm = config.override_ctas(tuning.sm90_tile) or ctas_per_sm
     if problem.qkv_fp8:
         tile = config.fp8_qkv_tile(problem.d, problem.d_v, tile, problem.page_size, problem.causal or problem.local,
                                    measured=not tuning.sm90_tile and not problem.batch_invariant)

@@ -20,7 +20,8 @@ def select_tile(d: int, dv: int, rows_per_kv_head: int, *, causal: bool = False,
     """(tile_m, tile_n, num_stages, ex2_emulate_every). tile_m / 64 consumer warpgroups,
     each holding a 64 x tile_n S, its P and a 64 x d_v O in registers; stages of K and V
     in smem; every ex2_emulate_every-th exponential on the FMA pipe (0: none).
-    ``override`` "m,n,stages[,ex2]" (``tuning.Tuning.sm90_tile``) replaces it (tuning sweeps).
+    ``override`` "m,n,stages[,ex2[,ctas]]" (``tuning.Tuning.sm90_tile``) replaces it (tuning
+    sweeps; ``ctas``: ``override_ctas``).
     With a paged cache, tile_n divides the page size where a divisor >= 64 exists (one TMA
     per block, inside one page); other page sizes keep the tile and gather rows
     (``gathers_kv``). ``batch_invariant``: tile_n depends on the head dims, the window and
@@ -28,7 +29,7 @@ def select_tile(d: int, dv: int, rows_per_kv_head: int, *, causal: bool = False,
     decode tile takes the prefill tile's n, and no exponential moves to the FMA pipe (it
     would only in unmasked blocks, and which blocks a tile masks depends on its rows)."""
     if override:
-        m, n, s, *e = (int(x) for x in override.split(","))
+        m, n, s, *e = (int(x) for x in override.split(",")[:4])
         return m, n, s, (e[0] if e and not batch_invariant else 0)
     dmax = max(d, dv)
     if dmax <= 64:
@@ -42,7 +43,8 @@ def select_tile(d: int, dv: int, rows_per_kv_head: int, *, causal: bool = False,
     else:
         tile = (128, 64, 2)  # 64 measured faster than 80 on the H200 (690 vs 675 TFLOP/s, b4 s8192)
     if rows_per_kv_head <= 64:
-        # Decode-shaped: one consumer warpgroup, deeper KV pipeline (more bytes in flight).
+        # Decode-shaped: one consumer warpgroup, deeper KV pipeline (more bytes in flight);
+        # 16-bit K/V: ``decode_two_ctas``.
         tile = (64, 128, 3) if dmax <= 128 else (64, tile[1] if batch_invariant else 80, 2)
     if page_size is not None:
         m, n, s = tile
@@ -51,6 +53,28 @@ def select_tile(d: int, dv: int, rows_per_kv_head: int, *, causal: bool = False,
     while s > 2 and smem_bytes(d, dv, m, n, s) > SMEM_LIMIT:
         s -= 1
     return m, n, s, 0
+
+
+def decode_two_ctas(d: int, dv: int, tile: tuple) -> tuple:
+    """(tile, CTAs per SM) of a 16-bit decode tile (``select_tile``'s, tile_m 64): for d <=
+    128, (64, 64, 2), two CTAs per SM (it fits twice with 3 KB of mbarriers and alignment
+    besides ``smem_bytes``), so that one CTA's softmax and wgmma chain runs while the
+    other's loads wait. H200, b64 x 4096 h32 d128, TB/s (64, 64, 2) two CTAs against (64,
+    128, 3) one CTA, same run (``bench_paged_decode.py``): 8 KV heads contiguous 4.217 /
+    4.116 (FA4 4.159), page 16 4.165 / 4.085, page 64 4.190 / 4.175; 32 KV heads contiguous
+    4.463 / 4.457, page 1 4.169 / 4.103, 16 4.302 / 4.233, 64 4.478 / 4.442, 128 4.464 /
+    4.455. (64, 80, 2) two CTAs: within 1.5% of (64, 64, 2)."""
+    if tile[0] != 64 or max(d, dv) > 128:
+        return tile, 1
+    two = (64, 64, 2, tile[3])
+    assert smem_bytes(d, dv, *two[:3]) + 3072 <= TWO_CTAS_SMEM
+    return two, 2
+
+
+def override_ctas(override: Optional[str]) -> int:
+    """CTAs per SM a tile override names (its fifth field; 0: the planner's choice)."""
+    parts = override.split(",") if override else []
+    return int(parts[4]) if len(parts) > 4 else 0
 
 
 def fp8_smem_bytes(d: int, dv: int, tile_m: int, tile_n: int, stages: int) -> int:
