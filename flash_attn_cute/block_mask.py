@@ -11,15 +11,16 @@ the device, in chunks) and keeps, per (batch, head, ``block_size`` query rows):
 Both are exact to the key, so they hold for any kernel tile: a kernel visits only the
 KV blocks meeting [lo, hi) (``UserVariant.key_range``) and skips the per-element
 predicate on the blocks inside [full_lo, full_hi) (``unmasked_key_range``); blocks in
-between take the predicate.
+between take the predicate. An empty block between two kept ones (a mask with holes)
+is visited under the predicate: correct, not skipped. ``block_states`` records every
+(query block, key block) tile as empty (0), partial (1) or full (2) for inspection.
 
 Where every query row keeps one interval of keys (a document mask, a prefix, a window:
 checked on every row), ``row_bounds`` holds each row's [lo, hi) and the kernels mask those
 blocks with two compares per score instead of calling the ``mask_mod`` (a document mask
 calls it with two aux loads per score). H200, b4 s8192 h16 d128 causal, documents of 1000
-tokens (``bench_variants.py``): see ``benchmarks/RESULTS.md``, section User variants. An empty block between two kept ones (a mask with holes)
-is visited under the predicate: correct, not skipped. ``block_states`` records every
-(query block, key block) tile as empty (0), partial (1) or full (2) for inspection.
+tokens (``bench_variants.py``): 293.9 TFLOP/s against 273 by the predicate
+(``benchmarks/RESULTS.md``, section "Issue 17, sixth session").
 """
 
 from __future__ import annotations
