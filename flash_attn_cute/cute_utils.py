@@ -31,6 +31,12 @@ def fake_tensor(dtype, rank: int, *, align: int = 16, shape=None, contiguous_las
     return cute.runtime.make_fake_tensor(dtype, sizes, strides, assumed_align=align)
 
 
+def kernel_out_dtype(dtype, is_split: bool):
+    """The forward kernels' output dtype (the DSL side of ``problems.out_dtype``): split
+    partials are fp32; FP8 queries give a bf16 output; otherwise the query's dtype."""
+    return cutlass.Float32 if is_split else (cutlass.BFloat16 if dtype.width == 8 else dtype)
+
+
 def fake_fwd_tensors(dtype, d: int, dv: int, *, is_split: bool, has_lse: bool, varlen_q: bool, varlen_k: bool,
                      has_seqused_k: bool, paged: bool, has_seqused_q: bool, has_sink: bool, kv_dtype=None) -> tuple:
     """The forward kernels' tensor arguments as fake tensors, in their order: mQ, mK, mV,
@@ -44,7 +50,7 @@ def fake_fwd_tensors(dtype, d: int, dv: int, *, is_split: bool, has_lse: bool, v
     q_rank = 3 if varlen_q else 4
     kv_rank = 3 if (varlen_k and not paged) else 4
     split_mode = (None,) if is_split else ()
-    out_dtype = cutlass.Float32 if is_split else (cutlass.BFloat16 if dtype.width == 8 else dtype)
+    out_dtype = kernel_out_dtype(dtype, is_split)
     int_vec = lambda rank: fake_tensor(cutlass.Int32, rank, align=4)
     return (
         fake_tensor(dtype, q_rank, shape=(None,) * (q_rank - 1) + (d,)),

@@ -17,7 +17,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from flash_attn_cute.block_info import BlockInfo
-from flash_attn_cute.cute_utils import CUTE_DTYPE_BY_NAME, compile_fwd
+from flash_attn_cute.cute_utils import CUTE_DTYPE_BY_NAME, compile_fwd, kernel_out_dtype
 from flash_attn_cute.keys import parse_key
 from flash_attn_cute.pack_gqa import packed_lse_rows, packed_rows, query_and_head_of_row
 from flash_attn_cute.seqlen_info import SeqlenInfo
@@ -108,8 +108,7 @@ def set_fwd_config(kernel, dtype, head_dim: int, head_dim_v: int, variant: Atten
     ``split_blocks`` > 0: split s covers the absolute KV blocks [s * split_blocks, (s + 1) *
     split_blocks) (batch invariant, ``BlockInfo``); 0: even splits of each tile's range."""
     kernel.dtype = dtype
-    # Split partials are fp32; FP8 queries give a bf16 output.
-    kernel.out_dtype = Float32 if is_split else (cutlass.BFloat16 if dtype.width == 8 else dtype)
+    kernel.out_dtype = kernel_out_dtype(dtype, is_split)
     kernel.head_dim = head_dim
     kernel.head_dim_v = head_dim_v
     kernel.variant = variant

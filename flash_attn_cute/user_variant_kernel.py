@@ -57,10 +57,10 @@ class UserVariant(AttentionVariant):
         self.has_score_mod = spec.score_mod is not None
         self.has_mask = base_mask is not None or spec.mask_mod is not None
         # A block mask with row bounds (over a causal / local base mask or none) keeps one
-        # key interval per row: the kernels mask by two bounds per row (``row_interval``);
-        # otherwise element by element (mask_mod).
-        self.row_bounds = spec.row_bounds and (base_mask is None or base_mask.mask_is_key_interval)
-        self.mask_is_key_interval = self.row_bounds
+        # key interval per row: the kernels mask by two bounds per row (``row_interval``,
+        # ``variants.apply_to_scores``); otherwise element by element (``mask``).
+        assert base_mask is None or base_mask.mask_is_key_interval
+        self.mask_is_key_interval = spec.row_bounds
 
     def key(self) -> tuple:
         return self.spec.key + ((self.base.key(),) if self.base is not None else ())
@@ -81,9 +81,6 @@ class UserVariant(AttentionVariant):
         return cutlass.Float32(out)
 
     def mask(self, q_idx, k_idx, head, ctx):
-        if self.row_bounds:
-            lo, hi = self.row_interval(q_idx, head, ctx)
-            return (k_idx >= lo) & (k_idx < hi)
         keep = None
         if self.base is not None:
             keep = self.base.mask(q_idx, k_idx, head, ctx)
@@ -96,7 +93,7 @@ class UserVariant(AttentionVariant):
 
     def row_interval(self, q_idx, head, ctx):
         """The base mask's interval of the row intersected with the block mask's row bounds
-        (``row_bounds`` only)."""
+        (``spec.row_bounds`` only)."""
         lo, hi = (None, None) if self.base is None else self.base.row_interval(q_idx, head, ctx)
         table = ctx.block_ranges
         return _intersect(lo, hi, table[ctx.batch, head, q_idx, 4], table[ctx.batch, head, q_idx, 5])

@@ -73,23 +73,25 @@ def test_mla_compiles_and_sass(artifacts, arch):
 # consumers hold O 128 + S 16 + P 8 of their 232 registers).
 SM90_CONFIGS = [("bf16", 64, False, False, False, 0), ("fp16", 128, True, True, True, 0),
                 ("bf16", 16, True, False, True, 0), ("bf16", 64, True, True, True, 128)]
+SM90_MODES = [(32, 4, "seesaw"), (32, 3, "split"), (32, 4, "one")]
 SM90_SASS_EXPECT = ["HGMMA.64x32x16.F32", "HGMMA.64x256x16.F32", "LDGSTS", "MUFU.EX2", "SYNCS", "USETMAXREG"]
 
 
 def test_mla_sm90_compiles_and_sass(tmp_path):
-    # Both Q K^T modes of the consumers ("one": warpgroup 0 computes S and shares P via
-    # smem; "split": halves summed via smem).
-    keys90 = [mla_key("sm90", "sm_90a", *c, (((32, 3, "split") if i % 2 else (32, 4, "one")),))
-              for i, c in enumerate(SM90_CONFIGS)]
+    # Every Q K^T mode of the consumers ("seesaw": the warpgroups take turns computing S;
+    # "one": warpgroup 0 computes S and shares P via smem; "split": halves summed via smem).
+    keys90 = [mla_key("sm90", "sm_90a", *c, (SM90_MODES[i % len(SM90_MODES)],)) for i, c in enumerate(SM90_CONFIGS)]
     entries = [(f"k{i}", "flash_attn_cute.sm90.mla:compile", k) for i, k in enumerate(keys90)]
     out_dir, seconds = compile_entries("sm_90a", entries, tmp_path)
     print("\nmla sm90 sm_90a: " + ", ".join(f"{v:.1f}s" for v in seconds.values()))
     check_artifacts(out_dir, keys90, "sm_90a", SM90_SASS_EXPECT, 0)
     # ptxas serialises every wgmma of a kernel (a wait after each HGMMA, info C7513) when
-    # registers a wgmma reads are rewritten while it may run: a handful of waits, never ~78.
+    # registers a wgmma reads are rewritten while it may run, or when a wgmma is issued
+    # under a branch ("seesaw": 124 waits then): a handful of waits (13 "seesaw", 5 "one"),
+    # never ~78.
     for i, key in enumerate(keys90):
         sass = next((out_dir / f"k{i}").glob("*.sass")).read_text()
-        assert sass.count("WARPGROUP.DEPBAR") <= 8, ("wgmma serialised", key)
+        assert sass.count("WARPGROUP.DEPBAR") <= 16, ("wgmma serialised", key)
 
 
 def test_stages_and_override():
@@ -115,7 +117,7 @@ FP8_SPILL_BOUND = 32
 
 def test_mla_fp8_compiles_and_sass(tmp_path):
     keys8 = [mla_key("sm80", "sm_90a", *c, (mla_stages_for("sm_90a", fp8=True), MLA_FP8_STAGING)) for c in FP8_CONFIGS]
-    keys8 += [mla_key("sm90", "sm_90a", *c, (((32, 2, "split", 2) if i % 2 else (32, 3, "one", 2)),))
+    keys8 += [mla_key("sm90", "sm_90a", *c, (((32, 2, "split", 2) if i % 2 else (32, 3, "seesaw", 2)),))
               for i, c in enumerate(FP8_CONFIGS)]
     entries = [(f"k{i}", f"flash_attn_cute.{k[0][4:]}.mla:compile", k) for i, k in enumerate(keys8)]
     out_dir, seconds = compile_entries("sm_90a", entries, tmp_path)

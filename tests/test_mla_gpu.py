@@ -7,8 +7,8 @@ batch and the number of splits are runtime values. So each case below sweeps pag
 and ragged lengths inside one key, and the keys are a curated list (every nheads once,
 causal x split x lse on 64 heads, fp16 on 128 heads). ``out=`` is poisoned with NaN so a
 row the kernel forgets fails; the allocate path must then be bit-identical. The SM90 key
-adds the consumers' Q K^T mode (FLASH_ATTN_CUTE_MLA_SM90_QK: "one" or "split"; run the
-file once per mode to test both).
+adds the consumers' Q K^T mode (FLASH_ATTN_CUTE_MLA_SM90_QK: "seesaw", the default, "one" or
+"split"; run the file once per mode to test each).
 """
 
 import math

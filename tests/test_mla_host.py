@@ -184,16 +184,18 @@ def test_sm90_seam_key_roles_and_selection(monkeypatch):
     assert plan.backend == "sm90" and plan.num_splits == 3
     default = sm90.compile_key(p, plan, "sm_90a")
     assert default[:8] == ("mla_sm90", "sm_90a", "bf16", 128, True, True, True, 0)
-    assert default[8] == (32, 4, "one") and plan.config == (32, 4, "one", 0, 0)
+    assert default[8] == (32, 4, "seesaw") and plan.config == (32, 4, "seesaw", 0, 0)
+    one = sm90.plan(p, 3, None, None, tuning=Tuning(mla_sm90_qk="one"))
+    assert sm90.compile_key(p, one, "sm_90a")[8] == (32, 4, "one")
     split = sm90.plan(p, 3, None, None, tuning=Tuning(mla_sm90_qk="split"))
     assert sm90.compile_key(p, split, "sm_90a")[8] == (32, 3, "split")
     inv = sm90.plan(p._replace(batch_invariant=True), 3, None, None)
     assert inv.config.split_blocks == 128 and inv.num_splits == 8 and sm90.compile_key(p, inv, "sm_90a")[7] == 128
-    assert sm90.plan(p, 3, None, None, tuning=Tuning(mla_sm90_qk="one")) == plan
+    assert sm90.plan(p, 3, None, None, tuning=Tuning(mla_sm90_qk="seesaw")) == plan
     # An FP8 cache: "bf16/e4m3", two fp8 staging tiles in the key, one 16-bit stage fewer.
     p8 = p._replace(kv_dtype=torch.float8_e4m3fn)
     key8 = sm90.compile_key(p8, sm90.plan(p8, 3, None, None), "sm_90a")
-    assert key8[2] == "bf16/e4m3" and key8[8] == (32, 3, "one", 2)
+    assert key8[2] == "bf16/e4m3" and key8[8] == (32, 3, "seesaw", 2)
     split8 = sm90.plan(p8, 3, None, None, tuning=Tuning(mla_sm90_qk="split"))
     assert sm90.compile_key(p8, split8, "sm_90a")[8] == (32, 2, "split", 2)
     with pytest.raises(ValueError, match="MLA_SM90_QK"):
@@ -212,7 +214,9 @@ def test_sm90_seam_key_roles_and_selection(monkeypatch):
         fwd.select_backend(None, p, "cuda:0")
     # roles: the register pool and 227 KB of shared memory bound them
     assert MlaRoles().threads == 384 and MlaRoles().o_cols == 256
-    assert MlaRoles().qk == "one" and MlaRoles().stages == 4
+    assert MlaRoles().qk == "seesaw" and MlaRoles().stages == 4
+    assert MlaRoles(qk="one").smem_bytes() <= MlaRoles().smem_bytes() <= 227 * 1024
+    assert MlaRoles().xchg_words == 64 * 8 + 512  # a correction and a max per row and stage; row sums
     assert MlaRoles(stages=3, qk="split").smem_bytes() <= 227 * 1024
     with pytest.raises(AssertionError):
         MlaRoles(qk="split")  # 4 stages + the S exchange: over 227 KB

@@ -82,7 +82,10 @@ def test_tuning_overrides_are_plan_arguments():
     window = _problem(window_left=512)
     assert sm90.plan(window, 1, None, None).config.persistent
     assert not sm90.plan(window, 1, None, None, tuning=Tuning(sm90_persistent="0")).config.persistent
-    assert sm90.plan(p, 1, None, None, tuning=Tuning(sm90_persistent="1")).config.persistent
+    causal = _problem(causal=True, window_right=0)
+    assert sm90.plan(causal, 1, None, None, tuning=Tuning(sm90_persistent="1")).config.persistent
+    # Non-causal d128 (128 x 176): two stages and a separate O buffer do not fit; "1" keeps it.
+    assert not sm90.plan(p, 1, None, None, tuning=Tuning(sm90_persistent="1")).config.persistent
 
 
 def test_sm90_decode_tiles_and_ctas_per_sm():
@@ -104,6 +107,20 @@ def test_sm90_decode_tiles_and_ctas_per_sm():
     tuned = sm90.plan(decode, 1, None, 132, tuning=Tuning(sm90_tile="64,80,2,0,2")).config
     assert tuned[:3] == (64, 80, 2) and tuned.ctas_per_sm == 2
     assert sm90.plan(decode, 1, None, 132, tuning=Tuning(sm90_tile="64,128,3")).config.ctas_per_sm == 1
+
+
+def test_sm90_prefill_tiles():
+    """d128 16-bit prefill: 128 x 176 (FA3's C++ tile) only where nothing masks or modifies
+    the scores (measured faster there, not under causal); 128 x 128 otherwise."""
+    plain = _problem(causal=False, window_right=-1)
+    assert sm90.plan(plain, 1, None, 132).config[:3] == (128, 176, 2)
+    for other in (_problem(causal=True, window_right=0), _problem(causal=False, window_right=-1, softcap=30.0),
+                  _problem(causal=False, window_left=256, window_right=0),
+                  _problem(causal=False, window_right=-1, d=96, d_v=96),
+                  _problem(causal=False, window_right=-1, kv_dtype=torch.float8_e4m3fn)):
+        assert sm90.plan(other, 1, None, 132).config[1] != 176, other
+    # A paged cache takes the largest multiple of 16 that divides its pages.
+    assert sm90.plan(plain._replace(page_size=256, has_seqused_k=True), 1, None, 132).config[:2] == (128, 128)
 
 
 def test_env_knobs_are_read_at_the_edge(monkeypatch):

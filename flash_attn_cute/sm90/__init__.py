@@ -62,14 +62,16 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     kernel's tile and one CTA per SM; batch invariant: fixed keys per split, ``num_splits``
     ignored), row gathers for paged caches, persistence."""
     pack_gqa, rows = plan_rows(problem, pack_gqa)
+    sixteen_bit = not problem.kv_fp8 and not problem.qkv_fp8
+    # Plain 16-bit attention: no mask, no softcap, no user variant (``select_tile``).
+    plain = sixteen_bit and not (problem.causal or problem.local or problem.softcap or problem.variant is not None)
     tile = config.select_tile(problem.d, problem.d_v, rows, causal=problem.causal, local=problem.local,
                               page_size=problem.page_size or None, override=tuning.sm90_tile,
-                              batch_invariant=problem.batch_invariant)
+                              batch_invariant=problem.batch_invariant, plain=plain)
     ctas_per_sm = _CTAS_PER_SM
     # The CTAs per SM the split heuristic counts: the 16-bit two-CTA decode tile is split as
     # for one (H200 b1 x 131072 h32/8 d128: 16 splits 139.1 us, 32 splits, two a SM, 142.4).
     split_ctas = None
-    sixteen_bit = not problem.kv_fp8 and not problem.qkv_fp8
     if sixteen_bit and rows <= 64 and not problem.batch_invariant and not tuning.sm90_tile:
         tile, ctas_per_sm = config.decode_two_ctas(problem.d, problem.d_v, tile)
         split_ctas = 1

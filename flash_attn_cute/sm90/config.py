@@ -16,7 +16,8 @@ def smem_bytes(d, dv, tile_m, tile_n, stages, elem=2):
 
 
 def select_tile(d: int, dv: int, rows_per_kv_head: int, *, causal: bool = False, local: bool = False,
-                page_size: Optional[int] = None, override: Optional[str] = None, batch_invariant: bool = False):
+                page_size: Optional[int] = None, override: Optional[str] = None, batch_invariant: bool = False,
+                plain: bool = False):
     """(tile_m, tile_n, num_stages, ex2_emulate_every). tile_m / 64 consumer warpgroups,
     each holding a 64 x tile_n S, its P and a 64 x d_v O in registers; stages of K and V
     in smem; every ex2_emulate_every-th exponential on the FMA pipe (0: none).
@@ -27,7 +28,11 @@ def select_tile(d: int, dv: int, rows_per_kv_head: int, *, causal: bool = False,
     (``gathers_kv``). ``batch_invariant``: tile_n depends on the head dims, the window and
     the page size alone (rows_per_kv_head depends on max_seqlen_q, i.e. on the batch): the
     decode tile takes the prefill tile's n, and no exponential moves to the FMA pipe (it
-    would only in unmasked blocks, and which blocks a tile masks depends on its rows)."""
+    would only in unmasked blocks, and which blocks a tile masks depends on its rows).
+    ``plain``: 16-bit attention without a mask (causal, window, user mask), softcap or score
+    mod: d = d_v = 128 takes FA3's (C++) 128 x 176 tile (H200, b4 s8192 h16, with the deferred O rescale:
+    652.6 against 640.1 TFLOP/s at 128 x 128, same run; causal has no gain: 594.6 against
+    598.3, ``bench_tiles.py --sm90``)."""
     if override:
         m, n, s, *e = (int(x) for x in override.split(",")[:4])
         return m, n, s, (e[0] if e and not batch_invariant else 0)
@@ -35,7 +40,7 @@ def select_tile(d: int, dv: int, rows_per_kv_head: int, *, causal: bool = False,
     if dmax <= 64:
         tile = (192, 128, 2)
     elif dmax <= 128:
-        tile = (128, 128, 2)
+        tile = (128, 176 if plain and d == dv == 128 else 128, 2)
     elif d <= 192 and dv <= 128:
         tile = (128, 96 if local else 128, 2)
     elif dmax <= 192:
@@ -235,7 +240,7 @@ class WarpRoles(WarpgroupRoles):
         return WarpRoles(num_consumer_wgs, *regs, gather_kv, transpose_v)
 
 
-QK_MODES = ("one", "split")
+QK_MODES = ("one", "split", "seesaw")
 
 
 @dataclass(frozen=True)
@@ -254,9 +259,13 @@ class MlaRoles(WarpgroupRoles):
     #   through shared memory; 4 stages. See the module docstring.
     # "split": each computes S over half of the k16 slices and the fp32 halves are summed
     #   through a 2 x 2 x 8 KB exchange; both run the softmax; 3 stages.
+    # "seesaw" (FlashMLA's schedule): the warpgroups take turns, tile by tile, computing S
+    #   and the softmax; each publishes P, its row corrections and row maxima through shared
+    #   memory, and both add every tile's P V to their halves of O; 4 stages.
     # H200, 2026-11-29, bf16, 64 heads, page 1: "one" 3.06 against 2.96 TB/s at 768 x 2048,
-    # 3.08 against 2.94 at 768 x 1024 (both modes pass every GPU test).
-    qk: str = "one"
+    # 3.08 against 2.94 at 768 x 1024 (both modes pass every GPU test); "seesaw" against
+    # "one": ``sm90/mla.py`` (DEFAULT_QK_MODE).
+    qk: str = "seesaw"
     # An FP8 cache: the producer gathers fp8 tiles into staging buffers this deep (each
     # thread its own chunks), then widens its chunks into the 16-bit stages; 0: 16 bits.
     fp8_stages: int = 0
@@ -270,7 +279,17 @@ class MlaRoles(WarpgroupRoles):
         """fp32 words exchanged between the consumer warpgroups. "split": S per thread x 128
         threads x 2 warpgroups x 2 buffers. "one": a row correction per row and stage, then
         the final 1 / row sum."""
-        return 4 * self.tile_m * self.tile_n if self.qk == "split" else self.tile_m * (self.stages + 1)
+        if self.qk == "split":
+            return 4 * self.tile_m * self.tile_n
+        # "seesaw": then each thread's row sums, both warpgroups (2 rows a thread).
+        return self.tile_m * self.row_cols + (2 * 128 * 2 if self.qk == "seesaw" else 0)
+
+    @property
+    def row_cols(self) -> int:
+        """Per-row fp32 values exchanged ("one", "seesaw"; ``sXchg`` as (tile_m, row_cols)):
+        a correction per stage, then "one": the final 1 / row sum, "seesaw": a row max per
+        stage."""
+        return self.stages + 1 if self.qk == "one" else 2 * self.stages
 
     def smem_bytes(self, elem: int = 2) -> int:
         """Q, the stages, the fp8 staging, the exchange, and 4 KB for the mbarriers and alignment."""

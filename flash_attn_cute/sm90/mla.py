@@ -25,7 +25,11 @@ _CTAS_PER_SM = 1
 _SPLIT_TOLERANCE = 0.9
 # "one" against "split", H200, 2026-11-29, bf16, 64 heads, page 1 (kernel times): 627
 # against 665 us at 768 x 2048, 337 against 354 at 768 x 1024, equal below one wave.
-DEFAULT_QK_MODE = "one"
+# "seesaw" against "one", H200, 2026-12-01, bench_mla.py (same run), TB/s: 128 heads 32 x
+# 8192 page 64 1.763 / 1.687, 16 heads 256 x 4096 page 64 3.558 / 3.409, 768 x 2048 3.041
+# / 3.023, the small rows within 1.2%; the consumers alone (no gathers) 4.33 against 3.80
+# at 768 x 2048, so what bounds both now is the bytes the stages keep in flight.
+DEFAULT_QK_MODE = "seesaw"
 
 
 class MlaSm90Config(NamedTuple):
@@ -45,17 +49,18 @@ def check(problem: MlaProblem) -> Optional[str]:
 
 
 def roles(qk: Optional[str] = None, fp8: bool = False, fp8_stages: Optional[str] = None) -> MlaRoles:
-    """The kernel's static roles for a Q K^T mode: "one" (warpgroup 0 computes S and hands P
-    to warpgroup 1 through smem; 4 stages of 32 keys) or "split" (each half of the K
-    slices, summed through smem; 3 stages). None: ``DEFAULT_QK_MODE``. An FP8 cache
+    """The kernel's static roles for a Q K^T mode: "seesaw" (the warpgroups take turns
+    computing S, tile by tile; 4 stages of 32 keys), "one" (warpgroup 0 computes S and
+    hands P to warpgroup 1 through smem; 4 stages) or "split" (each half of the K slices,
+    summed through smem; 3 stages). None: ``DEFAULT_QK_MODE``. An FP8 cache
     (``fp8``) takes two fp8 staging tiles (36 KB) from the 16-bit stages: 3, resp. 2
     (``fp8_stages`` "s,s8", ``tuning.mla_fp8_stages``, overrides both depths)."""
     mode = qk or DEFAULT_QK_MODE
     if mode not in QK_MODES:
         raise ValueError(f"FLASH_ATTN_CUTE_MLA_SM90_QK={mode}: one of {QK_MODES}")
     if not fp8:
-        return MlaRoles() if mode == "one" else MlaRoles(stages=3, qk="split")
-    stages, staging = fp8_stages_override(fp8_stages) or ((3, 2) if mode == "one" else (2, 2))
+        return MlaRoles(qk=mode) if mode != "split" else MlaRoles(stages=3, qk="split")
+    stages, staging = fp8_stages_override(fp8_stages) or ((3, 2) if mode != "split" else (2, 2))
     r = None
     try:  # MlaRoles asserts its shared memory fits; checked here too (python -O drops asserts)
         r = mla_roles(32, stages, mode, staging)

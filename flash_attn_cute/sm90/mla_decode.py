@@ -26,8 +26,16 @@ Roles (``MlaRoles``; setmaxnreg budgets sum to 504 of the 512 a 384-thread CTA m
   sequence end re-read the last valid key (finite data, in L2): their scores are masked
   to -inf, so P is exactly 0 against finite V and no 0 * NaN can reach O. Each thread
   signals the stage's full mbarrier with a cp.async arrive (``PipelineCpAsync``).
-- warpgroups 1-2, the **consumers** (232 registers each), in the default ``qk="one"``
-  (the split of FlashInfer's fa3 MLA kernel, with our separate producer):
+- warpgroups 1-2, the **consumers** (232 registers each). In the default ``qk="seesaw"``
+  (FlashMLA's schedule) they take turns: warpgroup 0 computes S and the softmax of the
+  even tiles, warpgroup 1 of the odd ones, each issuing S of its next tile before it waits
+  for the other's P, so one's S runs under the other's softmax. The owner of a tile
+  publishes P (over the stage's kpe rows, as below), its row corrections and its row
+  maxima (the other adopts them: both keep the same running max, each sums only its own
+  tiles' P, and the two row sums are added at the end); both add every tile's P V to
+  their 256 columns (SS wgmma). See ``seesaw``.
+  With ``qk="one"`` (the split of FlashInfer's fa3 MLA kernel, with our separate
+  producer):
   - the **S warpgroup** (consumer 0) computes all of S (36 SS wgmma 64x32x16: Q and the
     stage), masks it (``apply_to_scores``), runs the online softmax, and publishes P
     (16-bit, stmatrix) with the 64 row corrections O owes before it (fp32, ``sXchg``);
@@ -85,6 +93,18 @@ peak (68%), tensor pipe 44% (41%), issue slots 35%; the largest stall is long
 scoreboard (3.4 of 8.0 cycles between issues). The fourth stage bought 5 to 7%, not the
 gap to FlashInfer: next suspects are the producer's gather issue rate (one dependent
 page lookup per row) and TMA for page sizes >= 32.
+
+2026-12-01 (H200, same runs): the consumers alone (gathers skipped) reach 3.80 TB/s at 768
+x 2048 with "one", 4.33 with "seesaw" (128 heads 32 x 8192 page 64: 417 and 484 TFLOP/s);
+the producer alone (consumers release at once) 4.01 / 3.95 TB/s (3.16 at 128 heads). The
+whole kernel: 3.04 / 3.02 TB/s, 1.76 / 1.69 at 128 heads ("seesaw" / "one"). Neither side
+bounds it: the consumers hold three of the four stages (S of the next tile, the current P
+V, the previous one landing), so one 37 KB stage is in flight against HBM's latency (ncu,
+"seesaw" 768 x 2048: DRAM 72%, tensor pipe 44%, long scoreboard 3.2 of the stalls per
+issue, the producer's). Page lookups a tile ahead changed nothing (3.19 against 3.20);
+bulk L2 prefetches of the rows two or four tiles ahead (``cp.async.bulk.prefetch.L2``, a
+row per instruction) halved it (1.69 / 1.53 TB/s). Next: more bytes in flight, e.g.
+FlashMLA's release of a stage's V halves as each warpgroup's P V lands.
 """
 
 from dataclasses import dataclass
@@ -197,7 +217,7 @@ class MlaDecodeSm90:
         # wrote P and the row corrections. Its empty side is never used: the stage's KV
         # release already orders the next write (see ``publish_p``).
         pipeline_p = None
-        if cutlass.const_expr(r.qk == "one"):
+        if cutlass.const_expr(r.qk != "split"):
             pipeline_p = pipeline.PipelineAsync.create(
                 barrier_storage=storage.mbar_p.data_ptr(), num_stages=r.stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
@@ -349,6 +369,11 @@ class MlaDecodeSm90:
         tile_s = tile.with_kv_descale(args)  # an FP8 cache: the scores carry kv_descale
         if cutlass.const_expr(r.qk == "split"):
             self.s_warpgroup(tile_s, ops, pipeline_kv, None, acc_O, lse, cidx)
+        elif cutlass.const_expr(r.qk == "seesaw"):
+            if wg_idx == 0:
+                self.seesaw(tile_s, ops, pipeline_kv, pipeline_p, acc_O, lse, cidx, True)
+            else:
+                self.seesaw(tile_s, ops, pipeline_kv, pipeline_p, acc_O, lse, cidx, False)
         elif wg_idx == 0:
             self.s_warpgroup(tile_s, ops, pipeline_kv, pipeline_p, acc_O, lse, cidx)
         else:
@@ -450,7 +475,7 @@ class MlaDecodeSm90:
             self.publish_p(ops, pipeline_p, state, acc_S, row_scale)
 
     @cute.jit
-    def publish_p(self, ops, pipeline_p, state, acc_S, row_scale):
+    def publish_p(self, ops, pipeline_p, state, acc_S, row_scale, row_max=None):
         """qk="one": P (16-bit) over the kpe rows of S's own stage, and the row corrections
         O owes before it, then one arrive per thread on the stage's P barrier. The kpe
         rows are free: S of this stage landed (wgmma waited), and only S reads them. They
@@ -462,6 +487,8 @@ class MlaDecodeSm90:
         convert_pairs(acc_S, rP)
         cute.copy(ops.thr_stsm, ops.thr_stsm.retile(rP), ops.tPsP[None, None, None, state.index])
         self.write_rows(ops, state.index, row_scale)
+        if cutlass.const_expr(row_max is not None):  # qk="seesaw": the other warpgroup adopts it
+            self.write_rows(ops, self.roles.stages + state.index, row_max)
         # Generic-proxy stores, read next by the other warpgroup's wgmma (async proxy).
         cute.arch.fence_view_async_shared()
         pipeline_p.producer_commit(state)
@@ -470,7 +497,7 @@ class MlaDecodeSm90:
     def write_rows(self, ops, col, vals):
         """sXchg[row, col] = vals[r] for this thread's rows (qk="one"): the four lanes of a
         row hold the same value, the one at column 0 writes it."""
-        sRows = cute.make_tensor(ops.sXchg.iterator, cute.make_layout((self.roles.tile_m, self.roles.stages + 1)))
+        sRows = cute.make_tensor(ops.sXchg.iterator, cute.make_layout((self.roles.tile_m, self.roles.row_cols)))
         if ops.tScS_mn[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(vals)):
                 sRows[ops.tScS_mn[r, 0][0], col] = vals[r]
@@ -479,7 +506,7 @@ class MlaDecodeSm90:
     def scale_rows(self, ops, acc_O, col):
         """O rows *= sXchg[row, col] (qk="one", the O warpgroup: thread t holds the rows
         thread t of the S warpgroup wrote)."""
-        sRows = cute.make_tensor(ops.sXchg.iterator, cute.make_layout((self.roles.tile_m, self.roles.stages + 1)))
+        sRows = cute.make_tensor(ops.sXchg.iterator, cute.make_layout((self.roles.tile_m, self.roles.row_cols)))
         o_mn = acc_mn_view(acc_O)
         for r in cutlass.range_constexpr(cute.size(ops.tScS_mn, mode=[0])):
             o_mn[r, None].store(o_mn[r, None].load() * sRows[ops.tScS_mn[r, 0][0], col])
@@ -508,6 +535,119 @@ class MlaDecodeSm90:
         self.scale_rows(ops, acc_O, self.roles.stages)
 
     @cute.jit
+    def seesaw(self, tile, ops, pipeline_kv, pipeline_p, acc_O, lse, cidx, first: cutlass.Constexpr[bool]):
+        """qk="seesaw": warpgroup 0 (``first``) computes S and the softmax of the even tiles,
+        warpgroup 1 of the odd ones, and both add every tile's P V to their halves of O.
+        Its own tile: S was issued a step early; wait for it, fold it into the statistics
+        (whose row max is already the previous tile's, ``adopt``), publish P, the row
+        corrections and maxima, rescale O and issue P V (``own_step``). The other's tile:
+        issue S of the next own tile first, so that its wgmma runs under the other
+        warpgroup's softmax, then wait for the other's P and statistics, apply them and
+        issue P V (``other_step``). Each step leaves its P V in flight; at an own step the
+        wgmma groups in flight are S(i), P V(i - 1) in that order, at an other step P V(i - 1),
+        S(i + 1). No wgmma issue is conditional (ptxas serialises every wgmma of the kernel
+        otherwise): past the last tile S is computed on a stale stage and dropped."""
+        r = self.roles
+        stats = OnlineSoftmax(cute.size(ops.tScS_mn, mode=[0]), Float32(tile.softmax_scale * LOG2_E))
+        n = tile.n_tiles
+        if n > 0:
+            acc_S = cute.make_rmem_tensor(ops.mma_qk.partition_shape_C((r.tile_m, r.tile_n)), Float32)
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, r.stages)
+            prev = state.clone()  # tile i - 1's stage, released once this warpgroup's P V of it landed
+            if cutlass.const_expr(first):
+                kv_wait(pipeline_kv, state, True)
+                self.issue_s(ops, acc_S, state.index)
+                self.own_step(tile, ops, pipeline_kv, pipeline_p, stats, acc_S, acc_O, state, prev, 0, 0)
+                prev = state.clone()
+                state.advance()
+            for p in cutlass.range((n - 1) // 2 if first else n // 2, unroll=1):
+                i = 2 * p + (1 if first else 0)
+                self.other_step(tile, ops, pipeline_kv, pipeline_p, stats, acc_S, acc_O, state, prev, i)
+                prev = state.clone()
+                state.advance()
+                self.own_step(tile, ops, pipeline_kv, pipeline_p, stats, acc_S, acc_O, state, prev, i + 1, 1)
+                prev = state.clone()
+                state.advance()
+            # The last tile is warpgroup 1's for an even count, else warpgroup 0's.
+            if n % 2 == (0 if first else 1):
+                self.other_step(tile, ops, pipeline_kv, pipeline_p, stats, acc_S, acc_O, state, prev, n - 1)
+                warpgroup.wait_group(0)
+                kv_release(pipeline_kv, state, True)
+            else:
+                warpgroup.wait_group(0)
+                kv_release(pipeline_kv, prev, True)
+        self.sum_row_sums(ops, stats, cidx)
+        stats.finalize(acc_O, lse)
+
+    @cute.jit
+    def own_step(self, tile, ops, pipeline_kv, pipeline_p, stats: OnlineSoftmax, acc_S, acc_O, state, prev, i,
+                 s_wait: cutlass.Constexpr[int]):
+        """qk="seesaw", tile i is this warpgroup's: S(i) (issued a step ago) into the
+        statistics, P(i) and its row corrections and maxima out, O rescaled, P V(i) issued.
+        ``s_wait``: the wgmma groups after S(i) (P V(i - 1); none at tile 0)."""
+        warpgroup.wait_group(s_wait)  # S(i) landed; P V(i - 1) may still run
+        row_scale = self.softmax(ops, tile, stats, acc_S, tile.n_block_max - 1 - i)
+        self.publish_p(ops, pipeline_p, state, acc_S, row_scale, stats.row_max)
+        if cutlass.const_expr(s_wait > 0):
+            warpgroup.wait_group(0)  # P V(i - 1) landed: O may be rescaled, its stage is free
+            kv_release(pipeline_kv, prev, True)
+        stats.rescale_o(acc_O, row_scale)
+        self.p_wait(pipeline_p, state)  # every warp's part of P
+        self.pv(ops, pipeline_p, acc_O, None, state, -1)
+
+    @cute.jit
+    def other_step(self, tile, ops, pipeline_kv, pipeline_p, stats: OnlineSoftmax, acc_S, acc_O, state, prev, i):
+        """qk="seesaw", tile i is the other warpgroup's: S(i + 1) issued, then the other's
+        P(i) and statistics applied and P V(i) issued."""
+        nxt = state.clone()
+        nxt.advance()
+        if i + 1 < tile.n_tiles:
+            kv_wait(pipeline_kv, nxt, True)
+        self.issue_s(ops, acc_S, nxt.index)
+        self.p_wait(pipeline_p, state)
+        warpgroup.wait_group(1)  # P V(i - 1) landed (S(i + 1) may still run)
+        if i > 0:
+            kv_release(pipeline_kv, prev, True)
+        self.adopt(ops, stats, acc_O, state.index)
+        kv_wait(pipeline_kv, state, True)  # landed long ago: the other warpgroup waited on it
+        self.pv(ops, pipeline_p, acc_O, None, state, -1)
+
+    @cute.jit
+    def issue_s(self, ops, acc_S, stage):
+        """S = Qn ckv^T + Qp kpe^T of one stage, one wgmma group (not waited)."""
+        n_slices, p_slices = cute.size(ops.tSrQn, mode=[2]), cute.size(ops.tSrQp, mode=[2])
+        self.issue_qk(ops, acc_S, stage, ((0, n_slices), (0, p_slices)))
+
+    @cute.jit
+    def adopt(self, ops, stats: OnlineSoftmax, acc_O, col):
+        """qk="seesaw": the other warpgroup's softmax step of the tile in stage ``col``: its
+        row max becomes ours, and O and our row sums take its correction."""
+        r = self.roles
+        sRows = cute.make_tensor(ops.sXchg.iterator, cute.make_layout((r.tile_m, r.row_cols)))
+        row_scale = cute.make_rmem_tensor((stats.num_rows,), Float32)
+        for m in cutlass.range_constexpr(stats.num_rows):
+            row = ops.tScS_mn[m, 0][0]
+            row_scale[m] = sRows[row, col]
+            stats.row_max[m] = sRows[row, r.stages + col]
+            stats.row_sum[m] = stats.row_sum[m] * row_scale[m]
+        stats.rescale_o(acc_O, row_scale)
+
+    @cute.jit
+    def sum_row_sums(self, ops, stats: OnlineSoftmax, cidx):
+        """qk="seesaw": each warpgroup summed only its own tiles' P (both at the final row
+        max): thread t of either holds the same rows, so the partial sums are exchanged
+        thread by thread through shared memory, behind one named barrier."""
+        r = self.roles
+        t, wg = cidx % 128, cidx // 128
+        sSums = cute.make_tensor(ops.sXchg.iterator + r.tile_m * r.row_cols,
+                                 cute.make_layout((stats.num_rows, 128, 2)))
+        for m in cutlass.range_constexpr(stats.num_rows):
+            sSums[m, t, wg] = stats.row_sum[m]
+        cute.arch.barrier(barrier_id=int(Sm90MlaBarrier.STATS), number_of_threads=r.consumer_threads)
+        for m in cutlass.range_constexpr(stats.num_rows):
+            stats.row_sum[m] = stats.row_sum[m] + sSums[m, t, 1 - wg]
+
+    @cute.jit
     def rescale_o(self, stats: OnlineSoftmax, acc_O, scale_carry):
         """O *= the carried correction (a method call on ``stats`` inside the loop body
         would make the DSL carry the Python object through the loop)."""
@@ -519,7 +659,7 @@ class MlaDecodeSm90:
         wgmma group; returns the accumulator, still in flight."""
         acc_S = cute.make_rmem_tensor(ops.mma_qk.partition_shape_C((self.roles.tile_m, self.roles.tile_n)), Float32)
         n_slices, p_slices = cute.size(ops.tSrQn, mode=[2]), cute.size(ops.tSrQp, mode=[2])
-        if cutlass.const_expr(self.roles.qk == "one"):
+        if cutlass.const_expr(self.roles.qk != "split"):
             self.issue_qk(ops, acc_S, stage, ((0, n_slices), (0, p_slices)))
         elif wg_idx == 0:
             self.issue_qk(ops, acc_S, stage, ((0, n_slices // 2), (0, 0)))
