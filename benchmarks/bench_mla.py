@@ -13,8 +13,8 @@ FlashInfer (``flashinfer.mla.BatchMLAPagedAttentionWrapper``, backends "fa3" and
 runs each row on the same tensors, planned once, timed the same way; where it does not
 import, its columns stay empty (on the GPU machine: ``../shared/gpu/README.md``).
 
-    python benchmarks/bench_mla.py [--backends sm80] [--dtype bf16] [--rows 0,5] [--fp8] [--no-peers]
-                                   [--csv out.csv] [--no-md]
+    python benchmarks/bench_mla.py [--backends sm80] [--dtype bf16] [--rows 0,5] [--fp8]
+                                   [--peers fa3,fa2 | --no-peers] [--csv out.csv] [--no-md]
 
 ``--fp8`` adds, after each 16-bit row, the same row over an FP8 (e4m3) latent cache (one
 ``kv_descale`` for ckv and kpe), timed in the same run: its TB/s counts the cache at one
@@ -53,6 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--rows", default="all", help="indices into the table (comma list)")
     p.add_argument("--fp8", action="store_true", help="also an FP8 (e4m3) cache row after each row")
+    p.add_argument("--peers", default=",".join(PEERS), help="FlashInfer backends to run (comma list)")
     p.add_argument("--no-peers", action="store_true", help="do not run FlashInfer")
     p.add_argument("--no-md", action="store_true")
     p.add_argument("--csv", default=None)
@@ -77,7 +78,7 @@ def row_bytes_flops(batch, seqlen, heads, cache_elem=2):
     return nbytes, 2 * batch * heads * seqlen * (576 + 512)
 
 
-def flashinfer_times(inputs, page, heads):
+def flashinfer_times(inputs, page, heads, peers=PEERS):
     """{peer: ms} of FlashInfer's MLA wrapper on the row's tensors (fa3, fa2), each planned
     once and timed as a CUDA-graph replay; {} where FlashInfer does not import, a peer that
     fails is left out (its error printed)."""
@@ -97,7 +98,7 @@ def flashinfer_times(inputs, page, heads):
     query = (q_nope[:, 0].contiguous(), q_pe[:, 0].contiguous())
     out = {}
     workspace = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
-    for peer in PEERS:
+    for peer in peers:
         try:
             wrapper = BatchMLAPagedAttentionWrapper(workspace, backend=peer)
             wrapper.plan(metadata=meta, num_heads=heads, head_dim_ckv=512, head_dim_kpe=64, page_size=page,
@@ -175,8 +176,8 @@ def main(argv=None):
     for batch, seqlen, page, heads in picked:
         inputs = make_inputs(batch, seqlen, page, heads, dtype)
         nbytes, _ = row_bytes_flops(batch, seqlen, heads)
-        peer_tbps = {} if args.no_peers else {
-            p: nbytes / (ms * 1e-3) / 1e12 for p, ms in flashinfer_times(inputs, page, heads).items()}
+        peer_ms = {} if args.no_peers else flashinfer_times(inputs, page, heads, args.peers.split(","))
+        peer_tbps = {p: nbytes / (ms * 1e-3) / 1e12 for p, ms in peer_ms.items()}
         for backend, fp8 in ((b, f) for b in backends for f in (False, True)[:1 + args.fp8]):
             mode = os.environ.get("FLASH_ATTN_CUTE_MLA_SM90_QK") if backend == "sm90" else None
             row = dict(impl=f"flash_attn_cute {backend}" + (f" qk={mode}" if mode else "") + (" fp8" if fp8 else ""),
