@@ -146,7 +146,9 @@ def targets_met(backend, row) -> str:
     TFLOP/s with 128 heads, >= 2.0 TB/s at 1 x 32768; SM80 >= 1.1x fa2."""
     peer = "fa2" if backend == "sm80" else "fa3"
     missed = []
-    if row.get(f"x_{peer}") is not None and row[f"x_{peer}"] < 1.1:
+    if row.get(f"x_{peer}") is None:
+        missed.append(f"no {peer}")  # not measured: the ratio target is not judged
+    elif row[f"x_{peer}"] < 1.1:
         missed.append(f"<1.1x {peer}")
     if backend == "sm90":
         if (row["batch"], row["seqlen"]) == (768, 2048) and row["tbps"] < 3.9:
@@ -186,12 +188,13 @@ def main(argv=None):
             try:
                 ms, tbps, tflops, correct, note = one_row(fa, backend, inputs, page, heads, fp8)
                 row.update(time_us=ms * 1e3, tbps=tbps, tflops=tflops, correct=correct, note=note)
-                for p in PEERS:
-                    if row[f"fi_{p}"]:
-                        row[f"x_{p}"] = tbps / row[f"fi_{p}"]
-                if fp8 and rows and rows[-1].get("time_us"):  # the 16-bit row just before, same shape
-                    row["vs_16bit"] = rows[-1]["time_us"] / row["time_us"]
+                if fp8:  # FP8 TB/s count the cache at a byte a value: no ratio to 16-bit peers
+                    if rows and rows[-1].get("time_us"):  # the 16-bit row just before, same shape
+                        row["vs_16bit"] = rows[-1]["time_us"] / row["time_us"]
                 else:
+                    for p in PEERS:
+                        if row[f"fi_{p}"]:
+                            row[f"x_{p}"] = tbps / row[f"fi_{p}"]
                     row["target"] = targets_met(backend, row)
             except Exception as e:  # keep the table going; the row says why
                 row.update(note=error_text(e))

@@ -21,7 +21,7 @@ class Sm90MlaBarrier(enum.IntEnum):
 
     CONSUMERS = 1  # Q landed
     XCHG = 2  # qk="split": both halves of S written
-    STATS = 3  # qk="one": the final 1 / row sum written
+    STATS = 3  # the final 1 / row sum (qk="one") or both warpgroups' row sums (qk="seesaw") written
 
 
 class Sm80MlaBarrier(enum.IntEnum):

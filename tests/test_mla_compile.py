@@ -130,3 +130,4 @@ def test_mla_fp8_compiles_and_sass(tmp_path):
         for op in FP8_SASS_EXPECT + SM90_SASS_EXPECT[2:]:
             assert op in sass, (op, key)
         assert not re.findall(r"\b(LDL|STL)\b", sass), ("local-memory spill", key)
+        assert sass.count("WARPGROUP.DEPBAR") <= 16, ("wgmma serialised", key)

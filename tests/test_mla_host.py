@@ -217,6 +217,11 @@ def test_sm90_seam_key_roles_and_selection(monkeypatch):
     assert MlaRoles().qk == "seesaw" and MlaRoles().stages == 4
     assert MlaRoles(qk="one").smem_bytes() <= MlaRoles().smem_bytes() <= 227 * 1024
     assert MlaRoles().xchg_words == 64 * 8 + 512  # a correction and a max per row and stage; row sums
+    with pytest.raises(AssertionError):
+        MlaRoles(stages=2)  # seesaw waits for tile i + 1 before releasing i - 1: two stages would hang
+    with pytest.raises(ValueError, match="three KV stages"):
+        sm90.plan(p8, 3, None, None, tuning=Tuning(mla_fp8_stages="2,2"))
+    assert sm90.plan(p8, 3, None, None, tuning=Tuning(mla_sm90_qk="one", mla_fp8_stages="2,2")).config.stages == 2
     assert MlaRoles(stages=3, qk="split").smem_bytes() <= 227 * 1024
     with pytest.raises(AssertionError):
         MlaRoles(qk="split")  # 4 stages + the S exchange: over 227 KB

@@ -11,9 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flash_attn_cute import call_cache, fwd, mla, sm80, sm90, tuning
+from flash_attn_cute import call_cache, fwd, mla, mods, sm80, sm90, tuning
 from flash_attn_cute.problems import FwdProblem, MlaProblem
 from flash_attn_cute.tuning import Tuning
+from flash_attn_cute.user_variants import make_spec
 
 PACKAGE = Path(__file__).resolve().parents[1] / "flash_attn_cute"
 BF16 = torch.bfloat16
@@ -117,7 +118,7 @@ def test_sm90_prefill_tiles():
     for other in (_problem(causal=True, window_right=0), _problem(causal=False, window_right=-1, softcap=30.0),
                   _problem(causal=False, window_left=256, window_right=0),
                   _problem(causal=False, window_right=-1, d=96, d_v=96),
-                  _problem(causal=False, window_right=-1, kv_dtype=torch.float8_e4m3fn)):
+                  _problem(causal=False, window_right=-1, variant=make_spec(mods.softcap(20.0), None, (), 0))):
         assert sm90.plan(other, 1, None, 132).config[1] != 176, other
     # A paged cache takes the largest multiple of 16 that divides its pages.
     assert sm90.plan(plain._replace(page_size=256, has_seqused_k=True), 1, None, 132).config[:2] == (128, 128)

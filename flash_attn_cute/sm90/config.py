@@ -263,8 +263,9 @@ class MlaRoles(WarpgroupRoles):
     #   and the softmax; each publishes P, its row corrections and row maxima through shared
     #   memory, and both add every tile's P V to their halves of O; 4 stages.
     # H200, 2026-11-29, bf16, 64 heads, page 1: "one" 3.06 against 2.96 TB/s at 768 x 2048,
-    # 3.08 against 2.94 at 768 x 1024 (both modes pass every GPU test); "seesaw" against
-    # "one": ``sm90/mla.py`` (DEFAULT_QK_MODE).
+    # 3.08 against 2.94 at 768 x 1024 (both pass every GPU test); "seesaw" against "one":
+    # ``sm90/mla.py`` (DEFAULT_QK_MODE). "seesaw" needs three stages at least (a warpgroup
+    # waits for tile i + 1 before it releases tile i - 1).
     qk: str = "seesaw"
     # An FP8 cache: the producer gathers fp8 tiles into staging buffers this deep (each
     # thread its own chunks), then widens its chunks into the 16-bit stages; 0: 16 bits.
@@ -278,7 +279,8 @@ class MlaRoles(WarpgroupRoles):
     def xchg_words(self) -> int:
         """fp32 words exchanged between the consumer warpgroups. "split": S per thread x 128
         threads x 2 warpgroups x 2 buffers. "one": a row correction per row and stage, then
-        the final 1 / row sum."""
+        the final 1 / row sum. "seesaw": a row correction and a row max per row and stage,
+        then each thread's two row sums, both warpgroups (``mla_decode.sum_row_sums``)."""
         if self.qk == "split":
             return 4 * self.tile_m * self.tile_n
         # "seesaw": then each thread's row sums, both warpgroups (2 rows a thread).
@@ -303,10 +305,11 @@ class MlaRoles(WarpgroupRoles):
         assert self.producer_regs + self.num_consumer_wgs * self.consumer_regs <= 512
         assert self.tile_m == 64 and self.tile_n % 16 == 0 and self.o_cols <= 256
         assert self.o_cols * self.tile_m // 128 + 40 <= self.consumer_regs, "O half + S, P, stats"
-        # "one": P (tile_m x tile_n) lives in a stage's kpe rows (tile_n x D_KPE), same
-        # size and stage stride; exactly one warpgroup computes S, the other only P V.
+        # "one" / "seesaw": P (tile_m x tile_n) lives in a stage's kpe rows (tile_n x
+        # D_KPE), same size and stage stride; one warpgroup computes each tile's S.
         assert self.qk == "split" or (self.tile_m == D_KPE and self.num_consumer_wgs == 2)
         assert self.smem_bytes() <= SMEM_LIMIT, "shared memory"
+        assert self.qk != "seesaw" or self.stages >= 3, "seesaw: three stages at least"
 
 
 def mla_roles(tile_n: int, stages: int, qk: str, fp8_stages: int = 0) -> MlaRoles:

@@ -61,6 +61,8 @@ def roles(qk: Optional[str] = None, fp8: bool = False, fp8_stages: Optional[str]
     if not fp8:
         return MlaRoles(qk=mode) if mode != "split" else MlaRoles(stages=3, qk="split")
     stages, staging = fp8_stages_override(fp8_stages) or ((3, 2) if mode != "split" else (2, 2))
+    if mode == "seesaw" and stages < 3:  # a warpgroup waits for tile i + 1 before releasing i - 1
+        raise ValueError(f"FLASH_ATTN_CUTE_MLA_FP8_STAGES={fp8_stages}: qk=seesaw needs three KV stages at least")
     r = None
     try:  # MlaRoles asserts its shared memory fits; checked here too (python -O drops asserts)
         r = mla_roles(32, stages, mode, staging)

@@ -66,14 +66,17 @@ Synchronisation. KV pipeline: full = 128 cp.async arrives; empty = one arrive pe
 consumer warp (8), each warpgroup after the P V that last reads the stage. K and V are
 the same ckv tile, so the S warpgroup holds two stages (S of tile n, P V of tile n - 1)
 and two more are in flight from HBM (74 KB per SM; one, 37 KB, with the 3 stages of
-"split"). P pipeline (``qk="one"``): a full mbarrier per stage, one arrive per S thread
-after its stmatrix, row stores and proxy fence (generic-proxy stores read by wgmma);
-waited by a try_wait loop. Named barriers (``named_barrier.Sm90MlaBarrier``): Q landed,
-the S exchange ("split"), the final 1 / row sum ("one").
+"split"). "seesaw" needs three stages at least: a warpgroup waits for tile i + 1 before
+it releases tile i - 1. P pipeline ("one", "seesaw"): a full mbarrier per stage, one
+arrive per thread of the warpgroup that computed the stage's S, after its stmatrix, row
+stores and proxy fence (generic-proxy stores read by wgmma); waited by a try_wait loop.
+Named barriers (``named_barrier.Sm90MlaBarrier``): Q landed, the S exchange ("split"),
+the final 1 / row sum ("one") or row sums ("seesaw").
 
 Shared memory (bf16/fp16): Q 64 x 576 x 2 = 72 KB, 4 stages x 36 KB = 144 KB, the row
-exchange 64 x 5 x 4 = 1.25 KB, 16 mbarriers: 224 KB of the 227 KB ("split": 3 stages and
-a 32 KB exchange, 212 KB). O leaves straight from registers (2 adjacent columns per
+exchange (``MlaRoles.xchg_words``: "one" 64 x 5 x 4 = 1.25 KB; "seesaw" 64 x 8 x 4 B of
+corrections and maxima and 2 KB of row sums, 4 KB), 16 mbarriers: 224 KB of the 227 KB
+("split": 3 stages and a 32 KB exchange, 212 KB). O leaves straight from registers (2 adjacent columns per
 store, fp32 partials for split-KV, merged by ``combine.py``), so no O buffer is borrowed.
 
 FP8 latent cache (``roles.fp8_stages`` > 0): each producer thread gathers its own 16-byte
@@ -213,8 +216,8 @@ class MlaDecodeSm90:
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, r.consumer_threads // 32),
             defer_sync=True,
         )
-        # qk="one", P of a stage: full = one arrive per thread of the S warpgroup once it
-        # wrote P and the row corrections. Its empty side is never used: the stage's KV
+        # qk="one" / "seesaw", P of a stage: full = one arrive per thread of the warpgroup
+        # that computed the stage's S, once it wrote P and the row corrections (and maxima). Its empty side is never used: the stage's KV
         # release already orders the next write (see ``publish_p``).
         pipeline_p = None
         if cutlass.const_expr(r.qk != "split"):
@@ -340,8 +343,9 @@ class MlaDecodeSm90:
     def mma(self, tile, smem, pipeline_kv, pipeline_p, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_ss, args: MlaArgs,
             cidx):
         """Consumer warpgroups: their operands and accumulators, Q, the KV loop, the final
-        normalisation and the epilogue. qk="split": both run ``mainloop``; qk="one":
-        warpgroup 0 runs it (``s_warpgroup``), warpgroup 1 ``o_warpgroup``."""
+        normalisation and the epilogue. qk="seesaw": both run ``seesaw``, warpgroup 0 first;
+        qk="split": both run ``mainloop``; qk="one": warpgroup 0 runs it (``s_warpgroup``),
+        warpgroup 1 ``o_warpgroup``."""
         r = self.roles
         wg_idx = cute.arch.make_warp_uniform(cidx // 128)
         # wgmma operands are warpgroup-wide descriptors: partition by the first thread.
@@ -454,8 +458,9 @@ class MlaDecodeSm90:
 
     @cute.jit
     def p_wait(self, pipeline_p, state):
-        """qk="one": the stage's P and row corrections are written and fenced by every thread
-        of the S warpgroup. Its own wgmma needs this too (other warps wrote most of P);
+        """qk="one" / "seesaw": the stage's P and row corrections are written and fenced by
+        every thread of the warpgroup that computed its S. Its own wgmma needs this too
+        (other warps wrote most of P);
         for it the barrier completed a softmax ago, so the wait costs one probe. A try_wait
         loop, not ``consumer_wait`` (try_wait then NANOSLEEP): the O warpgroup waits here
         every tile; H200, 2026-11-29: 627 against 632 us at 768 x 2048, 56 against 59 us
@@ -476,8 +481,9 @@ class MlaDecodeSm90:
 
     @cute.jit
     def publish_p(self, ops, pipeline_p, state, acc_S, row_scale, row_max=None):
-        """qk="one": P (16-bit) over the kpe rows of S's own stage, and the row corrections
-        O owes before it, then one arrive per thread on the stage's P barrier. The kpe
+        """qk="one" / "seesaw": P (16-bit) over the kpe rows of S's own stage, and the row
+        corrections O owes before it (and, ``row_max``, the row maxima the other warpgroup
+        adopts), then one arrive per thread on the stage's P barrier. The kpe
         rows are free: S of this stage landed (wgmma waited), and only S reads them. They
         stay P until both warpgroups released the stage, so no empty barrier is needed.
         P V reads P from here in both warpgroups: an RS copy in registers would be the
@@ -495,8 +501,8 @@ class MlaDecodeSm90:
 
     @cute.jit
     def write_rows(self, ops, col, vals):
-        """sXchg[row, col] = vals[r] for this thread's rows (qk="one"): the four lanes of a
-        row hold the same value, the one at column 0 writes it."""
+        """sXchg[row, col] = vals[r] for this thread's rows (qk="one" / "seesaw"): the four
+        lanes of a row hold the same value, the one at column 0 writes it."""
         sRows = cute.make_tensor(ops.sXchg.iterator, cute.make_layout((self.roles.tile_m, self.roles.row_cols)))
         if ops.tScS_mn[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(vals)):
@@ -711,8 +717,8 @@ class MlaDecodeSm90:
     @cute.jit
     def epilogue(self, tile, acc_O, lse, ops, mO, mLSE, cidx, wg_idx):
         """Each warpgroup stores its 256 columns from registers, rows past the last query
-        skipped; warpgroup 0 writes the LSE (the S warpgroup with qk="one"; with "split"
-        both hold the same)."""
+        skipped; warpgroup 0 writes the LSE (the S warpgroup with qk="one"; with "split" and
+        "seesaw" both hold the same)."""
         r = self.roles
         packed = self.qhead_per_kvhead_packed
         o_rows = tile.out_rows(mO, packed, self.is_split, False)
@@ -730,7 +736,7 @@ class _Sm90Smem:
     sQp: cute.Tensor  # (64, 64)
     sC: cute.Tensor  # (tile_n, 512, stages): K's first 512 columns and V
     sKp: cute.Tensor  # (tile_n, 64, stages)
-    sP: cute.Tensor  # (64, tile_n, stages): qk="one", P over the same bytes as sKp
+    sP: cute.Tensor  # (64, tile_n, stages): qk="one" / "seesaw", P over the same bytes as sKp
     sXchg: cute.Tensor  # flat fp32, see MlaRoles.xchg_words
     sC8: Optional[cute.Tensor]  # an FP8 cache's staging (tile_n, 512, fp8_stages); else None
     sKp8: Optional[cute.Tensor]  # (tile_n, 64, fp8_stages)
@@ -742,7 +748,7 @@ class _Sm90Ops:
 
     mma_qk: cute.TiledMma
     mma_pv: cute.TiledMma  # P from registers (qk="split")
-    mma_pv_ss: cute.TiledMma  # P from shared memory (qk="one", both warpgroups)
+    mma_pv_ss: cute.TiledMma  # P from shared memory (qk="one" / "seesaw", both warpgroups)
     tSrQn: cute.Tensor
     tSrQp: cute.Tensor
     tSrC: cute.Tensor  # (.., stages)
