@@ -268,7 +268,7 @@ def test_serving_features_are_described():
     mla8, skipped = aot.entries_for([{"api": "mla", "qhead_per_kvhead": 64, "nheads_kv": 1, "page_size": 64,
                                       "kv_fp8": True}], "sm_90a")
     assert skipped == [] and [(e.name, e.key[2], e.key[8]) for e in mla8] == [("mla_sm90", "bf16/e4m3",
-                                                                               (32, 3, "one", 2))]
+                                                                               (32, 3, "seesaw", 2))]
     # FP8 attention (e4m3 q, k, v): SM90 keys of dtype e4m3, a split's combine writes bf16;
     # refused on Ampere (no fp8 MMA), and not a form of MLA or of an FP8 cache
     qkv8, skipped = aot.entries_for([{"api": "varlen", "dtype": "e4m3", "seqlen_q": 4096, "num_splits": [1, 2]}],
