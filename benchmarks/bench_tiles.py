@@ -34,6 +34,12 @@ SM90_TILES = {
     128: ["128,128,2", "128,144,2", "128,160,2", "128,176,2"],
     256: ["128,64,2", "128,80,2"],
 }
+# (backend, tile variable, tile table, label) per sweep
+SWEEPS = {
+    "sm80": ("sm80", "FLASH_ATTN_CUTE_SM80_TILE", TILES, "SM80 bf16"),
+    "sm90": ("sm90", "FLASH_ATTN_CUTE_SM90_TILE", SM90_TILES, "SM90 bf16"),
+    "sm90_fp8": ("sm90", "FLASH_ATTN_CUTE_SM90_TILE", FP8_SM90_TILES, "SM90 FP8 (e4m3 q, k, v)"),
+}
 COLUMNS = ["impl", "causal", "B", "S", "H", "D", "tile", "config", "ms", "tflops"]
 
 
@@ -70,8 +76,7 @@ def main(argv=None):
     import torch
     from flash_attn_cute import flash_attn_func
 
-    backend, var, tiles = ("sm90", "FLASH_ATTN_CUTE_SM90_TILE", FP8_SM90_TILES) if args.sm90_fp8 else (
-        ("sm90", "FLASH_ATTN_CUTE_SM90_TILE", SM90_TILES) if args.sm90 else ("sm80", "FLASH_ATTN_CUTE_SM80_TILE", TILES))
+    backend, var, tiles, what = SWEEPS["sm90_fp8" if args.sm90_fp8 else ("sm90" if args.sm90 else "sm80")]
     if args.tiles:
         tiles = {int(d): t.split("/") for d, t in (part.split("=") for part in args.tiles.split(";"))}
     causals = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
@@ -100,7 +105,6 @@ def main(argv=None):
                 print(f"d{d:3d} causal={causal!s:5} tile {tile:10s} plan {config:10s} {ms:8.3f} ms {tf:7.1f} TFLOP/s",
                       flush=True)
     os.environ.pop(var, None)
-    what = "SM90 FP8 (e4m3 q, k, v)" if args.sm90_fp8 else ("SM90 bf16" if args.sm90 else "SM80 bf16")
     report(args, f"{what} tile sweep, b4 s{args.seqlen} (TFLOP/s)", f"{what} tile sweep", rows, COLUMNS,
            notes="Each row's tile is planned and compiled on its own (config = the resolved plan); "
                  "causal FLOPs halved.")

@@ -101,8 +101,9 @@ page lookup per row) and TMA for page sizes >= 32.
 x 2048 with "one", 4.33 with "seesaw" (128 heads 32 x 8192 page 64: 417 and 484 TFLOP/s);
 the producer alone (consumers release at once) 4.01 / 3.95 TB/s (3.16 at 128 heads). The
 whole kernel: 3.04 / 3.02 TB/s, 1.76 / 1.69 at 128 heads ("seesaw" / "one"). Neither side
-bounds it: the consumers hold three of the four stages (S of the next tile, the current P
-V, the previous one landing), so one 37 KB stage is in flight against HBM's latency (ncu,
+bounds it: the consumers hold two of the four stages (S of the next tile, the current P V)
+and a third until the previous P V lands, so one to two 37 KB stages are in flight against
+HBM's latency (ncu,
 "seesaw" 768 x 2048: DRAM 72%, tensor pipe 44%, long scoreboard 3.2 of the stalls per
 issue, the producer's). Page lookups a tile ahead changed nothing (3.19 against 3.20);
 bulk L2 prefetches of the rows two or four tiles ahead (``cp.async.bulk.prefetch.L2``, a
@@ -217,8 +218,9 @@ class MlaDecodeSm90:
             defer_sync=True,
         )
         # qk="one" / "seesaw", P of a stage: full = one arrive per thread of the warpgroup
-        # that computed the stage's S, once it wrote P and the row corrections (and maxima). Its empty side is never used: the stage's KV
-        # release already orders the next write (see ``publish_p``).
+        # that computed the stage's S, once it wrote P and the row corrections (and maxima).
+        # Its empty side is never used: the stage's KV release already orders the next write
+        # (see ``publish_p``).
         pipeline_p = None
         if cutlass.const_expr(r.qk != "split"):
             pipeline_p = pipeline.PipelineAsync.create(
@@ -499,11 +501,15 @@ class MlaDecodeSm90:
         cute.arch.fence_view_async_shared()
         pipeline_p.producer_commit(state)
 
+    def rows_view(self, ops) -> cute.Tensor:
+        """sXchg's per-row values as (tile_m, ``MlaRoles.row_cols``) (qk="one" / "seesaw")."""
+        return cute.make_tensor(ops.sXchg.iterator, cute.make_layout((self.roles.tile_m, self.roles.row_cols)))
+
     @cute.jit
     def write_rows(self, ops, col, vals):
         """sXchg[row, col] = vals[r] for this thread's rows (qk="one" / "seesaw"): the four
         lanes of a row hold the same value, the one at column 0 writes it."""
-        sRows = cute.make_tensor(ops.sXchg.iterator, cute.make_layout((self.roles.tile_m, self.roles.row_cols)))
+        sRows = self.rows_view(ops)
         if ops.tScS_mn[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(vals)):
                 sRows[ops.tScS_mn[r, 0][0], col] = vals[r]
@@ -512,7 +518,7 @@ class MlaDecodeSm90:
     def scale_rows(self, ops, acc_O, col):
         """O rows *= sXchg[row, col] (qk="one", the O warpgroup: thread t holds the rows
         thread t of the S warpgroup wrote)."""
-        sRows = cute.make_tensor(ops.sXchg.iterator, cute.make_layout((self.roles.tile_m, self.roles.row_cols)))
+        sRows = self.rows_view(ops)
         o_mn = acc_mn_view(acc_O)
         for r in cutlass.range_constexpr(cute.size(ops.tScS_mn, mode=[0])):
             o_mn[r, None].store(o_mn[r, None].load() * sRows[ops.tScS_mn[r, 0][0], col])
@@ -628,13 +634,12 @@ class MlaDecodeSm90:
     def adopt(self, ops, stats: OnlineSoftmax, acc_O, col):
         """qk="seesaw": the other warpgroup's softmax step of the tile in stage ``col``: its
         row max becomes ours, and O and our row sums take its correction."""
-        r = self.roles
-        sRows = cute.make_tensor(ops.sXchg.iterator, cute.make_layout((r.tile_m, r.row_cols)))
+        sRows = self.rows_view(ops)
         row_scale = cute.make_rmem_tensor((stats.num_rows,), Float32)
         for m in cutlass.range_constexpr(stats.num_rows):
             row = ops.tScS_mn[m, 0][0]
             row_scale[m] = sRows[row, col]
-            stats.row_max[m] = sRows[row, r.stages + col]
+            stats.row_max[m] = sRows[row, self.roles.stages + col]
             stats.row_sum[m] = stats.row_sum[m] * row_scale[m]
         stats.rescale_o(acc_O, row_scale)
 
@@ -666,7 +671,7 @@ class MlaDecodeSm90:
         acc_S = cute.make_rmem_tensor(ops.mma_qk.partition_shape_C((self.roles.tile_m, self.roles.tile_n)), Float32)
         n_slices, p_slices = cute.size(ops.tSrQn, mode=[2]), cute.size(ops.tSrQp, mode=[2])
         if cutlass.const_expr(self.roles.qk != "split"):
-            self.issue_qk(ops, acc_S, stage, ((0, n_slices), (0, p_slices)))
+            self.issue_s(ops, acc_S, stage)
         elif wg_idx == 0:
             self.issue_qk(ops, acc_S, stage, ((0, n_slices // 2), (0, 0)))
         else:
