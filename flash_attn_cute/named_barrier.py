@@ -2,8 +2,7 @@
 
 A CTA has 16 named barriers; id 0 is ``__syncthreads`` and is left alone. A member whose
 comment says "+ i" is the first of a run of ids (one per stage, buffer or warpgroup).
-Kernels pass ``int(member) [+ i]`` as ``barrier_id``; where a run's length is the kernel's
-own configuration (``Sm80MlaBarrier``), ``member.id(...)``.
+Kernels pass ``int(member) [+ i]`` as ``barrier_id``.
 """
 
 import enum
@@ -25,18 +24,13 @@ class Sm90MlaBarrier(enum.IntEnum):
 
 
 class Sm80MlaBarrier(enum.IntEnum):
-    """``sm80/mla_decode.py`` (its module docstring says who arrives and who syncs). FULL
-    runs over the KV stages, so the ids after it shift with their count (``id``)."""
+    """``sm80/mla_decode.py`` (its module docstring says who arrives and who syncs; a KV
+    stage's FULL is an mbarrier)."""
 
-    FULL = 1  # + KV stage: the O warps' gathers of the stage landed
-    P_FULL = 2  # + P buffer (2): P and its row corrections written by the S warps
-    P_EMPTY = 4  # + P buffer (2): the O warps read P
-    O_DONE = 6  # O warps only: every O warp finished P V on the stage
-    FINAL = 7  # the S warps wrote 1 / row sum
-
-    def id(self, stages: int) -> int:
-        """The id in a kernel of ``stages`` KV stages (FULL's run is ``stages`` ids long)."""
-        return int(self) if self is Sm80MlaBarrier.FULL else int(self) + stages - 1
+    P_FULL = 1  # + P buffer (2): P and its row corrections written by the S warps
+    P_EMPTY = 3  # + P buffer (2): the O warps read P
+    O_DONE = 5  # O warps only: every O warp finished P V on the stage
+    FINAL = 6  # the S warps wrote 1 / row sum
 
 
 class Sm100FwdBarrier(enum.IntEnum):

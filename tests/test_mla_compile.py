@@ -3,8 +3,8 @@ sm_90a (the H200 it is tested on), the SM90 kernel for sm_90a; no GPU needed. A 
 GPU tests' keys (every nheads, dtype, causal, split, LSE and split layout value once:
 even splits, and the batch-invariant 128 blocks of 32 keys per split) is compiled
 through tests/compile_harness.py, and the SASS is checked for mma.sync (HMMA 16816 F32),
-ldmatrix, cp.async gathers (LDGSTS), named barriers, and local-memory traffic
-(none on sm_80; see ``SPILL_BOUND``)."""
+ldmatrix, cp.async gathers (LDGSTS) that arrive on the stage's mbarrier once landed
+(ARRIVES.LDGSTSBAR), named barriers, and local-memory traffic (``SPILL_BOUND``)."""
 
 import re
 
@@ -19,12 +19,12 @@ ARCHS = ["sm_80", "sm_90a"]
 CONFIGS = [("bf16", 16, False, False, False, 0), ("bf16", 32, True, True, True, 0), ("fp16", 64, True, False, True, 0),
            ("bf16", 128, False, True, True, 0), ("bf16", 64, False, True, True, 128)]
 SASS_EXPECT = ["HMMA.16816.F32", "LDSM", "LDGSTS", "MUFU.EX2", "BAR.SYNC", "BAR.ARV"]
-# Local-memory instructions allowed. sm_80 (two stages): none. sm_90a (three stages):
-# ptxas spills 32-bit scalars of the O warps (gather offsets, and with causal + split the
-# block bookkeeping; 168 registers a thread, 128 of them O): 3 to 16 instructions, a few
-# per 32-key tile, never the accumulators. Bounded so that it cannot grow; removing it
-# is open work (a third stage is worth 2.31 against 1.79 TB/s at 768 x 2048).
-SPILL_BOUND = {"sm_80": 0, "sm_90a": 20}
+# Local-memory instructions allowed (168 registers a thread, 128 of them the O warps' O).
+# sm_80 (two stages) and sm_90a (three): ptxas keeps one scalar of the O warps' epilogue
+# in local memory across the mainloop (one STL before it, one LDL after: 2 for every key
+# at the time of writing, 3 on sm_90a before the FULL mbarriers). Bounded so that it
+# cannot grow into the mainloop.
+SPILL_BOUND = {"sm_80": 2, "sm_90a": 4}
 
 
 def keys(arch):
@@ -65,7 +65,7 @@ def check_artifacts(out_dir, keys_, arch, expect, spill_bound):
 def test_mla_compiles_and_sass(artifacts, arch):
     out_dir, seconds = artifacts(arch)
     print(f"\nmla sm80 {arch}: " + ", ".join(f"{v:.1f}s" for v in seconds.values()))
-    check_artifacts(out_dir, keys(arch), arch, SASS_EXPECT, SPILL_BOUND[arch])
+    check_artifacts(out_dir, keys(arch), arch, SASS_EXPECT + ["ARRIVES.LDGSTSBAR"], SPILL_BOUND[arch])
 
 
 # The SM90 kernel (sm90/mla_decode.py): wgmma (HGMMA), the producer's cp.async gathers
@@ -108,11 +108,12 @@ def test_stages_and_override():
 # (16-byte LDGSTS), read them back (LDS.128), unpack e4m3 pairs (F2FP.F16.E4M3.UNPACK_B)
 # and store 16-bit chunks (STS.128). SM80: the gathers and the widening run in the O warps,
 # whose 168 registers hold O (128): ptxas spills scalars of the loading threads' staging
-# (4 local-memory instructions for bf16/e4m3 64 heads, 23 for fp16/e5m2 16 heads at the
-# time of writing), bounded by FP8_SPILL_BOUND; the SM90 kernel spills none.
+# (9 local-memory instructions for bf16/e4m3 64 heads, 34 for fp16/e5m2 16 heads at the
+# time of writing; 11 and 23 before the FULL mbarriers), bounded by FP8_SPILL_BOUND; the
+# SM90 kernel spills none.
 FP8_CONFIGS = [("bf16/e4m3", 64, True, True, True, 0), ("fp16/e5m2", 16, False, False, False, 0)]
 FP8_SASS_EXPECT = ["LDGSTS", "LDS.128", "STS.128", "F2FP.F16.E"]
-FP8_SPILL_BOUND = 32
+FP8_SPILL_BOUND = 40
 
 
 def test_mla_fp8_compiles_and_sass(tmp_path):

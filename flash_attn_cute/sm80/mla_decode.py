@@ -28,31 +28,46 @@ So the warps take asymmetric roles (the seed-001 idea), sized to the work each h
   page size 1 costs the same gathers as page size 64.
 
 Shared memory: Q 64 x 576 x 2 = 72 KB, ``stages`` x 36 KB of KV, two 4 KB P buffers,
-row scales. Two stages (152 KB) fit the A100's 163 KB; three (188 KB) fit the H100/H200
-(227 KB) and keep the next tile's load in flight while the S warps run one tile ahead of
-the O warps. Smem reads per tile: Q 72 KB (each S warp reads its 16 rows), K 4 x 36 KB,
-P 8 x 4 KB, V 36 KB: ~280 KB, about 2200 cycles at 128 B/clk against 4100 cycles for the
-tile's 36.9 KB at the H200's 9 B/clk per SM of HBM bandwidth. The tensor work per SMSP
-(one S warp and two O warps: 1.1 M FMA) is ~1600 cycles at the measured mma.sync rate of
-Hopper (about two thirds of wgmma peak). So neither bounds the kernel: the pipeline has
-to keep ~37 KB in flight per SM, which is what the S-ahead-of-O overlap buys.
+row scales, the stages' FULL mbarriers. Two stages (152 KB) fit the A100's 163 KB; three
+(188 KB) fit the H100/H200 (227 KB) and keep the next tiles' loads in flight while the S
+warps run one tile ahead of the O warps. Smem reads per tile: Q 72 KB (each S warp reads
+its 16 rows), K 4 x 36 KB, P 8 x 4 KB, V 36 KB: ~280 KB, about 2200 cycles at 128 B/clk
+against 4100 cycles for the tile's 36.9 KB at the H200's 9 B/clk per SM of HBM bandwidth.
+The tensor work per SMSP (one S warp and two O warps: 1.1 M FMA) is ~1600 cycles at the
+measured mma.sync rate of Hopper (about two thirds of wgmma peak). So neither bounds the
+kernel: the pipeline has to keep tiles in flight, which is what the S-ahead-of-O overlap
+and loads that no warp waits for buy.
 
-Synchronisation (named barriers ``named_barrier.Sm80MlaBarrier``, ``bar.sync`` / ``bar.arrive``):
+Synchronisation. FULL is an mbarrier per KV stage (``flash_attn_cute.mbarrier``: the PTX
+of sm_80); the others are named barriers (``named_barrier.Sm80MlaBarrier``, ``bar.sync`` /
+``bar.arrive``):
 
-    FULL[s]      O warps arrive once their gathers of tile i landed; S warps sync.
+    FULL[s]      each O thread, right after issuing its gathers of tile i into stage s:
+                 ``cp.async.mbarrier.arrive.noinc``, which arrives once they landed; the
+                 S warps wait on the phase. No O warp waits for a load.
     P_FULL[b]    S warps arrive after writing P(i) and its row corrections; O warps sync
                  (which also orders tile i's smem: the S warps waited FULL on it).
     P_EMPTY[b]   O warps arrive after reading P(i); S warps sync before P(i + 2).
     O_DONE       O warps only: every O warp finished PV on stage s before it is refilled.
     FINAL        S warps arrive after writing 1 / row sum; O warps sync, scale, store.
 
-Every arrival is matched by a sync of the same phase: arrivals for tiles nobody will
-consume are skipped, so no barrier is left half-arrived at exit.
+Before FULL was an mbarrier, the O warps waited (``cp.async.wait_group``) for tile i + 1
+to land before their P V of tile i, so a stage was refilled only after the next tile had
+arrived: about one tile in flight. Now stage s is refilled as soon as P V of its tile is
+done (H200, same call, 2026-12-01: 768 x 2048 2.41 against 2.26 TB/s, 128 x 1024 2.17
+against 2.00, 128 x 2048 2.34 against 2.15). A fourth stage (225 KB) was no faster then
+(2.39 TB/s at 768 x 2048): the pipeline, not the ring, is what held the tiles back.
+
+Every named-barrier arrival is matched by a sync of the same phase: arrivals for tiles
+nobody will consume are skipped, so no barrier is left half-arrived at exit. Each FULL
+phase gets exactly one arrival per O thread, for a tile the S warps will wait on.
 
 FP8 latent cache: the first 128 O threads gather their own fp8 chunks of each tile into an
 fp8 staging ring (``fp8_stages`` deep; ``mla_kernel.MlaFp8Staging``: one key a thread),
 issuing tile i + fp8_stages at the start of step i, and widen a tile's chunks into its
-16-bit stage once they landed, just before arriving on its FULL barrier; two KV stages.
+16-bit stage once they landed (waiting for their own copies), just before a plain
+arrival on its FULL mbarrier (release: the widened stores are seen by the S warps); two KV
+stages.
 The scores and O carry ``kv_descale``.
 """
 
@@ -64,6 +79,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warp
 
+from flash_attn_cute import mbarrier
 from flash_attn_cute.block_info import BlockInfo
 from flash_attn_cute.constants import D_CKV, D_KPE
 from flash_attn_cute.copy_utils import copy_row, copy_rows, gmem_tiled_copy
@@ -72,7 +88,7 @@ from flash_attn_cute.epilogue import store_lse, store_o
 from flash_attn_cute.layout_utils import acc_mn_view
 from flash_attn_cute.mla_kernel import MlaArgs, MlaFp8Staging, MlaTile, compile_mla_from_key, mla_call, set_mla_config
 from flash_attn_cute.named_barrier import Sm80MlaBarrier
-from flash_attn_cute.paged_kv import page_and_row
+from flash_attn_cute.paged_kv import page_lookups
 from flash_attn_cute.sm80.config import MlaWarpRoles
 from flash_attn_cute.sm80.gemm import smem_layout
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
@@ -90,11 +106,6 @@ class MlaDecodeSm80:
         self.fp8_stages = fp8_stages  # an FP8 cache's staging depth (0: 16 bits)
         self.roles = roles
         self.tile_m, self.tile_n = roles.tile_m, roles.tile_n
-        assert Sm80MlaBarrier.FINAL.id(stages) < 16
-
-    def bar(self, member: Sm80MlaBarrier) -> int:
-        """A named barrier's id in this kernel (``Sm80MlaBarrier.id``)."""
-        return member.id(self.stages)
 
     @cute.jit
     def launch(self, args: MlaArgs, stream):
@@ -119,6 +130,7 @@ class MlaDecodeSm80:
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
             sScale: cute.struct.Align[cute.struct.MemRange[Float32, 2 * m], 16]
             sInv: cute.struct.Align[cute.struct.MemRange[Float32, m], 16]
+            mbar_full: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, st], 8]
             sC8: c8_field  # an FP8 cache's staging (16-byte stand-ins otherwise)
             sKp8: kp8_field
 
@@ -167,7 +179,12 @@ class MlaDecodeSm80:
                 storage.sInv.get_tensor(cute.make_layout((self.tile_m,))),
                 storage.sC8.get_tensor(sC8_layout.outer, swizzle=sC8_layout.inner) if self.fp8 else None,
                 storage.sKp8.get_tensor(sKp8_layout.outer, swizzle=sKp8_layout.inner) if self.fp8 else None,
+                storage.mbar_full.data_ptr().toint(),
             )
+            if tidx == 0:
+                for s in cutlass.range_constexpr(self.stages):
+                    mbarrier.init(smem.full + 8 * s, self.roles.o_threads)
+            cute.arch.barrier()  # the FULL mbarriers are initialised before anyone arrives
             if warp_idx < self.roles.s_warps:
                 # An FP8 cache: the scores carry kv_descale.
                 self.score_warps(tile.with_kv_descale(args), smem, mma_S, args.mLSE, tidx)
@@ -210,7 +227,7 @@ class MlaDecodeSm80:
         for r in cutlass.range_constexpr(softmax.num_rows):
             inv[r] = rInv_mn[r, 0]
         self.write_rows(smem.sInv, inv, tScS_mn)
-        cute.arch.barrier_arrive(barrier_id=self.bar(Sm80MlaBarrier.FINAL), number_of_threads=n_all)
+        cute.arch.barrier_arrive(barrier_id=int(Sm80MlaBarrier.FINAL), number_of_threads=n_all)
         if cutlass.const_expr(mLSE is not None):
             store_lse(lse, tScS_mn, tile.lse_rows(mLSE, self.qhead_per_kvhead_packed, self.is_split, False),
                       tile.m_block * self.tile_m, tile.rows_valid)
@@ -222,19 +239,19 @@ class MlaDecodeSm80:
         n_all = self.roles.threads
         stage, buf = i % self.stages, i % 2
         n_block = tile.n_block_max - 1 - i
-        cute.arch.barrier(barrier_id=self.bar(Sm80MlaBarrier.FULL) + stage, number_of_threads=n_all)
+        mbarrier.wait(smem.full + 8 * stage, mbarrier.phase_of(i, self.stages))
         acc_S = self.qk(ops, stage)
         if n_block >= tile.n_mid_hi or n_block < tile.n_mid_lo:
             apply_to_scores(self.variant, acc_mn_view(acc_S), ops.tScS_mn, tile.ctx, tile.m_block * self.tile_m,
                             n_block * self.tile_n, self.qhead_per_kvhead_packed, tile.softmax_scale, True)
         row_scale = softmax.step(acc_S)
         if i >= 2:
-            cute.arch.barrier(barrier_id=self.bar(Sm80MlaBarrier.P_EMPTY) + buf, number_of_threads=n_all)
+            cute.arch.barrier(barrier_id=int(Sm80MlaBarrier.P_EMPTY) + buf, number_of_threads=n_all)
         rP = cute.make_fragment_like(acc_S, self.dtype)
         rP.store(acc_S.load().to(self.dtype))
         cute.autovec_copy(rP, ops.tSsP[None, None, None, buf])
         self.write_rows(smem.sScale[None, buf], row_scale, ops.tScS_mn)
-        cute.arch.barrier_arrive(barrier_id=self.bar(Sm80MlaBarrier.P_FULL) + buf, number_of_threads=n_all)
+        cute.arch.barrier_arrive(barrier_id=int(Sm80MlaBarrier.P_FULL) + buf, number_of_threads=n_all)
 
     @cute.jit
     def qk(self, ops, stage):
@@ -279,35 +296,40 @@ class MlaDecodeSm80:
             thr_C.partition_S(cute.make_identity_tensor((self.tile_n, D_CKV))),
             args.mCkv, args.mKpe, args.mPageTable, tile.ctx.batch,
         )
-        # Q rows of this tile (packed: heads of one position adjacent), zero past the end.
+        # Q rows of this tile (packed: heads of one position adjacent). Rows past the end
+        # re-read the last row (finite scores, never stored): only cp.async writes Q, so
+        # the FULL mbarrier of tile 0, which tracks this thread's earlier copies, covers it.
         packed = self.qhead_per_kvhead_packed
         mQn_rows, mQp_rows = tile.q_rows(args.mQn, packed, False), tile.q_rows(args.mQp, packed, False)
-        row0 = tile.m_block * self.tile_m
+        row0, last = tile.m_block * self.tile_m, tile.rows_valid - 1
         copy_rows(copy_C, thr_C.partition_D(smem.sQn),
                   thr_C.partition_S(cute.make_identity_tensor((self.tile_m, D_CKV))),
-                  lambda r, m: mQn_rows[row0 + r, None], tile.rows_valid)
+                  lambda r, m: mQn_rows[row0 + cutlass.min(r, last), None])
         copy_rows(copy_Kp, thr_Kp.partition_D(smem.sQp),
                   thr_Kp.partition_S(cute.make_identity_tensor((self.tile_m, D_KPE))),
-                  lambda r, m: mQp_rows[row0 + r, None], tile.rows_valid)
-        cute.arch.cp_async_commit_group()
-        # An FP8 cache: the first 128 O threads gather (one key each) and widen their chunks.
-        # The loads in flight: the KV ring's depth, or an FP8 cache's staging ring's.
-        fp8, ahead = None, self.stages
+                  lambda r, m: mQp_rows[row0 + cutlass.min(r, last), None])
+        fp8 = None
         if cutlass.const_expr(self.fp8):
-            fp8 = MlaFp8Staging.create(args, smem.sC8, smem.sKp8, smem.sC, smem.sKp, self.dtype, 128, otidx % 128)
-            ahead = self.fp8_stages
-        for j in cutlass.range_constexpr(ahead):
-            if j < tile.n_tiles:
-                self.load_tile(copy_C, copy_Kp, gather, tile, j, fp8, args, otidx)
+            # The first 128 O threads gather (one key each) and widen their chunks; the
+            # loads in flight are the staging ring's.
             cute.arch.cp_async_commit_group()
-        if cutlass.const_expr(self.fp8):
+            fp8 = MlaFp8Staging.create(args, smem.sC8, smem.sKp8, smem.sC, smem.sKp, self.dtype, 128, otidx % 128)
+            for j in cutlass.range_constexpr(self.fp8_stages):
+                if j < tile.n_tiles:
+                    self.issue_fp8(fp8, tile, j, args, otidx)
+                cute.arch.cp_async_commit_group()
             # The page lookup of the next gather is loaded a step early (loop-carried).
-            page, row = self.lookup(fp8, tile, args, cutlass.min(ahead, tile.n_tiles - 1), otidx)
-        # Q and tile 0 landed (the older groups): S may start.
-        cute.arch.cp_async_wait_group(ahead - 1)
-        if tile.n_tiles > 0:
-            self.widen(fp8, 0, 0, otidx)
-            cute.arch.barrier_arrive(barrier_id=self.bar(Sm80MlaBarrier.FULL), number_of_threads=n_all)
+            page, row = self.lookup(fp8, tile, args, cutlass.min(self.fp8_stages, tile.n_tiles - 1), otidx)
+            # Q and tile 0 landed (the older groups): S may start.
+            cute.arch.cp_async_wait_group(self.fp8_stages - 1)
+            if tile.n_tiles > 0:
+                self.widen(fp8, 0, 0, otidx)
+                mbarrier.arrive(smem.full)
+        else:
+            for j in cutlass.range_constexpr(self.stages):
+                if j < tile.n_tiles:
+                    self.load_tile_16(copy_C, copy_Kp, gather, tile, j)
+                    mbarrier.cp_async_arrive(smem.full + 8 * j)
 
         thr_mma = mma_O.get_slice(otidx)
         ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
@@ -330,18 +352,19 @@ class MlaDecodeSm80:
             if cutlass.const_expr(self.fp8):
                 # Tile i + fp8_stages into tile i's staging (widened in the previous step):
                 # the HBM reads run ahead of the KV ring, bounded by the staging alone.
+                ahead = self.fp8_stages
                 if i + ahead < tile.n_tiles:
                     if otidx < 128:
                         fp8.issue(args, i + ahead, page, row)
                 cute.arch.cp_async_commit_group()
                 page, row = self.lookup(fp8, tile, args, cutlass.min(i + ahead + 1, tile.n_tiles - 1), otidx)
-            cute.arch.barrier(barrier_id=self.bar(Sm80MlaBarrier.P_FULL) + buf, number_of_threads=n_all)
-            if i + 1 < tile.n_tiles:  # let the S warps start tile i + 1 while PV(i) runs
-                # Tile i + 1 landed (the newer groups: tiles i + 2 .. i + ahead [- 1 for 16 bits]).
-                cute.arch.cp_async_wait_group(ahead - 1 if cutlass.const_expr(self.fp8) else self.stages - 2)
-                self.widen(fp8, (i + 1) % ahead, (i + 1) % self.stages, otidx)
-                cute.arch.barrier_arrive(barrier_id=self.bar(Sm80MlaBarrier.FULL) + (i + 1) % self.stages,
-                                         number_of_threads=n_all)
+            cute.arch.barrier(barrier_id=int(Sm80MlaBarrier.P_FULL) + buf, number_of_threads=n_all)
+            if cutlass.const_expr(self.fp8):
+                if i + 1 < tile.n_tiles:  # let the S warps start tile i + 1 while PV(i) runs
+                    # Tile i + 1 landed (the newer groups: tiles i + 2 .. i + fp8_stages).
+                    cute.arch.cp_async_wait_group(self.fp8_stages - 1)
+                    self.widen(fp8, (i + 1) % self.fp8_stages, (i + 1) % self.stages, otidx)
+                    mbarrier.arrive(smem.full + 8 * ((i + 1) % self.stages))
             self.scale_rows(acc_O, smem.sScale[None, buf], tOcO_mn)
             # One k16 slice of P and of V live at a time: 128 + 16 + 16 registers.
             for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
@@ -349,14 +372,16 @@ class MlaDecodeSm80:
                 cute.copy(copy_V, tOsV[None, None, k, stage], tOrV_cv[None, None, k])
                 cute.gemm(mma_O, acc_O, tOrP[None, None, k], tOrV[None, None, k], acc_O)
             if i + 2 < tile.n_tiles:
-                cute.arch.barrier_arrive(barrier_id=self.bar(Sm80MlaBarrier.P_EMPTY) + buf, number_of_threads=n_all)
-            cute.arch.barrier(barrier_id=self.bar(Sm80MlaBarrier.O_DONE), number_of_threads=n_o)
+                cute.arch.barrier_arrive(barrier_id=int(Sm80MlaBarrier.P_EMPTY) + buf, number_of_threads=n_all)
+            cute.arch.barrier(barrier_id=int(Sm80MlaBarrier.O_DONE), number_of_threads=n_o)
             if cutlass.const_expr(not self.fp8):
+                # Refill the stage; its FULL phase completes when the copies land, without
+                # any O thread waiting for them.
                 if i + self.stages < tile.n_tiles:
-                    self.load_tile(copy_C, copy_Kp, gather, tile, i + self.stages, fp8, args, otidx)
-                cute.arch.cp_async_commit_group()
+                    self.load_tile_16(copy_C, copy_Kp, gather, tile, i + self.stages)
+                    mbarrier.cp_async_arrive(smem.full + 8 * stage)
 
-        cute.arch.barrier(barrier_id=self.bar(Sm80MlaBarrier.FINAL), number_of_threads=n_all)
+        cute.arch.barrier(barrier_id=int(Sm80MlaBarrier.FINAL), number_of_threads=n_all)
         self.scale_rows(acc_O, smem.sInv, tOcO_mn)
         tile.descale_o(args, acc_O)  # an FP8 cache: O carries kv_descale
         # Each row as the first + a static offset: one register for all rows of O (a row index
@@ -388,35 +413,30 @@ class MlaDecodeSm80:
         return page, row
 
     @cute.jit
-    def load_tile(self, copy_C, copy_Kp, gather, tile, i, fp8, args: MlaArgs, otidx):
-        """cp.async of tile i (KV block n_block_max - 1 - i, walked last to first) into its
-        stage (an FP8 cache: the first 128 O threads' chunks, into staging i % fp8_stages)."""
-        if cutlass.const_expr(fp8 is not None):
-            if otidx < 128:
-                page, row = fp8.lookup(tile, args, i, self.tile_n)
-                fp8.issue(args, i, page, row)
-        else:
-            self.load_tile_16(copy_C, copy_Kp, gather, tile, i)
+    def issue_fp8(self, fp8, tile, i, args: MlaArgs, otidx):
+        """An FP8 cache: the first 128 O threads' cp.async of tile i's fp8 chunks into
+        staging i % fp8_stages."""
+        if otidx < 128:
+            page, row = fp8.lookup(tile, args, i, self.tile_n)
+            fp8.issue(args, i, page, row)
 
     @cute.jit
     def load_tile_16(self, copy_C, copy_Kp, gather, tile, i):
-        """A 16-bit cache: every O thread's rows of tile i, cp.async into its stage."""
-        n_block = tile.n_block_max - 1 - i
+        """A 16-bit cache: every O thread's rows of tile i (KV block n_block_max - 1 - i,
+        walked last to first), cp.async into its stage. The page lookups are issued
+        together, before the copies; rows past the sequence end re-read the last key
+        (finite, and masked: the stage is written by cp.async alone, which the FULL
+        mbarrier tracks)."""
         stage = i % self.stages
-        key0 = n_block * self.tile_n
-        rows_valid = tile.ctx.seqlen_k - key0
-        page_size, num_pages = gather.mCkv.shape[1], gather.mCkv.shape[0]
-        for m in cutlass.range_constexpr(cute.size(gather.tCsC, mode=[1])):
-            r = gather.tCcC[0, m, 0][0]
-            if r < rows_valid:
-                page, row = page_and_row(gather.mPageTable, gather.batch, key0 + r, page_size, num_pages)
-                copy_row(copy_C, gather.tCsC[None, m, None, stage], gather.tCcC[None, m, None],
-                         gather.mCkv[page, row, None])
-                copy_row(copy_Kp, gather.tKsKp[None, m, None, stage], gather.tCcC[None, m, None],
-                         gather.mKpe[page, row, None])
-            else:  # a NaN left in V would survive a zero probability
-                gather.tCsC[None, m, None, stage].fill(0.0)
-                gather.tKsKp[None, m, None, stage].fill(0.0)
+        rows = cute.size(gather.tCsC, mode=[1])
+        tPrPage, tPrRow = page_lookups(gather.mPageTable, gather.batch, gather.tCcC,
+                                       (tile.n_block_max - 1 - i) * self.tile_n, tile.ctx.seqlen_k - 1, 0, rows,
+                                       gather.mCkv.shape[1], gather.mCkv.shape[0])
+        for m in cutlass.range_constexpr(rows):
+            copy_row(copy_C, gather.tCsC[None, m, None, stage], gather.tCcC[None, m, None],
+                     gather.mCkv[tPrPage[m], tPrRow[m], None])
+            copy_row(copy_Kp, gather.tKsKp[None, m, None, stage], gather.tCcC[None, m, None],
+                     gather.mKpe[tPrPage[m], tPrRow[m], None])
 
 
 def _acc_row_offset(r: int) -> int:
@@ -456,6 +476,7 @@ class _MlaSmem:
     sInv: cute.Tensor  # (tile_m,) fp32
     sC8: Optional[cute.Tensor]  # an FP8 cache's staging (tile_n, 512, fp8_stages); else None
     sKp8: Optional[cute.Tensor]
+    full: Int32  # shared address of the FULL mbarriers, one per KV stage (8 bytes each)
 
 
 @dataclass(frozen=True)
