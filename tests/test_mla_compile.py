@@ -1,5 +1,6 @@
-"""Compile-only tests of the MLA decode kernels: the SM80 kernel for sm_80 (A100) and
-sm_90a (the H200 it is tested on), the SM90 kernel for sm_90a; no GPU needed. A covering subset of the
+"""Compile-only tests of the MLA decode kernels: the SM80 kernel for sm_80 (A100), sm_90a
+(the H200 it is tested on) and sm_100a (B200, where MLA runs on it), the SM90 kernel for
+sm_90a; no GPU needed. A covering subset of the
 GPU tests' keys (every nheads, dtype, causal, split, LSE and split layout value once:
 even splits, and the batch-invariant 128 blocks of 32 keys per split) is compiled
 through tests/compile_harness.py, and the SASS is checked for mma.sync (HMMA 16816 F32),
@@ -14,17 +15,17 @@ from compile_harness import compile_entries
 from flash_attn_cute.keys import mla_key
 from flash_attn_cute.sm80.config import MLA_FP8_STAGING, mla_stages_for
 
-ARCHS = ["sm_80", "sm_90a"]
+ARCHS = ["sm_80", "sm_90a", "sm_100a"]
 # (dtype, nheads, causal, split, lse, split_blocks): the GPU sweeps' keys, covered.
 CONFIGS = [("bf16", 16, False, False, False, 0), ("bf16", 32, True, True, True, 0), ("fp16", 64, True, False, True, 0),
            ("bf16", 128, False, True, True, 0), ("bf16", 64, False, True, True, 128)]
 SASS_EXPECT = ["HMMA.16816.F32", "LDSM", "LDGSTS", "MUFU.EX2", "BAR.SYNC", "BAR.ARV"]
 # Local-memory instructions allowed (168 registers a thread, 128 of them the O warps' O).
-# sm_80 (two stages) and sm_90a (three): ptxas keeps one scalar of the O warps' epilogue
+# sm_80 (two stages), sm_90a and sm_100a (three): ptxas keeps one scalar of the O warps' epilogue
 # in local memory across the mainloop (one STL before it, one LDL after: 2 for every key
 # at the time of writing, 3 on sm_90a before the FULL mbarriers). Bounded so that it
 # cannot grow into the mainloop.
-SPILL_BOUND = {"sm_80": 2, "sm_90a": 4}
+SPILL_BOUND = {"sm_80": 2, "sm_90a": 4, "sm_100a": 4}
 
 
 def keys(arch):
@@ -65,7 +66,10 @@ def check_artifacts(out_dir, keys_, arch, expect, spill_bound):
 def test_mla_compiles_and_sass(artifacts, arch):
     out_dir, seconds = artifacts(arch)
     print(f"\nmla sm80 {arch}: " + ", ".join(f"{v:.1f}s" for v in seconds.values()))
-    check_artifacts(out_dir, keys(arch), arch, SASS_EXPECT + ["ARRIVES.LDGSTSBAR"], SPILL_BOUND[arch])
+    # The S warps wait on the FULL mbarriers with try_wait from sm_90 on (the sm_80 PTX,
+    # test_wait, polls the barrier word with LDS).
+    expect = SASS_EXPECT + ["ARRIVES.LDGSTSBAR"] + (["SYNCS.PHASECHK.TRANS64.TRYWAIT"] if arch != "sm_80" else [])
+    check_artifacts(out_dir, keys(arch), arch, expect, SPILL_BOUND[arch])
 
 
 # The SM90 kernel (sm90/mla_decode.py): wgmma (HGMMA), the producer's cp.async gathers
