@@ -381,6 +381,9 @@ class MlaDecodeSm80:
                     self.load_tile_16(copy_C, copy_Kp, gather, tile, i + self.stages)
                     mbarrier.cp_async_arrive(smem.full + 8 * stage)
 
+        # Nothing in flight at exit: with no KV tile (an empty sequence or split) no phase
+        # tracked this thread's Q copies; otherwise they all landed already.
+        cute.arch.cp_async_wait_group(0)
         cute.arch.barrier(barrier_id=int(Sm80MlaBarrier.FINAL), number_of_threads=n_all)
         self.scale_rows(acc_O, smem.sInv, tOcO_mn)
         tile.descale_o(args, acc_O)  # an FP8 cache: O carries kv_descale
