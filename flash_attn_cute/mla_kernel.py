@@ -1,5 +1,6 @@
 """What both MLA decode kernel classes share (``sm80/mla_decode.py``, ``sm90/mla_decode.py``):
-their runtime argument list, their compilation from a compile key, and the work of one CTA.
+their runtime argument list, their compilation from a compile key, the work of one CTA, and
+a loading thread's share of a KV tile's gather (``MlaGather``; an FP8 cache: ``MlaFp8Staging``).
 
 The launcher (``backend_kit.mla_entry_points``) calls a compiled kernel with the tensors
 and scalars of ``MlaArgs``, in that order, then the stream; ``cute_utils.compile_mla``
@@ -134,6 +135,52 @@ class MlaTile(FwdTile):
         """An FP8 cache: O (registers) times ``kv_descale[b]`` (V is the stored values times it)."""
         if cutlass.const_expr(args.mKvDescale is not None):
             acc_O.store(acc_O.load() * args.mKvDescale[self.ctx.batch])
+
+
+@dataclass(frozen=True)
+class MlaGather:
+    """A 16-bit latent cache, one loading thread's share of a KV tile's row gather: its
+    16-byte chunks of ckv and kpe (128-bit cp.async), the same keys for both (both copies
+    lay 8 threads along a row of 64-column swizzle atoms), so one page lookup per key
+    serves both. ``lookup`` and ``issue`` are split so that a kernel can load the page
+    table before it waits for a free stage."""
+
+    copy_C: cute.TiledCopy
+    copy_Kp: cute.TiledCopy
+    tCcC: cute.Tensor  # (CPY, rows, chunks) coordinates of this thread's ckv chunks
+    tKcKp: cute.Tensor
+    tCsC: cute.Tensor  # (CPY, rows, chunks, stages) its chunks of the stages
+    tKsKp: cute.Tensor
+
+    @staticmethod
+    def create(sC, sKp, dtype, num_threads: int, tidx) -> "MlaGather":
+        """``sC``/``sKp``: the stages (tile_n, cols, stages); ``num_threads`` loading threads."""
+        copy_C, copy_Kp = gmem_tiled_copy(dtype, D_CKV, num_threads), gmem_tiled_copy(dtype, D_KPE, num_threads)
+        thr_C, thr_Kp = copy_C.get_slice(tidx), copy_Kp.get_slice(tidx)
+        rows = cute.size(sC, mode=[0])
+        return MlaGather(copy_C, copy_Kp, thr_C.partition_S(cute.make_identity_tensor((rows, D_CKV))),
+                         thr_Kp.partition_S(cute.make_identity_tensor((rows, D_KPE))),
+                         thr_C.partition_D(sC), thr_Kp.partition_D(sKp))
+
+    @cute.jit
+    def lookup(self, tile, args: MlaArgs, i, tile_n: cutlass.Constexpr):
+        """(pages, rows in page) of this thread's keys of tile i (KV block n_block_max - 1 -
+        i), loaded together. Rows past the sequence end re-read the last key: finite, and
+        their scores are masked to -inf (so only cp.async writes a stage)."""
+        return page_lookups(args.mPageTable, tile.ctx.batch, self.tCcC, (tile.n_block_max - 1 - i) * tile_n,
+                            tile.ctx.seqlen_k - 1, 0, cute.size(self.tCsC, mode=[1]),
+                            args.mCkv.shape[1], args.mCkv.shape[0])
+
+    @cute.jit
+    def issue(self, args: MlaArgs, pages, stage):
+        """cp.async of this thread's chunks of the tile ``lookup`` gave ``pages`` for, into
+        ``stage``."""
+        tPrPage, tPrRow = pages
+        for m in cutlass.range_constexpr(cute.size(self.tCsC, mode=[1])):
+            copy_row(self.copy_C, self.tCsC[None, m, None, stage], self.tCcC[None, m, None],
+                     args.mCkv[tPrPage[m], tPrRow[m], None])
+            copy_row(self.copy_Kp, self.tKsKp[None, m, None, stage], self.tKcKp[None, m, None],
+                     args.mKpe[tPrPage[m], tPrRow[m], None])
 
 
 # Chunks a loading thread widens at once: their loads are issued before the first store (the

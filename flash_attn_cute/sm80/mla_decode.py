@@ -82,13 +82,13 @@ from cutlass.cute.nvgpu import warp
 from flash_attn_cute import mbarrier
 from flash_attn_cute.block_info import BlockInfo
 from flash_attn_cute.constants import D_CKV, D_KPE
-from flash_attn_cute.copy_utils import copy_row, copy_rows, gmem_tiled_copy
+from flash_attn_cute.copy_utils import copy_rows, gmem_tiled_copy
 from flash_attn_cute.cute_utils import launch_ctas
 from flash_attn_cute.epilogue import store_lse, store_o
 from flash_attn_cute.layout_utils import acc_mn_view
-from flash_attn_cute.mla_kernel import MlaArgs, MlaFp8Staging, MlaTile, compile_mla_from_key, mla_call, set_mla_config
+from flash_attn_cute.mla_kernel import (MlaArgs, MlaFp8Staging, MlaGather, MlaTile, compile_mla_from_key, mla_call,
+                                        set_mla_config)
 from flash_attn_cute.named_barrier import Sm80MlaBarrier
-from flash_attn_cute.paged_kv import page_lookups
 from flash_attn_cute.sm80.config import MlaWarpRoles
 from flash_attn_cute.sm80.gemm import smem_layout
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
@@ -291,11 +291,6 @@ class MlaDecodeSm80:
         rescaled by the S warps' corrections; at the end O / row sum to gmem."""
         n_all, n_o = self.roles.threads, self.roles.o_threads
         thr_C, thr_Kp = copy_C.get_slice(otidx), copy_Kp.get_slice(otidx)
-        gather = _Gather(
-            thr_C.partition_D(smem.sC), thr_Kp.partition_D(smem.sKp),
-            thr_C.partition_S(cute.make_identity_tensor((self.tile_n, D_CKV))),
-            args.mCkv, args.mKpe, args.mPageTable, tile.ctx.batch,
-        )
         # Q rows of this tile (packed: heads of one position adjacent). Rows past the end
         # re-read the last row (finite scores, never stored): only cp.async writes Q, so
         # the FULL mbarrier of tile 0, which tracks this thread's earlier copies, covers it.
@@ -326,9 +321,11 @@ class MlaDecodeSm80:
                 self.widen(fp8, 0, 0, otidx)
                 mbarrier.arrive(smem.full)
         else:
+            # A 16-bit cache: every O thread gathers its rows of each tile into its stage.
+            gather = MlaGather.create(smem.sC, smem.sKp, self.dtype, n_o, otidx)
             for j in cutlass.range_constexpr(self.stages):
                 if j < tile.n_tiles:
-                    self.load_tile_16(copy_C, copy_Kp, gather, tile, j)
+                    gather.issue(args, gather.lookup(tile, args, j, self.tile_n), j)
                     mbarrier.cp_async_arrive(smem.full + 8 * j)
 
         thr_mma = mma_O.get_slice(otidx)
@@ -378,7 +375,7 @@ class MlaDecodeSm80:
                 # Refill the stage; its FULL phase completes when the copies land, without
                 # any O thread waiting for them.
                 if i + self.stages < tile.n_tiles:
-                    self.load_tile_16(copy_C, copy_Kp, gather, tile, i + self.stages)
+                    gather.issue(args, gather.lookup(tile, args, i + self.stages, self.tile_n), stage)
                     mbarrier.cp_async_arrive(smem.full + 8 * stage)
 
         # Nothing in flight at exit: with no KV tile (an empty sequence or split) no phase
@@ -423,24 +420,6 @@ class MlaDecodeSm80:
             page, row = fp8.lookup(tile, args, i, self.tile_n)
             fp8.issue(args, i, page, row)
 
-    @cute.jit
-    def load_tile_16(self, copy_C, copy_Kp, gather, tile, i):
-        """A 16-bit cache: every O thread's rows of tile i (KV block n_block_max - 1 - i,
-        walked last to first), cp.async into its stage. The page lookups are issued
-        together, before the copies; rows past the sequence end re-read the last key
-        (finite, and masked: the stage is written by cp.async alone, which the FULL
-        mbarrier tracks)."""
-        stage = i % self.stages
-        rows = cute.size(gather.tCsC, mode=[1])
-        tPrPage, tPrRow = page_lookups(gather.mPageTable, gather.batch, gather.tCcC,
-                                       (tile.n_block_max - 1 - i) * self.tile_n, tile.ctx.seqlen_k - 1, 0, rows,
-                                       gather.mCkv.shape[1], gather.mCkv.shape[0])
-        for m in cutlass.range_constexpr(rows):
-            copy_row(copy_C, gather.tCsC[None, m, None, stage], gather.tCcC[None, m, None],
-                     gather.mCkv[tPrPage[m], tPrRow[m], None])
-            copy_row(copy_Kp, gather.tKsKp[None, m, None, stage], gather.tCcC[None, m, None],
-                     gather.mKpe[tPrPage[m], tPrRow[m], None])
-
 
 def _acc_row_offset(r: int) -> int:
     """Row of entry r of an mma.sync m16n8 accumulator's row view (``acc_mn_view``: mode
@@ -480,20 +459,6 @@ class _MlaSmem:
     sC8: Optional[cute.Tensor]  # an FP8 cache's staging (tile_n, 512, fp8_stages); else None
     sKp8: Optional[cute.Tensor]
     full: Int32  # shared address of the FULL mbarriers, one per KV stage (8 bytes each)
-
-
-@dataclass(frozen=True)
-class _Gather:
-    """One O thread's share of a KV tile's row gather: smem destinations per stage, its
-    row coordinates (the same rows for ckv and kpe), and the paged sources."""
-
-    tCsC: cute.Tensor  # (CPY, rows, chunks, stages)
-    tKsKp: cute.Tensor
-    tCcC: cute.Tensor
-    mCkv: cute.Tensor
-    mKpe: cute.Tensor
-    mPageTable: cute.Tensor
-    batch: Int32
 
 
 # ---------------------------------------------------------------------------------------

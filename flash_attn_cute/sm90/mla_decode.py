@@ -123,13 +123,13 @@ from cutlass.cute.nvgpu import warpgroup
 
 from flash_attn_cute.block_info import BlockInfo
 from flash_attn_cute.constants import D_CKV, D_KPE
-from flash_attn_cute.copy_utils import copy_row, copy_rows, gmem_tiled_copy
+from flash_attn_cute.copy_utils import copy_rows, gmem_tiled_copy
 from flash_attn_cute.cute_utils import launch_ctas
 from flash_attn_cute.epilogue import store_lse, store_o
 from flash_attn_cute.layout_utils import acc_mn_view, acc_to_operand_a, transpose_view
-from flash_attn_cute.mla_kernel import MlaArgs, MlaFp8Staging, MlaTile, compile_mla_from_key, mla_call, set_mla_config
+from flash_attn_cute.mla_kernel import (MlaArgs, MlaFp8Staging, MlaGather, MlaTile, compile_mla_from_key, mla_call,
+                                        set_mla_config)
 from flash_attn_cute.named_barrier import Sm90MlaBarrier
-from flash_attn_cute.paged_kv import page_lookups
 from flash_attn_cute.sm90.config import MlaRoles, mla_roles
 from flash_attn_cute.sm90.wgmma_utils import convert_pairs, kv_release, kv_wait, smem_layout, wgmma_gemm
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
@@ -264,27 +264,12 @@ class MlaDecodeSm90:
         """Tiles n_block_max - 1 down to n_block_min (the first visited is the only one the
         sequence end can cut), one stage each, gathered row by row."""
         r = self.roles
-        copy_C = gmem_tiled_copy(self.dtype, D_CKV, r.producer_threads)
-        copy_Kp = gmem_tiled_copy(self.dtype, D_KPE, r.producer_threads)
-        thr_C, thr_Kp = copy_C.get_slice(tidx), copy_Kp.get_slice(tidx)
-        # Both copies lay 8 threads along a row (64-element swizzle atoms), so a thread's
-        # ckv rows and kpe rows are the same keys: one page lookup serves both.
-        tCcC = thr_C.partition_S(cute.make_identity_tensor((r.tile_n, D_CKV)))
-        tKcKp = thr_Kp.partition_S(cute.make_identity_tensor((r.tile_n, D_KPE)))
-        tCsC, tKsKp = thr_C.partition_D(smem.sC), thr_Kp.partition_D(smem.sKp)  # (CPY, rows, chunks, stages)
+        gather = MlaGather.create(smem.sC, smem.sKp, self.dtype, r.producer_threads, tidx)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, r.stages)
-        mCkv, mKpe = args.mCkv, args.mKpe
-        rows = cute.size(tCsC, mode=[1])
         for i in cutlass.range(tile.n_tiles, unroll=1):
-            # Rows past the sequence end re-read the last key: finite, and masked to -inf.
-            tPrPage, tPrRow = page_lookups(args.mPageTable, tile.ctx.batch, tCcC, (tile.n_block_max - 1 - i) * r.tile_n,
-                                           tile.ctx.seqlen_k - 1, 0, rows, mCkv.shape[1], mCkv.shape[0])
+            pages = gather.lookup(tile, args, i, r.tile_n)  # before the wait for a free stage
             pipeline_kv.producer_acquire(state)
-            for m in cutlass.range_constexpr(rows):
-                copy_row(copy_C, tCsC[None, m, None, state.index], tCcC[None, m, None],
-                         mCkv[tPrPage[m], tPrRow[m], None])
-                copy_row(copy_Kp, tKsKp[None, m, None, state.index], tKcKp[None, m, None],
-                         mKpe[tPrPage[m], tPrRow[m], None])
+            gather.issue(args, pages, state.index)
             pipeline_kv.producer_commit(state)
             state.advance()
         # Keep the CTA alive until the consumers released every stage it filled.
