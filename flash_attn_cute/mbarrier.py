@@ -49,6 +49,11 @@ def wait(addr: Int32, phase: Int32, *, loc=None, ip=None):
          "@!done bra WAIT;\n\t}", "r,r", (addr, phase), loc=loc, ip=ip)
 
 
+def nth(base: Int32, i):
+    """The shared address of the i-th of consecutive mbarriers (8 bytes each) from ``base``."""
+    return base + 8 * i
+
+
 def phase_of(i: Int32, stages: cutlass.Constexpr[int]):
     """The parity of the phase that the i-th fill of a ring of ``stages`` barriers completes."""
     return (i // stages) & 1

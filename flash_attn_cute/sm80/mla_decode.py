@@ -183,7 +183,7 @@ class MlaDecodeSm80:
             )
             if tidx == 0:
                 for s in cutlass.range_constexpr(self.stages):
-                    mbarrier.init(smem.full + 8 * s, self.roles.o_threads)
+                    mbarrier.init(mbarrier.nth(smem.full, s), self.roles.o_threads)
             cute.arch.barrier()  # the FULL mbarriers are initialised before anyone arrives
             if warp_idx < self.roles.s_warps:
                 # An FP8 cache: the scores carry kv_descale.
@@ -239,7 +239,7 @@ class MlaDecodeSm80:
         n_all = self.roles.threads
         stage, buf = i % self.stages, i % 2
         n_block = tile.n_block_max - 1 - i
-        mbarrier.wait(smem.full + 8 * stage, mbarrier.phase_of(i, self.stages))
+        mbarrier.wait(mbarrier.nth(smem.full, stage), mbarrier.phase_of(i, self.stages))
         acc_S = self.qk(ops, stage)
         if n_block >= tile.n_mid_hi or n_block < tile.n_mid_lo:
             apply_to_scores(self.variant, acc_mn_view(acc_S), ops.tScS_mn, tile.ctx, tile.m_block * self.tile_m,
@@ -319,14 +319,14 @@ class MlaDecodeSm80:
             cute.arch.cp_async_wait_group(self.fp8_stages - 1)
             if tile.n_tiles > 0:
                 self.widen(fp8, 0, 0, otidx)
-                mbarrier.arrive(smem.full)
+                mbarrier.arrive(mbarrier.nth(smem.full, 0))
         else:
             # A 16-bit cache: every O thread gathers its rows of each tile into its stage.
             gather = MlaGather.create(smem.sC, smem.sKp, self.dtype, n_o, otidx)
             for j in cutlass.range_constexpr(self.stages):
                 if j < tile.n_tiles:
                     gather.issue(args, gather.lookup(tile, args, j, self.tile_n), j)
-                    mbarrier.cp_async_arrive(smem.full + 8 * j)
+                    mbarrier.cp_async_arrive(mbarrier.nth(smem.full, j))
 
         thr_mma = mma_O.get_slice(otidx)
         ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
@@ -361,7 +361,7 @@ class MlaDecodeSm80:
                     # Tile i + 1 landed (the newer groups: tiles i + 2 .. i + fp8_stages).
                     cute.arch.cp_async_wait_group(self.fp8_stages - 1)
                     self.widen(fp8, (i + 1) % self.fp8_stages, (i + 1) % self.stages, otidx)
-                    mbarrier.arrive(smem.full + 8 * ((i + 1) % self.stages))
+                    mbarrier.arrive(mbarrier.nth(smem.full, (i + 1) % self.stages))
             self.scale_rows(acc_O, smem.sScale[None, buf], tOcO_mn)
             # One k16 slice of P and of V live at a time: 128 + 16 + 16 registers.
             for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
@@ -376,7 +376,7 @@ class MlaDecodeSm80:
                 # any O thread waiting for them.
                 if i + self.stages < tile.n_tiles:
                     gather.issue(args, gather.lookup(tile, args, i + self.stages, self.tile_n), stage)
-                    mbarrier.cp_async_arrive(smem.full + 8 * stage)
+                    mbarrier.cp_async_arrive(mbarrier.nth(smem.full, stage))
 
         # Nothing in flight at exit: with no KV tile (an empty sequence or split) no phase
         # tracked this thread's Q copies; otherwise they all landed already.
@@ -458,7 +458,7 @@ class _MlaSmem:
     sInv: cute.Tensor  # (tile_m,) fp32
     sC8: Optional[cute.Tensor]  # an FP8 cache's staging (tile_n, 512, fp8_stages); else None
     sKp8: Optional[cute.Tensor]
-    full: Int32  # shared address of the FULL mbarriers, one per KV stage (8 bytes each)
+    full: Int32  # shared address of the FULL mbarriers, one per KV stage (``mbarrier.nth``)
 
 
 # ---------------------------------------------------------------------------------------
