@@ -64,6 +64,18 @@ def ex2_poly(x: Float32) -> Float32:
     return _ex2_scale_by_int(x_rounded, poly)
 
 
+def ex2_poly_2(x: Float32, y: Float32) -> tuple:
+    """``ex2_poly`` of two values with packed f32x2 arithmetic (sm_100: FADD2, FFMA2): the
+    same steps, two values an instruction (the cubic as three fused multiply-adds)."""
+    magic = (Float32(_ROUND_MAGIC), Float32(_ROUND_MAGIC))
+    xy = (cute.arch.fmax(x, Float32(-126.0)), cute.arch.fmax(y, Float32(-126.0)))
+    xy_rounded = cute.arch.add_packed_f32x2(xy, magic)
+    f = cute.arch.sub_packed_f32x2(xy, cute.arch.sub_packed_f32x2(xy_rounded, magic))
+    c0, c1, c2, c3 = ((Float32(c), Float32(c)) for c in _EX2_POLY)
+    poly = cute.arch.fma_packed_f32x2(cute.arch.fma_packed_f32x2(cute.arch.fma_packed_f32x2(c3, f, c2), f, c1), f, c0)
+    return _ex2_scale_by_int(xy_rounded[0], poly[0]), _ex2_scale_by_int(xy_rounded[1], poly[1])
+
+
 def _reduce_ilp(row: cute.Tensor, op):
     """op over one thread's part of a row (rmem), as four interleaved partial chains
     instead of one dependent chain: the softmax sits on the MMA warps' critical path."""
@@ -76,6 +88,19 @@ def _reduce_ilp(row: cute.Tensor, op):
     while len(acc) > 1:
         acc = [op(acc[2 * i], acc[2 * i + 1]) for i in range(len(acc) // 2)]
     return acc[0]
+
+
+def _sum_packed(row: cute.Tensor):
+    """The sum of one thread's part of a row (rmem, an even length that is a multiple of
+    4) in two interleaved chains of packed f32x2 adds (sm_100: FADD2): four partial sums,
+    as ``_reduce_ilp``, in half its instructions."""
+    n = cute.size(row)
+    assert n % 4 == 0, n
+    acc = [(row[0], row[1]), (row[2], row[3])]
+    for i in range(4, n, 4):
+        acc = [cute.arch.add_packed_f32x2(acc[j], (row[i + 2 * j], row[i + 2 * j + 1])) for j in range(2)]
+    pair = cute.arch.add_packed_f32x2(acc[0], acc[1])
+    return pair[0] + pair[1]
 
 
 def _row_allreduce(val: Float32, op, threads_per_row: int):
@@ -106,7 +131,7 @@ class OnlineSoftmax:
 
     @cute.jit
     def step(self, acc_S: cute.Tensor, acc_O: Optional[cute.Tensor] = None,
-             ex2_emulate_every: cutlass.Constexpr[int] = 0) -> cute.Tensor:
+             ex2_emulate_every: cutlass.Constexpr[int] = 0, packed_f32x2: cutlass.Constexpr[bool] = False) -> cute.Tensor:
         """Folds one block of scores into the running stats: acc_S becomes P (unnormalised,
         fp32). Returns the per-row correction exp2(scale_log2 * (old_max - new_max)) that
         the output accumulated so far must be multiplied by (``rescale_o``); with acc_O
@@ -116,7 +141,10 @@ class OnlineSoftmax:
         block's P V is still in flight and rescale O only once that product landed.
 
         ``ex2_emulate_every`` = k > 0 computes every k-th exponential with ``ex2_poly``
-        (FMA pipe) instead of MUFU; only for blocks whose scores are all finite."""
+        (FMA pipe) instead of MUFU; only for blocks whose scores are all finite.
+        ``packed_f32x2`` (sm_100: FADD2 / FFMA2, two fp32 values an instruction) sums the
+        row in packed pairs and emulates adjacent pairs instead, columns 2k - 2 and 2k - 1
+        of every 2k (``ex2_poly_2``: the same share)."""
         s_mn = acc_mn_view(acc_S)
         row_scale = cute.make_rmem_tensor((self.num_rows,), Float32)
         for r in cutlass.range_constexpr(self.num_rows):
@@ -134,17 +162,26 @@ class OnlineSoftmax:
                 m_shift = m_scaled - Float32(self.max_offset)
             if cutlass.const_expr(ex2_emulate_every > 0):
                 s_mn[r, None].store(row * self.scale_log2 - m_shift)
-                for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                    if cutlass.const_expr(c % ex2_emulate_every == ex2_emulate_every - 1):
-                        s_mn[r, c] = ex2_poly(s_mn[r, c])
-                    else:
-                        s_mn[r, c] = cute.math.exp2(s_mn[r, c], fastmath=True)
+                if cutlass.const_expr(packed_f32x2):
+                    for c in cutlass.range_constexpr(0, cute.size(s_mn, mode=[1]), 2):
+                        if cutlass.const_expr((c // 2) % ex2_emulate_every == ex2_emulate_every - 1):
+                            s_mn[r, c], s_mn[r, c + 1] = ex2_poly_2(s_mn[r, c], s_mn[r, c + 1])
+                        else:
+                            s_mn[r, c] = cute.math.exp2(s_mn[r, c], fastmath=True)
+                            s_mn[r, c + 1] = cute.math.exp2(s_mn[r, c + 1], fastmath=True)
+                else:
+                    for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                        if cutlass.const_expr(c % ex2_emulate_every == ex2_emulate_every - 1):
+                            s_mn[r, c] = ex2_poly(s_mn[r, c])
+                        else:
+                            s_mn[r, c] = cute.math.exp2(s_mn[r, c], fastmath=True)
             else:
                 s_mn[r, None].store(cute.math.exp2(row * self.scale_log2 - m_shift, fastmath=True))
             row_p = s_mn[r, None]
             correction = cute.math.exp2(self.row_max[r] * self.scale_log2 - m_scaled, fastmath=True)
             self.row_max[r] = m_new
-            self.row_sum[r] = self.row_sum[r] * correction + _reduce_ilp(row_p, _add)
+            row_total = _sum_packed(row_p) if cutlass.const_expr(packed_f32x2) else _reduce_ilp(row_p, _add)
+            self.row_sum[r] = self.row_sum[r] * correction + row_total
             row_scale[r] = correction
         if cutlass.const_expr(acc_O is not None):
             self.rescale_o(acc_O, row_scale)

@@ -212,6 +212,13 @@ def test_forward_sass(artifacts, backend, arch):
             assert not re.search(pattern, sass), (pattern, key)
         if backend == "sm100":
             assert ("STS.U16" in sass) == sm100_cache_tail_zeroed(key), ("V tail zeroing", key)
+            # The softmax sums its row in packed pairs (FADD2); where the key moves a share of
+            # the exponentials to the FMA pipe (its last field, sm100.ex2_share), the
+            # polynomial runs packed too (fma.rn.f32x2 appears in no other code).
+            assert "FADD2" in sass, key
+            ptx = next((out_dir / f"k{i}").glob("*.ptx")).read_text()
+            extra = fields(backend, key).extra
+            assert ("fma.rn.f32x2" in ptx) == bool(extra and extra[0]), ("ex2 emulation", key)
         bound = spill_bound(backend, key)
         spills = len(re.findall(r"\b(LDL|STL)\b", sass))
         assert bound is None or spills <= bound, ("local-memory spill", spills, key)

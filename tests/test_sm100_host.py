@@ -135,10 +135,11 @@ def test_compile_key_layout_is_the_shared_one():
     plan = sm100.plan(p, 3, None, 148)
     key = sm100.compile_key(p, plan, ARCH)
     assert key == ("fwd_sm100", ARCH, "bf16", 128, 128, *plan.config[:3], (True, False, False), 1, True, True, False,
-                   False, True, True, False, False, 0, 0)
+                   False, True, True, False, False, 0, 0, sm100.EX2_EVERY)
     f = keys.parse_key(key, 3)
     assert f.tile == plan.config[:3] and f.flags == (True, False, False) and f.paged and f.has_seqused_k and f.is_split
-    assert f.split_blocks == 0 and f.q_class == 0 and not f.has_sink and not f.has_seqused_q and f.extra == ()
+    assert f.split_blocks == 0 and f.q_class == 0 and not f.has_sink and not f.has_seqused_q
+    assert f.extra == (sm100.EX2_EVERY,)  # ex2_emulate_every, last (sm100.ex2_share)
 
 
 def test_compile_key_tracks_the_plan():
@@ -231,7 +232,23 @@ def test_shared_memory_fits(d, dv, q_stage):
     # The plan carries that ring depth.
     p = _problem(d=d, d_v=dv, max_seqlen_q=4096 if q_stage == 2 else 64)
     plan = sm100.plan(p, 1, False, None)
-    assert plan.config == (q_stage, sm100.TILE_N, stages, 0)
+    assert plan.config == (q_stage, sm100.TILE_N, stages, 0, sm100.EX2_EVERY if max(d, dv) <= 128 else 0)
+
+
+def test_ex2_share():
+    # FMA-pipe exponentials (FA4's share on B200) for d <= 128 on sm_100, nowhere else.
+    p = _problem(causal=True, softcap=30.0)
+    assert sm100.ex2_share(p, "sm_100a") == sm100.ex2_share(p, None) == sm100.EX2_EVERY == 8
+    assert sm100.ex2_share(p._replace(d=64, d_v=64), "sm_100a") == 8
+    assert sm100.ex2_share(p, "sm_103a") == 0  # fast MUFU exp2 there (FA4 keeps it)
+    assert sm100.ex2_share(p._replace(d=192, d_v=128), "sm_100a") == 0
+    assert sm100.ex2_share(p._replace(batch_invariant=True), "sm_100a") == 0
+    assert sm100.ex2_share(p._replace(dtype=torch.float8_e4m3fn), "sm_100a") == 0
+    assert sm100.ex2_share(p._replace(kv_dtype=torch.float8_e4m3fn), "sm_100a") == 8  # FP8 K/V, 16-bit MMAs
+    assert sm100.ex2_share(p._replace(variant=object()), "sm_100a") == 0
+    plan = sm100.plan(p, 1, None, 148, arch="sm_103a")
+    key = sm100.compile_key(p, plan, "sm_103a")
+    assert plan.config.ex2_emulate_every == 0 and keys.parse_key(key, 3).extra == ()
 
 
 @pytest.mark.parametrize("q_stage", [1, 2])

@@ -15,7 +15,7 @@ import logging
 from typing import NamedTuple, Optional
 
 from ..backend_kit import feature_refusal, fwd_entry_points, head_groups, plan_rows, plan_splits
-from ..keys import DTYPE_NAMES
+from ..keys import DTYPE_NAMES, arch_capability
 from ..problems import FwdPlan, FwdProblem
 from ..tuning import NO_TUNING, Tuning
 from .config import SMEM_LIMIT, TILE_M, kv_stages_for, smem_bytes
@@ -46,6 +46,7 @@ class Sm100Config(NamedTuple):
     tile_n: int
     kv_stages: int  # K/V ring depth
     split_blocks: int = 0  # batch invariant: KV blocks per split (backend_kit.invariant_splits)
+    ex2_emulate_every: int = 0  # every k-th exponential of an unmasked block on the FMA pipe (``ex2_share``)
 
 
 def runs_on(capability: tuple) -> bool:
@@ -78,6 +79,30 @@ def select_tile(d: int, d_v: int, q_stage: int, split_blocks: int = 0, fp8: bool
     return Sm100Config(q_stage, TILE_N, kv_stages_for(d, d_v, q_stage, TILE_N, fp8, elem), split_blocks)
 
 
+# Exponentials on the FMA pipe (``softmax.ex2_poly``), one in EX2_EVERY, in unmasked blocks.
+# A B200 SM has 16 MUFU exp2 a clock beside 8,192 dense 16-bit tcgen05 FLOP: at d = 128 a
+# score's Q K^T and P V take 512 FLOP, so the exponentials take as long as the MMAs (at d = 64,
+# twice as long). FA4 (flash_fwd_sm100.py, its B200-tuned table) moves 1/8 of a 128-key row of
+# its one-CTA kernels to the FMA pipe for d <= 128; this kernel has their structure (a softmax
+# warpgroup per Q stage, rows one per thread), so it takes the same share. Compile-verified
+# only (no Blackwell GPU here): the share is FA4's measurement, not ours.
+EX2_EVERY = 8
+
+
+def ex2_share(problem: FwdProblem, arch: Optional[str]) -> int:
+    """Every k-th exponential on the FMA pipe (0: none): d, d_v <= 128 on sm_100 (sm_103's
+    MUFU exp2 is fast: FA4 keeps it there), 16-bit Q and K (FP8 Q, K, V: the polynomial
+    made the causal split decode key spill 2 values inside its KV loop, sm_100a SASS), no
+    user score or mask mod (``ex2_poly`` takes finite inputs, which a user's mod need not
+    give), and not batch invariant (which blocks a tile masks depends on its rows)."""
+    if arch is not None and arch_capability(arch) >= (10, 3):
+        return 0
+    if (max(problem.d, problem.d_v) > 128 or problem.qkv_fp8 or problem.variant is not None
+            or problem.batch_invariant):
+        return 0
+    return EX2_EVERY
+
+
 def pack_refusal(ratio: int) -> Optional[str]:
     """Why query heads cannot be packed at this GQA ratio (None: they can). Packed Q rows
     are one 3-D TMA box (pack, 128 / pack) per 128-row stage, so the ratio must divide 128;
@@ -105,13 +130,13 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     q_stage = select_q_stage(rows, num_splits > 1 or split_blocks > 0)
     if problem.kv_fp8 and q_stage == 2 and smem_bytes(problem.d, problem.d_v, 2, TILE_N, 1, fp8=True) > SMEM_LIMIT:
         q_stage = 1  # d 192: the fp8 staging rings leave no room for a second Q stage
-    return FwdPlan(NAME, select_tile(problem.d, problem.d_v, q_stage, split_blocks, problem.kv_fp8,
-                                     1 if problem.qkv_fp8 else 2), pack_gqa,
-                   num_splits)
+    config = select_tile(problem.d, problem.d_v, q_stage, split_blocks, problem.kv_fp8, 1 if problem.qkv_fp8 else 2)
+    return FwdPlan(NAME, config._replace(ex2_emulate_every=ex2_share(problem, arch)), pack_gqa, num_splits)
 
 
 # compile_key(problem, plan, arch=None), compile(key), launcher(problem, plan, device=None):
 # the seam's shared entry points over ``flash_fwd.compile_fwd_sm100``; the key holds the
-# config's tile (split_blocks is a common field).
-compile_key, compile, launcher = fwd_entry_points(NAME, "flash_attn_cute.sm100.flash_fwd", "compile_fwd_sm100",
-                                                  key_tile=lambda c: tuple(c[:3]))
+# config's tile (split_blocks is a common field), then ex2_emulate_every where it is not 0.
+compile_key, compile, launcher = fwd_entry_points(
+    NAME, "flash_attn_cute.sm100.flash_fwd", "compile_fwd_sm100", key_tile=lambda c: tuple(c[:3]),
+    key_extra=lambda c: (c.ex2_emulate_every,) if c.ex2_emulate_every else ())

@@ -121,8 +121,10 @@ class FlashAttnFwdSm100:
     __call__ = fwd_call  # the forward kernels' shared entry point: FwdArgs -> launch
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, tile: tuple, variant: AttentionVariant,
-                 qhead_per_kvhead_packed: int = 1, is_split: bool = False, split_blocks: int = 0, q_class: int = 0):
-        """``tile`` = (q_stage, tile_n, kv_stages), as ``sm100.select_tile`` plans it."""
+                 qhead_per_kvhead_packed: int = 1, is_split: bool = False, split_blocks: int = 0,
+                 ex2_emulate_every: int = 0, q_class: int = 0):
+        """``tile`` = (q_stage, tile_n, kv_stages), as ``sm100.select_tile`` plans it;
+        ``ex2_emulate_every``: ``sm100.ex2_share``."""
         set_fwd_config(self, dtype, head_dim, head_dim_v, variant, qhead_per_kvhead_packed, is_split, split_blocks,
                        q_class)
         q_stage, tile_n, kv_stages = tile
@@ -130,6 +132,7 @@ class FlashAttnFwdSm100:
         assert head_dim % 16 == 0 and head_dim_v % 16 == 0
         assert TILE_M % qhead_per_kvhead_packed == 0, "packed GQA rows must tile the 128-row TMA box"
         self.q_stage = q_stage
+        self.ex2_emulate_every = ex2_emulate_every
         self.tile_m = TILE_M * q_stage
         self.tile_n = tile_n
         self.kv_stages = kv_stages
@@ -743,7 +746,9 @@ class FlashAttnFwdSm100:
         col0 = n_block * self.tile_n
         packed = self.qhead_per_kvhead_packed
         apply_to_scores(self.variant, s_mn, tScS_mn, tile.ctx, row0, col0, packed, tile.softmax_scale, masked)
-        row_scale = softmax.step(cute.make_tensor(tSrS.iterator, cute.composition(tSrS.layout, acc_view)))
+        # A masked block may hold -inf scores, which only MUFU maps to 0.
+        row_scale = softmax.step(cute.make_tensor(tSrS.iterator, cute.composition(tSrS.layout, acc_view)),
+                                 ex2_emulate_every=0 if masked else self.ex2_emulate_every, packed_f32x2=True)
         if j > 0:
             sStats[tidx, 0, s] = row_scale[0]
             bars.arrive("scale_ready", s)
