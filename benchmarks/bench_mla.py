@@ -78,16 +78,13 @@ def row_bytes_flops(batch, seqlen, heads, cache_elem=2):
     return nbytes, 2 * batch * heads * seqlen * (576 + 512)
 
 
-def flashinfer_times(inputs, page, heads, peers=PEERS):
-    """{peer: ms} of FlashInfer's MLA wrapper on the row's tensors (fa3, fa2), each planned
-    once and timed as a CUDA-graph replay; {} where FlashInfer does not import, a peer that
-    fails is left out (its error printed)."""
-    try:
-        import torch
-        from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
-    except Exception as e:  # not installed here
-        print(f"[flashinfer] {error_text(e)}", file=sys.stderr)
-        return {}
+def flashinfer_call(inputs, page, heads, peer, workspace=None):
+    """FlashInfer's MLA wrapper (backend ``peer``: "fa3" or "fa2") planned once on the row's
+    tensors: the call to time (or profile, ``ncu_profile.py``). Raises where FlashInfer
+    does not import or does not take the row."""
+    import torch
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
+
     q_nope, q_pe, ckv, kpe, seqlens, table = inputs
     batch, pages_per_seq = table.shape
     dev = q_nope.device
@@ -96,15 +93,30 @@ def flashinfer_times(inputs, page, heads, peers=PEERS):
         kv_indptr=torch.arange(batch + 1, dtype=torch.int32, device=dev) * pages_per_seq,
         kv_indices=table.flatten().contiguous(), kv_len_arr=seqlens)
     query = (q_nope[:, 0].contiguous(), q_pe[:, 0].contiguous())
+    if workspace is None:
+        workspace = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+    wrapper = BatchMLAPagedAttentionWrapper(workspace, backend=peer)
+    wrapper.plan(metadata=meta, num_heads=heads, head_dim_ckv=512, head_dim_kpe=64, page_size=page,
+                 causal=False, sm_scale=576 ** -0.5, q_data_type=q_nope.dtype, kv_data_type=ckv.dtype,
+                 query_layout="split", kv_cache_layout="split")
+    return lambda: wrapper.run(query=query, kv_cache=(ckv, kpe))
+
+
+def flashinfer_times(inputs, page, heads, peers=PEERS):
+    """{peer: ms} of FlashInfer's MLA wrapper on the row's tensors (fa3, fa2), each planned
+    once and timed as a CUDA-graph replay; {} where FlashInfer does not import, a peer that
+    fails is left out (its error printed)."""
+    try:
+        import torch
+        import flashinfer.mla  # noqa: F401
+    except Exception as e:  # not installed here
+        print(f"[flashinfer] {error_text(e)}", file=sys.stderr)
+        return {}
     out = {}
-    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=inputs[0].device)
     for peer in peers:
         try:
-            wrapper = BatchMLAPagedAttentionWrapper(workspace, backend=peer)
-            wrapper.plan(metadata=meta, num_heads=heads, head_dim_ckv=512, head_dim_kpe=64, page_size=page,
-                         causal=False, sm_scale=576 ** -0.5, q_data_type=q_nope.dtype, kv_data_type=ckv.dtype,
-                         query_layout="split", kv_cache_layout="split")
-            out[peer] = bench(lambda: wrapper.run(query=query, kv_cache=(ckv, kpe)), graph=True)
+            out[peer] = bench(flashinfer_call(inputs, page, heads, peer, workspace), graph=True)
         except Exception as e:
             print(f"[flashinfer {peer}] {error_text(e)}", file=sys.stderr)
     return out

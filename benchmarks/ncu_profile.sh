@@ -9,6 +9,8 @@
 #   bash benchmarks/ncu_profile.sh decode 1x131072         # batch x seqlen, h32/8 d128: SM90 on bf16 and fp8 caches
 #   IMPLS=sm90:MlaDecodeSm90 bash benchmarks/ncu_profile.sh mla 768x2048  # one implementation only
 #   IMPLS="sm90:MlaDecodeSm90 sm90-fp8:MlaDecodeSm90" bash benchmarks/ncu_profile.sh mla 768x1024  # FP8 cache too
+#   IMPLS="fi-fa3:BatchMLAPageAttentionHopperKernel sm90:MlaDecodeSm90" bash benchmarks/ncu_profile.sh mla 768x2048
+#     # FlashInfer's fa3 kernel beside ours (with FlashInfer importable: ../shared/gpu/README.md)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 cd "$(dirname "$0")"
