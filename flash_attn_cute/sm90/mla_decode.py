@@ -107,8 +107,15 @@ HBM's latency (ncu,
 "seesaw" 768 x 2048: DRAM 72%, tensor pipe 44%, long scoreboard 3.2 of the stalls per
 issue, the producer's). Page lookups a tile ahead changed nothing (3.19 against 3.20);
 bulk L2 prefetches of the rows two or four tiles ahead (``cp.async.bulk.prefetch.L2``, a
-row per instruction) halved it (1.69 / 1.53 TB/s). Next: more bytes in flight, e.g.
-FlashMLA's release of a stage's V halves as each warpgroup's P V lands.
+row per instruction) halved it (1.69 / 1.53 TB/s).
+
+2026-12-02 (H200, ``results/mla_sm90_*_2026-12-02_s9.csv``): freeing a stage earlier did
+not help. The seesaw's "other" warpgroup releasing tile i - 1 before it waits for tile i + 1
+read 3.022 / 3.156 TB/s at 768 x 2048 against 3.011 / 3.101 (two passes; every row within
+the passes' spread). FlashInfer fa3's shape in these roles (``qk="one"``, 2 stages of 64 keys)
+read 2.843 against 3.010. The L2 runs at 85% of its throughput at 72% DRAM (seventh
+session's ncu); FlashInfer's own profile is the next comparison (``ncu_profile.py --impl
+fi-fa3``).
 """
 
 from dataclasses import dataclass
