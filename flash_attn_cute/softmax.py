@@ -117,13 +117,20 @@ class OnlineSoftmax:
 
     ``max_offset`` (an integer, 0 for 16-bit P) scales P by 2^max_offset before it is
     rounded to an 8-bit P operand; the row sum carries the same factor, so it cancels in
-    O, and ``finalize`` takes it out of the LSE."""
+    O, and ``finalize`` takes it out of the LSE.
 
-    def __init__(self, num_rows: int, scale_log2: Float32, threads_per_row: int = 4, max_offset: int = 0):
+    ``rescale_threshold`` (log2 units, 0: off) lets the running max lag: a block whose row
+    max exceeds the running one by at most that much keeps the old max, so its correction
+    is exactly 1 (a kernel can skip rescaling O) and its P reaches 2^threshold, which a
+    16-bit P holds exactly as well as P <= 1 (FA4's SM100 rule: 8 for 16-bit P, 0 for FP8)."""
+
+    def __init__(self, num_rows: int, scale_log2: Float32, threads_per_row: int = 4, max_offset: int = 0,
+                 rescale_threshold: float = 0.0):
         self.num_rows = num_rows
         self.scale_log2 = scale_log2
         self.threads_per_row = threads_per_row
         self.max_offset = max_offset
+        self.rescale_threshold = rescale_threshold
         self.row_max = cute.make_rmem_tensor((num_rows,), Float32)
         self.row_sum = cute.make_rmem_tensor((num_rows,), Float32)
         self.row_max.fill(-Float32.inf)
@@ -153,6 +160,11 @@ class OnlineSoftmax:
                 _reduce_ilp(s_mn[r, None], cute.arch.fmax), cute.arch.fmax, self.threads_per_row
             )
             m_new = cute.arch.fmax(m_new, self.row_max[r])
+            if cutlass.const_expr(self.rescale_threshold > 0):
+                # Keep the old max where the new one is at most the threshold above it (from
+                # -inf, the growth is inf or NaN: never kept).
+                if (m_new - self.row_max[r]) * self.scale_log2 <= Float32(self.rescale_threshold):
+                    m_new = self.row_max[r]
             # A row with nothing visible yet keeps max -inf; exp2 of (-inf) - (-inf) would be NaN.
             m_scaled = m_new * self.scale_log2
             if m_new == -Float32.inf:

@@ -59,6 +59,13 @@ from flash_attn_cute.softmax import FP8_P_OFFSET, LOG2_E, OnlineSoftmax
 from flash_attn_cute.variants import AttentionVariant, apply_to_scores
 
 
+# How far (log2 units) a 16-bit P's running row max may lag the true one (``OnlineSoftmax``):
+# P then reaches 2^8 = 256, far inside fp16 / bf16, and O is rescaled only when a row's max
+# grows by more than 256x. FA4's SM100 kernel uses 8 for 16-bit Q (its note "Low Precision
+# Scaling"). Compile-verified only, like the rest of this kernel.
+RESCALE_THRESHOLD = 8.0
+
+
 # ---------------------------------------------------------------------------------------
 # mbarrier handshakes between the roles
 # ---------------------------------------------------------------------------------------
@@ -701,9 +708,12 @@ class FlashAttnFwdSm100:
 
         has_mod = cutlass.const_expr(self.variant.has_score_mod)
         scale_log2 = LOG2_E if has_mod else tile.softmax_scale * LOG2_E
-        # FP8 P: 2^8 at the row max before its e4m3 rounding.
-        softmax = OnlineSoftmax(1, Float32(scale_log2), threads_per_row=1,
-                                max_offset=FP8_P_OFFSET if self.dtype.width == 8 else 0)
+        # FP8 P: 2^8 at the row max before its e4m3 rounding. 16-bit P: the row max may lag by
+        # RESCALE_THRESHOLD, so that after the first blocks a row's correction is almost
+        # always exactly 1 and the correction warps skip the TMEM pass over O.
+        fp8_p = self.dtype.width == 8
+        softmax = OnlineSoftmax(1, Float32(scale_log2), threads_per_row=1, max_offset=FP8_P_OFFSET if fp8_p else 0,
+                                rescale_threshold=0.0 if fp8_p else RESCALE_THRESHOLD)
         n_cols = cute.size(tScS_t2r)
         # The thread's row as a 1 x n_cols view (the variant) and as a one-row accumulator (the softmax).
         row_view = cute.make_layout((1, n_cols), stride=(0, 1))
