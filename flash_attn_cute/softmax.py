@@ -122,7 +122,8 @@ class OnlineSoftmax:
     ``rescale_threshold`` (log2 units, 0: off) lets the running max lag: a block whose row
     max exceeds the running one by at most that much keeps the old max, so its correction
     is exactly 1 (a kernel can skip rescaling O) and its P reaches 2^threshold, which a
-    16-bit P holds exactly as well as P <= 1 (FA4's SM100 rule: 8 for 16-bit P, 0 for FP8)."""
+    16-bit P holds with the same relative precision as P <= 1 (FA4's SM100 rule: 8 for
+    16-bit P, 0 for FP8 P, whose e4m3 range its 2^8 offset already fills)."""
 
     def __init__(self, num_rows: int, scale_log2: Float32, threads_per_row: int = 4, max_offset: int = 0,
                  rescale_threshold: float = 0.0):
