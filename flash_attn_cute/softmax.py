@@ -175,19 +175,16 @@ class OnlineSoftmax:
                 m_shift = m_scaled - Float32(self.max_offset)
             if cutlass.const_expr(ex2_emulate_every > 0):
                 s_mn[r, None].store(row * self.scale_log2 - m_shift)
-                if cutlass.const_expr(packed_f32x2):
-                    for c in cutlass.range_constexpr(0, cute.size(s_mn, mode=[1]), 2):
-                        if cutlass.const_expr((c // 2) % ex2_emulate_every == ex2_emulate_every - 1):
-                            s_mn[r, c], s_mn[r, c + 1] = ex2_poly_2(s_mn[r, c], s_mn[r, c + 1])
-                        else:
-                            s_mn[r, c] = cute.math.exp2(s_mn[r, c], fastmath=True)
-                            s_mn[r, c + 1] = cute.math.exp2(s_mn[r, c + 1], fastmath=True)
-                else:
-                    for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                        if cutlass.const_expr(c % ex2_emulate_every == ex2_emulate_every - 1):
-                            s_mn[r, c] = ex2_poly(s_mn[r, c])
-                        else:
-                            s_mn[r, c] = cute.math.exp2(s_mn[r, c], fastmath=True)
+                # Columns in groups of `width` (a packed pair, or one); every k-th group on the FMA pipe.
+                width = 2 if packed_f32x2 else 1
+                for c in cutlass.range_constexpr(0, cute.size(s_mn, mode=[1]), width):
+                    if cutlass.const_expr((c // width) % ex2_emulate_every != ex2_emulate_every - 1):
+                        for j in cutlass.range_constexpr(c, c + width):
+                            s_mn[r, j] = cute.math.exp2(s_mn[r, j], fastmath=True)
+                    elif cutlass.const_expr(packed_f32x2):
+                        s_mn[r, c], s_mn[r, c + 1] = ex2_poly_2(s_mn[r, c], s_mn[r, c + 1])
+                    else:
+                        s_mn[r, c] = ex2_poly(s_mn[r, c])
             else:
                 s_mn[r, None].store(cute.math.exp2(row * self.scale_log2 - m_shift, fastmath=True))
             row_p = s_mn[r, None]
