@@ -9,18 +9,24 @@ Arch-neutral (SM80 and up): cp.async and 128-bit global stores, no TMA, no tenso
 The kernel is memory bound: every O partial element is read exactly once, with coalesced
 128-bit cp.async copies, several splits in flight per thread.
 
-A "row" is one (batch, seqlen, head) triple. A CTA owns ``tile_m`` rows of one batch and one
-``k_block`` wide column slice of d_v (a batch past grid z's limit folds into x,
-``tile_scheduler.fold_batch``):
+A "row" is one (batch, seqlen, head) triple. A CTA owns ``tile_m / split_groups`` rows of
+one batch and one ``k_block`` wide column slice of d_v (a batch past grid z's limit folds
+into x, ``tile_scheduler.fold_batch``). ``split_groups`` (G, a runtime power of two <=
+tile_m, ``heuristics.combine_split_groups``) lane groups share a row, group g taking the
+splits g, g + G, ...: a decode with few rows and many splits (MLA 1 x 32768: 64 rows, 128
+splits) would otherwise stream each row's 128 splits one after another in 32 CTAs.
   1. ``load_lse``: the LSE of every split for its rows goes to smem (coalesced along seqlen),
   2. ``reduce``: a lane group per row reduces max / sum over splits and rewrites smem in
-     place with the per-split weights exp(lse_s - max_s lse_s). Lane j of a group takes
-     the splits j, j + group, ... in order, then the group's butterfly: the order depends
-     on d_v alone, so splits of weight 0 (empty ones) add exact zeros and a row's result
-     does not depend on how many trailing empty splits the launch has (batch invariance),
-  3. ``accumulate``: each thread streams its 128-bit column chunk of every split with a
-     nonzero weight through a private ``stages``-deep smem ring into fp32 registers, and
-     normalises once by 1 / sum of the weights,
+     place with the per-split weights exp(lse_s - max_s lse_s) (group 0 writes; the other
+     groups run the same shuffles and discard them). Lane j of a group takes the splits
+     j, j + group, ... in order, then the group's butterfly: the order depends on d_v
+     alone, so splits of weight 0 (empty ones) add exact zeros and a row's result does not
+     depend on how many trailing empty splits the launch has (batch invariance: batch-
+     invariant plans run with G = 1, since G follows the split count),
+  3. ``accumulate``: each thread streams its 128-bit column chunk of its group's splits with
+     a nonzero weight through a private ``stages``-deep smem ring into fp32 registers; the
+     groups > 0 then hand their sums to group 0 through their own ring slot 0, added in
+     group order, and group 0 normalises once by 1 / sum of the weights,
   4. ``store``: convert and write that chunk of O with one 128-bit store.
 """
 
@@ -83,6 +89,7 @@ class FlashAttnCombine:
         mO: cute.Tensor,  # (batch, seqlen, nheads, d_v), d_v contiguous
         mLSE: Optional[cute.Tensor],  # (batch, nheads, seqlen) fp32, or None
         mSink: Optional[cute.Tensor],  # (nheads,) fp32 learnable sinks, or None
+        split_groups: Int32,  # G: a power of two <= tile_m (heuristics.combine_split_groups)
         stream,
     ):
         # num_splits <= max_splits is the caller's to check: the LSE smem is sized for it.
@@ -111,11 +118,12 @@ class FlashAttnCombine:
         sO_layout = cute.make_ordered_layout(
             (4, self.chunks, self.num_threads, self.stages), order=(0, 2, 1, 3)
         )
-        num_m_blocks = cute.ceil_div(cute.size(mO.shape[1]), self.tile_m)
+        rows_per_cta = Int32(self.tile_m) // split_groups
+        num_m_blocks = cute.ceil_div(cute.size(mO.shape[1]), rows_per_cta)
         grid_x, grid_z = fold_batch(num_m_blocks, cute.size(mO.shape[0]))
         grid = [grid_x, cute.ceil_div(self.head_dim_v, self.k_block), grid_z]
         self.kernel(mOPartial, mLSEPartial, mO, mLSE, mSink, sLSE_layout, sO_layout,
-                    m_blocks_divisor(num_m_blocks)).launch(
+                    m_blocks_divisor(num_m_blocks), split_groups, rows_per_cta).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream
         )
 
@@ -130,13 +138,17 @@ class FlashAttnCombine:
         sLSE_layout: cute.Layout,
         sO_layout: cute.Layout,
         m_blocks: cute.FastDivmodDivisorV2,  # row tiles per sequence (tile_scheduler.m_blocks_divisor)
+        split_groups: Int32,
+        rows_per_cta: Int32,  # tile_m / split_groups
     ):
         m_block, batch_idx, in_batch = unfold_batch(m_blocks, cute.size(mO.shape[0]))
         if in_batch:
-            self.combine_rows(mOPartial, mLSEPartial, mO, mLSE, mSink, sLSE_layout, sO_layout, m_block, batch_idx)
+            self.combine_rows(mOPartial, mLSEPartial, mO, mLSE, mSink, sLSE_layout, sO_layout, m_block, batch_idx,
+                              split_groups, rows_per_cta)
 
     @cute.jit
-    def combine_rows(self, mOPartial, mLSEPartial, mO, mLSE, mSink, sLSE_layout, sO_layout, m_block, batch_idx):
+    def combine_rows(self, mOPartial, mLSEPartial, mO, mLSE, mSink, sLSE_layout, sO_layout, m_block, batch_idx,
+                     split_groups: Int32, rows_per_cta: Int32):
         """The CTA's rows of sequence ``batch_idx``, its column slice ``blockIdx.y``."""
         tidx, _, _ = cute.arch.thread_idx()
         k_block_idx = cute.arch.block_idx()[1]
@@ -148,33 +160,51 @@ class FlashAttnCombine:
         sLSE = smem.allocate_tensor(Float32, sLSE_layout, byte_alignment=16)  # (max_splits, tile_m)
         sO = smem.allocate_tensor(Float32, sO_layout, byte_alignment=16)  # (4, chunks, threads, stages)
 
-        self.load_lse(mLSEPartial[None, batch_idx, None], sLSE, m_block, num_splits, seqlen, num_rows, tidx)
+        self.load_lse(mLSEPartial[None, batch_idx, None], sLSE, m_block, num_splits, seqlen, num_rows, tidx,
+                      rows_per_cta)
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
 
-        # Reduction and streaming share one mapping: lane group m (threads_per_row lanes of
-        # one warp) owns row m, lane j of the group owns columns [j * vec, (j + 1) * vec).
-        m = tidx // self.threads_per_row
+        # Reduction and streaming share one mapping: lane group (m, g) (threads_per_row lanes
+        # of one warp) owns row m for the splits of group g, lane j of it owns columns
+        # [j * vec, (j + 1) * vec).
         j = tidx % self.threads_per_row
-        row = m_block * self.tile_m + m
+        m = (tidx // self.threads_per_row) % rows_per_cta
+        g = tidx // (self.threads_per_row * rows_per_cta)
+        row = m_block * rows_per_cta + m
         row_crd = (row % seqlen, row // seqlen)  # (seqlen idx, head idx)
         sink = None
         if const_expr(mSink is not None):
             sink = mSink[cutlass.min(row_crd[1], mO.shape[1][1] - 1)]  # rows past the end: any head
-        lse, inv_sum = self.reduce(sLSE, m, j, num_splits, sink)
+        lse, inv_sum = self.reduce(sLSE, m, j, num_splits, sink, g == 0)
         if const_expr(mLSE is not None):
-            if k_block_idx == 0 and j == 0 and row < num_rows:
+            if k_block_idx == 0 and j == 0 and g == 0 and row < num_rows:
                 mLSE[batch_idx, row_crd] = lse
-        # The weights of row m were written by lanes of this same warp.
-        cute.arch.sync_warp()
+        # The weights of row m were written by group 0, in other warps when G > 1.
+        cute.arch.sync_threads()
 
         col = k_block_idx * self.k_block + j * self.vec
-        if row < num_rows and (const_expr(self.is_even_k) or col < self.head_dim_v):
+        is_valid = row < num_rows and (const_expr(self.is_even_k) or col < self.head_dim_v)
+        tOsOPartial = sO[None, None, tidx, None]  # (4, chunks, stages), private to this thread
+        tOrO = cute.make_rmem_tensor((4, self.chunks), Float32)
+        tOrO.fill(0.0)
+        if is_valid:
             # (4, chunks, num_splits): this thread's vec columns of its row, per split
             gOPartial = cute.flat_divide(mOPartial[None, batch_idx, row_crd, None], (1, self.vec))
             tOgOPartial = cute.flat_divide(gOPartial[0, None, None, col // self.vec], (4,))
-            tOsOPartial = sO[None, None, tidx, None]  # (4, chunks, stages)
-            tOrO = self.accumulate(tOgOPartial, tOsOPartial, sLSE, m, num_splits, inv_sum)
+            self.accumulate(tOrO, tOgOPartial, tOsOPartial, sLSE, m, num_splits, g, split_groups)
+        if split_groups > 1:  # uniform over the CTA
+            if g > 0:
+                cute.autovec_copy(tOrO, tOsOPartial[None, None, 0])
+            cute.arch.sync_threads()
+            if g == 0 and is_valid:
+                tOrOGroup = cute.make_rmem_tensor((4, self.chunks), Float32)
+                group_stride = self.threads_per_row * rows_per_cta
+                for h in cutlass.range(1, split_groups):
+                    cute.autovec_copy(sO[None, None, tidx + h * group_stride, 0], tOrOGroup)
+                    tOrO.store(tOrO.load() + tOrOGroup.load())
+        if g == 0 and is_valid:
+            tOrO.store(tOrO.load() * inv_sum)
             tOgO = cute.flat_divide(mO[batch_idx, row_crd, None], (self.vec,))[None, col // self.vec]
             self.store(tOrO, tOgO)
 
@@ -188,6 +218,7 @@ class FlashAttnCombine:
         seqlen: Int32,
         num_rows: Int32,
         tidx: Int32,
+        rows_per_cta: Int32,
     ):
         # Consecutive threads take consecutive rows: along seqlen the LSEs are contiguous, so
         # a warp reads whole sectors. cp.async rather than loads: nothing waits on any single
@@ -195,10 +226,10 @@ class FlashAttnCombine:
         atom = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), Float32, num_bits_per_copy=32
         )
-        m = tidx % self.tile_m
-        split_start = tidx // self.tile_m
-        split_step = self.num_threads // self.tile_m
-        row = m_block * self.tile_m + m
+        m = tidx % rows_per_cta
+        split_start = tidx // rows_per_cta
+        split_step = self.num_threads // rows_per_cta
+        row = m_block * rows_per_cta + m
         tLsLSE = cute.flat_divide(sLSE, (1,))  # (1, max_splits, tile_m)
         if row < num_rows:
             tLgLSE = cute.flat_divide(gLSEPartial[None, (row % seqlen, row // seqlen)], (1,))  # (1, num_splits)
@@ -210,12 +241,14 @@ class FlashAttnCombine:
         cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def reduce(self, sLSE: cute.Tensor, m: Int32, j: Int32, num_splits: Int32, sink: Optional[Float32]):
-        """Turn row m of sLSE into weights exp(lse_s - max lse) in place; return (lse,
-        1 / sum of weights). A row with no valid split gets lse -inf, all weights exactly 0
-        and 1 / sum = 0: never NaN. ``sink``: one more term of the max and the sum (after
-        the group's reductions, so it is added once), with no weight of its own: such a
-        row gets lse = the sink and O = 0."""
+    def reduce(self, sLSE: cute.Tensor, m: Int32, j: Int32, num_splits: Int32, sink: Optional[Float32],
+               is_writer):
+        """Turn row m of sLSE into weights exp(lse_s - max lse) in place (lane groups with
+        ``is_writer``; the others may read weights as LSEs and return garbage, unused);
+        return (lse, 1 / sum of weights). A row with no valid split gets lse -inf, all
+        weights exactly 0 and 1 / sum = 0: never NaN. ``sink``: one more term of the max and
+        the sum (after the group's reductions, so it is added once), with no weight of its
+        own: such a row gets lse = the sink and O = 0."""
         group = const_expr(self.threads_per_row)
         lse_max = -Float32.inf
         for s in cutlass.range(j, num_splits, group, unroll=4):
@@ -228,7 +261,8 @@ class FlashAttnCombine:
         lse_sum = Float32(0.0)
         for s in cutlass.range(j, num_splits, group, unroll=4):
             weight = cute.math.exp2(sLSE[s, m] * LOG2_E - max_log2, approx=True)
-            sLSE[s, m] = weight
+            if is_writer:
+                sLSE[s, m] = weight
             lse_sum += weight
         lse_sum = cute.arch.warp_reduction_sum(lse_sum, threads_in_group=group)
         if const_expr(sink is not None):
@@ -240,37 +274,39 @@ class FlashAttnCombine:
     @cute.jit
     def accumulate(
         self,
+        tOrO: cute.Tensor,  # (4, chunks) fp32, zero: gets the weighted sum of the group's splits
         tOgOPartial: cute.Tensor,  # (4, chunks, num_splits) gmem
         tOsOPartial: cute.Tensor,  # (4, chunks, stages) smem, private to this thread
         sLSE: cute.Tensor,  # (max_splits, tile_m) weights
         m: Int32,
         num_splits: Int32,
-        inv_sum: Float32,
-    ) -> cute.Tensor:
+        group: Int32,
+        split_groups: Int32,
+    ):
+        """Splits group, group + split_groups, ...: the i-th of them in ring slot i % stages.
+        Returns with no copy in flight, so the caller may reuse the ring."""
         # .cg: each partial is read exactly once, keep it out of L1.
         atom = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Float32, num_bits_per_copy=128
         )
         stages = const_expr(self.stages)
-        for split in cutlass.range_constexpr(stages - 1):
-            self.load_split(atom, tOgOPartial, tOsOPartial, sLSE, m, num_splits, split, split)
+        for i in cutlass.range_constexpr(stages - 1):
+            self.load_split(atom, tOgOPartial, tOsOPartial, sLSE, m, num_splits, group + i * split_groups, i)
             cute.arch.cp_async_commit_group()
-        tOrO = cute.make_rmem_tensor((4, self.chunks), Float32)
-        tOrO.fill(0.0)
         tOrOPartial = cute.make_rmem_tensor((4, self.chunks), Float32)
-        for split in cutlass.range(num_splits):
-            nxt = split + (stages - 1)
+        for i in cutlass.range((num_splits - group + split_groups - 1) // split_groups):
+            nxt = i + (stages - 1)
             # Refills the slot read in the previous iteration: only this thread uses it.
-            self.load_split(atom, tOgOPartial, tOsOPartial, sLSE, m, num_splits, nxt, nxt % stages)
+            self.load_split(atom, tOgOPartial, tOsOPartial, sLSE, m, num_splits, group + nxt * split_groups,
+                            nxt % stages)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(stages - 1)
-            weight = sLSE[split, m]
+            weight = sLSE[group + i * split_groups, m]
             # A slot whose copy was skipped holds stale bytes (maybe NaN): never touch it.
             if weight > 0.0:
-                cute.autovec_copy(tOsOPartial[None, None, split % stages], tOrOPartial)
+                cute.autovec_copy(tOsOPartial[None, None, i % stages], tOrOPartial)
                 tOrO.store(tOrO.load() + weight * tOrOPartial.load())
-        tOrO.store(tOrO.load() * inv_sum)
-        return tOrO
+        cute.arch.cp_async_wait_group(0)
 
     @cute.jit
     def load_split(
@@ -319,16 +355,20 @@ def compile_combine(key: tuple):
     mLSE = fake_tensor(Float32, 3, align=4, contiguous_last=False) if has_lse else None
     mSink = fake_tensor(Float32, 1, align=4) if has_sink else None
     kernel = FlashAttnCombine(dtype, head_dim_v)
-    return cute.compile(kernel, mOPartial, mLSEPartial, mO, mLSE, mSink, fake_stream(),
+    return cute.compile(kernel, mOPartial, mLSEPartial, mO, mLSE, mSink, Int32(1), fake_stream(),
                         options=compile_options(arch))
 
 
-def combine_launcher(out_dtype, head_dim_v: int, has_lse: bool, has_sink: bool = False):
+def combine_launcher(out_dtype, head_dim_v: int, has_lse: bool, has_sink: bool = False, split_groups: int = 1):
     """The compiled combine for an output dtype (torch), d_v, LSE on/off and sink on/off:
     called as ``fn(out_partial, lse_partial, out, lse, sink)`` with out_partial
     (num_splits, b, s, h, d_v) fp32, lse_partial (num_splits, b, h, s) fp32, out (b, s, h,
-    d_v), lse (b, h, s) fp32 or None, sink (h,) fp32 or None. Shapes are validated by the
-    public API. Runs on torch's current stream."""
+    d_v), lse (b, h, s) fp32 or None, sink (h,) fp32 or None, and ``split_groups`` lane
+    groups per row (``heuristics.combine_split_groups``; a runtime argument, not in the
+    key). Shapes are validated by the public API. Runs on torch's current stream."""
+    assert split_groups in (1, 2, 4, 8), split_groups  # a power of two <= tile_m (>= 8)
     key = combine_key(DTYPE_NAMES[out_dtype], head_dim_v, has_lse, target_arch(), has_sink)
-    return jit_cache.get_or_compile("combine", key, lambda: compile_combine(key))
+    fn = jit_cache.get_or_compile("combine", key, lambda: compile_combine(key))
+    return lambda out_partial, lse_partial, out, lse, sink: fn(out_partial, lse_partial, out, lse, sink,
+                                                               split_groups)
 

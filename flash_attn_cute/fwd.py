@@ -130,11 +130,12 @@ def select_backend(requested: Optional[str], problem, device) -> tuple:
                               f"{major}.{minor}): " + ("; ".join(reasons) or "none runs there"))
 
 
-def combine_launcher(out_dtype: torch.dtype, d_v: int, has_lse: bool, has_sink: bool = False) -> Callable:
+def combine_launcher(out_dtype: torch.dtype, d_v: int, has_lse: bool, has_sink: bool = False,
+                     split_groups: int = 1) -> Callable:
     """The compiled split-KV combine (see ``combine.combine_launcher``); imported lazily."""
     from .combine import combine_launcher as launcher
 
-    return launcher(out_dtype, d_v, has_lse, has_sink)
+    return launcher(out_dtype, d_v, has_lse, has_sink, split_groups)
 
 
 class Resolved(NamedTuple):
@@ -191,7 +192,8 @@ def _resolve(problem, requested: Optional[str], num_splits: int, pack_gqa: Optio
     plan = module.plan(problem, num_splits, pack_gqa, num_sms, tuning=tuning)
     combine = None
     if plan.is_split:
-        combine = combine_launcher(problem.out_dtype, problem.d_v, problem.has_lse, problem.has_sink)
+        combine = combine_launcher(problem.out_dtype, problem.d_v, problem.has_lse, problem.has_sink,
+                                   heuristics.combine_split_groups(plan.num_splits, problem.batch_invariant))
     return Resolved(plan, module.launcher(problem, plan, device), combine)
 
 

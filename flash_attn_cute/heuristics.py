@@ -15,7 +15,8 @@ import torch
 
 from .constants import MAX_SPLITS
 
-__all__ = ["num_splits_heuristic", "resolve_num_splits", "num_sms", "should_pack_gqa", "ceildiv", "MAX_SPLITS"]
+__all__ = ["num_splits_heuristic", "resolve_num_splits", "num_sms", "should_pack_gqa", "ceildiv", "MAX_SPLITS",
+           "combine_split_groups"]
 
 _MIN_SPLIT_KEYS = 64  # a split holds at least this many keys (no split without keys)
 # FA3's "4 KV blocks or fewer: the combine costs more than it saves", counted in keys so
@@ -136,3 +137,18 @@ def l2_heads_for(seqlen_k: int, d: int, dv: int, elem_bytes: int = 2, l2_bytes: 
     per_head = max(1, seqlen_k * (d + dv) * elem_bytes)
     n = max(1, l2_bytes // per_head)
     return 1 << (n.bit_length() - 1)
+
+
+def combine_split_groups(num_splits: int, batch_invariant: bool = False) -> int:
+    """Lane groups that share a row of the combine (``combine.FlashAttnCombine``), each
+    streaming every G-th split: a power of two up to 8 that leaves each group at least 16
+    splits. Many splits come with few rows (the split heuristic splits only grids that
+    leave SMs idle), and one group per row then streams them all one after another: MLA
+    1 x 32768 (64 rows, 128 splits) took 20.6 us in 32 CTAs (H200, ncu, 2026-12-02).
+    A function of the split count alone, and 1 for batch-invariant plans: the groups'
+    sums add in group order, so G must not follow the batch (a batch-invariant plan's
+    split count follows max_seqlen_k, which a varlen batch sets)."""
+    groups = 1
+    while not batch_invariant and groups < 8 and num_splits >= 32 * groups:
+        groups *= 2
+    return groups

@@ -31,7 +31,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import call_cache, checks, fwd, ops, tuning, user_variants
+from . import call_cache, checks, fwd, heuristics, ops, tuning, user_variants
 from .backend_kit import NO_VARIANT
 from .checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, normalize_window  # noqa: F401  (public names)
 from .constants import INT32_MAX, MAX_SPLITS
@@ -569,5 +569,6 @@ def flash_attn_combine(out_partial, lse_partial, *, out=None, out_dtype=None, re
         out = out_partial.new_empty((b, s, h, d_v), dtype=out_dtype)
     lse = lse_partial.new_empty((b, h, s)) if return_lse else None
     if out.numel() > 0 or (lse is not None and lse.numel() > 0):
-        fwd.combine_launcher(out.dtype, d_v, lse is not None)(out_partial, lse_partial, out, lse, None)
+        fwd.combine_launcher(out.dtype, d_v, lse is not None, split_groups=heuristics.combine_split_groups(ns))(
+            out_partial, lse_partial, out, lse, None)
     return (out, lse) if return_lse else out

@@ -13,11 +13,15 @@ pytestmark = [
 NEG_INF = -math.inf
 
 
-def combine_fwd(out_partial, lse_partial, out, lse=None, sink=None):
+def combine_fwd(out_partial, lse_partial, out, lse=None, sink=None, split_groups=None):
+    """The combine as the package launches it: ``split_groups`` from the split count unless given."""
     from flash_attn_cute.combine import combine_launcher
+    from flash_attn_cute.heuristics import combine_split_groups
 
-    combine_launcher(out.dtype, out.shape[-1], lse is not None, sink is not None)(out_partial, lse_partial, out, lse,
-                                                                                  sink)
+    if split_groups is None:
+        split_groups = combine_split_groups(out_partial.shape[0])
+    combine_launcher(out.dtype, out.shape[-1], lse is not None, sink is not None, split_groups)(
+        out_partial, lse_partial, out, lse, sink)
 
 
 def reference(out_partial, lse_partial):
@@ -54,12 +58,12 @@ def make_inputs(num_splits, batch, seqlen, nheads, d_v, lse_layout="contiguous",
     return out_partial, lse
 
 
-def check(out_partial, lse_partial, out_dtype, with_lse=True, out=None):
+def check(out_partial, lse_partial, out_dtype, with_lse=True, out=None, split_groups=None):
     num_splits, batch, seqlen, nheads, d_v = out_partial.shape
     if out is None:
         out = torch.full((batch, seqlen, nheads, d_v), float("nan"), device="cuda", dtype=out_dtype)
     lse = torch.full((batch, nheads, seqlen), float("nan"), device="cuda") if with_lse else None
-    combine_fwd(out_partial, lse_partial, out, lse)
+    combine_fwd(out_partial, lse_partial, out, lse, split_groups=split_groups)
     torch.cuda.synchronize()
     ref_out, ref_lse = reference(out_partial, lse_partial)
     # Error bound relative to the output dtype's rounding: twice the error of casting the
@@ -98,6 +102,37 @@ def test_combine(num_splits, out_dtype, d_v, with_lse):
     # straddle heads, and row-to-(seqlen, head) decomposition is exercised.
     out_partial, lse_partial = make_inputs(num_splits, batch=3, seqlen=37, nheads=5, d_v=d_v, seed=num_splits)
     check(out_partial, lse_partial, out_dtype, with_lse)
+
+
+# Lane groups sharing a row (each every G-th split, summed through smem): every G the
+# kernel takes, over split counts below G (idle groups), not a multiple of G, and the
+# maximum; rows per CTA drop to tile_m / G, so the row tail and head straddling move.
+@pytest.mark.parametrize("split_groups", [1, 2, 4, 8])
+@pytest.mark.parametrize("num_splits", [3, 17, 64, 256])
+@pytest.mark.parametrize("out_dtype,d_v", [(torch.bfloat16, 512), (torch.float32, 96), (torch.float16, 8)])
+def test_split_groups(split_groups, num_splits, out_dtype, d_v):
+    out_partial, lse_partial = make_inputs(num_splits, 2, 3, 11, d_v, seed=num_splits + split_groups)
+    check(out_partial, lse_partial, out_dtype, split_groups=split_groups)
+
+
+def test_split_groups_with_sink():
+    """The sink joins group 0's reduction once, whatever G."""
+    num_splits, batch, seqlen, nheads, d_v = 40, 3, 1, 5, 128
+    out_partial, lse_partial = make_inputs(num_splits, batch, seqlen, nheads, d_v, seed=5)
+    sink = torch.linspace(-3.0, 9.0, nheads, device="cuda")
+    results = []
+    for split_groups in (1, 4):
+        out = torch.full((batch, seqlen, nheads, d_v), float("nan"), device="cuda")
+        lse = torch.full((batch, nheads, seqlen), float("nan"), device="cuda")
+        combine_fwd(out_partial, lse_partial, out, lse, sink, split_groups=split_groups)
+        results.append((out, lse))
+    ref_out, ref_lse = reference(out_partial, lse_partial)
+    with_sink = torch.logaddexp(ref_lse, sink.double().view(1, nheads, 1))
+    ref_out = ref_out * torch.exp(ref_lse - with_sink).permute(0, 2, 1).unsqueeze(-1).nan_to_num(0.0)
+    for out, lse in results:
+        assert not out.isnan().any()
+        assert (out.double() - ref_out).abs().max() < 1e-5
+        assert (lse.double() - with_sink).abs().max() < 1e-4
 
 
 # LSE partial strides are arbitrary: the natural layout, (splits, b, s, h) storage seen as

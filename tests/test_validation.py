@@ -169,7 +169,13 @@ def fake_gpu(fake_device, monkeypatch):
     """CPU tensors pass as a 132-SM Hopper GPU running the fake kernels."""
     fake_kernel.calls, fake_combine.calls = [], 0
     fake_device(lambda name, kind="fwd": _fake_backend(fake_kernel))
-    monkeypatch.setattr(fwd, "combine_launcher", lambda out_dtype, d_v, has_lse, has_sink=False: fake_combine)
+    fake_combine.split_groups = []
+
+    def launcher(out_dtype, d_v, has_lse, has_sink=False, split_groups=1):
+        fake_combine.split_groups.append(split_groups)
+        return fake_combine
+
+    monkeypatch.setattr(fwd, "combine_launcher", launcher)
     yield SimpleNamespace(kernel=fake_kernel, combine=fake_combine)
 
 
@@ -498,6 +504,24 @@ def test_resolve_num_splits_clamps():
     assert r(0, 131072) > 1  # auto on a near-empty grid
     assert r(0, 131072, b=64, h=32) == 1  # auto on a full grid
     assert r(0, 64) == 1
+
+
+def test_combine_split_groups():
+    """Lane groups per combine row: each group keeps >= 16 splits, at most 8 groups, and
+    batch-invariant plans keep one (the groups' order of addition must not follow the batch)."""
+    groups = heuristics.combine_split_groups
+    assert [groups(n) for n in (1, 2, 31, 32, 63, 64, 127, 128, 256)] == [1, 1, 1, 2, 2, 4, 4, 8, 8]
+    assert groups(256, batch_invariant=True) == 1
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_combine_split_groups_plumbing(fake_gpu, batch_invariant):
+    # 131072 keys: 32 splits of 4096 keys when batch invariant, else the 128 asked for
+    q, k, v = make_qkv(b=1, sq=1, sk=131072, h=2, hk=2, d=64, dtype=BF16)
+    out = flash_attn_func(q, k, v, num_splits=128, batch_invariant=batch_invariant)
+    close(out, attention_ref(q, k, v)[0], 2e-2)
+    assert fake_gpu.kernel.calls[-1]["num_splits"] == (32 if batch_invariant else 128)
+    assert fake_gpu.combine.split_groups == [1 if batch_invariant else 8]
 
 
 # (seqlen_q, qhead_per_kvhead, varlen, expected): decode and short queries pack; MHA,
