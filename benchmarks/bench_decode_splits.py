@@ -44,6 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=float, default=25, help="do_bench warmup, ms")
     p.add_argument("--rep", type=float, default=150, help="do_bench rep, ms")
     p.add_argument("--no-peers", action="store_true", help="skip FA4 and SDPA")
+    p.add_argument("--graph", action="store_true", help="time CUDA-graph replays (device time, no host time)")
     p.add_argument("--launch-only", action="store_true",
                    help="also time the seam's launch path alone (impl ours_launch): no argument validation, "
                         "i.e. the kernels plus allocation")
@@ -139,7 +140,7 @@ def main(argv=None):
         try:
             out = fn()
             row["correctness"] = check_correct(out, out_ref, out_pt)
-            t_ms = bench(fn, args.warmup, args.rep)
+            t_ms = bench(fn, args.warmup, args.rep, graph=args.graph)
             row.update(avg_time=t_ms, tflops=flops / (t_ms * 1e-3) / 1e12, bw=nbytes / (t_ms * 1e-3) / 1e12)
         except Exception as e:
             print_exception(f"{impl} num_splits={num_splits}", e)
