@@ -24,7 +24,8 @@ splits) would otherwise stream each row's 128 splits one after another in 32 CTA
      depend on how many trailing empty splits the launch has (batch invariance: batch-
      invariant plans run with G = 1, since G follows the split count),
   3. ``accumulate``: each thread streams its 128-bit column chunk of its group's splits with
-     a nonzero weight through a private ``stages``-deep smem ring into fp32 registers; the
+     a nonzero weight through a private ``stages``-deep smem ring into fp32 registers (the
+     first stages - 1 of them issued right after the LSEs, before any weight is known); the
      groups > 0 then hand their sums to group 0 through their own ring slot 0, added in
      group order, and group 0 normalises once by 1 / sum of the weights,
   4. ``store``: convert and write that chunk of O with one 128-bit store.
@@ -162,8 +163,6 @@ class FlashAttnCombine:
 
         self.load_lse(mLSEPartial[None, batch_idx, None], sLSE, m_block, num_splits, seqlen, num_rows, tidx,
                       rows_per_cta)
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.sync_threads()
 
         # Reduction and streaming share one mapping: lane group (m, g) (threads_per_row lanes
         # of one warp) owns row m for the splits of group g, lane j of it owns columns
@@ -173,6 +172,18 @@ class FlashAttnCombine:
         g = tidx // (self.threads_per_row * rows_per_cta)
         row = m_block * rows_per_cta + m
         row_crd = (row % seqlen, row // seqlen)  # (seqlen idx, head idx)
+        col = k_block_idx * self.k_block + j * self.vec
+        is_valid = row < num_rows and (const_expr(self.is_even_k) or col < self.head_dim_v)
+        # (4, chunks, num_splits): this thread's vec columns of its row, per split (an address
+        # past the end for an invalid thread, never dereferenced)
+        gOPartial = cute.flat_divide(mOPartial[None, batch_idx, row_crd, None], (1, self.vec))
+        tOgOPartial = cute.flat_divide(gOPartial[0, None, None, col // self.vec], (4,))
+        tOsOPartial = sO[None, None, tidx, None]  # (4, chunks, stages), private to this thread
+        self.prefetch_splits(tOgOPartial, tOsOPartial, num_splits, g, split_groups, is_valid)
+        # The LSE group was committed before the stages - 1 prefetch groups.
+        cute.arch.cp_async_wait_group(self.stages - 1)
+        cute.arch.sync_threads()
+
         sink = None
         if const_expr(mSink is not None):
             sink = mSink[cutlass.min(row_crd[1], mO.shape[1][1] - 1)]  # rows past the end: any head
@@ -183,15 +194,9 @@ class FlashAttnCombine:
         # The weights of row m were written by group 0, in other warps when G > 1.
         cute.arch.sync_threads()
 
-        col = k_block_idx * self.k_block + j * self.vec
-        is_valid = row < num_rows and (const_expr(self.is_even_k) or col < self.head_dim_v)
-        tOsOPartial = sO[None, None, tidx, None]  # (4, chunks, stages), private to this thread
         tOrO = cute.make_rmem_tensor((4, self.chunks), Float32)
         tOrO.fill(0.0)
         if is_valid:
-            # (4, chunks, num_splits): this thread's vec columns of its row, per split
-            gOPartial = cute.flat_divide(mOPartial[None, batch_idx, row_crd, None], (1, self.vec))
-            tOgOPartial = cute.flat_divide(gOPartial[0, None, None, col // self.vec], (4,))
             self.accumulate(tOrO, tOgOPartial, tOsOPartial, sLSE, m, num_splits, g, split_groups)
         if split_groups > 1:  # uniform over the CTA
             if g > 0:
@@ -272,6 +277,32 @@ class FlashAttnCombine:
         return (cute.math.log2(lse_sum, approx=True) + max_log2) * LN_2, inv_sum
 
     @cute.jit
+    def prefetch_splits(
+        self,
+        tOgOPartial: cute.Tensor,  # (4, chunks, num_splits) gmem
+        tOsOPartial: cute.Tensor,  # (4, chunks, stages) smem, private to this thread
+        num_splits: Int32,
+        group: Int32,
+        split_groups: Int32,
+        is_valid,
+    ):
+        """The group's first stages - 1 splits into ring slots 0 .. stages - 2, one commit
+        group each (empty ones too, so that every thread counts the same groups), issued
+        before the LSEs have landed: their latency overlaps the LSEs' instead of following
+        it (a split of weight 0 is read here all the same, and never used)."""
+        atom = self.partial_copy_atom()
+        for i in cutlass.range_constexpr(self.stages - 1):
+            if is_valid and group + i * split_groups < num_splits:
+                cute.copy(atom, tOgOPartial[None, None, group + i * split_groups], tOsOPartial[None, None, i])
+            cute.arch.cp_async_commit_group()
+
+    def partial_copy_atom(self) -> cute.CopyAtom:
+        # .cg: each partial is read exactly once, keep it out of L1.
+        return cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Float32, num_bits_per_copy=128
+        )
+
+    @cute.jit
     def accumulate(
         self,
         tOrO: cute.Tensor,  # (4, chunks) fp32, zero: gets the weighted sum of the group's splits
@@ -283,16 +314,11 @@ class FlashAttnCombine:
         group: Int32,
         split_groups: Int32,
     ):
-        """Splits group, group + split_groups, ...: the i-th of them in ring slot i % stages.
-        Returns with no copy in flight, so the caller may reuse the ring."""
-        # .cg: each partial is read exactly once, keep it out of L1.
-        atom = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Float32, num_bits_per_copy=128
-        )
+        """Splits group, group + split_groups, ...: the i-th of them in ring slot i % stages,
+        the first stages - 1 already in flight (``prefetch_splits``). Returns with no copy in
+        flight, so the caller may reuse the ring."""
+        atom = self.partial_copy_atom()
         stages = const_expr(self.stages)
-        for i in cutlass.range_constexpr(stages - 1):
-            self.load_split(atom, tOgOPartial, tOsOPartial, sLSE, m, num_splits, group + i * split_groups, i)
-            cute.arch.cp_async_commit_group()
         tOrOPartial = cute.make_rmem_tensor((4, self.chunks), Float32)
         for i in cutlass.range((num_splits - group + split_groups - 1) // split_groups):
             nxt = i + (stages - 1)
@@ -320,8 +346,8 @@ class FlashAttnCombine:
         split: Int32,
         stage: Int32,
     ):
-        # A split of weight 0 (lse -inf, or underflow) is not read at all: its partial may be
-        # garbage or NaN, and it costs no bandwidth.
+        # A split of weight 0 (lse -inf, or underflow) past the prefetched ones is not read
+        # at all: its partial may be garbage or NaN, and it costs no bandwidth.
         if split < num_splits:
             if sLSE[split, m] > 0.0:
                 cute.copy(atom, tOgOPartial[None, None, split], tOsOPartial[None, None, stage])
