@@ -114,8 +114,14 @@ not help. The seesaw's "other" warpgroup releasing tile i - 1 before it waits fo
 read 3.022 / 3.156 TB/s at 768 x 2048 against 3.011 / 3.101 (two passes; every row within
 the passes' spread). FlashInfer fa3's shape in these roles (``qk="one"``, 2 stages of 64 keys)
 read 2.843 against 3.010. The L2 runs at 85% of its throughput at 72% DRAM (seventh
-session's ncu); FlashInfer's own profile is the next comparison (``ncu_profile.py --impl
-fi-fa3``).
+session's ncu).
+
+2026-12-02, FlashInfer fa3 under ncu beside this kernel at 768 x 2048
+(``results/ncu/ncu_mla_{fi-fa3,sm90}_768x2048_2026-12-02_s10.txt``): 505 against 559 us, DRAM
+79.1 against 71.4%, L2 88.4 against 84.6%; its grid is 132 persistent CTAs of two warpgroups
+(256 threads, 227 registers) that both load and compute, ours 768 CTAs (5.82 waves) of three;
+it issues 97.8 M instructions to our 186.7 M. A persistent schedule (no fill or drain per
+sequence, no partial last wave) is what that profile points to; not tried.
 """
 
 from dataclasses import dataclass
