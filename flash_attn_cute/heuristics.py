@@ -144,7 +144,10 @@ def combine_split_groups(num_splits: int, batch_invariant: bool = False) -> int:
     streaming every G-th split: a power of two up to 8 that leaves each group at least 16
     splits. Many splits come with few rows (the split heuristic splits only grids that
     leave SMs idle), and one group per row then streams them all one after another: MLA
-    1 x 32768 (64 rows, 128 splits) took 20.6 us in 32 CTAs (H200, ncu, 2026-12-02).
+    1 x 32768 (64 rows, 128 splits) took 20.6 us in 32 CTAs, 12.9 us in 256 with 8 groups
+    (H200, ncu, 2026-12-02); the combine alone (``bench_combine.py``, L2 flushed): 23.5 ->
+    15.6 us there, 23.5 -> 9.4 us at 128 splits x 32 rows of d 128, 10.9 -> 9.3 us at 32 x
+    256 with 2 groups.
     A function of the split count alone, and 1 for batch-invariant plans: the groups'
     sums add in group order, so G must not follow the batch (a batch-invariant plan's
     split count follows max_seqlen_k, which a varlen batch sets)."""
