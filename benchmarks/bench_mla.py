@@ -44,7 +44,10 @@ ROWS = [
 ]
 PEERS = ("fa3", "fa2")
 COLUMNS = ["impl", "batch", "seqlen", "page", "heads", "time_us", "tbps", "tflops", "fi_fa3", "fi_fa2", "x_fa3",
-           "x_fa2", "target", "vs_16bit", "correct", "note"]
+           "x_fa2", "target", "vs_16bit", "correct", "fi_correct", "note"]
+# The fp32 reference materialises K and V per head: rows up to this many (batch x seqlen x
+# heads) are checked, ours and FlashInfer's outputs alike.
+REF_LIMIT = 128 * 2048 * 64
 
 
 def parse_args(argv=None):
@@ -102,24 +105,45 @@ def flashinfer_call(inputs, page, heads, peer, workspace=None):
     return lambda: wrapper.run(query=query, kv_cache=(ckv, kpe))
 
 
-def flashinfer_times(inputs, page, heads, peers=PEERS):
-    """{peer: ms} of FlashInfer's MLA wrapper on the row's tensors (fa3, fa2), each planned
-    once and timed as a CUDA-graph replay; {} where FlashInfer does not import, a peer that
-    fails is left out (its error printed)."""
+def flashinfer_times(inputs, page, heads, peers=PEERS, refs=None):
+    """({peer: ms}, {peer: correct}) of FlashInfer's MLA wrapper on the row's tensors (fa3,
+    fa2), each planned once and timed as a CUDA-graph replay; ({}, {}) where FlashInfer does
+    not import, a peer that fails is left out (its error printed). ``refs``: the row's
+    (fp32 reference, PyTorch low-precision) outputs, (b, 1, h, 512), against which each
+    peer's output is checked as ours is (``check_correct``); None: not checked."""
     try:
         import torch
         import flashinfer.mla  # noqa: F401
     except Exception as e:  # not installed here
         print(f"[flashinfer] {error_text(e)}", file=sys.stderr)
-        return {}
-    out = {}
+        return {}, {}
+    times, correct = {}, {}
     workspace = torch.empty(128 << 20, dtype=torch.uint8, device=inputs[0].device)
     for peer in peers:
         try:
-            out[peer] = bench(flashinfer_call(inputs, page, heads, peer, workspace), graph=True)
+            fn = flashinfer_call(inputs, page, heads, peer, workspace)
+            times[peer] = bench(fn, graph=True)
         except Exception as e:
             print(f"[flashinfer {peer}] {error_text(e)}", file=sys.stderr)
-    return out
+            continue
+        if refs is not None:  # (b, h, 512) against (b, 1, h, 512); never loses the timing
+            try:
+                correct[peer] = check_correct(fn().reshape(refs[0].shape), *refs)
+            except Exception as e:
+                print(f"[flashinfer {peer} check] {error_text(e)}", file=sys.stderr)
+                correct[peer] = False
+    return times, correct
+
+
+def references(inputs):
+    """(fp32 reference, PyTorch's own low-precision result) of a 16-bit row, or None past
+    ``REF_LIMIT``."""
+    q_nope, _, _, _, seqlens, table = inputs
+    if q_nope.shape[0] * int(seqlens[0]) * q_nope.shape[2] > REF_LIMIT:
+        return None
+    from flash_attn_cute.testing import mla_decode_ref
+
+    return mla_decode_ref(*inputs)[0], mla_decode_ref(*inputs, upcast=False)[0]
 
 
 def one_row(fa, backend, inputs, page, heads, fp8=False):
@@ -141,7 +165,7 @@ def one_row(fa, backend, inputs, page, heads, fp8=False):
     ms = bench(fn, graph=True)
     nbytes, flops = row_bytes_flops(batch, seqlen, heads, cache_elem)
     correct = ""
-    if batch * seqlen * heads <= 128 * 2048 * 64:  # the reference materialises K and V per head in fp32
+    if batch * seqlen * heads <= REF_LIMIT:
         from flash_attn_cute.testing import mla_decode_ref
 
         out = fn()
@@ -190,13 +214,15 @@ def main(argv=None):
     for batch, seqlen, page, heads in picked:
         inputs = make_inputs(batch, seqlen, page, heads, dtype)
         nbytes, _ = row_bytes_flops(batch, seqlen, heads)
-        peer_ms = {} if args.no_peers else flashinfer_times(inputs, page, heads, args.peers.split(","))
+        peer_ms, peer_ok = ({}, {}) if args.no_peers else flashinfer_times(
+            inputs, page, heads, args.peers.split(","), references(inputs))
         peer_tbps = {p: nbytes / (ms * 1e-3) / 1e12 for p, ms in peer_ms.items()}
         for backend, fp8 in ((b, f) for b in backends for f in (False, True)[:1 + args.fp8]):
             mode = os.environ.get("FLASH_ATTN_CUTE_MLA_SM90_QK") if backend == "sm90" else None
             row = dict(impl=f"flash_attn_cute {backend}" + (f" qk={mode}" if mode else "") + (" fp8" if fp8 else ""),
                        batch=batch, seqlen=seqlen, page=page, heads=heads,
-                       fi_fa3=peer_tbps.get("fa3"), fi_fa2=peer_tbps.get("fa2"))
+                       fi_fa3=peer_tbps.get("fa3"), fi_fa2=peer_tbps.get("fa2"),
+                       fi_correct="/".join(f"{p} {peer_ok[p]}" for p in PEERS if p in peer_ok))
             try:
                 ms, tbps, tflops, correct, note = one_row(fa, backend, inputs, page, heads, fp8)
                 row.update(time_us=ms * 1e3, tbps=tbps, tflops=tflops, correct=correct, note=note)
