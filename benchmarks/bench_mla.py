@@ -135,18 +135,20 @@ def flashinfer_times(inputs, page, heads, peers=PEERS, refs=None):
     return times, correct
 
 
-def references(inputs):
-    """(fp32 reference, PyTorch's own low-precision result) of a 16-bit row, or None past
-    ``REF_LIMIT``."""
+def references(inputs, **kw):
+    """(fp32 reference, PyTorch's own low-precision result) of a row (``kw``: an FP8 cache's
+    ``kv_descale``), or None past ``REF_LIMIT``: computed once a row, for every
+    implementation checked against it."""
     q_nope, _, _, _, seqlens, table = inputs
     if q_nope.shape[0] * int(seqlens[0]) * q_nope.shape[2] > REF_LIMIT:
         return None
     from flash_attn_cute.testing import mla_decode_ref
 
-    return mla_decode_ref(*inputs)[0], mla_decode_ref(*inputs, upcast=False)[0]
+    return mla_decode_ref(*inputs, **kw)[0], mla_decode_ref(*inputs, upcast=False, **kw)[0]
 
 
-def one_row(fa, backend, inputs, page, heads, fp8=False):
+def one_row(fa, backend, inputs, page, heads, refs, fp8=False):
+    """``refs``: the 16-bit row's ``references`` (an FP8 row computes its own)."""
     import torch
 
     from flash_attn_cute import fwd, tuning
@@ -164,12 +166,9 @@ def one_row(fa, backend, inputs, page, heads, fp8=False):
     fn = lambda: fa.flash_mla_decode(*args, backend=backend, **kw)
     ms = bench(fn, graph=True)
     nbytes, flops = row_bytes_flops(batch, seqlen, heads, cache_elem)
-    correct = ""
-    if batch * seqlen * heads <= REF_LIMIT:
-        from flash_attn_cute.testing import mla_decode_ref
-
-        out = fn()
-        correct = check_correct(out, mla_decode_ref(*args, **kw)[0], mla_decode_ref(*args, upcast=False, **kw)[0])
+    if fp8:
+        refs = references(args, **kw)
+    correct = "" if refs is None else check_correct(fn(), *refs)
     problem = MlaProblem(dtype=q_nope.dtype, batch=batch, max_seqlen_q=1, max_seqlen_k=pages_per_seq * page,
                          nheads=heads, page_size=page, softmax_scale=576 ** -0.5, causal=False, has_lse=False,
                          kv_dtype=ckv.dtype if fp8 else None)
@@ -214,8 +213,9 @@ def main(argv=None):
     for batch, seqlen, page, heads in picked:
         inputs = make_inputs(batch, seqlen, page, heads, dtype)
         nbytes, _ = row_bytes_flops(batch, seqlen, heads)
+        refs = references(inputs)
         peer_ms, peer_ok = ({}, {}) if args.no_peers else flashinfer_times(
-            inputs, page, heads, args.peers.split(","), references(inputs))
+            inputs, page, heads, args.peers.split(","), refs)
         peer_tbps = {p: nbytes / (ms * 1e-3) / 1e12 for p, ms in peer_ms.items()}
         for backend, fp8 in ((b, f) for b in backends for f in (False, True)[:1 + args.fp8]):
             mode = os.environ.get("FLASH_ATTN_CUTE_MLA_SM90_QK") if backend == "sm90" else None
@@ -224,7 +224,7 @@ def main(argv=None):
                        fi_fa3=peer_tbps.get("fa3"), fi_fa2=peer_tbps.get("fa2"),
                        fi_correct="/".join(f"{p} {peer_ok[p]}" for p in PEERS if p in peer_ok))
             try:
-                ms, tbps, tflops, correct, note = one_row(fa, backend, inputs, page, heads, fp8)
+                ms, tbps, tflops, correct, note = one_row(fa, backend, inputs, page, heads, refs, fp8)
                 row.update(time_us=ms * 1e3, tbps=tbps, tflops=tflops, correct=correct, note=note)
                 if fp8:  # FP8 TB/s count the cache at a byte a value: no ratio to 16-bit peers
                     if rows and rows[-1].get("time_us"):  # the 16-bit row just before, same shape
