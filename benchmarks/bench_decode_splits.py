@@ -213,7 +213,8 @@ def main(argv=None):
     if not args.no_md:
         title = f"Decode num_splits sweep: {bench_type} B={B} Q={Q} K={K} H={H} Hkv={hkv} D={D} {args.dtype}"
         append_results_md(title, rows, TABLE_COLUMNS + ["pack_gqa"],
-                          notes="avg_time ms (median), tflops TFLOP/s, bw TB/s (K and V read once).")
+                          notes=f"avg_time ms (median{' of CUDA-graph replays' if args.graph else ', eager calls'}), "
+                                "tflops TFLOP/s, bw TB/s (K and V read once).")
     return rows
 
 

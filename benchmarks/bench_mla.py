@@ -248,7 +248,8 @@ def main(argv=None):
             f"MLA decode ({args.dtype}, 1 query, num_splits=0)", rows, COLUMNS,
             notes="TB/s = (ckv + kpe read once + q + out) / median time of a CUDA-graph replay; TFLOP/s: Q K^T and "
                   "P V. fi_fa3 / fi_fa2: FlashInfer 0.7.2 BatchMLAPagedAttentionWrapper on the same tensors, same "
-                  "process, same timing; x_*: our TB/s over theirs. Targets (issue 17): SM90 >= 1.1x fa3, >= 3.9 "
+                  "process, same timing; x_*: our TB/s over theirs; correct / fi_correct: ours / FlashInfer's output "
+                  "against the same fp32 reference (rows up to REF_LIMIT). Targets (issue 17): SM90 >= 1.1x fa3, >= 3.9 "
                   "TB/s at 768 x 2048, >= 560 TFLOP/s with 128 heads, >= 2.0 TB/s at 1 x 32768; SM80 >= 1.1x fa2.")
 
 
