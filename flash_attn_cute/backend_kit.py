@@ -156,8 +156,7 @@ def fwd_entry_points(name: str, kernel_module: str, compile_fn: str, key_tile: C
 def mla_entry_points(name: str, kernel_module: str, compile_fn: str, key_config: Callable):
     """An MLA backend's entry points: the key (``keys.mla_key``) ends with
     ``key_config(plan.config)`` (its fields but ``split_blocks``, a common one); the launcher
-    binds softmax_scale, num_splits, max_seqlen_q, batch and max_ctas (the SM count for a
-    persistent plan, ``plan.config.persistent``; else 1) after ``launch(q_nope, q_pe, ckv,
+    binds softmax_scale, num_splits, max_seqlen_q and batch after ``launch(q_nope, q_pe, ckv,
     kpe, out, lse, cache_seqlens, page_table, kv_descale)`` (kv_descale: fp32 ``(batch,)``
     for an FP8 cache, else None)."""
 
@@ -167,8 +166,6 @@ def mla_entry_points(name: str, kernel_module: str, compile_fn: str, key_config:
                        key_config(plan.config))
 
     def scalars(problem: MlaProblem, plan: FwdPlan, device) -> tuple:
-        persistent = getattr(plan.config, "persistent", False) and device is not None
-        return (float(problem.softmax_scale), int(plan.num_splits), int(problem.max_seqlen_q), int(problem.batch),
-                heuristics.num_sms(device) if persistent else 1)
+        return float(problem.softmax_scale), int(plan.num_splits), int(problem.max_seqlen_q), int(problem.batch)
 
     return entry_points(key, kernel_module, compile_fn, scalars)

@@ -127,12 +127,11 @@ def fake_mla_tensors(dtype, nheads: int, *, is_split: bool, has_lse: bool, kv_dt
 
 def compile_mla(kernel, dtype, nheads: int, arch: str, *, is_split: bool, has_lse: bool, kv_dtype=None):
     """``cute.compile`` of an MLA kernel on its fake arguments: the tensors of
-    ``fake_mla_tensors``, then softmax_scale, num_splits, max_seqlen_q, batch, max_ctas
-    (runtime values; placeholders here), then the stream."""
+    ``fake_mla_tensors``, then softmax_scale, num_splits, max_seqlen_q, batch (runtime
+    values; placeholders here), then the stream."""
     tensors = fake_mla_tensors(dtype, nheads, is_split=is_split, has_lse=has_lse, kv_dtype=kv_dtype)
     F32, I32 = cutlass.Float32, cutlass.Int32
-    return cute.compile(kernel, *tensors, F32(1.0), I32(1), I32(1), I32(1), I32(1), fake_stream(),
-                        options=compile_options(arch))
+    return cute.compile(kernel, *tensors, F32(1.0), I32(1), I32(1), I32(1), fake_stream(), options=compile_options(arch))
 
 
 def launch_ctas(kernel, grid, num_threads: int, SharedStorage, stream, setmaxnreg: bool = False,

@@ -52,7 +52,6 @@ class MlaArgs(NamedTuple):
     num_splits: Int32
     max_seqlen_q: Int32
     batch_size: Int32
-    max_ctas: Int32  # a persistent grid's bound (the SM count); 1 for a grid of one CTA per tile
 
     def num_m_blocks(self, tile_m: int, nheads: int) -> Int32:
         """M blocks of ``tile_m`` packed rows (query position x head) per sequence: the grid's x."""
@@ -74,11 +73,11 @@ def set_mla_config(kernel, dtype, nheads: int, causal: bool, is_split: bool, spl
 def mla_call(self, mQn: cute.Tensor, mQp: cute.Tensor, mCkv: cute.Tensor, mKpe: cute.Tensor, mO: cute.Tensor,
              mLSE: Optional[cute.Tensor], mSeqlens: cute.Tensor, mPageTable: cute.Tensor,
              mKvDescale: Optional[cute.Tensor], softmax_scale: Float32, num_splits: Int32, max_seqlen_q: Int32,
-             batch_size: Int32, max_ctas: Int32, stream):
+             batch_size: Int32, stream):
     """The compiled entry point of both MLA kernel classes (``__call__ = mla_call``):
     ``MlaArgs`` in order, then the stream, handed to the class's ``launch(args, stream)``."""
     self.launch(MlaArgs(mQn, mQp, mCkv, mKpe, mO, mLSE, mSeqlens, mPageTable, mKvDescale, softmax_scale,
-                        num_splits, max_seqlen_q, batch_size, max_ctas), stream)
+                        num_splits, max_seqlen_q, batch_size), stream)
 
 
 def compile_mla_from_key(key: tuple, make_kernel: Callable):
@@ -114,13 +113,7 @@ class MlaTile(FwdTile):
         kernel's ``m_blocks_divisor`` argument); ``block_info`` carries the kernel's tile
         shape, the heads packed per query position and the variant (causal or none: MLA has
         no window or softcap)."""
-        return MlaTile.of_work(args, block_info, is_split,
-                               SingleTileScheduler.get_work(m_blocks, args.num_splits, args.batch_size))
-
-    @staticmethod
-    @cute.jit
-    def of_work(args: MlaArgs, block_info: BlockInfo, is_split: cutlass.Constexpr[bool], work) -> "MlaTile":
-        """The tile of a ``WorkTile`` (a persistent CTA's step: ``SingleTileScheduler.work_of``)."""
+        work = SingleTileScheduler.get_work(m_blocks, args.num_splits, args.batch_size)
         capacity = args.mPageTable.shape[1] * args.mCkv.shape[1]
         seqlen = SeqlenInfo.create(work.batch, args.mQn.shape[1], capacity, None, None, args.mSeqlens, capacity)
         no_window = VariantParams(Int32(-1), Int32(0), Float32(0.0), Float32(0.0))

@@ -136,37 +136,6 @@ def test_mla_nan_past_the_end(backend):
 
 
 # ---------------------------------------------------------------------------------------
-# The persistent SM90 kernel (FLASH_ATTN_CUTE_SM90_PERSISTENT=1: one CTA per SM looping over
-# the work tiles, its KV and P pipeline states carried from tile to tile). More tiles than
-# the H200's 132 SMs, so every CTA walks several; zero-length sequences and empty splits
-# among them (tiles whose consumers skip the KV loop while the producer moves on).
-# ---------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def persistent(monkeypatch):
-    if "sm90" not in backends_on_this_gpu("mla"):
-        pytest.skip("the persistent MLA kernel is SM90's")
-    monkeypatch.setenv("FLASH_ATTN_CUTE_SM90_PERSISTENT", "1")
-
-
-def ragged(batch, longest):
-    """Lengths 0 to ``longest``, every 17th sequence empty."""
-    return tuple(0 if i % 17 == 3 else 1 + (i * 7919) % longest for i in range(batch))
-
-
-@pytest.mark.parametrize("nheads,page_size,batch,num_splits", [(16, 16, 140, 3), (64, 1, 200, 1), (128, 64, 80, 1)])
-def test_mla_persistent(persistent, nheads, page_size, batch, num_splits):
-    run_and_check("sm90", make_inputs(ragged(batch, 200 if nheads > 16 else 400), nheads, page_size, seed=20),
-                  num_splits=num_splits, return_lse=True)
-
-
-def test_mla_persistent_causal_auto_splits(persistent):
-    run_and_check("sm90", make_inputs(ragged(140, 300), 64, 16, seqlen_q=2, seed=21), causal=True, num_splits=0,
-                  return_lse=True)
-
-
-# ---------------------------------------------------------------------------------------
 # FP8 latent cache (e4m3 / e5m2 with kv_descale): the reference runs on the dequantized
 # values (``mla_decode_ref(kv_descale=)``), PyTorch's own error on the same values in q's
 # dtype. Compile keys: the dtype field "bf16/e4m3" (one key per case below).

@@ -184,13 +184,7 @@ def test_sm90_seam_key_roles_and_selection(monkeypatch):
     assert plan.backend == "sm90" and plan.num_splits == 3
     default = sm90.compile_key(p, plan, "sm_90a")
     assert default[:8] == ("mla_sm90", "sm_90a", "bf16", 128, True, True, True, 0)
-    assert default[8] == (32, 4, "seesaw") and plan.config == (32, 4, "seesaw", 0, 0, False)
-    # Persistent (FLASH_ATTN_CUTE_SM90_PERSISTENT=1): "seesaw" over a 16-bit cache only, and
-    # the key says so.
-    pp = sm90.plan(p, 3, None, None, tuning=Tuning(sm90_persistent="1"))
-    assert pp.config.persistent and sm90.compile_key(p, pp, "sm_90a")[8] == (32, 4, "seesaw", 0, True)
-    assert not sm90.plan(p, 3, None, None, tuning=Tuning(sm90_persistent="1", mla_sm90_qk="one")).config.persistent
-    assert not sm90.plan(p, 3, None, None, tuning=Tuning(sm90_persistent="0")).config.persistent
+    assert default[8] == (32, 4, "seesaw") and plan.config == (32, 4, "seesaw", 0, 0)
     one = sm90.plan(p, 3, None, None, tuning=Tuning(mla_sm90_qk="one"))
     assert sm90.compile_key(p, one, "sm_90a")[8] == (32, 4, "one")
     split = sm90.plan(p, 3, None, None, tuning=Tuning(mla_sm90_qk="split"))
@@ -202,7 +196,6 @@ def test_sm90_seam_key_roles_and_selection(monkeypatch):
     p8 = p._replace(kv_dtype=torch.float8_e4m3fn)
     key8 = sm90.compile_key(p8, sm90.plan(p8, 3, None, None), "sm_90a")
     assert key8[2] == "bf16/e4m3" and key8[8] == (32, 3, "seesaw", 2)
-    assert not sm90.plan(p8, 3, None, None, tuning=Tuning(sm90_persistent="1")).config.persistent
     split8 = sm90.plan(p8, 3, None, None, tuning=Tuning(mla_sm90_qk="split"))
     assert sm90.compile_key(p8, split8, "sm_90a")[8] == (32, 2, "split", 2)
     with pytest.raises(ValueError, match="MLA_SM90_QK"):
@@ -234,8 +227,6 @@ def test_sm90_seam_key_roles_and_selection(monkeypatch):
         MlaRoles(qk="split")  # 4 stages + the S exchange: over 227 KB
     with pytest.raises(AssertionError):
         MlaRoles(stages=5)  # 5 stages: over 227 KB
-    with pytest.raises(AssertionError):
-        MlaRoles(qk="one", persistent=True)  # persistent: "seesaw" only
     with pytest.raises(AssertionError):
         MlaRoles(consumer_regs=240, producer_regs=40)  # over the 512-register pool
 

@@ -270,10 +270,6 @@ class MlaRoles(WarpgroupRoles):
     # An FP8 cache: the producer gathers fp8 tiles into staging buffers this deep (each
     # thread its own chunks), then widens its chunks into the 16-bit stages; 0: 16 bits.
     fp8_stages: int = 0
-    # One CTA per SM looping over the tiles (``tile_scheduler.PersistentScheduler``), the
-    # pipeline states carried from tile to tile: the producer gathers the next tile's keys
-    # while the consumers drain the last stages and store O (qk="seesaw", 16-bit caches).
-    persistent: bool = False
 
     @property
     def o_cols(self) -> int:
@@ -314,13 +310,12 @@ class MlaRoles(WarpgroupRoles):
         assert self.qk == "split" or (self.tile_m == D_KPE and self.num_consumer_wgs == 2)
         assert self.smem_bytes() <= SMEM_LIMIT, "shared memory"
         assert self.qk != "seesaw" or self.stages >= 3, "seesaw: three stages at least"
-        assert not self.persistent or (self.qk == "seesaw" and self.fp8_stages == 0), "persistent: seesaw, 16 bits"
 
 
-def mla_roles(tile_n: int, stages: int, qk: str, fp8_stages: int = 0, persistent: bool = False) -> MlaRoles:
+def mla_roles(tile_n: int, stages: int, qk: str, fp8_stages: int = 0) -> MlaRoles:
     """The MLA kernel's roles from its key's config. An FP8 cache's producer also widens
     (``mla_kernel.WIDEN_GROUP`` chunks in flight): 56 registers (at 40 ptxas spilled the
     tile's scalars around the role split), taken from the consumers (the highest register
     of the 16-bit kernel's S warpgroup is R179)."""
     regs = dict(producer_regs=56, consumer_regs=224) if fp8_stages else {}
-    return MlaRoles(tile_n=tile_n, stages=stages, qk=qk, fp8_stages=fp8_stages, persistent=persistent, **regs)
+    return MlaRoles(tile_n=tile_n, stages=stages, qk=qk, fp8_stages=fp8_stages, **regs)

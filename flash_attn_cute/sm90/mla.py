@@ -38,7 +38,6 @@ class MlaSm90Config(NamedTuple):
     qk: str  # how the consumer warpgroups share Q K^T (``config.MlaRoles.qk``)
     split_blocks: int = 0  # batch invariant: KV blocks per split (backend_kit.invariant_splits)
     fp8_stages: int = 0  # an FP8 cache's staging depth (``config.MlaRoles.fp8_stages``); 0: 16 bits
-    persistent: bool = False  # one CTA per SM looping over the tiles (``config.MlaRoles.persistent``)
 
 
 def runs_on(capability: tuple) -> bool:
@@ -83,27 +82,14 @@ def plan(problem: MlaProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     keys per split). ``tuning.mla_sm90_qk`` overrides the Q K^T mode (tuning, and the GPU
     tests of both)."""
     r = roles(tuning.mla_sm90_qk, problem.kv_fp8, tuning.mla_fp8_stages)
-    persistent = persistent_plan(r, tuning.sm90_persistent)
     rows = problem.max_seqlen_q * problem.nheads
     num_splits, split_blocks = plan_splits(problem, num_splits, num_sms, 1, rows, tile_m=r.tile_m, tile_n=r.tile_n,
                                            ctas_per_sm=_CTAS_PER_SM, tolerance=_SPLIT_TOLERANCE)
-    return FwdPlan(NAME, MlaSm90Config(r.tile_n, r.stages, r.qk, split_blocks, r.fp8_stages, persistent), True,
-                   num_splits)
-
-
-def persistent_plan(r: MlaRoles, override: Optional[str]) -> bool:
-    """Whether the kernel runs persistent (one CTA per SM looping over the tiles): where it
-    is implemented (qk="seesaw", a 16-bit cache) and asked for (``tuning.sm90_persistent``
-    "1", FLASH_ATTN_CUTE_SM90_PERSISTENT). Off by default: H200, 2026-12-02, bench_mla.py,
-    two passes, it moved the 128-head row (128 x 2048 page 64) by 1.7% and every other row of
-    issue 17's table by under 0.6% either way (``sm90/mla_decode.py``)."""
-    return override == "1" and r.qk == "seesaw" and r.fp8_stages == 0
+    return FwdPlan(NAME, MlaSm90Config(r.tile_n, r.stages, r.qk, split_blocks, r.fp8_stages), True, num_splits)
 
 
 # compile_key, compile, launcher: the seam's MLA entry points; the key ends with the config
-# as one tuple (tile_n, stages, qk[, fp8_stages for an FP8 cache][, fp8_stages, True when
-# persistent]).
+# as one tuple (tile_n, stages, qk[, fp8_stages for an FP8 cache]).
 compile_key, compile, launcher = mla_entry_points(
     NAME, "flash_attn_cute.sm90.mla_decode", "compile_mla_sm90",
-    key_config=lambda c: ((c.tile_n, c.stages, c.qk) + ((c.fp8_stages,) if c.fp8_stages or c.persistent else ())
-                          + ((True,) if c.persistent else ()),))
+    key_config=lambda c: ((c.tile_n, c.stages, c.qk) + ((c.fp8_stages,) if c.fp8_stages else ()),))

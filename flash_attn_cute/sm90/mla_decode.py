@@ -121,21 +121,16 @@ session's ncu).
 79.1 against 71.4%, L2 88.4 against 84.6%; its grid is 132 persistent CTAs of two warpgroups
 (256 threads, 227 registers) that both load and compute, ours 768 CTAs (5.82 waves) of three;
 it issues 97.8 M instructions to our 186.7 M. A persistent schedule (no fill or drain per
-sequence, no partial last wave) is what that profile points to.
-
-Persistent (``MlaRoles.persistent``, FLASH_ATTN_CUTE_SM90_PERSISTENT=1; "seesaw", 16-bit
-caches): one CTA per SM walks the work tiles blockIdx.x, + gridDim.x, ... of the same order;
-the KV and P pipeline states carry from tile to tile, so the producer gathers the next tile's
-keys while the consumers drain the last stages, store O and load the next Q (a named barrier
-first: both warpgroups past the last tile's Q and row sums). H200, 2026-12-02, two passes
-each, the same process order (``results/mla_persistent_ab_*_2026-12-02_s11.csv``): 595.4 /
-595.6 us at 768 x 2048 against 597.5 / 592.5 persistent, 128 heads 128 x 2048 page 64 180.0
-/ 181.3 against 177.6 / 177.8 (1.7%), every other row within 0.6%. So the per-CTA fill and
-drain and the partial last wave are not what separates this kernel from FlashInfer's; the
-steady state is. Left opt-in.
+sequence, no partial last wave) is what that profile pointed to. Tried the same day: one
+CTA per SM over this kernel's tile order, the KV and P pipeline states carried from tile to
+tile (``results/mla_sm90_persistent_2026-12-02_s11.patch``; its GPU tests passed): 768 x 2048
+595.4 / 595.6 us one CTA per tile against 597.5 / 592.5 persistent, 128 heads 128 x 2048
+page 64 180.0 / 181.3 against 177.6 / 177.8, every other row within 0.6%
+(``results/mla_persistent_ab_*_2026-12-02_s11.csv``). The fill, drain and last wave are not
+the gap; the steady state is. Not kept.
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 import cutlass
@@ -157,7 +152,7 @@ from flash_attn_cute.named_barrier import Sm90MlaBarrier
 from flash_attn_cute.sm90.config import MlaRoles, mla_roles
 from flash_attn_cute.sm90.wgmma_utils import convert_pairs, kv_release, kv_wait, smem_layout, wgmma_gemm
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
-from flash_attn_cute.tile_scheduler import PersistentScheduler, SingleTileScheduler, m_blocks_divisor
+from flash_attn_cute.tile_scheduler import SingleTileScheduler, m_blocks_divisor
 from flash_attn_cute.variants import apply_to_scores
 
 
@@ -210,13 +205,10 @@ class MlaDecodeSm90:
             self.dtype, self.dtype, k_major, mn_major, Float32, atom_layout_mnk=(1, r.num_consumer_wgs, 1),
             tiler_mn=(r.tile_m, r.o_cols))
         num_m_blocks = args.num_m_blocks(r.tile_m, self.qhead_per_kvhead_packed)
-        grid = SingleTileScheduler.grid(num_m_blocks, 1, args.num_splits, args.batch_size)
-        if cutlass.const_expr(r.persistent):
-            grid = PersistentScheduler.grid(
-                PersistentScheduler.num_tiles(num_m_blocks, 1, args.num_splits, args.batch_size), args.max_ctas)
         launch_ctas(self.kernel(args, m_blocks_divisor(num_m_blocks), layouts, tiled_mma_qk, tiled_mma_pv,
                                 tiled_mma_pv_ss, SharedStorage),
-                    grid, r.threads, SharedStorage, stream, setmaxnreg=True)
+                    SingleTileScheduler.grid(num_m_blocks, 1, args.num_splits, args.batch_size), r.threads,
+                    SharedStorage, stream, setmaxnreg=True)
 
     @cute.kernel
     def kernel(
@@ -267,18 +259,9 @@ class MlaDecodeSm90:
             storage.sC8.get_tensor(sC8_layout.outer, swizzle=sC8_layout.inner) if self.fp8 else None,
             storage.sKp8.get_tensor(sKp8_layout.outer, swizzle=sKp8_layout.inner) if self.fp8 else None,
         )
-        block_info = BlockInfo(r.tile_m, r.tile_n, self.qhead_per_kvhead_packed, self.variant, self.split_blocks)
-        if cutlass.const_expr(r.persistent):
-            pipeline.pipeline_init_wait()
-            if warp_idx < r.producer_threads // 32:
-                cute.arch.setmaxregister_decrease(r.producer_regs)
-                self.load_tiles(args, block_info, m_blocks, smem, pipeline_kv, tidx)
-            else:
-                cute.arch.setmaxregister_increase(r.consumer_regs)
-                self.mma_tiles(args, block_info, m_blocks, smem, pipeline_kv, pipeline_p, tiled_mma_qk, tiled_mma_pv,
-                               tiled_mma_pv_ss, tidx - r.producer_threads)
-            return
-        tile = MlaTile.create(args, block_info, self.is_split, m_blocks)
+        tile = MlaTile.create(
+            args, BlockInfo(r.tile_m, r.tile_n, self.qhead_per_kvhead_packed, self.variant, self.split_blocks),
+            self.is_split, m_blocks)
         pipeline.pipeline_init_wait()
         if tile.rows_valid > 0:
             if warp_idx < r.producer_threads // 32:
@@ -302,54 +285,14 @@ class MlaDecodeSm90:
         r = self.roles
         gather = MlaGather.create(smem.sC, smem.sKp, self.dtype, r.producer_threads, tidx)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, r.stages)
-        state = self.load_tile(tile, gather, pipeline_kv, args, state)
-        # Keep the CTA alive until the consumers released every stage it filled.
-        pipeline_kv.producer_tail(state)
-
-    @cute.jit
-    def load_tile(self, tile, gather, pipeline_kv, args: MlaArgs, state):
-        """The KV tiles of one work tile into the stages from ``state`` on; returns the state
-        past them."""
-        r = self.roles
         for i in cutlass.range(tile.n_tiles, unroll=1):
             pages = gather.lookup(tile, args, i, r.tile_n)  # before the wait for a free stage
             pipeline_kv.producer_acquire(state)
             gather.issue(args, pages, state.index)
             pipeline_kv.producer_commit(state)
             state.advance()
-        return state
-
-    @cute.jit
-    def for_each_tile(self, args: MlaArgs, block_info: BlockInfo, m_blocks: cute.FastDivmodDivisorV2, tile_fn,
-                      state):
-        """Persistent: the work tiles blockIdx.x, + gridDim.x, ... of the one-CTA-per-tile
-        order (``SingleTileScheduler.work_of``), ``state = tile_fn(tile, state)`` each. The
-        producer and the consumers walk the same tiles in the same order."""
-        idx = cute.arch.block_idx()[0]
-        num_tiles = PersistentScheduler.num_tiles(m_blocks.divisor, 1, args.num_splits, args.batch_size)
-        while idx < num_tiles:
-            work = SingleTileScheduler.work_of(idx, m_blocks.divisor, 1, args.num_splits)
-            state = tile_fn(MlaTile.of_work(args, block_info, self.is_split, work), state)
-            idx += cute.arch.grid_dim()[0]
-        return state
-
-    @cute.jit
-    def load_tiles(self, args: MlaArgs, block_info: BlockInfo, m_blocks, smem, pipeline_kv, tidx):
-        """Persistent producer: every work tile's KV tiles, a stage of the next work tile
-        gathered as soon as the consumers free one (while they finish this one)."""
-        r = self.roles
-        gather = MlaGather.create(smem.sC, smem.sKp, self.dtype, r.producer_threads, tidx)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, r.stages)
-        state = self.for_each_tile(args, block_info, m_blocks,
-                                   lambda tile, st: self.load_work(tile, gather, pipeline_kv, args, st), state)
+        # Keep the CTA alive until the consumers released every stage it filled.
         pipeline_kv.producer_tail(state)
-
-    @cute.jit
-    def load_work(self, tile, gather, pipeline_kv, args: MlaArgs, state):
-        """A persistent step: nothing for a tile without rows (the consumers skip it too)."""
-        if tile.rows_valid > 0:
-            state = self.load_tile(tile, gather, pipeline_kv, args, state)
-        return state
 
     @cute.jit
     def load_fp8(self, tile, smem, pipeline_kv, args: MlaArgs, tidx):
@@ -411,73 +354,6 @@ class MlaDecodeSm90:
         warpgroup 1 ``o_warpgroup``."""
         r = self.roles
         wg_idx = cute.arch.make_warp_uniform(cidx // 128)
-        ops = self.make_ops(smem, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_ss, cidx)
-        acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((r.tile_m, D_CKV)), Float32)
-        acc_O.fill(0.0)
-        lse = cute.make_rmem_tensor((cute.size(ops.tScS_mn, mode=[0]),), Float32)
-        self.load_q(tile, smem, args, cidx)
-        tile_s = tile.with_kv_descale(args)  # an FP8 cache: the scores carry kv_descale
-        if cutlass.const_expr(r.qk == "split"):
-            self.s_warpgroup(tile_s, ops, pipeline_kv, None, acc_O, lse, cidx)
-        elif cutlass.const_expr(r.qk == "seesaw"):
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, r.stages)
-            if wg_idx == 0:
-                self.seesaw(tile_s, ops, pipeline_kv, pipeline_p, acc_O, lse, cidx, True, state)
-            else:
-                self.seesaw(tile_s, ops, pipeline_kv, pipeline_p, acc_O, lse, cidx, False, state)
-        elif wg_idx == 0:
-            self.s_warpgroup(tile_s, ops, pipeline_kv, pipeline_p, acc_O, lse, cidx)
-        else:
-            self.o_warpgroup(tile, ops, pipeline_kv, pipeline_p, acc_O)
-        tile.descale_o(args, acc_O)  # and O, its V
-        self.epilogue(tile, acc_O, lse, ops, args.mO, args.mLSE, cidx, wg_idx)
-
-    @cute.jit
-    def mma_tiles(self, args: MlaArgs, block_info: BlockInfo, m_blocks, smem, pipeline_kv, pipeline_p, tiled_mma_qk,
-                  tiled_mma_pv, tiled_mma_pv_ss, cidx):
-        """Persistent consumers (qk="seesaw", 16 bits): ``mma_work`` for every work tile, the
-        KV and P pipeline states carried from one to the next."""
-        ops = self.make_ops(smem, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_ss, cidx)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.roles.stages)
-        self.for_each_tile(args, block_info, m_blocks,
-                           lambda tile, st: self.mma_work(tile, ops, smem, pipeline_kv, pipeline_p, args, cidx, st),
-                           state)
-
-    @cute.jit
-    def mma_work(self, tile, ops, smem, pipeline_kv, pipeline_p, args: MlaArgs, cidx, state):
-        """A persistent step: Q, the seesaw over the tile's KV tiles, the epilogue. Nothing for
-        a tile without rows (the producer skips it too)."""
-        # Uniform to ptxas too (as the grid-derived tile of a one-tile CTA is): else the KV
-        # loop's trip count and branches look divergent and every wgmma is serialised
-        # (16 heads, split: 124 waits instead of 13).
-        tile = replace(tile, rows_valid=cute.arch.make_warp_uniform(tile.rows_valid),
-                       n_tiles=cute.arch.make_warp_uniform(tile.n_tiles))
-        if tile.rows_valid > 0:
-            r = self.roles
-            wg_idx = cute.arch.make_warp_uniform(cidx // 128)
-            acc_O = cute.make_rmem_tensor(ops.mma_pv.partition_shape_C((r.tile_m, D_CKV)), Float32)
-            acc_O.fill(0.0)
-            lse = cute.make_rmem_tensor((cute.size(ops.tScS_mn, mode=[0]),), Float32)
-            # Both warpgroups are past the last tile before Q is overwritten: every wgmma that
-            # read it waited, and the other's row sums (``sum_row_sums``) were read.
-            cute.arch.barrier(barrier_id=int(Sm90MlaBarrier.CONSUMERS), number_of_threads=r.consumer_threads)
-            self.load_q(tile, smem, args, cidx)
-            if wg_idx == 0:
-                state = self.seesaw(tile, ops, pipeline_kv, pipeline_p, acc_O, lse, cidx, True, state)
-            else:
-                state = self.seesaw(tile, ops, pipeline_kv, pipeline_p, acc_O, lse, cidx, False, state)
-            self.epilogue(tile, acc_O, lse, ops, args.mO, args.mLSE, cidx, wg_idx)
-            # A wgmma fence where every thread meets after the epilogue's per-row stores:
-            # without it ptxas fences inside a store's branch and serialises every wgmma of
-            # the kernel (C7520; 124 waits instead of 13 with an LSE).
-            warpgroup.fence()
-        return state
-
-    @cute.jit
-    def make_ops(self, smem, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_ss, cidx):
-        """The consumers' MMAs and operand fragments (``_Sm90Ops``), the same for every tile."""
-        r = self.roles
-        wg_idx = cute.arch.make_warp_uniform(cidx // 128)
         # wgmma operands are warpgroup-wide descriptors: partition by the first thread.
         wg_qk = tiled_mma_qk.get_slice(0)
         wg_pv = tiled_mma_pv.get_slice(wg_idx * 128)
@@ -496,7 +372,24 @@ class MlaDecodeSm90:
             acc_mn_view(thr_qk.partition_C(cute.make_identity_tensor((r.tile_m, r.tile_n)))),
             smem.sXchg,
         )
-        return ops
+        acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((r.tile_m, D_CKV)), Float32)
+        acc_O.fill(0.0)
+        lse = cute.make_rmem_tensor((cute.size(ops.tScS_mn, mode=[0]),), Float32)
+        self.load_q(tile, smem, args, cidx)
+        tile_s = tile.with_kv_descale(args)  # an FP8 cache: the scores carry kv_descale
+        if cutlass.const_expr(r.qk == "split"):
+            self.s_warpgroup(tile_s, ops, pipeline_kv, None, acc_O, lse, cidx)
+        elif cutlass.const_expr(r.qk == "seesaw"):
+            if wg_idx == 0:
+                self.seesaw(tile_s, ops, pipeline_kv, pipeline_p, acc_O, lse, cidx, True)
+            else:
+                self.seesaw(tile_s, ops, pipeline_kv, pipeline_p, acc_O, lse, cidx, False)
+        elif wg_idx == 0:
+            self.s_warpgroup(tile_s, ops, pipeline_kv, pipeline_p, acc_O, lse, cidx)
+        else:
+            self.o_warpgroup(tile, ops, pipeline_kv, pipeline_p, acc_O)
+        tile.descale_o(args, acc_O)  # and O, its V
+        self.epilogue(tile, acc_O, lse, ops, args.mO, args.mLSE, cidx, wg_idx)
 
     @cute.jit
     def s_warpgroup(self, tile, ops, pipeline_kv, pipeline_p, acc_O, lse, cidx):
@@ -658,7 +551,7 @@ class MlaDecodeSm90:
         self.scale_rows(ops, acc_O, self.roles.stages)
 
     @cute.jit
-    def seesaw(self, tile, ops, pipeline_kv, pipeline_p, acc_O, lse, cidx, first: cutlass.Constexpr[bool], state):
+    def seesaw(self, tile, ops, pipeline_kv, pipeline_p, acc_O, lse, cidx, first: cutlass.Constexpr[bool]):
         """qk="seesaw": warpgroup 0 (``first``) computes S and the softmax of the even tiles,
         warpgroup 1 of the odd ones, and both add every tile's P V to their halves of O.
         Its own tile: S was issued a step early; wait for it, fold it into the statistics
@@ -669,14 +562,13 @@ class MlaDecodeSm90:
         issue P V (``other_step``). Each step leaves its P V in flight; at an own step the
         wgmma groups in flight are S(i), P V(i - 1) in that order, at an other step P V(i - 1),
         S(i + 1). No wgmma issue is conditional (ptxas serialises every wgmma of the kernel
-        otherwise): past the last tile S is computed on a stale stage and dropped (persistent:
-        perhaps one the producer is filling for the next work tile; only read, and dropped).
-        ``state``: the KV and P pipelines' stage of tile 0; returns the one past the last tile."""
+        otherwise): past the last tile S is computed on a stale stage and dropped."""
         r = self.roles
         stats = OnlineSoftmax(cute.size(ops.tScS_mn, mode=[0]), Float32(tile.softmax_scale * LOG2_E))
         n = tile.n_tiles
         if n > 0:
             acc_S = cute.make_rmem_tensor(ops.mma_qk.partition_shape_C((r.tile_m, r.tile_n)), Float32)
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, r.stages)
             prev = state.clone()  # tile i - 1's stage, released once this warpgroup's P V of it landed
             if cutlass.const_expr(first):
                 kv_wait(pipeline_kv, state, True)
@@ -697,13 +589,11 @@ class MlaDecodeSm90:
                 self.other_step(tile, ops, pipeline_kv, pipeline_p, stats, acc_S, acc_O, state, prev, n - 1)
                 warpgroup.wait_group(0)
                 kv_release(pipeline_kv, state, True)
-                state.advance()
             else:
                 warpgroup.wait_group(0)
                 kv_release(pipeline_kv, prev, True)
         self.sum_row_sums(ops, stats, cidx)
         stats.finalize(acc_O, lse)
-        return state
 
     @cute.jit
     def own_step(self, tile, ops, pipeline_kv, pipeline_p, stats: OnlineSoftmax, acc_S, acc_O, state, prev, i,
