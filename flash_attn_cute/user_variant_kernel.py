@@ -19,9 +19,10 @@ from flash_attn_cute.user_variants import VariantCompileError, VariantSpec, desc
 from flash_attn_cute.variants import AttentionVariant
 
 
-def kernel_variant(user_key: tuple, base_mask):
-    """The kernel-side variant of a registered spec, over the built-in ``base_mask``."""
-    return UserVariant(registered_spec(user_key), base_mask)
+def kernel_variant(user_key: tuple, base_mask, base_mod=None):
+    """The kernel-side variant of a registered spec, over the built-in ``base_mask`` and
+    ``base_mod`` (the built-in softcap: only without a user ``score_mod``)."""
+    return UserVariant(registered_spec(user_key), base_mask, base_mod)
 
 
 class AuxTensor:
@@ -52,9 +53,12 @@ class AuxTensor:
 class UserVariant(AttentionVariant):
     """A ``VariantSpec`` as an ``AttentionVariant`` (see the module docstring)."""
 
-    def __init__(self, spec: VariantSpec, base_mask):
-        self.spec, self.base = spec, base_mask
-        self.has_score_mod = spec.score_mod is not None
+    def __init__(self, spec: VariantSpec, base_mask, base_mod=None):
+        # The built-in softcap is a score modifier like the user's: dropping it here made
+        # softcap + mask_mod ignore the cap (issue 30's wrong result).
+        assert base_mod is None or spec.score_mod is None, "softcap and score_mod are refused together"
+        self.spec, self.base, self.base_mod = spec, base_mask, base_mod
+        self.has_score_mod = spec.score_mod is not None or base_mod is not None
         self.has_mask = base_mask is not None or spec.mask_mod is not None
         # A block mask with row bounds (over a causal / local base mask or none) keeps one
         # key interval per row: the kernels mask by two bounds per row (``row_interval``,
@@ -63,7 +67,8 @@ class UserVariant(AttentionVariant):
         self.mask_is_key_interval = spec.row_bounds
 
     def key(self) -> tuple:
-        return self.spec.key + ((self.base.key(),) if self.base is not None else ())
+        return (self.spec.key + ((self.base.key(),) if self.base is not None else ())
+                + ((self.base_mod.key(),) if self.base_mod is not None else ()))
 
     def _aux(self, ctx) -> tuple:
         return tuple(AuxTensor(t, name) for t, (name, _) in zip(ctx.aux, self.spec.aux_sig))
@@ -77,6 +82,8 @@ class UserVariant(AttentionVariant):
             raise VariantCompileError(describe_error(kind, fn, err)) from err
 
     def score_mod(self, s, q_idx, k_idx, head, ctx):
+        if self.base_mod is not None:
+            return self.base_mod.score_mod(s, q_idx, k_idx, head, ctx)
         out = self._call("score_mod", self.spec.score_mod, (s, ctx.batch, head, q_idx, k_idx, self._aux(ctx)))
         return cutlass.Float32(out)
 
