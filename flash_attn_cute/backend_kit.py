@@ -9,7 +9,7 @@ import importlib
 from typing import Callable, Optional
 
 from . import heuristics, jit_cache
-from .constants import KEYS_PER_SPLIT, MAX_SPLITS, MLA_NHEADS
+from .constants import KEYS_PER_SPLIT, MAX_SPLITS, MLA_NHEADS, padded_head_dims
 from .keys import dtype_key, make_key, mla_key, target_arch
 from .problems import FwdPlan, FwdProblem, MlaProblem
 
@@ -34,6 +34,22 @@ def feature_refusal(problem, supported: frozenset, fields: tuple = FEATURES) -> 
     if problem.batch_invariant and problem.max_seqlen_k > KEYS_PER_SPLIT * MAX_SPLITS:
         return (f"batch_invariant covers at most {KEYS_PER_SPLIT * MAX_SPLITS} keys ({MAX_SPLITS} splits of "
                 f"{KEYS_PER_SPLIT}), got max_seqlen_k {problem.max_seqlen_k}")
+    return None
+
+
+def tile_head_dims(problem: FwdProblem, pairs=None) -> Optional[tuple]:
+    """(d, d_v) of the tile a backend compiles for the problem's head dims: the smallest of
+    its ``pairs`` (None: every pair of ``constants.HEAD_DIM_TILES``) that holds them, the
+    columns past them padded inside the kernel; None when none holds them."""
+    return padded_head_dims(problem.d, problem.d_v, pairs)
+
+
+def head_dim_refusal(problem: FwdProblem, pairs=None) -> Optional[str]:
+    """Why a backend whose tiles are ``pairs`` cannot run the problem's head dims (None:
+    it can, padded to ``tile_head_dims``)."""
+    if tile_head_dims(problem, pairs) is None:
+        what = "up to 256 each" if pairs is None else f"inside one of the (d, d_v) tiles {tuple(pairs)}"
+        return f"head dims (d, d_v) = ({problem.d}, {problem.d_v}) must be {what}"
     return None
 
 

@@ -7,6 +7,7 @@ then the device. Plain Python and torch (no DSL).
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 import os
@@ -15,14 +16,16 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import user_variants
-from .constants import INT32_MAX, MAX_SPLITS
+from .constants import HEAD_DIM_ALIGN, INT32_MAX, MAX_GRID_YZ, MAX_HEAD_DIM, MAX_SPLITS
 from .fp8 import FP8_DTYPES  # K/V caches (with 16-bit queries), and e4m3 queries (FP8 attention)
-from .fwd import BACKENDS, backend_module
+from .fwd import BACKENDS
 
-# Head dims some forward backend compiles (each backend's HEAD_DIMS says which it takes; a
-# call the chosen backend cannot run falls back to SM80 or names the reason).
-SUPPORTED_HEAD_DIMS = tuple(sorted(set().union(*(backend_module(b).HEAD_DIMS for b in BACKENDS))))
+# Head dims the forward takes: every multiple of 8 up to 256 (FA3's and vLLM's range), each
+# run on the next tile width its kernel compiles (``constants.padded_head_dims``; a backend
+# whose tiles cannot hold a pair falls back to SM80 or names the reason).
+SUPPORTED_HEAD_DIMS = tuple(range(HEAD_DIM_ALIGN, MAX_HEAD_DIM + 1, HEAD_DIM_ALIGN))
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+log = logging.getLogger("flash_attn_cute")
 BACKEND_NAMES = tuple(BACKENDS)  # names accepted by ``backend=`` / FLASH_ATTN_CUTE_BACKEND
 
 
@@ -40,9 +43,15 @@ def check_dtype(name: str, t: torch.Tensor, expected, what: str) -> None:
         raise TypeError(f"{name} must be {what}, got {t.dtype}")
 
 
-def check_head_dim(name: str, d: int) -> None:
-    if d not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"{name} head dimension must be one of {SUPPORTED_HEAD_DIMS}, got {d}")
+def check_head_dim(name: str, d: int, fp8: bool = False) -> None:
+    """A multiple of 8 (16-byte rows of 16-bit values) in [8, 256]; FP8 tensors: of 16
+    (their rows are copied 16 bytes at a time, and a TMA row stride is a multiple of 16
+    bytes)."""
+    align = 2 * HEAD_DIM_ALIGN if fp8 else HEAD_DIM_ALIGN
+    if d % align or not align <= d <= MAX_HEAD_DIM:
+        what = " (FP8 tensors)" if fp8 else ""
+        raise ValueError(f"{name} head dimension must be a multiple of {align} in [{align}, {MAX_HEAD_DIM}]{what}, "
+                         f"got {d}")
 
 
 def aligned(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -305,8 +314,10 @@ def qkv(q, k, v, q_form: str, kv_rank: int, k_form: str, v_form: str):
         raise ValueError(f"k head dimension ({k.shape[-1]}) must equal q's ({d})")
     if nheads_kv < 1 or nheads < 1 or nheads % nheads_kv:
         raise ValueError(f"nheads of q ({nheads}) must be a positive multiple of nheads_kv of k/v ({nheads_kv})")
-    check_head_dim("q/k", d)
-    check_head_dim("v", d_v)
+    if nheads > MAX_GRID_YZ:  # the head groups are the grid's y extent (tile_scheduler)
+        raise ValueError(f"nheads of q must be in [1, {MAX_GRID_YZ}], got {nheads}")
+    check_head_dim("q/k", d, k.dtype in FP8_DTYPES)
+    check_head_dim("v", d_v, v.dtype in FP8_DTYPES)
     return nheads, nheads_kv, d, d_v, aligned("q", q), aligned("k", k), aligned("v", v)
 
 
@@ -396,9 +407,11 @@ def user_variant(score_mod, mask_mod, aux_tensors, block_mask, opts: Options, de
                              f"this call needs at least {max_seqlen_q} and {max_seqlen_k}")
         if block_mask.ranges.device != device:
             raise ValueError(f"block_mask is on {block_mask.ranges.device}, but q is on {device}")
+        # Its entries are per query head: the rows run unpacked (pack_gqa is a performance
+        # choice, as FA4 drops it for block sparsity that is not broadcast over heads).
         if opts.pack_gqa:
-            raise ValueError("pack_gqa=True cannot take a block_mask (its entries are per query head); "
-                             "leave pack_gqa None")
+            log.info("flash_attn_cute: pack_gqa=True with a block_mask runs unpacked (block-mask entries are per "
+                     "query head)")
         opts = opts._replace(pack_gqa=False)
         block_q, ranges = block_mask.block_q, block_mask.kernel_ranges(batch, nheads, rows)
     if score_mod is not None and opts.softcap > 0:

@@ -12,6 +12,26 @@ KEYS_PER_SPLIT = 4096
 # packed rows on the decode tile, the others on the prefill tile.
 MIXED_ROWS = 64
 INT32_MAX = 2**31 - 1  # kernels take lengths, windows and page ids as int32
+MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z extents (x: 2^31 - 1)
+
+# Head dims: the public API takes any multiple of 8 up to 256 (16-byte rows, as FA3 and
+# vLLM do); a kernel compiles the next tile width it is written for (FA3's table), loads
+# the columns past the head dim as zeros (TMA's out-of-bounds fill, predicated cp.async)
+# and never stores them. A head dim of a tile width pads nothing: its key and SASS are
+# those of the kernel it always was.
+HEAD_DIM_ALIGN = 8
+MAX_HEAD_DIM = 256
+HEAD_DIM_TILES = (64, 96, 128, 192, 256)
+
+
+def padded_head_dims(d: int, d_v: int, pairs=None):
+    """(tile d, tile d_v): the smallest (by d + d_v) pair of ``pairs`` (default: every pair of
+    ``HEAD_DIM_TILES``) that holds (d, d_v); None when none does."""
+    if pairs is None:
+        pairs = [(a, b) for a in HEAD_DIM_TILES for b in HEAD_DIM_TILES]
+    fits = [p for p in pairs if p[0] >= d and p[1] >= d_v]
+    return min(fits, key=lambda p: (p[0] + p[1], p[0])) if fits else None
+
 
 # MLA (DeepSeek V2/V3): every query head attends to one latent cache row of D_CKV values
 # (both K and V) plus D_KPE rotary values (K only).

@@ -33,41 +33,72 @@ def aligned_row_ptr(row: cute.Tensor, col, align_bytes: int):
 
 
 @cute.jit
-def copy_row(tiled_copy: cute.TiledCopy, tXsX_row: cute.Tensor, tXcX_row: cute.Tensor, g_row: cute.Tensor):
-    """One thread's 16-byte chunks of one row: ``tXsX_row`` (CPY, chunks) its smem
-    destinations, ``tXcX_row`` their (row, col) coordinates, ``g_row`` the (cols,) gmem
-    row. One cp.async (LDGSTS) per chunk, each from a 16-byte aligned pointer."""
-    for k in cutlass.range_constexpr(cute.size(tXsX_row, mode=[1])):
-        src = cute.make_tensor(aligned_row_ptr(g_row, tXcX_row[0, k][1], 16), tXsX_row[None, k].layout)
-        cute.copy(tiled_copy, src, tXsX_row[None, k])
+def chunk_predicates(tXsX_row: cute.Tensor, tXcX_row: cute.Tensor, cols_valid: cutlass.Constexpr[int]):
+    """(atoms, chunks) predicates of one thread's chunks of a row (``tXsX_row`` (CPY,
+    chunks), CPY = (atom values, atoms)): chunk k is copied when its first column is below
+    ``cols_valid`` (a padded head dim: a chunk holds 8 or 16 columns of a head dim that is a
+    multiple of 8, resp. 16, so it is all in or all out). A predicated cp.async copies 0
+    bytes and zero-fills its 16 (``cp.async ..., 16, 0``): the padding columns of an MMA
+    tile are zeros, as a TMA's out-of-bounds fill makes them."""
+    chunks = cute.size(tXsX_row, mode=[1])
+    atoms = cute.size(tXsX_row, mode=[0, 1])
+    pred = cute.make_rmem_tensor(cute.make_layout((atoms, chunks), stride=(0, 1)), cutlass.Boolean)
+    for k in cutlass.range_constexpr(chunks):
+        pred[0, k] = tXcX_row[0, k][1] < cols_valid
+    return pred
 
 
 @cute.jit
-def copy_rows(tiled_copy: cute.TiledCopy, tXsX: cute.Tensor, tXcX: cute.Tensor, src_of, rows_valid=None):
+def copy_row(tiled_copy: cute.TiledCopy, tXsX_row: cute.Tensor, tXcX_row: cute.Tensor, g_row: cute.Tensor,
+             cols_valid: cutlass.Constexpr = None):
+    """One thread's 16-byte chunks of one row: ``tXsX_row`` (CPY, chunks) its smem
+    destinations, ``tXcX_row`` their (row, col) coordinates, ``g_row`` the (cols,) gmem
+    row. One cp.async (LDGSTS) per chunk, each from a 16-byte aligned pointer; with
+    ``cols_valid`` (a padded head dim), chunks at or past it are zero-filled
+    (``chunk_predicates``)."""
+    pred = None
+    if cutlass.const_expr(cols_valid is not None):
+        pred = chunk_predicates(tXsX_row, tXcX_row, cols_valid)
+    for k in cutlass.range_constexpr(cute.size(tXsX_row, mode=[1])):
+        src = cute.make_tensor(aligned_row_ptr(g_row, tXcX_row[0, k][1], 16), tXsX_row[None, k].layout)
+        if cutlass.const_expr(pred is None):
+            cute.copy(tiled_copy, src, tXsX_row[None, k])
+        else:
+            cute.copy(tiled_copy, src, tXsX_row[None, k], pred=pred[None, k])
+
+
+@cute.jit
+def copy_rows(tiled_copy: cute.TiledCopy, tXsX: cute.Tensor, tXcX: cute.Tensor, src_of, rows_valid=None,
+              cols_valid: cutlass.Constexpr = None):
     """A thread's rows of a (rows, cols) smem tile: ``tXsX`` (CPY, M, chunks) partitioned
     by ``tiled_copy``, ``tXcX`` the same partition of the tile's coordinates.
     ``src_of(row, m)`` is the source of tile row ``row``, the thread's partition row m: a
     (cols,) gmem row (``copy_row``) or this thread's (CPY, chunks) partition of it (one
     tiled copy). With ``rows_valid``, tile rows at or past it are zero-filled instead: a
     NaN left in V would survive a zero probability, and zero Q rows keep the scores of
-    padding rows finite."""
+    padding rows finite. With ``cols_valid`` (a padded head dim), so are the columns at or
+    past it (``chunk_predicates``)."""
     for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
         row = tXcX[0, m, 0][0]
         if cutlass.const_expr(rows_valid is None):
-            _copy_src(tiled_copy, tXsX[None, m, None], tXcX[None, m, None], src_of(row, m))
+            _copy_src(tiled_copy, tXsX[None, m, None], tXcX[None, m, None], src_of(row, m), cols_valid)
         else:
             if row < rows_valid:
-                _copy_src(tiled_copy, tXsX[None, m, None], tXcX[None, m, None], src_of(row, m))
+                _copy_src(tiled_copy, tXsX[None, m, None], tXcX[None, m, None], src_of(row, m), cols_valid)
             else:
                 tXsX[None, m, None].fill(0.0)
 
 
 @cute.jit
-def _copy_src(tiled_copy: cute.TiledCopy, tXsX_row: cute.Tensor, tXcX_row: cute.Tensor, src):
+def _copy_src(tiled_copy: cute.TiledCopy, tXsX_row: cute.Tensor, tXcX_row: cute.Tensor, src,
+              cols_valid: cutlass.Constexpr = None):
     if cutlass.const_expr(cute.rank(src) > 1):
-        cute.copy(tiled_copy, src, tXsX_row)
+        if cutlass.const_expr(cols_valid is None):
+            cute.copy(tiled_copy, src, tXsX_row)
+        else:
+            cute.copy(tiled_copy, src, tXsX_row, pred=chunk_predicates(tXsX_row, tXcX_row, cols_valid))
     else:
-        copy_row(tiled_copy, tXsX_row, tXcX_row, src)
+        copy_row(tiled_copy, tXsX_row, tXcX_row, src, cols_valid)
 
 
 @cute.jit

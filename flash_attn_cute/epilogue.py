@@ -20,7 +20,8 @@ from flash_attn_cute.layout_utils import acc_mn_view
 @cute.jit
 def store_o(acc_O: cute.Tensor, out_dtype: cutlass.Constexpr, tOcO_mn: cute.Tensor, mO_rows: cute.Tensor,
             row0: Int32, rows_valid: Int32, rows_from_first: cutlass.Constexpr[bool] = False,
-            cols_from_first: cutlass.Constexpr[bool] = False, pairs_copied: cutlass.Constexpr[bool] = False):
+            cols_from_first: cutlass.Constexpr[bool] = False, pairs_copied: cutlass.Constexpr[bool] = False,
+            cols_valid: cutlass.Constexpr = None):
     """acc_O (fp32 C fragment) converted to ``out_dtype`` and stored to
     ``mO_rows[row0 + row, col]`` from registers: the two adjacent columns a thread holds
     in each 8-column group go out as one store.
@@ -32,7 +33,9 @@ def store_o(acc_O: cute.Tensor, out_dtype: cutlass.Constexpr, tOcO_mn: cute.Tens
     (64-bit offsets folded into the row's address, instead of one per pair). A pair is
     stored from its place in the fragment, or (``pairs_copied``) from a two-register copy;
     each kernel keeps the forms it was tuned with (ptxas schedules and packs them
-    differently: 16-bit pairs stay packed from the fragment, a copy unpacks them)."""
+    differently: 16-bit pairs stay packed from the fragment, a copy unpacks them).
+    ``cols_valid`` (a padded head dim d_v, a multiple of 8): pairs at or past it are not
+    stored (pair by pair, so ``cols_from_first`` then stores pair by pair too)."""
     rO = cute.make_fragment_like(acc_O, out_dtype)
     rO.store(acc_O.load().to(out_dtype))
     rO_mn = acc_mn_view(rO)
@@ -43,20 +46,22 @@ def store_o(acc_O: cute.Tensor, out_dtype: cutlass.Constexpr, tOcO_mn: cute.Tens
         if cutlass.const_expr(rows_from_first):
             row_offset = cute.crd2idx((r, 0), tOcO_mn.layout)[0]  # static
             if row_offset < rows_left:
-                _store_row(rO_mn, tOcO_mn, r, mO_rows[row_base + row_offset, None], cols_from_first, pairs_copied)
+                _store_row(rO_mn, tOcO_mn, r, mO_rows[row_base + row_offset, None], cols_from_first, pairs_copied,
+                           cols_valid)
         else:
             row = tOcO_mn[r, 0][0]
             if row < rows_valid:
-                _store_row(rO_mn, tOcO_mn, r, mO_rows[row0 + row, None], cols_from_first, pairs_copied)
+                _store_row(rO_mn, tOcO_mn, r, mO_rows[row0 + row, None], cols_from_first, pairs_copied, cols_valid)
 
 
 @cute.jit
 def _store_row(rO_mn: cute.Tensor, tOcO_mn: cute.Tensor, r: cutlass.Constexpr[int], g_row: cute.Tensor,
-               cols_from_first: cutlass.Constexpr, pairs_copied: cutlass.Constexpr):
+               cols_from_first: cutlass.Constexpr, pairs_copied: cutlass.Constexpr,
+               cols_valid: cutlass.Constexpr = None):
     """Row r of the accumulator view into its gmem row, two adjacent columns per store."""
     dtype = rO_mn.element_type
     align = 2 * dtype.width // 8
-    if cutlass.const_expr(cols_from_first):
+    if cutlass.const_expr(cols_from_first and cols_valid is None):
         # The thread's columns sit at static offsets from its first one: the column strides
         # of ``tOcO_mn``, adjacent in pairs, so the copy vectorises two columns per store.
         cols = cute.make_layout(rO_mn[r, None].shape, stride=_column_offsets(tOcO_mn[r, None].layout.stride))
@@ -65,14 +70,24 @@ def _store_row(rO_mn: cute.Tensor, tOcO_mn: cute.Tensor, r: cutlass.Constexpr[in
         store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=2 * dtype.width)
         rO_pairs = _pairs(rO_mn[r, None])
         for j in cutlass.range_constexpr(cute.size(rO_pairs, mode=[1])):
-            dst = cute.make_tensor(aligned_row_ptr(g_row, tOcO_mn[r, 2 * j][1], align), cute.make_layout(2))
-            if cutlass.const_expr(pairs_copied):
-                pair = cute.make_rmem_tensor((2,), dtype)
-                pair[0] = rO_mn[r, 2 * j]
-                pair[1] = rO_mn[r, 2 * j + 1]
-                cute.copy(store_atom, pair, dst)
+            if cutlass.const_expr(cols_valid is None):
+                _store_pair(store_atom, rO_mn, rO_pairs, tOcO_mn, r, j, g_row, align, pairs_copied)
             else:
-                cute.copy(store_atom, rO_pairs[None, j], dst)
+                if tOcO_mn[r, 2 * j][1] < cols_valid:
+                    _store_pair(store_atom, rO_mn, rO_pairs, tOcO_mn, r, j, g_row, align, pairs_copied)
+
+
+@cute.jit
+def _store_pair(store_atom, rO_mn: cute.Tensor, rO_pairs: cute.Tensor, tOcO_mn: cute.Tensor, r: cutlass.Constexpr,
+                j: cutlass.Constexpr, g_row: cute.Tensor, align: cutlass.Constexpr, pairs_copied: cutlass.Constexpr):
+    dst = cute.make_tensor(aligned_row_ptr(g_row, tOcO_mn[r, 2 * j][1], align), cute.make_layout(2))
+    if cutlass.const_expr(pairs_copied):
+        pair = cute.make_rmem_tensor((2,), rO_mn.element_type)
+        pair[0] = rO_mn[r, 2 * j]
+        pair[1] = rO_mn[r, 2 * j + 1]
+        cute.copy(store_atom, pair, dst)
+    else:
+        cute.copy(store_atom, rO_pairs[None, j], dst)
 
 
 @cute.jit

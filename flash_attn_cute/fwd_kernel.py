@@ -17,6 +17,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from flash_attn_cute.block_info import BlockInfo
+from flash_attn_cute.constants import padded_head_dims
 from flash_attn_cute.cute_utils import CUTE_DTYPE_BY_NAME, compile_fwd, kernel_out_dtype
 from flash_attn_cute.keys import parse_key
 from flash_attn_cute.pack_gqa import packed_lse_rows, packed_rows, query_and_head_of_row
@@ -103,14 +104,21 @@ class FwdArgs(NamedTuple):
 
 def set_fwd_config(kernel, dtype, head_dim: int, head_dim_v: int, variant: AttentionVariant,
                    qhead_per_kvhead_packed: int = 1, is_split: bool = False, split_blocks: int = 0,
-                   q_class: int = 0) -> None:
+                   q_class: int = 0, head_dim_pairs=None) -> None:
     """The static configuration every forward kernel class holds, set on ``kernel``.
     ``split_blocks`` > 0: split s covers the absolute KV blocks [s * split_blocks, (s + 1) *
-    split_blocks) (batch invariant, ``BlockInfo``); 0: even splits of each tile's range."""
+    split_blocks) (batch invariant, ``BlockInfo``); 0: even splits of each tile's range.
+    ``head_dim`` / ``head_dim_v`` are the tensors' (the key's); the kernel's tiles, MMAs and
+    smem use the padded widths (``constants.padded_head_dims`` over the kernel's
+    ``head_dim_pairs``) and ``head_dim_valid`` / ``head_dim_v_valid`` bound its loads and
+    stores (None where nothing is padded)."""
+    padded = padded_head_dims(head_dim, head_dim_v, head_dim_pairs)
+    assert padded is not None, (head_dim, head_dim_v, head_dim_pairs)
     kernel.dtype = dtype
     kernel.out_dtype = kernel_out_dtype(dtype, is_split)
-    kernel.head_dim = head_dim
-    kernel.head_dim_v = head_dim_v
+    kernel.head_dim, kernel.head_dim_v = padded
+    kernel.head_dim_valid = head_dim if head_dim != padded[0] else None
+    kernel.head_dim_v_valid = head_dim_v if head_dim_v != padded[1] else None
     kernel.variant = variant
     kernel.qhead_per_kvhead_packed = qhead_per_kvhead_packed  # rows per query position in the M tile
     kernel.is_split = is_split

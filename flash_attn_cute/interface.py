@@ -193,9 +193,9 @@ def _execute(call: _Call, seqlens_fill=None) -> tuple:
 
 
 def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), learnable_sink=None,
-                    softcap=0.0, num_splits=1, pack_gqa=None, return_lse=False, out=None, backend=None,
-                    batch_invariant=False, score_mod=None, mask_mod=None, aux_tensors=None, block_mask=None,
-                    q_descale=None, k_descale=None, v_descale=None):
+                    s_aux=None, sinks=None, softcap=0.0, num_splits=1, pack_gqa=None, return_lse=False, out=None,
+                    backend=None, batch_invariant=False, score_mod=None, mask_mod=None, aux_tensors=None,
+                    block_mask=None, q_descale=None, k_descale=None, v_descale=None):
     """Attention over a dense batch.
 
     q ``(batch, seqlen_q, nheads, d)``, k ``(batch, seqlen_k, nheads_kv, d)``, v
@@ -211,7 +211,9 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     q_idx, kv_idx, aux)`` rewrites each scaled score, ``mask_mod(b, h, q_idx, kv_idx, aux)``
     keeps a score where True (ANDed with causal / window_size), ``aux_tensors`` (<= 4
     tensors) is their ``aux``, ``block_mask`` (``create_block_mask``) lets the kernel skip
-    empty blocks and the predicate on full ones."""
+    empty blocks and the predicate on full ones. ``s_aux`` (vLLM) and ``sinks`` (SGLang)
+    are aliases of ``learnable_sink``."""
+    learnable_sink = _sink(learnable_sink, s_aux, sinks)
     if torch.compiler.is_compiling():
         _no_variant_under_compile(score_mod, mask_mod, aux_tensors, block_mask)
         _no_fp8_under_compile(k, q_descale, k_descale, v_descale)
@@ -250,6 +252,11 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     return _run(call, call_cache.same(key, inputs, (q, k, v, out)))
 
 
+def _sink(learnable_sink, s_aux, sinks):
+    """``learnable_sink`` or one of its aliases: vLLM's ``s_aux``, SGLang's ``sinks``."""
+    return _alias("learnable_sink", _alias("learnable_sink", learnable_sink, "s_aux", s_aux), "sinks", sinks)
+
+
 def _alias(name: str, value, alias: str, alias_value):
     """``value`` or its vLLM-style alias (never both)."""
     if alias_value is None:
@@ -261,7 +268,8 @@ def _alias(name: str, value, alias: str, alias_value):
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, *,
                            seqused_q=None, seqused_k=None, page_table=None, block_table=None, softmax_scale=None,
-                           causal=False, window_size=(-1, -1), learnable_sink=None, s_aux=None, softcap=0.0,
+                           causal=False, window_size=(-1, -1), learnable_sink=None, s_aux=None, sinks=None,
+                           softcap=0.0,
                            num_splits=1, pack_gqa=None, return_lse=False, out=None, backend=None,
                            batch_invariant=False, score_mod=None, mask_mod=None, aux_tensors=None, block_mask=None,
                            q_descale=None, k_descale=None, v_descale=None):
@@ -286,9 +294,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     on the host (a device sync); lengths past a cache's capacity and page ids outside the
     pool are clamped in the kernels: wrong results, never an illegal access.
 
-    ``learnable_sink`` (vLLM's ``s_aux``) ``(nheads,)`` fp32/bf16/fp16: one logit per query
-    head added to every softmax denominator with a zero value (gpt-oss); the LSE includes
-    it; exact under split-KV (the combine adds it once). ``batch_invariant=True``: a
+    ``learnable_sink`` (vLLM's ``s_aux``, SGLang's ``sinks``) ``(nheads,)`` fp32/bf16/fp16:
+    one logit per query head added to every softmax denominator with a zero value
+    (gpt-oss); the LSE includes it; exact under split-KV (the combine adds it once). ``batch_invariant=True``: a
     sequence's output and LSE are bitwise the same whatever else is in the batch (a fixed
     number of keys per KV split and batch-independent tiles; ``num_splits`` is then
     ignored). Returns out ``(total_q, nheads, d_v)`` (dense: ``(batch, seqlen_q, nheads,
@@ -308,7 +316,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     element, default 1.0); the output is bf16. Both GEMMs run in fp8 (P rounded to e4m3);
     paged keys need pages of a multiple of 64 tokens."""
     page_table = _alias("page_table", page_table, "block_table", block_table)
-    learnable_sink = _alias("learnable_sink", learnable_sink, "s_aux", s_aux)
+    learnable_sink = _sink(learnable_sink, s_aux, sinks)
     if torch.compiler.is_compiling():
         _no_variant_under_compile(score_mod, mask_mod, aux_tensors, block_mask)
         _no_fp8_under_compile(k, q_descale, k_descale, v_descale)
@@ -384,8 +392,10 @@ def _varlen_call(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                          "seqused_q": seqused_q, "seqused_k": seqused_k, "page_table": page_table,
                          "learnable_sink": learnable_sink, "q_descale": descale_args[0], "k_descale": descale_args[1],
                          "v_descale": descale_args[2], "out": out})
+    # A block mask covers every key a sequence may have: the cache's capacity, or for packed
+    # keys the caller's bound (the total key count when none is given).
     opts, variant = checks.user_variant(*variant_args, opts, q.device, batch=batch, nheads=nheads,
-                                        max_seqlen_q=max_seqlen_q, max_seqlen_k=capacity)
+                                        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k if varlen_k else capacity)
     if varlen_k and k.shape[0] == 0:
         max_seqlen_k = 0
     return _Call(q, k, v, out, opts, batch, max_seqlen_q, max_seqlen_k, nheads, nheads_kv, d_v, bool(return_lse),
@@ -397,7 +407,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, *, page_table=None,
                             block_table=None, cu_seqlens_q=None, cu_seqlens_k_new=None, max_seqlen_q=None,
                             softmax_scale=None, causal=False,
-                            window_size=(-1, -1), learnable_sink=None, softcap=0.0, rotary_interleaved=True,
+                            window_size=(-1, -1), learnable_sink=None, s_aux=None, sinks=None, softcap=0.0,
+                            rotary_interleaved=True,
                             num_splits=0, pack_gqa=None, return_lse=False, return_softmax_lse=False, out=None,
                             backend=None, check_cache_bounds=False, batch_invariant=False, score_mod=None,
                             mask_mod=None, aux_tensors=None, block_mask=None, q_descale=None, k_descale=None,
@@ -442,12 +453,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     ValueError on any value out of range, and plans for the true maximum length: one
     device-to-host sync per call, skipped under CUDA-graph capture.
 
-    ``learnable_sink``, ``batch_invariant``, FP8 caches (``k_descale``, ``v_descale``; not
-    with an append yet): as in ``flash_attn_varlen_func``;
+    ``learnable_sink`` (aliases ``s_aux``, ``sinks``), ``batch_invariant``, FP8 caches
+    (``k_descale``, ``v_descale``; not with an append yet): as in ``flash_attn_varlen_func``;
     ``return_softmax_lse`` is FA2/FA3's name for ``return_lse``. User variants as in
     ``flash_attn_func``: ``q_idx`` counts the new queries from 0 and ``kv_idx`` the cache
     positions."""
     page_table = _alias("page_table", page_table, "block_table", block_table)
+    learnable_sink = _sink(learnable_sink, s_aux, sinks)
     return_lse = bool(return_lse or return_softmax_lse)
     if cache_seqlens is None and v is None and (isinstance(k, numbers.Integral) or (
             isinstance(k, torch.Tensor) and k.dim() == 1 and k.dtype == torch.int32)):

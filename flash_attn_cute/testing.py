@@ -97,18 +97,20 @@ def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1,
         softmax_scale = 1.0 / math.sqrt(d)
     if upcast:
         q, k, v = q.float(), k.float(), v.float()
+    # Scores in fp32, or in fp64 for fp64 inputs (the feature-pair sweep's reference).
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     group = nheads // nheads_kv
     k = k.repeat_interleave(group, dim=2)
     v = v.repeat_interleave(group, dim=2)
     with _exact_fp32_matmul():
         # (b, h, sq, sk); in low precision this matmul rounds its output to q's dtype
-        scores = torch.einsum("bqhd,bkhd->bhqk", q * softmax_scale, k).float()
+        scores = torch.einsum("bqhd,bkhd->bhqk", q * softmax_scale, k).to(acc)
         if softcap > 0:
             scores = softcap * torch.tanh(scores / softcap)
         b_idx, h_idx, q_idx, kv_idx = _index_tensors(batch, nheads, seqlen_q, seqlen_k, q.device, batch_idx)
         aux = tuple(aux_tensors or ())
         if score_mod is not None:
-            scores = score_mod(scores, b_idx, h_idx, q_idx, kv_idx, aux).float()
+            scores = score_mod(scores, b_idx, h_idx, q_idx, kv_idx, aux).to(acc)
         mask = visible_mask(seqlen_q, seqlen_k, seqlens_k, causal=causal, window_size=window_size,
                             device=q.device)
         if mask_mod is not None:
@@ -116,7 +118,7 @@ def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1,
         scores = scores.masked_fill(~mask, float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)  # -inf on fully masked rows
         if learnable_sink is not None:
-            lse = torch.logaddexp(lse, learnable_sink.float().view(1, -1, 1))
+            lse = torch.logaddexp(lse, learnable_sink.to(acc).view(1, -1, 1))
         # exp(s - lse) is the softmax; on fully masked rows it is exp(-inf) = 0, not NaN
         probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
         if p_fp8:

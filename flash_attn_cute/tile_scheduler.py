@@ -1,10 +1,10 @@
 """Which output tile a CTA computes: grid shape and block index -> work tile.
 
 ``SingleTileScheduler``: one CTA per (m_block, head[, split], batch), launched as a grid of
-``(num_m_blocks, heads * num_splits, batch)``. The M blocks are handed out last-first:
+``(num_m_blocks, heads, batch * num_splits)``. The M blocks are handed out last-first:
 under causal masking the last rows see the most keys, and a CTA that starts last would
-otherwise finish last. A batch past grid z's limit (``MAX_GRID_YZ`` sequences) folds into
-x (``fold_batch``): the same grid, in the same order, whenever it fits.
+otherwise finish last. (sequence, split) pairs past grid z's limit (``MAX_GRID_YZ``) fold
+into x (``fold_batch``): the same grid, in the same order, whenever they fit.
 
 ``LptScheduler``: the same one CTA per tile, ordered longest-first across heads and
 batches in L2-sized sections (causal and local masks). Both hand out a ``WorkTile``. Its
@@ -35,7 +35,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Int32
 
-MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z extents (x: 2^31 - 1)
+from flash_attn_cute.constants import MAX_GRID_YZ
+
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,11 @@ class WorkTile:
 
 
 def fold_batch(num_m_blocks, batch):
-    """(grid x, grid z) of a grid with the batch on z: ``num_m_blocks`` x fold and at most
-    ``MAX_GRID_YZ`` sequences, fold = ceil(batch / MAX_GRID_YZ) (1 whenever the batch fits
-    on z, leaving the grid as it was). Block (x, z) is M block ``x % num_m_blocks`` of
-    sequence ``z + MAX_GRID_YZ * (x // num_m_blocks)`` (``unfold_batch``)."""
+    """(grid x, grid z) of a grid with the batch (or any outer index: (sequence, split)
+    pairs) on z: ``num_m_blocks`` x fold and at most ``MAX_GRID_YZ`` on z, fold =
+    ceil(batch / MAX_GRID_YZ) (1 whenever the batch fits on z, leaving the grid as it was).
+    Block (x, z) is M block ``x % num_m_blocks`` of sequence ``z + MAX_GRID_YZ * (x //
+    num_m_blocks)`` (``unfold_batch``)."""
     return num_m_blocks * cute.ceil_div(batch, MAX_GRID_YZ), cutlass.min(batch, MAX_GRID_YZ)
 
 
@@ -77,33 +79,38 @@ def unfold_batch(m_blocks: cute.FastDivmodDivisorV2, batch_size: Int32):
 
 
 class SingleTileScheduler:
+    """Grid ``(num_m_blocks, heads, batch * num_splits)``, the splits of a sequence fastest on
+    z, and z folded into x past its limit (``fold_batch`` over the (sequence, split) pairs):
+    y holds the head groups alone, so no call whose heads fit y (``MAX_GRID_YZ``, checked by
+    the host) exceeds a grid limit: 512 heads x 256 splits, or a batch-invariant plan's
+    splits over many heads, once put 131,072 CTAs on y."""
+
     @staticmethod
     def grid(num_m_blocks, heads, num_splits, batch):
-        """Launch grid for ``heads`` head groups (KV heads when packed) and ``num_splits``,
-        the batch folded into x past grid z's limit (heads x splits stays on y)."""
-        grid_x, grid_z = fold_batch(num_m_blocks, batch)
-        return (grid_x, heads * num_splits, grid_z)
+        """Launch grid for ``heads`` head groups (KV heads when packed) and ``num_splits``."""
+        grid_x, grid_z = fold_batch(num_m_blocks, batch * num_splits)
+        return (grid_x, heads, grid_z)
 
     @staticmethod
     @cute.jit
     def get_work(m_blocks: cute.FastDivmodDivisorV2, num_splits: Int32, batch_size: Int32) -> WorkTile:
         """The CTA's tile in a grid of ``grid(num_m_blocks, ...)``; ``m_blocks``: the kernel's
         ``m_blocks_divisor(num_m_blocks)`` argument."""
-        m_block, batch, in_batch = unfold_batch(m_blocks, batch_size)
-        bidy = cute.arch.block_idx()[1]
-        head = bidy // num_splits
-        return WorkTile(m_blocks.divisor - 1 - m_block, head, bidy - head * num_splits, batch, in_batch)
+        m_block, pair, in_batch = unfold_batch(m_blocks, batch_size * num_splits)
+        batch = pair // num_splits
+        return WorkTile(m_blocks.divisor - 1 - m_block, cute.arch.block_idx()[1], pair - batch * num_splits, batch,
+                        in_batch)
 
     @staticmethod
     @cute.jit
     def work_of(idx: Int32, num_m_blocks: Int32, heads: Int32, num_splits: Int32) -> WorkTile:
-        """The tile of CTA ``idx`` of the grid, linearized x fastest."""
+        """The tile of CTA ``idx`` of the grid, linearized x fastest (then heads, then the
+        (sequence, split) pairs)."""
         rest = idx // num_m_blocks
-        head_splits = heads * num_splits
-        batch = rest // head_splits
-        bidy = rest - batch * head_splits
-        head = bidy // num_splits
-        return WorkTile(num_m_blocks - 1 - (idx - rest * num_m_blocks), head, bidy - head * num_splits, batch)
+        pair = rest // heads
+        batch = pair // num_splits
+        return WorkTile(num_m_blocks - 1 - (idx - rest * num_m_blocks), rest - pair * heads,
+                        pair - batch * num_splits, batch)
 
 
 class VarlenScheduler:

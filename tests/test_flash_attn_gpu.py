@@ -124,6 +124,14 @@ FUNC_CFGS = [
     # fall entirely outside the window
     Cfg("fp16_softcap_causal", **FP16, softcap=3.0, causal=True),  # score modifier + mask composed
     Cfg("causal_split_auto", causal=True, num_splits=0),  # auto splits under causal: early rows skip whole splits
+    # head dims between the tile widths (any multiple of 8 up to 256): the next tile, the
+    # columns past the head dim loaded as zeros and never stored
+    Cfg("d8", d=8, dv=8),  # the smallest, on the 64 tile
+    Cfg("d40", d=40, dv=40, decode=True),  # decode tile too
+    Cfg("d72_causal_gqa_pack_split3", d=72, dv=72, causal=True, **GQA, pack_gqa=True, num_splits=3),  # packed Q rows
+    # by cp.async, fp32 partials stored from registers
+    Cfg("d136_dv80_local", d=136, dv=80, window=(100, 17)),  # (192, 96) tile
+    Cfg("fp16_d224_dv248_softcap_causal", **FP16, d=224, dv=248, softcap=3.0, causal=True),  # (256, 256) tile
 ]
 _BY_NAME = {c.name: c for c in FUNC_CFGS}
 
@@ -274,6 +282,7 @@ VARLEN_CFGS = [
     Cfg("varlen_fp16_d64_softcap_causal", **FP16, d=64, dv=64, softcap=3.0, causal=True),
     Cfg("varlen_d192_dv128_gqa", d=192, dv=128, **GQA),
     Cfg("varlen_causal_gqa_pack_split_auto", causal=True, **GQA, pack_gqa=True, num_splits=0),
+    Cfg("varlen_d104_causal", d=104, dv=104, causal=True),  # a padded head dim over packed rows
 ]
 
 # per-sequence (seqlens_q, seqlens_k): runtime values, free inside each config
@@ -356,6 +365,8 @@ KV_CFGS = [
     Cfg("paged_base_split3", paged=True, num_splits=3),
     Cfg("paged_causal", paged=True, causal=True, num_splits=0, seqlen_qs=(1, 4, 133)),
     Cfg("paged_causal_gqa_pack_split3", paged=True, causal=True, **GQA, pack_gqa=True, num_splits=3),
+    # a padded head dim over every page size: gathered rows (pages 1, 16) and TMA blocks
+    Cfg("paged_d80_causal_gqa_pack", paged=True, d=80, dv=80, causal=True, **GQA, pack_gqa=True, num_splits=0),
 ]
 PAGE_SIZES = [1, 16, 64, 128, 256]  # degenerate, smaller than a tile, half a tile, one tile, larger
 KV_CAPACITY = 1000  # keys per cache row (rounded up to whole pages when paged)
@@ -482,6 +493,21 @@ def test_kvcache_no_lse_and_bad_out():
     assert (bad == 7.0).all()
 
 
+def test_kvcache_heads_times_splits_past_a_grid_dimension():
+    # 512 query heads x 256 splits = 131,072 (head, split) pairs: more than a grid's y or z
+    # extent (65,535) holds; the splits ride with the batch on z, folded into x past it.
+    fa = _api()
+    torch.manual_seed(5)
+    q = _randn(2, 1, 512, 64, dtype=torch.bfloat16)
+    k_cache, v_cache = (_randn(2, 16384, 8, 64, dtype=torch.bfloat16) for _ in range(2))
+    lens = torch.tensor([16384, 9000], dtype=torch.int32, device=DEVICE)
+    out, lse = fa.flash_attn_with_kvcache(q, k_cache, v_cache, lens, num_splits=256, pack_gqa=False,
+                                          return_lse=True, backend=BACKEND)
+    out_ref, lse_ref = attention_kvcache_ref(q, k_cache, v_cache, lens)
+    out_pt, lse_pt = attention_kvcache_ref(q, k_cache, v_cache, lens, upcast=False)
+    _check_against_ref(out, lse, out_ref, lse_ref, out_pt, lse_pt, torch.bfloat16)
+
+
 # --------------------------------------------------------------------- compile count
 
 
@@ -540,6 +566,7 @@ def compile_keys(backend="sm80", arch="sm_90a", num_sms=132):
             add(Cfg(**{**DECODE_CFG.__dict__, "num_splits": ns}), "paged" if page_size else "kvcache",
                 2, 1, 4224, page_size=page_size or 0)
     add(Cfg("kv_zero", num_splits=0), "kvcache", 2, 1, KV_CAPACITY)
+    add(Cfg("grid", d=64, dv=64, nheads=512, nheads_kv=8, num_splits=256), "kvcache", 2, 1, 16384)
     add(Cfg("kv_no_lse", num_splits=0), "kvcache", 2, 1, KV_CAPACITY, has_lse=False)
     return keys, comb
 

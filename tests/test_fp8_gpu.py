@@ -145,10 +145,11 @@ def test_fp8_unit_scales_for_bf16():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("d", [64, 96, 256])
+@pytest.mark.parametrize("d", [64, 96, 256, 80, 208])
 def test_fp8_head_dims_and_gqa_packing(backend, d):
-    # Other head dims (fp8 rows of 64 / 96 / 256 bytes: each its own smem swizzle) and a
-    # GQA ratio of 8 packed into the decode tile, with a paged cache of page 32.
+    # Other head dims (fp8 rows of 64 / 96 / 256 bytes: each its own smem swizzle; 80 and
+    # 208: padded to the 96 and 256 tiles, FP8 head dims being multiples of 16) and a GQA
+    # ratio of 8 packed into the decode tile, with a paged cache of page 32.
     torch.manual_seed(3)
     batch, pages_per_seq, page_size, h, hkv = 2, 24, 32, 16, 2
     q = torch.randn(batch, 2, h, d, device=DEVICE, dtype=torch.bfloat16)

@@ -137,7 +137,8 @@ def fp8_attention_keys(arch, backend="sm90"):
     tiles of d 128 (non-causal) and d 64 (causal; SM90: three consumer warpgroups), d 256
     (SM100: 128) varlen split with an LSE, d 192 / 128 with a sink, window and softcap, and a
     decode step over pages of 64 (SM100: 128; packed GQA rows, a cache tail zeroed: SM90 in
-    the V transposes, SM100 in smem)."""
+    the V transposes, SM100 in smem); SM90 also a decode over pages of 16 and a prefill
+    chunk of d 80 (padded) over pages of 1, whose rows producer warp 0 gathers."""
     if arch != {"sm90": "sm_90a", "sm100": "sm_100a"}[backend]:
         return []
     base = fwd.FwdProblem(dtype=torch.float8_e4m3fn, batch=2, max_seqlen_q=4096, max_seqlen_k=4096, nheads=16,
@@ -150,6 +151,11 @@ def fp8_attention_keys(arch, backend="sm90"):
                 (base._replace(d=192, has_sink=True, window_left=200, window_right=0, softcap=20.0), 1),
                 (base._replace(max_seqlen_q=1, page_size={"sm90": 64, "sm100": 128}[backend], has_seqused_k=True,
                                causal=True, window_right=0), 0)]
+    if backend == "sm90":  # pages of 16 (vLLM's) and 1: rows gathered by producer warp 0
+        problems += [(base._replace(max_seqlen_q=1, page_size=16, has_seqused_k=True, causal=True, window_right=0),
+                      0),
+                     (base._replace(max_seqlen_q=512, page_size=1, has_seqused_k=True, causal=True,
+                                    window_right=0, d=80, d_v=80), 1)]
     module = fwd.backend_module(backend)
     return [module.compile_key(p, module.plan(p, ns, None, 132), arch) for p, ns in problems]
 

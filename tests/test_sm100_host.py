@@ -27,16 +27,22 @@ def _problem(**kw):
 
 def test_module_exposes_the_seam():
     assert sm100.NAME == "sm100"
-    for name in ("HEAD_DIMS", "check", "plan", "compile_key", "compile", "launcher"):
+    for name in ("HEAD_DIM_PAIRS", "check", "plan", "compile_key", "compile", "launcher"):
         assert hasattr(sm100, name), name
 
 
-@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (192, 128)])
-def test_check_accepts_supported_head_dims(d, dv):
+@pytest.mark.parametrize("d,dv,tile", [(64, 64, (64, 64)), (128, 128, (128, 128)), (192, 128, (192, 128)),
+                                       (96, 96, (128, 128)), (128, 64, (128, 128)), (40, 40, (64, 64)),
+                                       (160, 120, (192, 128)), (8, 8, (64, 64))])
+def test_check_accepts_head_dims_its_tiles_hold(d, dv, tile):
+    """Any head dims inside one of the kernel's tiles run on the smallest, padded."""
+    from flash_attn_cute.backend_kit import tile_head_dims
+
     assert sm100.check(_problem(d=d, d_v=dv)) is None
+    assert tile_head_dims(_problem(d=d, d_v=dv), sm100.HEAD_DIM_PAIRS) == tile
 
 
-@pytest.mark.parametrize("d,dv", [(96, 96), (256, 256), (192, 192), (128, 64)])
+@pytest.mark.parametrize("d,dv", [(256, 256), (192, 192), (200, 128), (64, 136)])
 def test_check_refuses_other_head_dims(d, dv):
     reason = sm100.check(_problem(d=d, d_v=dv))
     assert reason is not None and "(192, 128)" in reason

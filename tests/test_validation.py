@@ -160,7 +160,7 @@ def _fake_backend(kernel):
 
         return launch
 
-    return SimpleNamespace(HEAD_DIMS=sm80.HEAD_DIMS, AUTO=True, runs_on=sm80.runs_on, check=sm80.check, plan=sm80.plan,
+    return SimpleNamespace(AUTO=True, runs_on=sm80.runs_on, check=sm80.check, plan=sm80.plan,
                            launcher=launcher)
 
 
@@ -218,11 +218,11 @@ FUNC_CASES = [
     ("heads_not_multiple", lambda a: a.update(k=torch.zeros(2, 7, 3, 64, dtype=F16),
                                               v=torch.zeros(2, 7, 3, 64, dtype=F16)), ValueError,
      "multiple of nheads_kv"),
-    ("d_unsupported", lambda a: a.update(q=torch.zeros(2, 5, 4, 80, dtype=F16),
-                                         k=torch.zeros(2, 7, 2, 80, dtype=F16)), ValueError,
-     "q/k head dimension must be one of"),
-    ("dv_unsupported", lambda a: a.update(v=torch.zeros(2, 7, 2, 32, dtype=F16)), ValueError,
-     "v head dimension must be one of"),
+    ("d_unsupported", lambda a: a.update(q=torch.zeros(2, 5, 4, 84, dtype=F16),
+                                         k=torch.zeros(2, 7, 2, 84, dtype=F16)), ValueError,
+     r"q/k head dimension must be a multiple of 8 in \[8, 256\], got 84"),
+    ("dv_unsupported", lambda a: a.update(v=torch.zeros(2, 7, 2, 264, dtype=F16)), ValueError,
+     r"v head dimension must be a multiple of 8 in \[8, 256\], got 264"),
     ("q_last_dim_strided", lambda a: a.update(q=torch.zeros(2, 5, 64, 4, dtype=F16).transpose(2, 3)),
      ValueError, "q must have a contiguous last dimension"),
     ("k_misaligned_stride", lambda a: a.update(k=torch.zeros(2, 7, 2, 68, dtype=F16)[..., :64]), ValueError,
@@ -385,7 +385,7 @@ COMBINE_CASES = [
      "lse_partial must have shape"),
     ("too_many_splits", lambda a: a.update(out_partial=torch.zeros(257, 1, 2, 2, 64),
                                            lse_partial=torch.zeros(257, 1, 2, 2)), ValueError, "num_splits"),
-    ("dv_unsupported", lambda a: a.update(out_partial=torch.zeros(3, 2, 5, 4, 48)), ValueError, "head dimension"),
+    ("dv_unsupported", lambda a: a.update(out_partial=torch.zeros(3, 2, 5, 4, 44)), ValueError, "head dimension"),
     ("out_dtype_int", lambda a: a.update(out_dtype=torch.int32), TypeError, "out_dtype"),
     ("out_shape", lambda a: a.update(out=torch.zeros(2, 5, 4, 128)), ValueError, "out must have shape"),
     ("out_vs_out_dtype", lambda a: a.update(out=torch.zeros(2, 5, 4, 64), out_dtype=F16), TypeError, "out must be"),
@@ -608,15 +608,15 @@ def test_backend_names_explicit_and_env(monkeypatch):
 def test_explicit_backend_refusal_names_the_reason(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert fwd.select_backend("sm80", _problem(), "cuda:0")[0] == "sm80"  # SM80 kernel on a Hopper GPU
-    with pytest.raises(NotImplementedError, match="'sm80' cannot run this call: v head dimension 80"):
-        fwd.select_backend("sm80", _problem(d_v=80), "cuda:0")
+    with pytest.raises(NotImplementedError, match=r"'sm80' cannot run this call: head dims \(d, d_v\) = \(128, 264\)"):
+        fwd.select_backend("sm80", _problem(d_v=264), "cuda:0")
     with pytest.raises(NotImplementedError, match="'sm100' cannot run this call: .* compute capability 9.0"):
         fwd.select_backend("sm100", _problem(), "cuda:0")  # tcgen05 kernels on a Hopper GPU
 
 
 def test_auto_backend_falls_back_to_sm80_with_a_reason(monkeypatch, caplog):
     # A Hopper backend that refuses paged caches: auto selection runs SM80 and logs why.
-    hopper = SimpleNamespace(HEAD_DIMS=(128,), AUTO=True, runs_on=lambda cap: cap[0] == 9,
+    hopper = SimpleNamespace(AUTO=True, runs_on=lambda cap: cap[0] == 9,
                              check=lambda p: "paged KV not supported" if p.paged else None)
     modules = {"sm90": hopper, "sm80": sm80, "sm100": fwd.backend_module("sm100")}
     monkeypatch.setattr(fwd, "backend_module", lambda name, kind="fwd": modules[name])
@@ -631,7 +631,7 @@ def test_auto_backend_falls_back_to_sm80_with_a_reason(monkeypatch, caplog):
 
 def test_blackwell_runs_sm100_and_falls_back_to_sm80(fake_gpu, monkeypatch, caplog):
     # Capability 10.0 with backend=None: the SM100 backend (its real check and plan) runs
-    # the calls it accepts; a call its check refuses (head dim 96) runs the SM80 backend,
+    # the calls it accepts; a call its check refuses (head dim 256) runs the SM80 backend,
     # with the reason on the flash_attn_cute logger.
     from flash_attn_cute import sm100
 
@@ -644,7 +644,7 @@ def test_blackwell_runs_sm100_and_falls_back_to_sm80(fake_gpu, monkeypatch, capl
 
         fake = _fake_backend(kernel)
         if name == "sm100":
-            return SimpleNamespace(**{**vars(fake), "HEAD_DIMS": sm100.HEAD_DIMS, "AUTO": sm100.AUTO,
+            return SimpleNamespace(**{**vars(fake), "AUTO": sm100.AUTO,
                                       "runs_on": sm100.runs_on, "check": sm100.check, "plan": sm100.plan})
         # Each fake runs where its backend runs (the SM90 kernel not on 10.x).
         return SimpleNamespace(**{**vars(fake), "runs_on": importlib.import_module(fwd.BACKENDS[name]).runs_on})
@@ -654,11 +654,11 @@ def test_blackwell_runs_sm100_and_falls_back_to_sm80(fake_gpu, monkeypatch, capl
     q, k, v = make_qkv(d=128, dv=128)
     close(flash_attn_func(q, k, v, causal=True), attention_ref(q, k, v, causal=True)[0])
     assert launched == ["sm100"]
-    q, k, v = make_qkv(d=96, dv=96)
+    q, k, v = make_qkv(d=256, dv=256)
     with caplog.at_level("INFO", logger="flash_attn_cute"):
         close(flash_attn_func(q, k, v), attention_ref(q, k, v)[0])
     assert launched == ["sm100", "sm80"]
-    assert "sm100 kernel refused the call" in caplog.text and "(96, 96)" in caplog.text
+    assert "sm100 kernel refused the call" in caplog.text and "(256, 256)" in caplog.text
     with pytest.raises(NotImplementedError, match="'sm100' cannot run this call: head dims"):
         flash_attn_func(q, k, v, backend="sm100")
 
@@ -849,4 +849,4 @@ def test_public_api_exports():
     for name in ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_combine",
                  "SUPPORTED_HEAD_DIMS", "__version__"):
         assert hasattr(flash_attn_cute, name), name
-    assert flash_attn_cute.SUPPORTED_HEAD_DIMS == (64, 96, 128, 192, 256)
+    assert flash_attn_cute.SUPPORTED_HEAD_DIMS == tuple(range(8, 257, 8))

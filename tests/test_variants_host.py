@@ -223,7 +223,7 @@ def fake_variant_gpu(fake_device):
 
         return launch
 
-    backend = SimpleNamespace(HEAD_DIMS=sm80.HEAD_DIMS, AUTO=True, runs_on=sm80.runs_on, check=sm80.check,
+    backend = SimpleNamespace(AUTO=True, runs_on=sm80.runs_on, check=sm80.check,
                               plan=sm80.plan, launcher=launcher)
     fake_device(lambda name, kind="fwd": backend)
     yield calls
@@ -282,11 +282,12 @@ def test_block_mask_must_fit_the_call(fake_variant_gpu):
     with pytest.raises(ValueError, match="built for batch 3"):
         flash_attn_func(q, k, v, block_mask=per_batch)
     bm = create_block_mask(mods.causal_mask, None, None, 40, 40, device="cpu")
-    with pytest.raises(ValueError, match="pack_gqa=True cannot take a block_mask"):
-        flash_attn_func(q, k, v, block_mask=bm, pack_gqa=True)
     with pytest.raises(ValueError, match="mask_mod must be the function block_mask was created with"):
         flash_attn_func(q, k, v, block_mask=bm, mask_mod=mods.sliding_window(3))
     assert not fake_variant_gpu
+    # pack_gqa=True with a block mask (per query head entries) runs unpacked, as FA4 does.
+    flash_attn_func(q, k, v, block_mask=bm, pack_gqa=True)
+    assert len(fake_variant_gpu) == 1 and not fake_variant_gpu[0].plan.pack_gqa
 
 
 def test_softcap_composes_with_a_user_mask_mod():

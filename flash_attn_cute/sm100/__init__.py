@@ -14,15 +14,14 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple, Optional
 
-from ..backend_kit import feature_refusal, fwd_entry_points, head_groups, plan_rows, plan_splits
+from ..backend_kit import (feature_refusal, fwd_entry_points, head_dim_refusal, head_groups, plan_rows, plan_splits,
+                           tile_head_dims)
 from ..keys import DTYPE_NAMES, arch_capability
 from ..problems import FwdPlan, FwdProblem
 from ..tuning import NO_TUNING, Tuning
-from .config import SMEM_LIMIT, TILE_M, kv_stages_for, smem_bytes
+from .config import HEAD_DIM_PAIRS, SMEM_LIMIT, TILE_M, kv_stages_for, smem_bytes
 
 NAME = "sm100"
-HEAD_DIMS = (64, 128, 192)  # q/k head dims; d_v is 64 or 128 (192 only as (192, 128))
-HEAD_DIM_PAIRS = ((64, 64), (128, 128), (192, 128))
 TILE_N = 128
 PAGE_SIZES = (TILE_N,)  # a paged cache is read one page (= one KV block) per TMA
 # One CTA per SM (~190 KB of smem, all 512 TMEM columns at q_stage 2); the split heuristic
@@ -54,8 +53,9 @@ def runs_on(capability: tuple) -> bool:
 
 
 def check(problem: FwdProblem) -> Optional[str]:
-    if (problem.d, problem.d_v) not in HEAD_DIM_PAIRS:
-        return f"head dims (d, d_v) = ({problem.d}, {problem.d_v}) are not one of {HEAD_DIM_PAIRS}"
+    reason = head_dim_refusal(problem, HEAD_DIM_PAIRS)
+    if reason is not None:
+        return reason
     if problem.paged and problem.page_size not in PAGE_SIZES:
         return (f"paged KV needs page_size in {PAGE_SIZES} (one TMA box per KV block), "
                 f"got {problem.page_size}")
@@ -97,7 +97,7 @@ def ex2_share(problem: FwdProblem, arch: Optional[str]) -> int:
     give), and not batch invariant (which blocks a tile masks depends on its rows)."""
     if arch is not None and arch_capability(arch) >= (10, 3):
         return 0
-    if (max(problem.d, problem.d_v) > 128 or problem.qkv_fp8 or problem.variant is not None
+    if (max(tile_head_dims(problem, HEAD_DIM_PAIRS)) > 128 or problem.qkv_fp8 or problem.variant is not None
             or problem.batch_invariant):
         return 0
     return EX2_EVERY
@@ -128,9 +128,10 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
                                            tile_m=TILE_M, tile_n=TILE_N, ctas_per_sm=_CTAS_PER_SM,
                                            tolerance=_SPLIT_TOLERANCE)
     q_stage = select_q_stage(rows, num_splits > 1 or split_blocks > 0)
-    if problem.kv_fp8 and q_stage == 2 and smem_bytes(problem.d, problem.d_v, 2, TILE_N, 1, fp8=True) > SMEM_LIMIT:
+    d, d_v = tile_head_dims(problem, HEAD_DIM_PAIRS)  # the kernel's tile widths (padded head dims)
+    if problem.kv_fp8 and q_stage == 2 and smem_bytes(d, d_v, 2, TILE_N, 1, fp8=True) > SMEM_LIMIT:
         q_stage = 1  # d 192: the fp8 staging rings leave no room for a second Q stage
-    config = select_tile(problem.d, problem.d_v, q_stage, split_blocks, problem.kv_fp8, 1 if problem.qkv_fp8 else 2)
+    config = select_tile(d, d_v, q_stage, split_blocks, problem.kv_fp8, 1 if problem.qkv_fp8 else 2)
     return FwdPlan(NAME, config._replace(ex2_emulate_every=ex2_share(problem, arch)), pack_gqa, num_splits)
 
 

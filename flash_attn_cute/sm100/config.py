@@ -5,6 +5,9 @@ depth. The host planner and the CPU tests use it without compiling anything."""
 from dataclasses import dataclass
 
 TILE_M = 128  # rows of one Q stage: the M of one cta_group::1 tcgen05 MMA
+# The (d, d_v) tiles the kernel compiles; other head dims run on the smallest tile holding
+# them, padded inside the kernel (``constants.padded_head_dims``).
+HEAD_DIM_PAIRS = ((64, 64), (128, 128), (192, 128))
 SMEM_LIMIT = 232448  # sm_100 opt-in shared memory per block
 TMEM_COLUMNS = 512
 

@@ -51,8 +51,8 @@ from flash_attn_cute.fwd_kernel import (FwdArgs, FwdTile, compile_from_key, fwd_
 from flash_attn_cute.layout_utils import select
 from flash_attn_cute.named_barrier import Sm100FwdBarrier
 from flash_attn_cute.paged_kv import page_and_row
-from flash_attn_cute.sm100.config import (FP8_STAGES, SMEM_LIMIT, TILE_M, TMEM_COLUMNS, WarpRoles, tmem_alloc_columns,
-                                          tmem_columns)
+from flash_attn_cute.sm100.config import (FP8_STAGES, HEAD_DIM_PAIRS, SMEM_LIMIT, TILE_M, TMEM_COLUMNS, WarpRoles,
+                                          tmem_alloc_columns, tmem_columns)
 # The fp8 staging tiles: row-major, swizzled, one TMA box (the layout SM90's wgmma reads).
 from flash_attn_cute.sm90.wgmma_utils import smem_layout as row_major_smem_layout
 from flash_attn_cute.softmax import FP8_P_OFFSET, LOG2_E, OnlineSoftmax
@@ -133,7 +133,8 @@ class FlashAttnFwdSm100:
         """``tile`` = (q_stage, tile_n, kv_stages), as ``sm100.select_tile`` plans it;
         ``ex2_emulate_every``: ``sm100.ex2_share``."""
         set_fwd_config(self, dtype, head_dim, head_dim_v, variant, qhead_per_kvhead_packed, is_split, split_blocks,
-                       q_class)
+                       q_class, HEAD_DIM_PAIRS)
+        head_dim, head_dim_v = self.head_dim, self.head_dim_v  # the tile's widths (padded head dims)
         q_stage, tile_n, kv_stages = tile
         assert q_stage in (1, 2) and tile_n == 128
         assert head_dim % 16 == 0 and head_dim_v % 16 == 0
@@ -847,7 +848,10 @@ class FlashAttnFwdSm100:
         frag_shape = load.partition_D(cute.make_identity_tensor((TILE_M, cols))).shape
         vec = 128 // self.out_dtype.width
         store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype, num_bits_per_copy=128)
-        for i in cutlass.range_constexpr(self.head_dim_v // cols):
+        # A padded d_v (``head_dim_v_valid``): the 128-bit stores of its padding columns are
+        # left out (static: d_v is a multiple of 8, a store's 8 or 4 columns all in or all out).
+        d_v = _stored_cols(self.head_dim_v_valid, self.head_dim_v)
+        for i in cutlass.range_constexpr(-(-d_v // cols)):
             frag = cute.make_rmem_tensor(frag_shape, Float32)
             if has_blocks:
                 cute.copy(load, cute.make_tensor(t2r.iterator + i * cols, t2r.layout), frag)
@@ -859,13 +863,19 @@ class FlashAttnFwdSm100:
             out = cute.make_tensor(out.iterator, cute.make_layout((vec, cols // vec)))
             if row < tile.rows_valid:
                 g_row = o_rows[row_g, None]
-                for v in cutlass.range_constexpr(cols // vec):
+                for v in cutlass.range_constexpr(min(cols, d_v - i * cols) // vec):
                     dst = cute.make_tensor(aligned_row_ptr(g_row, i * cols + v * vec, 16), cute.make_layout(vec))
                     cute.copy(store_atom, out[None, v], dst)
         if cutlass.const_expr(mLSE is not None):
             lse_rows = tile.lse_rows(mLSE, self.qhead_per_kvhead_packed, self.is_split, varlen_q)
             if row < tile.rows_valid:
                 lse_rows[row_g] = lse
+
+
+def _stored_cols(cols_valid, cols: int) -> int:
+    """The columns of a row the epilogue stores: the head dim's (``cols_valid`` where it is
+    padded, else the tile's ``cols``). Plain Python: evaluated while tracing."""
+    return cols if cols_valid is None else cols_valid
 
 
 # ---------------------------------------------------------------------------------------

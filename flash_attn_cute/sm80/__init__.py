@@ -8,14 +8,17 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from ..backend_kit import feature_refusal, fwd_entry_points, head_groups, plan_rows, plan_splits
+from ..backend_kit import (feature_refusal, fwd_entry_points, head_dim_refusal, head_groups, plan_rows, plan_splits,
+                           tile_head_dims)
 from ..keys import target_arch_or_none
 from ..problems import FwdPlan, FwdProblem
 from ..tuning import NO_TUNING, Tuning
 from .config import fp8_refusal, fp8_staging_fits, select_tile
 
 NAME = "sm80"
-HEAD_DIMS = (64, 96, 128, 192, 256)  # for both d (q/k) and d_v (v)
+# Tiles of every pair of constants.HEAD_DIM_TILES, for d (q/k) and d_v (v) apart; other head
+# dims (multiples of 8 up to 256) run on the next tile, padded inside the kernel.
+HEAD_DIM_PAIRS = None
 # The split heuristic counts the grid in 128 x 128 tiles and two resident CTAs per SM
 # (255 registers x 128 threads); a last wave 95% full (H200 sweep, 2026-11-29: 8 splits
 # beat 7, 32 beat 28, for B=1 K=131072 H=32 with 32 / 8 KV heads).
@@ -44,11 +47,11 @@ def runs_on(capability: tuple) -> bool:
 
 
 def check(problem: FwdProblem) -> Optional[str]:
-    for what, d in (("q/k", problem.d), ("v", problem.d_v)):
-        if d not in HEAD_DIMS:
-            return f"{what} head dimension {d} is not one of {HEAD_DIMS}"
+    reason = head_dim_refusal(problem, HEAD_DIM_PAIRS)
+    if reason is not None:
+        return reason
     if problem.kv_fp8:
-        reason = fp8_refusal(problem.d, problem.d_v, problem.batch_invariant)
+        reason = fp8_refusal(*tile_head_dims(problem, HEAD_DIM_PAIRS), problem.batch_invariant)
         if reason is not None:
             return reason
     return feature_refusal(problem, FEATURES)
@@ -56,16 +59,18 @@ def check(problem: FwdProblem) -> Optional[str]:
 
 def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms: Optional[int],
          tuning: Tuning = NO_TUNING, arch: Optional[str] = None) -> FwdPlan:
-    """Tile (``tuning.sm80_tile`` overrides), GQA packing (None = FA3's rule) and KV splits
+    """Tile (of the padded head dims, ``tile_head_dims``; ``tuning.sm80_tile`` overrides),
+    GQA packing (None = FA3's rule) and KV splits
     (0 = heuristic on ``num_sms``; batch invariant: fixed keys per split, ``num_splits``
     ignored). FP8 K/V: the tile's KV block shrinks where its staging would not fit the
     shared memory of ``arch`` (default: the current target, ``keys.target_arch``; none
     without a GPU or CUTE_DSL_ARCH: the tile of the 227 KB parts)."""
     pack_gqa, rows = plan_rows(problem, pack_gqa, _SPLIT_TILE_M)
-    tile = select_tile(problem.d, problem.d_v, rows, tuning.sm80_tile, problem.batch_invariant)
+    d, d_v = tile_head_dims(problem, HEAD_DIM_PAIRS)
+    tile = select_tile(d, d_v, rows, tuning.sm80_tile, problem.batch_invariant)
     arch = arch or (target_arch_or_none() if problem.kv_fp8 else None)
     if problem.kv_fp8 and arch is not None:
-        tile = fp8_staging_fits(tile, problem.d, problem.d_v, arch)
+        tile = fp8_staging_fits(tile, d, d_v, arch)
     num_splits, split_blocks = plan_splits(problem, num_splits, num_sms, head_groups(problem, pack_gqa), rows,
                                            tile_m=_SPLIT_TILE_M, tile_n=_SPLIT_TILE_N, ctas_per_sm=_CTAS_PER_SM,
                                            tolerance=_SPLIT_TOLERANCE, kernel_tile_n=tile[1])

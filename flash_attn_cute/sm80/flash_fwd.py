@@ -49,6 +49,7 @@ class FlashAttnFwdSm80:
                  q_in_regs: bool = False, split_blocks: int = 0, q_class: int = 0):
         set_fwd_config(self, dtype, head_dim, head_dim_v, variant, qhead_per_kvhead_packed, is_split, split_blocks,
                        q_class)
+        head_dim, head_dim_v = self.head_dim, self.head_dim_v  # the tile's widths (padded head dims)
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.num_threads = num_warps * 32
@@ -206,10 +207,11 @@ class FlashAttnFwdSm80:
 
         # Prologue: Q, then the last K block (the only one the sequence end may cut).
         n_block_min, n_block_max = tile.n_block_min, tile.n_block_max
-        copy_rows(gmem_copy_QK, tQsQ, tQcQ, lambda r, m: mQ_rows[row0 + r, None], tile.rows_valid)
+        copy_rows(gmem_copy_QK, tQsQ, tQcQ, lambda r, m: mQ_rows[row0 + r, None], tile.rows_valid,
+                  self.head_dim_valid)
         if n_block_max > n_block_min:
             self.load_kv(kv.copy_K, kv.tKsK, kv.tKcK, kv.k_src, n_block_max - 1,
-                         tile.seqlen.seqlen_k - (n_block_max - 1) * self.tile_n)
+                         tile.seqlen.seqlen_k - (n_block_max - 1) * self.tile_n, self.head_dim_valid)
         cute.arch.cp_async_commit_group()
         if cutlass.const_expr(self.q_in_regs):
             cute.arch.cp_async_wait_group(0)
@@ -232,7 +234,7 @@ class FlashAttnFwdSm80:
         softmax.finalize(acc_O, lse, sinks)
         # O (two consecutive columns per store) and the LSE straight from registers.
         o_rows = tile.out_rows(args.mO, packed, self.is_split, args.varlen_q)
-        store_o(acc_O, self.out_dtype, tOcO_mn, o_rows, row0, tile.rows_valid)
+        store_o(acc_O, self.out_dtype, tOcO_mn, o_rows, row0, tile.rows_valid, cols_valid=self.head_dim_v_valid)
         if cutlass.const_expr(args.mLSE is not None):
             store_lse(lse, tOcO_mn, tile.lse_rows(args.mLSE, packed, self.is_split, args.varlen_q), row0,
                       tile.rows_valid)
@@ -246,9 +248,10 @@ class FlashAttnFwdSm80:
         if cutlass.const_expr(widen is not None):  # fp8: K(n) staged -> K's buffer, the staging free again
             widen.k(self.dtype)
         if cutlass.const_expr(masked):
-            self.load_kv(kv.copy_V, kv.tVsV, kv.tVcV, kv.v_src, n_block, seqlen.seqlen_k - n_block * self.tile_n)
+            self.load_kv(kv.copy_V, kv.tVsV, kv.tVcV, kv.v_src, n_block, seqlen.seqlen_k - n_block * self.tile_n,
+                         self.head_dim_v_valid)
         else:
-            self.load_kv(kv.copy_V, kv.tVsV, kv.tVcV, kv.v_src, n_block, None)
+            self.load_kv(kv.copy_V, kv.tVsV, kv.tVcV, kv.v_src, n_block, None, self.head_dim_v_valid)
         cute.arch.cp_async_commit_group()
         if cutlass.const_expr(widen is not None):
             cute.arch.barrier()  # every thread's part of K(n) widened
@@ -270,7 +273,7 @@ class FlashAttnFwdSm80:
         if cutlass.const_expr(widen is not None):
             widen.v(self.dtype)
         if n_block > n_block_min:
-            self.load_kv(kv.copy_K, kv.tKsK, kv.tKcK, kv.k_src, n_block - 1, None)
+            self.load_kv(kv.copy_K, kv.tKsK, kv.tKcK, kv.k_src, n_block - 1, None, self.head_dim_valid)
         cute.arch.cp_async_commit_group()
         if cutlass.const_expr(widen is not None):
             cute.arch.barrier()  # every thread's part of V(n) widened
@@ -294,14 +297,15 @@ class FlashAttnFwdSm80:
         return thr_copy_QK.partition_S(gK), thr_copy_V.partition_S(gV)
 
     @cute.jit
-    def load_kv(self, tiled_copy, tXsX, tXcX, src, n_block, rows_valid):
+    def load_kv(self, tiled_copy, tXsX, tXcX, src, n_block, rows_valid, cols_valid: cutlass.Constexpr = None):
         """cp.async of KV block n_block into smem, from a tiled partition or a row function
-        (key -> gmem row); with ``rows_valid``, rows past it are zero-filled."""
+        (key -> gmem row); with ``rows_valid``, rows past it are zero-filled, with
+        ``cols_valid`` (a padded head dim), columns past it."""
         if cutlass.const_expr(isinstance(src, cute.Tensor)):
-            copy_rows(tiled_copy, tXsX, tXcX, lambda r, m: src[None, m, None, n_block], rows_valid)
+            copy_rows(tiled_copy, tXsX, tXcX, lambda r, m: src[None, m, None, n_block], rows_valid, cols_valid)
         else:
             key0 = n_block * self.tile_n
-            copy_rows(tiled_copy, tXsX, tXcX, lambda r, m: src(key0 + r), rows_valid)
+            copy_rows(tiled_copy, tXsX, tXcX, lambda r, m: src(key0 + r), rows_valid, cols_valid)
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,17 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 from .. import heuristics
-from ..backend_kit import feature_refusal, fwd_entry_points, head_groups, plan_rows, plan_splits
+from ..backend_kit import (feature_refusal, fwd_entry_points, head_dim_refusal, head_groups, plan_rows, plan_splits,
+                           tile_head_dims)
 from ..problems import FwdPlan, FwdProblem
 from ..tuning import NO_TUNING, Tuning
 from . import config
 
 NAME = "sm90"
-HEAD_DIMS = (64, 96, 128, 192, 256)
+# Tiles of every pair of constants.HEAD_DIM_TILES; other head dims (multiples of 8 up to
+# 256) run on the next tile, padded inside the kernel (TMA fills the columns past them with
+# zeros, predicated row gathers and stores skip them).
+HEAD_DIM_PAIRS = None
 # One CTA per SM (the prefill tiles take most of the 227 KB of shared memory and the
 # register file; 16-bit decode tiles: config.decode_two_ctas); a last wave 95% full, as for SM80.
 _CTAS_PER_SM = 1
@@ -46,26 +50,25 @@ def runs_on(capability: tuple) -> bool:
 
 
 def check(problem: FwdProblem) -> Optional[str]:
-    for what, d in (("q/k", problem.d), ("v", problem.d_v)):
-        if d not in HEAD_DIMS:
-            return f"{what} head dimension {d} is not one of {HEAD_DIMS}"
-    if problem.qkv_fp8 and problem.page_size % 64:
-        return (f"FP8 attention over a paged cache needs page_size a multiple of 64 (one TMA per block; "
-                f"row gathers of FP8 Q, K and V are not implemented), got {problem.page_size}")
-    return config.unsupported_reason(problem.d, problem.d_v) or feature_refusal(problem, FEATURES)
+    reason = head_dim_refusal(problem, HEAD_DIM_PAIRS)
+    if reason is not None:
+        return reason
+    return config.unsupported_reason(*tile_head_dims(problem, HEAD_DIM_PAIRS)) or feature_refusal(problem, FEATURES)
 
 
 def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms: Optional[int],
          tuning: Tuning = NO_TUNING, arch: Optional[str] = None) -> FwdPlan:
-    """Tile from the SM90 tile table (``tuning.sm90_tile`` overrides), GQA packing (None =
+    """Tile from the SM90 tile table for the padded head dims (``tile_head_dims``;
+    ``tuning.sm90_tile`` overrides), GQA packing (None =
     FA3's rule on a 128-row tile), KV splits (0 = the wave-efficiency heuristic with this
     kernel's tile and one CTA per SM; batch invariant: fixed keys per split, ``num_splits``
     ignored), row gathers for paged caches, persistence."""
     pack_gqa, rows = plan_rows(problem, pack_gqa)
+    d, d_v = tile_head_dims(problem, HEAD_DIM_PAIRS)  # the kernel's tile widths (padded head dims)
     sixteen_bit = not problem.kv_fp8 and not problem.qkv_fp8
     # Plain 16-bit attention: no mask, no softcap, no user variant (``select_tile``).
     plain = sixteen_bit and not (problem.causal or problem.local or problem.softcap or problem.variant is not None)
-    tile = config.select_tile(problem.d, problem.d_v, rows, causal=problem.causal, local=problem.local,
+    tile = config.select_tile(d, d_v, rows, causal=problem.causal, local=problem.local,
                               page_size=problem.page_size or None, override=tuning.sm90_tile,
                               batch_invariant=problem.batch_invariant, plain=plain)
     ctas_per_sm = _CTAS_PER_SM
@@ -73,23 +76,23 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     # for one (H200 b1 x 131072 h32/8 d128: 16 splits 139.1 us, 32 splits, two a SM, 142.4).
     split_ctas = None
     if sixteen_bit and rows <= 64 and not problem.batch_invariant and not tuning.sm90_tile:
-        tile, ctas_per_sm = config.decode_two_ctas(problem.d, problem.d_v, tile)
+        tile, ctas_per_sm = config.decode_two_ctas(d, d_v, tile)
         split_ctas = 1
     if problem.kv_fp8:
         decode = rows <= 64 and not problem.batch_invariant and not tuning.sm90_tile
-        tile = config.fp8_tile(problem.d, problem.d_v, tile, tile[2] if tuning.sm90_tile else 4, decode)
+        tile = config.fp8_tile(d, d_v, tile, tile[2] if tuning.sm90_tile else 4, decode)
         # Two CTAs per SM where measured: decode tiles, and tuning sweeps.
         if decode or tuning.sm90_tile:
-            ctas_per_sm = config.fp8_ctas_per_sm(problem.d, problem.d_v, tile)
+            ctas_per_sm = config.fp8_ctas_per_sm(d, d_v, tile)
     ctas_per_sm = config.override_ctas(tuning.sm90_tile) or ctas_per_sm
     if problem.qkv_fp8:
-        tile = config.fp8_qkv_tile(problem.d, problem.d_v, tile, problem.page_size, problem.causal or problem.local,
+        tile = config.fp8_qkv_tile(d, d_v, tile, problem.page_size, problem.causal or problem.local,
                                    measured=not tuning.sm90_tile and not problem.batch_invariant)
     num_splits, split_blocks = plan_splits(problem, num_splits, num_sms, head_groups(problem, pack_gqa), rows,
                                            tile_m=tile[0], tile_n=tile[1], ctas_per_sm=split_ctas or ctas_per_sm,
                                            tolerance=_SPLIT_TOLERANCE)
     gather_kv = config.gathers_kv(tile[1], problem.page_size)
-    fits = config.persistent_fits(problem.d, problem.d_v, tile, problem.qhead_per_kvhead if pack_gqa else 1,
+    fits = config.persistent_fits(d, d_v, tile, problem.qhead_per_kvhead if pack_gqa else 1,
                                   problem.varlen_q, num_splits > 1 or split_blocks > 0, gather_kv,
                                   problem.has_seqused_q)
     fits = fits and not problem.kv_fp8 and not problem.qkv_fp8  # persistent_fits counts 16-bit stages

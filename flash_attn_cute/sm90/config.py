@@ -133,8 +133,9 @@ def fp8_qkv_smem_bytes(d: int, dv: int, tile_m: int, tile_n: int, stages: int) -
 def fp8_qkv_tile(d: int, dv: int, tile: tuple, page_size: int = 0, causal: bool = False,
                  measured: bool = True) -> tuple:
     """The tile of FP8 Q, K and V from the 16-bit one: tile_n a multiple of 32 (an 8-bit
-    wgmma's k-block, the unit of the V transposes) that divides a page (``page_size``, a
-    multiple of 64: one TMA per block) and fits two stages, and the stages that fit.
+    wgmma's k-block, the unit of the V transposes) that divides a page of a multiple of 64
+    keys (one TMA per block; other pages are gathered) and fits two stages, and the stages
+    that fit.
 
     ``measured`` (no tuning override, a prefill tile): the tile measured best instead of
     the 16-bit one. H200, b4 s8192, TFLOP/s non-causal / causal (``bench_tiles.py
@@ -152,7 +153,15 @@ def fp8_qkv_tile(d: int, dv: int, tile: tuple, page_size: int = 0, causal: bool 
             m, n = 192, 96
         elif dmax > 192:
             n = 96
-    fits = lambda t: (not page_size or page_size % t == 0) and fp8_qkv_smem_bytes(d, dv, m, t, 2) <= SMEM_LIMIT
+    # A page of a multiple of 64 keys holds whole blocks (one TMA each); other pages (1, 16,
+    # ...) are gathered row by row (``gathers_kv``) by producer warp 0 alone (warps 1-3
+    # transpose V), which needs the registers of a one-consumer-warpgroup tile: tile_m 64.
+    # sm_90a SASS, pages of 16, causal prefill, local-memory accesses: d 128 (128, 128) 316,
+    # (128, 96) 265, (64, 128) 0; d 64 (128, 128) 277; d 256 (128, 96) 225, (64, 96) 0.
+    tma_pages = page_size and page_size % 64 == 0
+    if page_size and not tma_pages:
+        m = 64
+    fits = lambda t: (not tma_pages or page_size % t == 0) and fp8_qkv_smem_bytes(d, dv, m, t, 2) <= SMEM_LIMIT
     n = next(t for t in range(n - n % 32, 31, -32) if fits(t))
     while stages > 2 and fp8_qkv_smem_bytes(d, dv, m, n, stages) > SMEM_LIMIT:
         stages -= 1
@@ -215,6 +224,12 @@ class WarpRoles(WarpgroupRoles):
     consumer_regs: int
     gather_kv: bool  # every producer warp gathers KV rows by cp.async (else warp 0 issues TMA)
     transpose_v: bool = False  # FP8 Q, K, V: producer warps 1-3 transpose V blocks for the P V wgmma
+
+    @property
+    def gather_threads(self) -> int:
+        """Threads that gather KV rows (``gather_kv``): the producer warpgroup, or warp 0
+        alone where warps 1-3 transpose V (FP8 Q, K, V)."""
+        return 32 if self.transpose_v else self.producer_threads
 
     @property
     def transposer_warps(self) -> int:

@@ -75,6 +75,7 @@ class FlashAttnFwdSm90:
                  q_class: int = 0, ctas_per_sm: int = 1):
         set_fwd_config(self, dtype, head_dim, head_dim_v, variant, qhead_per_kvhead_packed, is_split, split_blocks,
                        q_class)
+        head_dim, head_dim_v = self.head_dim, self.head_dim_v  # the tile's widths (padded head dims)
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.num_stages = num_stages
@@ -270,23 +271,23 @@ class FlashAttnFwdSm90:
             barrier_storage=storage.mbar_Q.data_ptr(), num_stages=1, producer_group=tma_warp,
             consumer_group=consumer_warps, tx_count=tx_bytes[0], defer_sync=True,
         )
+        # fp8_qkv: V's stages are read by the transposes (one arrive per transposing warp),
+        # the consumers read the V^T stages (``pipeline_vt``).
+        v_readers = consumer_warps
+        if cutlass.const_expr(self.fp8_qkv):
+            v_readers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.roles.transposer_warps)
         if cutlass.const_expr(self.gather_kv):
-            # Full: one cp.async arrive per producer thread, once its copies landed. Empty:
-            # one arrive per consumer warp (``wgmma_utils.kv_release``), as for TMA.
-            gatherers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.roles.producer_threads)
+            # Full: one cp.async arrive per gathering thread, once its copies landed. Empty:
+            # one arrive per reading warp (``wgmma_utils.kv_release``), as for TMA.
+            gatherers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.roles.gather_threads)
             pipeline_k, pipeline_v = (
                 pipeline.PipelineCpAsync.create(
                     barrier_storage=mbar.data_ptr(), num_stages=self.num_stages, producer_group=gatherers,
-                    consumer_group=consumer_warps, defer_sync=True,
+                    consumer_group=readers, defer_sync=True,
                 )
-                for mbar in (storage.mbar_K, storage.mbar_V)
+                for mbar, readers in ((storage.mbar_K, consumer_warps), (storage.mbar_V, v_readers))
             )
         else:
-            # fp8_qkv: V's TMA stages are read by the transposes (one arrive per transposing
-            # warp), the consumers read the V^T stages (``pipeline_vt``).
-            v_readers = consumer_warps
-            if cutlass.const_expr(self.fp8_qkv):
-                v_readers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.roles.transposer_warps)
             pipeline_k, pipeline_v = (
                 pipeline.PipelineTmaAsync.create(
                     barrier_storage=mbar.data_ptr(), num_stages=self.num_stages, producer_group=tma_warp,
@@ -329,7 +330,7 @@ class FlashAttnFwdSm90:
 
         if warp_idx < len(self.roles.producer_warps):
             cute.arch.setmaxregister_decrease(self.roles.producer_regs)
-            if warp_idx == 0 or cutlass.const_expr(self.gather_kv):
+            if warp_idx == 0 or cutlass.const_expr(self.gather_kv and not self.fp8_qkv):
                 self.load(args, io, sched, block_info, warp_idx, tidx)
             if cutlass.const_expr(self.fp8_qkv):
                 if warp_idx > 0:
@@ -477,29 +478,33 @@ class FlashAttnFwdSm90:
         cute.copy(tma_atom, src, tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
 
     def kv_gatherers(self, args: FwdArgs, io: "_Io", tile: FwdTile, tidx):
-        """(load_k, load_v) for ``gather_kv``: each producer thread copies its 16-byte chunks
-        of the block's rows, each row through its own page lookup (``page_and_row``)."""
-        nthreads = self.roles.producer_threads
+        """(load_k, load_v) for ``gather_kv``: each gathering thread (the producer warpgroup;
+        fp8 Q, K, V: warp 0, the other three transpose) copies its 16-byte chunks of the
+        block's rows, each row through its own page lookup (``page_and_row``)."""
+        nthreads = self.roles.gather_threads
 
-        def loader(mX, sX, cols, pipe):
+        def loader(mX, sX, cols, cols_valid, pipe):
             tiled_copy = gmem_tiled_copy(args.mK.element_type, cols, nthreads)
             thr_copy = tiled_copy.get_slice(tidx)
             tXsX = thr_copy.partition_D(sX)
             tXcX = thr_copy.partition_S(cute.make_identity_tensor((self.tile_n, cols)))
             mX_h = mX[None, None, tile.head_kv, None]  # (num_pages, page_size, cols)
             return lambda n_block, st: self.gather_kv_block(tiled_copy, tXsX, tXcX, mX_h, args.mPageTable,
-                                                            tile.ctx.batch, pipe, n_block, st, tile.seqlen.seqlen_k)
+                                                            tile.ctx.batch, pipe, n_block, st, tile.seqlen.seqlen_k,
+                                                            cols_valid)
 
-        return loader(io.tma_K, io.sK, self.head_dim, io.pipeline_k), loader(io.tma_V, io.sV, self.head_dim_v,
-                                                                             io.pipeline_v)
+        return (loader(io.tma_K, io.sK, self.head_dim, self.head_dim_valid, io.pipeline_k),
+                loader(io.tma_V, io.sV, self.head_dim_v, self.head_dim_v_valid, io.pipeline_v))
 
     @cute.jit
-    def gather_kv_block(self, tiled_copy, tXsX, tXcX, mX_h, mPageTable, batch, pipe, n_block, state, seqlen_k):
+    def gather_kv_block(self, tiled_copy, tXsX, tXcX, mX_h, mPageTable, batch, pipe, n_block, state, seqlen_k,
+                        cols_valid: cutlass.Constexpr = None):
         """cp.async of this thread's chunks of block n_block, then a cp.async arrive on the
         stage's full barrier (it fires when they land). The page lookups of a group of rows
         are issued before its first copy (``paged_kv.page_lookups``). Rows past the
         sequence end are not read: their scores are masked, and the consumers zero the V
-        tail (``zero_v_tail``)."""
+        tail (``zero_v_tail``). ``cols_valid``: a padded head dim's columns (the rest
+        zero-filled)."""
         page_size, num_pages = mX_h.shape[1], mX_h.shape[0]
         tXsX_s = tXsX[None, None, None, state.index]
         rows = cute.size(tXsX_s, mode=[1])
@@ -516,7 +521,8 @@ class FlashAttnFwdSm90:
             for i in cutlass.range_constexpr(count):
                 m = g * group + i
                 if t0 + tXcX[0, m, 0][0] <= last:
-                    copy_row(tiled_copy, tXsX_s[None, m, None], tXcX[None, m, None], mX_h[tPrPage[i], tPrRow[i], None])
+                    copy_row(tiled_copy, tXsX_s[None, m, None], tXcX[None, m, None], mX_h[tPrPage[i], tPrRow[i], None],
+                             cols_valid)
         pipe.producer_commit(state)
 
     @cute.jit
@@ -548,7 +554,7 @@ class FlashAttnFwdSm90:
                 cute.arch.fence_view_async_shared()
                 io.pipeline_vt.producer_commit(state_t)
                 cute.arch.sync_warp()
-                io.pipeline_v.consumer_release(state)
+                kv_release(io.pipeline_v, state, self.gather_kv)
                 state.advance()
                 state_t.advance()
         return state, state_t
@@ -845,7 +851,8 @@ class FlashAttnFwdSm90:
         tQsQ = thr_copy.partition_D(io.sQ)
         tQcQ = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.head_dim)))
         row0 = tile.m_block * self.tile_m
-        copy_rows(io.gmem_copy_Q, tQsQ, tQcQ, lambda row, m: q_rows[row0 + row, None], tile.rows_valid)
+        copy_rows(io.gmem_copy_Q, tQsQ, tQcQ, lambda row, m: q_rows[row0 + row, None], tile.rows_valid,
+                  self.head_dim_valid)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_view_async_shared()
@@ -867,7 +874,7 @@ class FlashAttnFwdSm90:
             self.store_o_tma(acc_O, io, tiled_mma_pv, cidx, tile)
         else:
             store_o(acc_O, self.out_dtype, tOcO_mn, tile.out_rows(io.tma_O, packed, self.is_split, args.varlen_q),
-                    row0, tile.rows_valid, pairs_copied=True)
+                    row0, tile.rows_valid, pairs_copied=True, cols_valid=self.head_dim_v_valid)
         if cutlass.const_expr(args.mLSE is not None):
             store_lse(lse, tOcO_mn, tile.lse_rows(args.mLSE, packed, self.is_split, args.varlen_q), row0,
                       tile.rows_valid)
