@@ -357,3 +357,15 @@ def test_mla_flashmla_layout_views(backend, nheads, nheads_kv, page_size, seqlen
     copies = tuple(t.contiguous() for t in views)
     assert torch.equal(out, flash_attn_cute.flash_mla_decode(*copies, lens, table, causal=seqlen_q > 1,
                                                              backend=backend))
+
+
+@pytest.mark.parametrize("nheads_kv", [1, 2])
+def test_mla_fp8_flashmla_layout_views(backend, nheads_kv):
+    # One 576-wide e4m3 cache (num_pages, page_size, h_kv, 576) read as its two views.
+    inputs, descale = fp8_inputs(SEQLENS_HEADS, 16, 64, seqlen_q=2, seed=80, nheads_kv=nheads_kv)
+    q_nope, q_pe, ckv8, kpe8, lens, table = inputs
+    k_cache = torch.cat([ckv8.view(torch.uint8), kpe8.view(torch.uint8)], -1).view(ckv8.dtype)
+    views = (k_cache[..., :512], k_cache[..., 512:])
+    assert views[1].data_ptr() == k_cache.data_ptr() + 512
+    run_and_check_fp8(backend, (q_nope, q_pe, *views, lens, table), descale, causal=True, num_splits=0,
+                      return_lse=True)
