@@ -286,8 +286,10 @@ class MlaDecodeSm90:
         """Tiles n_block_max - 1 down to n_block_min (the first visited is the only one the
         sequence end can cut), one stage each, gathered row by row."""
         r = self.roles
-        # A KV-head mode: this CTA's head of the caches, taken after the role split (live
-        # across setmaxnreg, the head's cache pointers made the prologue spill 3 values).
+        # A KV-head mode: this CTA's head of the caches, taken inside each role so that its
+        # pointers are not live across setmaxnreg (taken before the split, the causal
+        # even-split 4/hkv key kept 9 local-memory instructions in its prologue, against the
+        # 8 of the 3-D key it matches here; the other keys tried keep none either way).
         args = args.for_kv_head(tile.head_kv)
         gather = MlaGather.create(smem.sC, smem.sKp, self.dtype, r.producer_threads, tidx)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, r.stages)
