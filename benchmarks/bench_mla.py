@@ -14,7 +14,11 @@ runs each row on the same tensors, planned once, timed the same way; where it do
 import, its columns stay empty (on the GPU machine: ``../shared/gpu/README.md``).
 
     python benchmarks/bench_mla.py [--backends sm80] [--dtype bf16] [--rows 0,5] [--fp8]
-                                   [--peers fa3,fa2 | --no-peers] [--csv out.csv] [--no-md]
+                                   [--heads 8,16] [--peers fa3,fa2 | --no-peers] [--csv out.csv] [--no-md]
+
+``--heads`` runs each picked row at these head counts instead of its own: a count the
+kernels pad (8, 24, 100: the last 64-row tile partly empty) beside the next multiple of
+16 it costs the same as (the same tiles, bytes and splits; ``mla_kernel`` docstring).
 
 ``--fp8`` adds, after each 16-bit row, the same row over an FP8 (e4m3) latent cache (one
 ``kv_descale`` for ckv and kpe), timed in the same run: its TB/s counts the cache at one
@@ -56,6 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--rows", default="all", help="indices into the table (comma list)")
     p.add_argument("--fp8", action="store_true", help="also an FP8 (e4m3) cache row after each row")
+    p.add_argument("--heads", default=None, help="head counts (comma list) to run each row at, instead of its own")
     p.add_argument("--peers", default=",".join(PEERS), help="FlashInfer backends to run (comma list)")
     p.add_argument("--no-peers", action="store_true", help="do not run FlashInfer")
     p.add_argument("--no-md", action="store_true")
@@ -209,6 +214,8 @@ def main(argv=None):
         if args.backends == "all" else args.backends.split(",")
     dtype = common.parse_dtype(args.dtype)
     picked = ROWS if args.rows == "all" else [ROWS[int(i)] for i in args.rows.split(",")]
+    if args.heads:
+        picked = [(b, s, p, int(h)) for b, s, p, _ in picked for h in args.heads.split(",")]
     rows = []
     for batch, seqlen, page, heads in picked:
         inputs = make_inputs(batch, seqlen, page, heads, dtype)

@@ -34,7 +34,8 @@ optional, and a field given as a list expands to one description per combination
                       (flash_attn_varlen_func with cu_seqlens_q, seqused_k and, with
                       page_size, page_table: seqlen_q is its max_seqlen_q, and a step
                       mixing short and long rows builds both launches of its mixed
-                      plan) or flash_mla_decode (qhead_per_kvhead query heads, nheads_kv 1)
+                      plan) or flash_mla_decode (qhead_per_kvhead query heads per KV head;
+                      nheads_kv 1 is one latent head, > 1 caches with a KV-head mode)
     dtype             "bf16" (default) | "fp16" | "e4m3" (FP8 attention: q, k, v in e4m3 with
                       their descales, bf16 out; Hopper, not with api mla or kv_fp8)
     d, d_v            head dims of q/k and v (default 128; d_v defaults to d)
@@ -77,7 +78,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple, Optional
 
-from .constants import MLA_NHEADS
+from .constants import MLA_MAX_NHEADS, MLA_NHEADS
 from .keys import arch_capability
 
 __all__ = ["PRESETS", "AotEntry", "load_descriptions", "expand", "entries_for", "build", "read_manifest", "main"]
@@ -195,8 +196,8 @@ def _validate(one: dict) -> None:
     need(one["dtype"] != "e4m3" or (one["api"] != "mla" and not one["kv_fp8"]),
          "dtype e4m3 (FP8 attention) is not for api mla nor with kv_fp8 (an FP8 cache under 16-bit queries)")
     if one["api"] == "mla":
-        need(one["nheads_kv"] == 1, "api mla has one latent KV head: nheads_kv must be 1")
-        need(one["qhead_per_kvhead"] in MLA_NHEADS, f"api mla: qhead_per_kvhead (the query heads) in {MLA_NHEADS}")
+        need(one["nheads_kv"] * one["qhead_per_kvhead"] in MLA_NHEADS,
+             f"api mla: nheads_kv * qhead_per_kvhead (the query heads) in 1..{MLA_MAX_NHEADS}")
         need(not (one["learnable_sink"] or one["seqused_q"]), "api mla has no learnable_sink or seqused_q")
     need(is_int(one["num_splits"]) and one["num_splits"] >= 0, "num_splits must be an int >= 0")
     need(one["num_sms"] is None or (is_int(one["num_sms"]) and one["num_sms"] >= 1), "num_sms must be >= 1")
@@ -214,7 +215,8 @@ def problem_of(one: dict):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn}[one["dtype"]]
     if one["api"] == "mla":
         return MlaProblem(dtype=dtype, batch=one["batch"], max_seqlen_q=one["seqlen_q"], max_seqlen_k=one["seqlen_k"],
-                          nheads=one["qhead_per_kvhead"], page_size=max(1, one["page_size"]),
+                          nheads=one["nheads_kv"] * one["qhead_per_kvhead"], nheads_kv=one["nheads_kv"],
+                          page_size=max(1, one["page_size"]),
                           softmax_scale=576 ** -0.5, causal=one["causal"], has_lse=one["has_lse"],
                           batch_invariant=one["batch_invariant"],
                           kv_dtype=torch.float8_e4m3fn if one["kv_fp8"] else None)

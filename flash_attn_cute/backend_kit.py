@@ -9,8 +9,8 @@ import importlib
 from typing import Callable, Optional
 
 from . import heuristics, jit_cache
-from .constants import KEYS_PER_SPLIT, MAX_SPLITS, MLA_NHEADS, padded_head_dims
-from .keys import dtype_key, make_key, mla_key, target_arch
+from .constants import KEYS_PER_SPLIT, MAX_SPLITS, MLA_MAX_NHEADS, padded_head_dims
+from .keys import dtype_key, make_key, mla_heads_key, mla_key, target_arch
 from .problems import FwdPlan, FwdProblem, MlaProblem
 
 # A user variant's kernel tensors when there is none: the aux slots and the block ranges
@@ -54,10 +54,13 @@ def head_dim_refusal(problem: FwdProblem, pairs=None) -> Optional[str]:
 
 
 def mla_refusal(problem: MlaProblem, supported: frozenset) -> Optional[str]:
-    """An MLA backend's ``check``: the query heads its kernels pack, and the features it
-    implements (``supported``, names of ``MLA_FEATURES``)."""
-    if problem.nheads not in MLA_NHEADS:
-        return f"nheads {problem.nheads} is not one of {MLA_NHEADS}"
+    """An MLA backend's ``check``: the query heads its kernels pack (1 to ``MLA_MAX_NHEADS``,
+    a multiple of the KV heads), and the features it implements (``supported``, names of
+    ``MLA_FEATURES``)."""
+    if not 1 <= problem.nheads <= MLA_MAX_NHEADS:
+        return f"nheads {problem.nheads} is outside 1..{MLA_MAX_NHEADS}"
+    if problem.nheads_kv < 1 or problem.nheads % problem.nheads_kv:
+        return f"nheads {problem.nheads} is not a multiple of nheads_kv {problem.nheads_kv}"
     return feature_refusal(problem, supported, MLA_FEATURES)
 
 
@@ -174,10 +177,11 @@ def mla_entry_points(name: str, kernel_module: str, compile_fn: str, key_config:
     ``key_config(plan.config)`` (its fields but ``split_blocks``, a common one); the launcher
     binds softmax_scale, num_splits, max_seqlen_q and batch after ``launch(q_nope, q_pe, ckv,
     kpe, out, lse, cache_seqlens, page_table, kv_descale)`` (kv_descale: fp32 ``(batch,)``
-    for an FP8 cache, else None)."""
+    for an FP8 cache, ``(batch, nheads_kv)`` with a KV-head mode, else None)."""
 
     def key(problem: MlaProblem, plan: FwdPlan, arch: str) -> tuple:
-        return mla_key(name, arch, dtype_key(problem.dtype, problem.kv_dtype), problem.nheads, problem.causal,
+        return mla_key(name, arch, dtype_key(problem.dtype, problem.kv_dtype),
+                       mla_heads_key(problem.qhead_per_kvhead, problem.kv_heads), problem.causal,
                        plan.is_split, problem.has_lse or plan.is_split, plan.config.split_blocks,
                        key_config(plan.config))
 

@@ -36,4 +36,9 @@ def padded_head_dims(d: int, d_v: int, pairs=None):
 # MLA (DeepSeek V2/V3): every query head attends to one latent cache row of D_CKV values
 # (both K and V) plus D_KPE rotary values (K only).
 D_CKV, D_KPE = 512, 64
-MLA_NHEADS = (16, 32, 64, 128)  # query heads the MLA kernels pack into their M tile
+# Query heads of an MLA call: any count from 1 to MLA_MAX_NHEADS (FlashMLA's range, DeepSeek's
+# 128 at one GPU down to 8 or 4 a GPU under tensor parallelism 16 or 32). The kernels pack a
+# KV head's query heads x query positions into 64-row tiles and predicate the last tile, so a
+# count costs what the next multiple of 64 rows does.
+MLA_MAX_NHEADS = 128
+MLA_NHEADS = range(1, MLA_MAX_NHEADS + 1)

@@ -103,33 +103,43 @@ def compile_fwd(kernel, dtype, d: int, dv: int, arch: str, *, is_split: bool, ha
     return cute.compile(kernel, *tensors, *scalars, fake_stream(), options=compile_options(arch))
 
 
-def fake_mla_tensors(dtype, nheads: int, *, is_split: bool, has_lse: bool, kv_dtype=None) -> tuple:
+def fake_mla_tensors(dtype, nheads: int, *, is_split: bool, has_lse: bool, kv_dtype=None,
+                     kv_heads: bool = False) -> tuple:
     """The MLA kernels' tensor arguments as fake tensors, in their order (``mla_kernel.MlaArgs``):
     q_nope, q_pe, ckv, kpe, O, LSE (None when absent), cache lengths, page table, the
     cache's descale (``kv_dtype`` fp8: fp32 (batch,) of any stride, a broadcast scalar has
     stride 0; else None). Heads and head dims are static; a split kernel writes fp32
-    partials with a leading split mode and always an LSE."""
+    partials with a leading split mode and always an LSE. ``kv_heads``: caches with a
+    KV-head mode (num_pages, page_size, nheads_kv, d), ``nheads`` then the query heads per KV
+    head (the query head count, nheads_kv times it, symbolic like nheads_kv) and the descale
+    (batch, nheads_kv)."""
     kv_dtype = kv_dtype or dtype
     split_mode = (None,) if is_split else ()
     out_dtype = cutlass.Float32 if is_split else dtype
+    q_heads = None if kv_heads else nheads
+    cache = lambda d: fake_tensor(kv_dtype, 4, shape=(None, None, None, d)) if kv_heads else \
+        fake_tensor(kv_dtype, 3, shape=(None, None, d))
     return (
-        fake_tensor(dtype, 4, shape=(None, None, nheads, D_CKV)),
-        fake_tensor(dtype, 4, shape=(None, None, nheads, D_KPE)),
-        fake_tensor(kv_dtype, 3, shape=(None, None, D_CKV)),
-        fake_tensor(kv_dtype, 3, shape=(None, None, D_KPE)),
-        fake_tensor(out_dtype, len(split_mode) + 4, shape=split_mode + (None, None, nheads, D_CKV)),
+        fake_tensor(dtype, 4, shape=(None, None, q_heads, D_CKV)),
+        fake_tensor(dtype, 4, shape=(None, None, q_heads, D_KPE)),
+        cache(D_CKV),
+        cache(D_KPE),
+        fake_tensor(out_dtype, len(split_mode) + 4, shape=split_mode + (None, None, q_heads, D_CKV)),
         fake_tensor(cutlass.Float32, len(split_mode) + 3, align=4) if (has_lse or is_split) else None,
         fake_tensor(cutlass.Int32, 1, align=4),
         fake_tensor(cutlass.Int32, 2, align=4),
-        fake_tensor(cutlass.Float32, 1, align=4, contiguous_last=False) if kv_dtype.width == 8 else None,
+        fake_tensor(cutlass.Float32, 2 if kv_heads else 1, align=4, contiguous_last=False)
+        if kv_dtype.width == 8 else None,
     )
 
 
-def compile_mla(kernel, dtype, nheads: int, arch: str, *, is_split: bool, has_lse: bool, kv_dtype=None):
+def compile_mla(kernel, dtype, nheads: int, arch: str, *, is_split: bool, has_lse: bool, kv_dtype=None,
+                kv_heads: bool = False):
     """``cute.compile`` of an MLA kernel on its fake arguments: the tensors of
     ``fake_mla_tensors``, then softmax_scale, num_splits, max_seqlen_q, batch (runtime
     values; placeholders here), then the stream."""
-    tensors = fake_mla_tensors(dtype, nheads, is_split=is_split, has_lse=has_lse, kv_dtype=kv_dtype)
+    tensors = fake_mla_tensors(dtype, nheads, is_split=is_split, has_lse=has_lse, kv_dtype=kv_dtype,
+                               kv_heads=kv_heads)
     F32, I32 = cutlass.Float32, cutlass.Int32
     return cute.compile(kernel, *tensors, F32(1.0), I32(1), I32(1), I32(1), fake_stream(), options=compile_options(arch))
 

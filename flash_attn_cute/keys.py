@@ -8,8 +8,8 @@ backends build keys without loading the DSL; the kernel modules parse them.
 - Forward kernels: ``make_key`` / ``parse_key`` (``("fwd_<backend>", arch, dtype, d, d_v,
   *config fields, flags, qhead_per_kvhead_packed, is_split, has_lse, varlen_q, varlen_k,
   has_seqused_k, paged, has_seqused_q, has_sink, split_blocks, q_class, *backend extra)``).
-- MLA kernels: ``mla_key`` / ``parse_mla_key`` (``("mla_<backend>", arch, dtype, nheads,
-  causal, is_split, has_lse, split_blocks, *config)``).
+- MLA kernels: ``mla_key`` / ``parse_mla_key`` (``("mla_<backend>", arch, dtype, heads,
+  causal, is_split, has_lse, split_blocks, *config)``; ``heads``: ``mla_heads_key``).
 - The split-KV combine: ``combine_key``.
 
 ``split_blocks`` > 0 is a batch-invariant split kernel: split s covers the absolute KV
@@ -112,18 +112,39 @@ def parse_key(key: tuple, tile_len: int) -> KeyFields:
                      tuple(key[rest + _COMMON_FIELDS:]))
 
 
-def mla_key(name: str, arch: str, dtype_name: str, nheads: int, causal: bool, is_split: bool, has_lse: bool,
+def mla_heads_key(qhead_per_kvhead: int, kv_heads: bool = False):
+    """An MLA key's heads field: the query heads packed per KV head, an int for caches of one
+    latent head (``(num_pages, page_size, d)``: the int is nheads, as in every key before KV
+    heads existed), ``"<g>/hkv"`` for caches with a KV-head mode (``(num_pages, page_size,
+    nheads_kv, d)``, nheads_kv > 1, a runtime value like the batch). Like ``dtype_key``'s
+    ``"bf16/e4m3"``: the new form leaves the existing keys as they were."""
+    return f"{int(qhead_per_kvhead)}/hkv" if kv_heads else int(qhead_per_kvhead)
+
+
+def parse_mla_heads(field) -> tuple:
+    """``mla_heads_key``'s inverse: (query heads per KV head, whether the caches have a KV-head mode)."""
+    if isinstance(field, str):
+        g, _, mode = field.partition("/")
+        assert mode == "hkv", field
+        return int(g), True
+    return int(field), False
+
+
+def mla_key(name: str, arch: str, dtype_name: str, heads, causal: bool, is_split: bool, has_lse: bool,
             split_blocks: int, config: tuple) -> tuple:
-    """An MLA compile key: ``("mla_<name>", arch, dtype, nheads, causal, is_split, has_lse,
-    split_blocks, *config)``, ``config`` in the backend's key form."""
-    return (f"mla_{name}", arch, dtype_name, int(nheads), bool(causal), bool(is_split), bool(has_lse),
+    """An MLA compile key: ``("mla_<name>", arch, dtype, heads, causal, is_split, has_lse,
+    split_blocks, *config)``, ``heads`` a ``mla_heads_key`` (or an int: nheads over one
+    latent head), ``config`` in the backend's key form."""
+    heads = mla_heads_key(*parse_mla_heads(heads))
+    return (f"mla_{name}", arch, dtype_name, heads, bool(causal), bool(is_split), bool(has_lse),
             int(split_blocks), *config)
 
 
 class MlaKeyFields(NamedTuple):
     arch: str
     dtype_name: str
-    nheads: int
+    qhead_per_kvhead: int  # query heads packed per KV head (nheads, with one latent head)
+    kv_heads: bool  # the caches have a KV-head mode (nheads_kv > 1)
     causal: bool
     is_split: bool
     has_lse: bool
@@ -133,7 +154,7 @@ class MlaKeyFields(NamedTuple):
 
 def parse_mla_key(key: tuple) -> MlaKeyFields:
     """``mla_key``'s inverse."""
-    return MlaKeyFields(*key[1:8], tuple(key[8:]))
+    return MlaKeyFields(key[1], key[2], *parse_mla_heads(key[3]), *key[4:8], tuple(key[8:]))
 
 
 def combine_key(out_dtype_name: str, head_dim_v: int, has_lse: bool, arch: str, has_sink: bool = False) -> tuple:

@@ -1,8 +1,11 @@
 """Multi-head latent attention (DeepSeek V2/V3 style) decode over a paged latent cache.
 
 Every query head attends to one shared cache of 512 ``ckv`` plus 64 rotary ``kpe`` values
-per token: scores ``(q_nope . ckv + q_pe . kpe) * softmax_scale``, output
-``softmax(scores) . ckv``. The public entry point is ``flash_mla_decode``: it validates the
+per token (with a KV-head mode, FlashMLA's ``h_kv``: its group's KV head of the cache):
+scores ``(q_nope . ckv + q_pe . kpe) * softmax_scale``, output ``softmax(scores) . ckv``.
+Any head count from 1 to 128: the kernels pack a KV head's query heads x query positions
+into 64-row tiles and predicate the partial last one (``mla_kernel``), so q and out are
+never padded or copied. The public entry point is ``flash_mla_decode``: it validates the
 call (``checks``), describes it as an ``MlaProblem`` and runs it through the seam every
 kernel family shares (``fwd.py``: the ``"mla"`` kind, backends in ``fwd.MLA_BACKENDS``),
 with the per-call cache of the forward entry points (``call_cache``). Split-KV partials
@@ -19,11 +22,11 @@ from typing import Optional
 import torch
 
 from . import call_cache, checks, fwd, tuning
-from .constants import D_CKV, D_KPE, MAX_SPLITS, MLA_NHEADS
+from .constants import D_CKV, D_KPE, MAX_SPLITS, MLA_MAX_NHEADS, MLA_NHEADS
 from .fwd import MLA_BACKENDS
 from .problems import MlaProblem
 
-__all__ = ["flash_mla_decode", "MlaProblem", "MLA_BACKENDS", "MLA_NHEADS", "D_CKV", "D_KPE"]
+__all__ = ["flash_mla_decode", "MlaProblem", "MLA_BACKENDS", "MLA_NHEADS", "MLA_MAX_NHEADS", "D_CKV", "D_KPE"]
 
 
 def _backend(backend) -> Optional[str]:
@@ -43,8 +46,15 @@ def _validate(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, sof
     q_form = "(batch, seqlen_q, nheads, {})"
     checks.check_tensor("q_nope", q_nope, 4, q_form.format(D_CKV))
     checks.check_tensor("q_pe", q_pe, 4, q_form.format(D_KPE))
-    checks.check_tensor("ckv_cache", ckv_cache, 3, f"(num_pages, page_size, {D_CKV})")
-    checks.check_tensor("kpe_cache", kpe_cache, 3, f"(num_pages, page_size, {D_KPE})")
+    cache_form = f"(num_pages, page_size, {D_CKV}) or (num_pages, page_size, nheads_kv, {D_CKV})"
+    checks.check_tensor("ckv_cache", ckv_cache, ckv_cache.dim() if isinstance(ckv_cache, torch.Tensor) else 3,
+                        cache_form)
+    if ckv_cache.dim() not in (3, 4):
+        raise ValueError(f"ckv_cache must have shape {cache_form} (rank 3, or 4 with FlashMLA's KV-head mode), "
+                         f"got shape {tuple(ckv_cache.shape)}")
+    kv_heads = ckv_cache.dim() == 4
+    checks.check_tensor("kpe_cache", kpe_cache, ckv_cache.dim(),
+                        f"(num_pages, page_size{', nheads_kv' if kv_heads else ''}, {D_KPE}) like ckv_cache")
     checks.check_tensor("page_table", page_table, 2, "(batch, max_pages_per_seq)")
     batch, seqlen_q, nheads, d = q_nope.shape
     for name, t, want in (("q_nope", q_nope, D_CKV), ("q_pe", q_pe, D_KPE), ("ckv_cache", ckv_cache, D_CKV),
@@ -54,11 +64,16 @@ def _validate(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, sof
     if tuple(q_pe.shape[:3]) != (batch, seqlen_q, nheads):
         raise ValueError(f"q_pe must have shape (batch, seqlen_q, nheads, 64) = {(batch, seqlen_q, nheads, D_KPE)} "
                          f"like q_nope, got {tuple(q_pe.shape)}")
-    if tuple(kpe_cache.shape[:2]) != tuple(ckv_cache.shape[:2]):
-        raise ValueError(f"kpe_cache (num_pages, page_size, 64) must have the pages of ckv_cache, got "
-                         f"{tuple(kpe_cache.shape)} and {tuple(ckv_cache.shape)}")
-    if nheads not in MLA_NHEADS:
-        raise ValueError(f"nheads (q_nope.shape[2]) must be one of {MLA_NHEADS}, got {nheads}")
+    if tuple(kpe_cache.shape[:-1]) != tuple(ckv_cache.shape[:-1]):
+        raise ValueError(f"kpe_cache (num_pages, page_size{', nheads_kv' if kv_heads else ''}, 64) must have the "
+                         f"pages{' and KV heads' if kv_heads else ''} of ckv_cache, got {tuple(kpe_cache.shape)} "
+                         f"and {tuple(ckv_cache.shape)}")
+    nheads_kv = ckv_cache.shape[2] if kv_heads else 1
+    if not 1 <= nheads <= MLA_MAX_NHEADS:
+        raise ValueError(f"nheads (q_nope.shape[2]) must be in 1..{MLA_MAX_NHEADS}, got {nheads}")
+    if nheads_kv < 1 or nheads % nheads_kv:
+        raise ValueError(f"nheads (q_nope.shape[2] = {nheads}) must be a multiple of nheads_kv "
+                         f"(ckv_cache.shape[2] = {nheads_kv}): each KV head serves nheads / nheads_kv query heads")
     if seqlen_q < 1:
         raise ValueError(f"seqlen_q (q_nope.shape[1]) must be >= 1, got {seqlen_q}")
     checks.page_table_arg(page_table, batch, ckv_cache.shape[1], "ckv_cache")
@@ -71,9 +86,9 @@ def _validate(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, sof
         for name, t in (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):
             checks.check_dtype(name, t, q_nope.dtype, f"{q_nope.dtype} like q_nope, or an FP8 dtype "
                                                       f"{checks.FP8_DTYPES} (both caches)")
-    checks.descale("kv_descale", kv_descale, ((batch,), (batch, 1)),
-                   f"one element or shape (batch,) = {(batch,)} (or (batch, 1), FA3's (batch, nheads_kv) for the "
-                   f"one latent head)")
+    checks.descale("kv_descale", kv_descale, ((batch,), (batch, 1), (batch, nheads_kv)),
+                   f"one element or shape (batch,) = {(batch,)}, (batch, 1) or FA3's (batch, nheads_kv) = "
+                   f"{(batch, nheads_kv)}")
     scale = checks.softmax_scale(softmax_scale, (D_CKV + D_KPE) ** -0.5)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
@@ -90,14 +105,28 @@ def _validate(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, sof
     return (*tensors, out, scale, num_splits, backend)
 
 
+def _kernel_caches(problem: MlaProblem, ckv_cache, kpe_cache) -> tuple:
+    """The caches as the kernels take them: 3-D for one latent head (FlashMLA's 4-D form with
+    nheads_kv 1 loses its KV-head mode, a view: the kernels of the 3-D form run it), else
+    as given."""
+    if problem.kv_heads or ckv_cache.dim() == 3:
+        return ckv_cache, kpe_cache
+    return ckv_cache[:, :, 0], kpe_cache[:, :, 0]
+
+
 def _kv_descale_view(problem: MlaProblem, kv_descale, device):
-    """The cache's descale as the kernels read it: fp32 ``(batch,)`` (a broadcast view of one
-    element; 1.0 when None) for an FP8 cache, else None (a 16-bit cache ignores it)."""
+    """The cache's descale as the kernels read it, for an FP8 cache: fp32 ``(batch,)`` for
+    one latent head, ``(batch, nheads_kv)`` with a KV-head mode (broadcast views of one
+    element, of ``(batch,)`` and of ``(batch, 1)``; 1.0 when None); else None (a 16-bit
+    cache ignores it)."""
     if not problem.kv_fp8:
         return None
-    if kv_descale is not None and kv_descale.numel() != 1:
+    if kv_descale is None or kv_descale.numel() == 1:
+        view = checks.descale_view(kv_descale, problem.batch, problem.nheads_kv, device)
+        return view if problem.kv_heads else view[:, 0]
+    if not problem.kv_heads:
         return kv_descale.reshape(problem.batch)  # (batch,) or (batch, 1)
-    return checks.descale_view(kv_descale, problem.batch, 1, device)[:, 0]
+    return kv_descale.reshape(problem.batch, -1).expand(problem.batch, problem.nheads_kv)
 
 
 def flash_mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, *, softmax_scale=None,
@@ -107,9 +136,14 @@ def flash_mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_tab
 
     q_nope ``(batch, seqlen_q, nheads, 512)``, q_pe ``(batch, seqlen_q, nheads, 64)``;
     ckv_cache ``(num_pages, page_size, 512)``, kpe_cache ``(num_pages, page_size, 64)``
-    (any ``page_size >= 1``); page_table ``(batch, max_pages_per_seq)`` int32;
-    cache_seqlens ``(batch,)`` int32. fp16 or bf16, last dims contiguous. ``nheads`` in
-    16, 32, 64, 128. Scores ``(q_nope . ckv + q_pe . kpe) * softmax_scale`` (default
+    (any ``page_size >= 1``), or with a KV-head mode (FlashMLA's ``h_kv``) ``(num_pages,
+    page_size, nheads_kv, 512)`` and ``(..., nheads_kv, 64)``: KV head ``j`` serves the query
+    heads ``[j * g, (j + 1) * g)``, ``g = nheads / nheads_kv``; page_table ``(batch,
+    max_pages_per_seq)`` int32; cache_seqlens ``(batch,)`` int32. fp16 or bf16, last dims
+    contiguous, other strides multiples of 16 bytes: FlashMLA's combined 576-wide q and
+    k_cache are taken as views (``q[..., :512]``, ``q[..., 512:]``, ``k_cache[..., :512]``,
+    ``k_cache[..., 512:]``), never copied. ``nheads`` any count from 1 to 128 (a multiple of
+    ``nheads_kv``). Scores ``(q_nope . ckv + q_pe . kpe) * softmax_scale`` (default
     ``576 ** -0.5``); ``causal`` masks bottom-right aligned (query ``i`` of ``seqlen_q``
     sees keys ``<= i + cache_seqlens[b] - seqlen_q``). Returns out ``(batch, seqlen_q,
     nheads, 512)`` in the input dtype, or ``(out, lse)`` with lse ``(batch, nheads,
@@ -120,7 +154,8 @@ def flash_mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_tab
 
     FP8 latent cache: ``ckv_cache`` and ``kpe_cache`` both ``float8_e4m3fn`` (or
     ``float8_e5m2``), the queries fp16/bf16, and ``kv_descale`` fp32 (one element, or
-    ``(batch,)`` / ``(batch, 1)``; default 1) the factor that turns the stored values of
+    ``(batch,)`` / ``(batch, 1)``, or FA3's ``(batch, nheads_kv)``; default 1) the factor
+    that turns the stored values of
     both caches back into real ones (one scale per token's 576 values, as vLLM stores an
     MLA cache; quantize with ``quantize_fp8(torch.cat([ckv, kpe], -1), granularity=
     "tensor")``). The kernels widen the cache to 16 bits in shared memory; scores and
@@ -137,7 +172,8 @@ def flash_mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_tab
         if out is None:
             out = q_nope.new_empty(hit.out_shape)
         lse = q_nope.new_empty(hit.lse_shape, dtype=torch.float32) if return_lse else None
-        fwd.run_resolved(hit.resolved, hit.problem, (q_nope, q_pe, ckv_cache, kpe_cache), out, lse,
+        fwd.run_resolved(hit.resolved, hit.problem, (q_nope, q_pe, *_kernel_caches(hit.problem, ckv_cache, kpe_cache)),
+                         out, lse,
                          (cache_seqlens, page_table, _kv_descale_view(hit.problem, kv_descale, q_nope.device)))
         return (out, lse) if return_lse else out
     inputs = (q_nope, q_pe, ckv_cache, kpe_cache, out)
@@ -160,9 +196,10 @@ def flash_mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_tab
     problem = MlaProblem(dtype=q_nope.dtype, batch=batch, max_seqlen_q=seqlen_q, max_seqlen_k=capacity, nheads=nheads,
                          page_size=ckv_cache.shape[1], softmax_scale=scale, causal=causal, has_lse=bool(return_lse),
                          batch_invariant=batch_invariant,
-                         kv_dtype=ckv_cache.dtype if ckv_cache.dtype in checks.FP8_DTYPES else None)
+                         kv_dtype=ckv_cache.dtype if ckv_cache.dtype in checks.FP8_DTYPES else None,
+                         nheads_kv=ckv_cache.shape[2] if ckv_cache.dim() == 4 else 1)
     resolved = fwd.resolve(problem, name, num_splits, None, q_nope.device, tuning.from_env())
-    fwd.run_resolved(resolved, problem, (q_nope, q_pe, ckv_cache, kpe_cache), out, lse,
+    fwd.run_resolved(resolved, problem, (q_nope, q_pe, *_kernel_caches(problem, ckv_cache, kpe_cache)), out, lse,
                      (cache_seqlens, page_table, _kv_descale_view(problem, kv_descale, q_nope.device)))
     call_cache.store(fast_key, call_cache.Entry(problem, resolved, out_shape, lse_shape))
     return (out, lse) if return_lse else out

@@ -10,10 +10,20 @@ value (into the ``@cute.kernel`` too). As for the forward kernels (``fwd_kernel.
 base class: the kernels share this entry point and helpers, never a mainloop.
 
 The work of a CTA (``MlaTile``): ``tile_m`` packed rows (query position x head, heads
-fastest: ``pack_gqa`` with one KV head) of one sequence [and one KV split], and the KV
+fastest: ``pack_gqa`` over one KV head) of one sequence [and one KV split], and the KV
 blocks it walks from the last to the first. The sequence length is clamped to the page
 table's capacity (``SeqlenInfo``), so a bad ``cache_seqlens`` never walks past the table;
 page ids are clamped where rows are gathered (``paged_kv.page_and_row``).
+
+Head counts. The rows of a KV head are its ``g`` query heads x the query positions, g any
+count (1 to 128; the key holds it, ``keys.mla_heads_key``): ``ceil(seqlen_q * g / tile_m)``
+tiles, the last one partial. Its rows past ``rows_valid`` are never stored (O and LSE
+stores are predicated), their Q rows are a copy of the last valid row (SM80) or zeros
+(SM90), so their scores are finite, and the causal limit is each row's own query position
+(``pack_gqa.query_of_row``): no host-side padding of q or out. Caches with a KV-head mode
+(FlashMLA's ``(num_pages, page_size, h_kv, d)``, h_kv > 1) put the KV heads on the grid's
+head mode; each CTA takes its head's 3-D slices of the caches and its descale column
+(``MlaArgs.for_kv_head``), so the gathers and the mainloops are those of one latent head.
 """
 
 from dataclasses import dataclass, fields, replace
@@ -41,29 +51,52 @@ class MlaArgs(NamedTuple):
 
     mQn: cute.Tensor  # q_nope (b, s_q, h, 512)
     mQp: cute.Tensor  # q_pe (b, s_q, h, 64)
-    mCkv: cute.Tensor  # latent cache (num_pages, page_size, 512): K's first 512 columns and V
-    mKpe: cute.Tensor  # rotary keys (num_pages, page_size, 64)
+    # latent cache (num_pages, page_size, 512): K's first 512 columns and V; with a KV-head
+    # mode (num_pages, page_size, h_kv, 512)
+    mCkv: cute.Tensor
+    mKpe: cute.Tensor  # rotary keys (num_pages, page_size[, h_kv], 64)
     mO: cute.Tensor  # (b, s_q, h, 512); split: (num_splits, ...) fp32
     mLSE: Optional[cute.Tensor]  # (b, h, s_q); split: (num_splits, ...)
     mSeqlens: cute.Tensor  # cache lengths (b,) int32
     mPageTable: cute.Tensor  # (b, max_pages) int32
-    mKvDescale: Optional[cute.Tensor]  # an FP8 cache: fp32 (b,), the stored values' factor; else None
+    # an FP8 cache: fp32 (b,) [(b, h_kv) with a KV-head mode], the stored values' factor; else None
+    mKvDescale: Optional[cute.Tensor]
     softmax_scale: Float32
     num_splits: Int32
     max_seqlen_q: Int32
     batch_size: Int32
 
-    def num_m_blocks(self, tile_m: int, nheads: int) -> Int32:
-        """M blocks of ``tile_m`` packed rows (query position x head) per sequence: the grid's x."""
-        return cute.ceil_div(self.max_seqlen_q * nheads, tile_m)
+    def num_m_blocks(self, tile_m: int, qhead_per_kvhead: int) -> Int32:
+        """M blocks of ``tile_m`` packed rows (query position x head of one KV head) per
+        sequence: the grid's x."""
+        return cute.ceil_div(self.max_seqlen_q * qhead_per_kvhead, tile_m)
+
+    @property
+    def kv_heads(self) -> bool:
+        """The caches have a KV-head mode (static: the tensors' rank)."""
+        return cute.rank(self.mCkv) == 4
+
+    def num_kv_heads(self):
+        """The grid's head mode: the caches' KV heads, 1 for one latent head."""
+        return self.mCkv.shape[2] if self.kv_heads else 1
+
+    def for_kv_head(self, head_kv) -> "MlaArgs":
+        """These arguments with the caches and the descale of KV head ``head_kv``: 3-D caches
+        (num_pages, page_size, d) and a (b,) descale, what the loads read; unchanged for
+        one latent head."""
+        if not self.kv_heads:
+            return self
+        descale = None if self.mKvDescale is None else self.mKvDescale[None, head_kv]
+        return self._replace(mCkv=self.mCkv[None, None, head_kv, None], mKpe=self.mKpe[None, None, head_kv, None],
+                             mKvDescale=descale)
 
 
-def set_mla_config(kernel, dtype, nheads: int, causal: bool, is_split: bool, split_blocks: int) -> None:
+def set_mla_config(kernel, dtype, qhead_per_kvhead: int, causal: bool, is_split: bool, split_blocks: int) -> None:
     """The static configuration both MLA kernel classes hold, set on ``kernel``
     (``split_blocks``: as the forward kernels', ``fwd_kernel.set_fwd_config``)."""
     kernel.dtype = dtype
     kernel.out_dtype = Float32 if is_split else dtype  # split partials are fp32
-    kernel.qhead_per_kvhead_packed = nheads  # every query head rides the one latent KV head
+    kernel.qhead_per_kvhead_packed = qhead_per_kvhead  # the query heads of a KV head ride its rows
     kernel.variant = make_variant(causal, False, False)
     kernel.is_split = is_split
     kernel.split_blocks = split_blocks
@@ -82,15 +115,16 @@ def mla_call(self, mQn: cute.Tensor, mQp: cute.Tensor, mCkv: cute.Tensor, mKpe: 
 
 def compile_mla_from_key(key: tuple, make_kernel: Callable):
     """Compiles an MLA kernel for a compile key (``keys.mla_key``) on fake tensors (no GPU
-    needed): ``make_kernel(dtype, nheads, causal, is_split, split_blocks, *config)`` builds
-    the kernel object, ``config`` being the key's backend fields. The dtype field is q's,
-    then ``/`` and the cache's for an FP8 cache (``keys.dtype_key``)."""
+    needed): ``make_kernel(dtype, qhead_per_kvhead, causal, is_split, split_blocks, *config)``
+    builds the kernel object, ``config`` being the key's backend fields. The dtype field is
+    q's, then ``/`` and the cache's for an FP8 cache (``keys.dtype_key``); the heads field
+    says whether the caches have a KV-head mode (``keys.mla_heads_key``)."""
     f = parse_mla_key(key)
     q_name, _, kv_name = f.dtype_name.partition("/")
     dtype = CUTE_DTYPE_BY_NAME[q_name]
-    kernel = make_kernel(dtype, f.nheads, f.causal, f.is_split, f.split_blocks, *f.config)
-    return compile_mla(kernel, dtype, f.nheads, f.arch, is_split=f.is_split, has_lse=f.has_lse,
-                       kv_dtype=CUTE_DTYPE_BY_NAME[kv_name or q_name])
+    kernel = make_kernel(dtype, f.qhead_per_kvhead, f.causal, f.is_split, f.split_blocks, *f.config)
+    return compile_mla(kernel, dtype, f.qhead_per_kvhead, f.arch, is_split=f.is_split, has_lse=f.has_lse,
+                       kv_dtype=CUTE_DTYPE_BY_NAME[kv_name or q_name], kv_heads=f.kv_heads)
 
 
 @dataclass(frozen=True)
@@ -98,8 +132,9 @@ class MlaTile(FwdTile):
     """A forward tile (``FwdTile``: rows, split, KV range [n_block_min, n_block_max)) with
     what the MLA kernels' single KV loop reads: the number of blocks it visits, and the
     unmasked run [n_mid_lo, n_mid_hi) of ``BlockInfo.get_n_block_runs`` (blocks outside it
-    take the sequence-end and causal masks). The query heads are all packed over the one
-    latent KV head (``head_kv`` 0)."""
+    take the sequence-end and causal masks). The query heads of a KV head are packed over
+    it: ``head_kv`` the grid's head (with a KV-head mode; also the context's head, as under
+    the forward's pack_gqa), else 0, the one latent head."""
 
     n_tiles: Int32
     n_mid_hi: Int32
@@ -117,8 +152,9 @@ class MlaTile(FwdTile):
         capacity = args.mPageTable.shape[1] * args.mCkv.shape[1]
         seqlen = SeqlenInfo.create(work.batch, args.mQn.shape[1], capacity, None, None, args.mSeqlens, capacity)
         no_window = VariantParams(Int32(-1), Int32(0), Float32(0.0), Float32(0.0))
-        ctx = AttnCtx(work.batch, Int32(0), seqlen.seqlen_q, seqlen.seqlen_k, no_window)
-        tile = FwdTile.of_work(work, ctx, seqlen, Int32(0), args.softmax_scale, args.num_splits, block_info, is_split)
+        head_kv = work.head if cutlass.const_expr(args.kv_heads) else Int32(0)
+        ctx = AttnCtx(work.batch, head_kv, seqlen.seqlen_q, seqlen.seqlen_k, no_window)
+        tile = FwdTile.of_work(work, ctx, seqlen, head_kv, args.softmax_scale, args.num_splits, block_info, is_split)
         n_mid_hi, n_mid_lo = tile.n_block_runs(block_info)
         return MlaTile(*(getattr(tile, f.name) for f in fields(FwdTile)),
                        cutlass.max(tile.n_block_max - tile.n_block_min, 0), n_mid_hi, n_mid_lo)

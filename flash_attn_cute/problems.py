@@ -119,7 +119,9 @@ class MlaProblem(NamedTuple):
     ``FwdProblem`` with d = 576: a forward backend must never see it (the SM80 forward
     would run it as 576-wide GQA, reading K and V as separate tensors), and windows,
     softcap and varlen mean nothing here. ``max_seqlen_k`` is the cache capacity
-    (``max_pages_per_seq * page_size``): the lengths live on the device."""
+    (``max_pages_per_seq * page_size``): the lengths live on the device. ``nheads_kv`` > 1:
+    the caches have a KV-head mode (FlashMLA's ``h_kv``), each KV head serving its
+    ``qhead_per_kvhead`` query heads; 1: one latent head shared by every query head."""
 
     dtype: torch.dtype
     batch: int
@@ -132,6 +134,7 @@ class MlaProblem(NamedTuple):
     has_lse: bool
     batch_invariant: bool = False  # fixed keys per split: bitwise the same in any batch
     kv_dtype: Optional[torch.dtype] = None  # an FP8 latent cache (with kv_descale); None: q's dtype
+    nheads_kv: int = 1  # KV heads of the caches (nheads a multiple of it)
 
     @property
     def kv_fp8(self) -> bool:
@@ -141,8 +144,18 @@ class MlaProblem(NamedTuple):
     def out_dtype(self) -> torch.dtype:
         return self.dtype
 
+    @property
+    def qhead_per_kvhead(self) -> int:
+        """Query heads per KV head: the rows per query position of the kernels' M tile."""
+        return self.nheads // self.nheads_kv
+
+    @property
+    def kv_heads(self) -> bool:
+        """The caches have a KV-head mode (``(num_pages, page_size, nheads_kv, d)``); one
+        latent head (nheads_kv 1) runs on the caches without it."""
+        return self.nheads_kv > 1
+
     kind = "mla"
-    nheads_kv = 1  # one latent cache shared by every head
     has_sink = False  # no learnable sink
     d = D_CKV + D_KPE
     d_v = D_CKV
@@ -179,7 +192,7 @@ class FwdPlan(NamedTuple):
 
     def qhead_per_kvhead_packed(self, problem) -> int:
         """Rows per query position in the M tile: the GQA ratio when packed, else 1 (MLA
-        always packs its query heads)."""
+        always packs the query heads of a KV head)."""
         if problem.kind == "mla":
-            return problem.nheads
+            return problem.qhead_per_kvhead
         return problem.qhead_per_kvhead if self.pack_gqa else 1

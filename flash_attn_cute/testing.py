@@ -267,18 +267,21 @@ def check_lse(lse, lse_ref, lse_torch, mult=2.0, atol=1e-3, name="lse"):
 def mla_decode_ref(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, *, softmax_scale=None,
                    causal=False, upcast=True, kv_descale=None):
     """MLA decode as plain attention: the pages gathered, K = [ckv, kpe] and V = ckv
-    materialised (one shared KV head), then ``attention_ref``. Returns (out (b, sq, h, 512),
-    lse (b, h, sq)); ``upcast=False`` is PyTorch's own low-precision computation. An FP8
-    cache is dequantized first: the stored values times ``kv_descale`` (one element, or
-    ``(batch,)``: sequence b's), in q's dtype for ``upcast=False``."""
+    materialised (one shared KV head, or the caches' ``nheads_kv`` heads for 4-D caches
+    ``(num_pages, page_size, nheads_kv, d)``: GQA), then ``attention_ref``. Returns (out (b,
+    sq, h, 512), lse (b, h, sq)); ``upcast=False`` is PyTorch's own low-precision
+    computation. An FP8 cache is dequantized first: the stored values times ``kv_descale``
+    (one element, ``(batch,)`` / ``(batch, 1)``: sequence b's, or ``(batch, nheads_kv)``), in
+    q's dtype for ``upcast=False``."""
     q = torch.cat([q_nope, q_pe], dim=-1)
     fp8 = ckv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    heads = (lambda c: c) if ckv_cache.dim() == 4 else (lambda c: c.unsqueeze(2))
     # FP8 pages are gathered as bytes (indexing fp8 tensors is not supported everywhere).
-    gather = lambda c: gather_paged_kv((c.view(torch.uint8) if fp8 else c).unsqueeze(2), page_table)
-    ckv, kpe = gather(ckv_cache), gather(kpe_cache)  # (b, capacity, 1, 512 | 64)
+    gather = lambda c: gather_paged_kv(heads(c.view(torch.uint8) if fp8 else c), page_table)
+    ckv, kpe = gather(ckv_cache), gather(kpe_cache)  # (b, capacity, h_kv, 512 | 64)
     if fp8:
         scale = torch.ones(1, device=q.device) if kv_descale is None else kv_descale.float()
-        scale = scale.view(-1, 1, 1, 1)
+        scale = scale.view(1, 1, 1, 1) if scale.numel() == 1 else scale.view(ckv.shape[0], 1, -1, 1)
         ckv, kpe = ((x.view(ckv_cache.dtype).float() * scale).to(torch.float32 if upcast else q.dtype)
                     for x in (ckv, kpe))
     k = torch.cat([ckv, kpe], dim=-1)

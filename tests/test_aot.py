@@ -258,6 +258,13 @@ def test_serving_features_are_described():
     assert {e.name for e in mla} == {"mla_sm80", "combine"} and mla[0].key[7] == 128  # split_blocks
     with pytest.raises(ValueError, match="no learnable_sink"):
         aot.expand({"api": "mla", "qhead_per_kvhead": 64, "nheads_kv": 1, "learnable_sink": True})
+    # Any head count; nheads_kv > 1: caches with a KV-head mode ("<g>/hkv" keys); at most 128 heads.
+    heads, _ = aot.entries_for([{"api": "mla", "qhead_per_kvhead": g, "nheads_kv": hkv, "page_size": 64}
+                                for g, hkv in ((8, 1), (3, 1), (4, 2))], "sm_80")
+    assert [e.key[3] for e in heads] == [8, 3, "4/hkv"]
+    assert aot.problem_of(aot.expand({"api": "mla", "qhead_per_kvhead": 4, "nheads_kv": 2})[0]).nheads == 8
+    with pytest.raises(ValueError, match=r"nheads_kv \* qhead_per_kvhead .* in 1..128"):
+        aot.expand({"api": "mla", "qhead_per_kvhead": 64, "nheads_kv": 4})
     # FP8 caches: keys of the SM90 kernel with the fp8 dtype on Hopper; refused below 8.9, as at runtime
     fp8 = [{"api": "kvcache", "page_size": 16, "qhead_per_kvhead": 4, "kv_fp8": True}]
     hopper, skipped = aot.entries_for(fp8, "sm_90a")

@@ -1,11 +1,13 @@
 """Compile-only tests of the MLA decode kernels: the SM80 kernel for sm_80 (A100), sm_90a
 (the H200 it is tested on) and sm_100a (B200, where MLA runs on it), the SM90 kernel for
 sm_90a; no GPU needed. A covering subset of the
-GPU tests' keys (every nheads, dtype, causal, split, LSE and split layout value once:
+GPU tests' keys (nheads 16/32/64/128, dtype, causal, split, LSE and split layout value once:
 even splits, and the batch-invariant 128 blocks of 32 keys per split) is compiled
 through tests/compile_harness.py, and the SASS is checked for mma.sync (HMMA 16816 F32),
 ldmatrix, cp.async gathers (LDGSTS) that arrive on the stage's mbarrier once landed
-(ARRIVES.LDGSTSBAR), named barriers, and local-memory traffic (``SPILL_BOUND``)."""
+(ARRIVES.LDGSTSBAR), named barriers, and local-memory traffic (``SPILL_BOUND``). Head counts
+outside 16/32/64/128 and caches with KV heads (``keys.mla_heads_key``): a few keys of both
+kernels (``test_mla_head_counts_and_kv_heads_compile``)."""
 
 import re
 
@@ -138,4 +140,32 @@ def test_mla_fp8_compiles_and_sass(tmp_path):
         for op in FP8_SASS_EXPECT + SM90_SASS_EXPECT[2:]:
             assert op in sass, (op, key)
         assert not re.findall(r"\b(LDL|STL)\b", sass), ("local-memory spill", key)
+        assert sass.count("WARPGROUP.DEPBAR") <= 16, ("wgmma serialised", key)
+
+
+# Any head count and KV heads (FlashMLA's h_kv): a few keys of each kernel, on the arch its
+# GPU tests run (sm_80 for the SM80 kernel's A100 budget, sm_90a for the SM90 kernel): an odd
+# count (100, a partial second tile), 8 (DeepSeek at TP 16), and "g/hkv" keys (caches
+# (num_pages, page_size, h_kv, d), g query heads per KV head; split, batch invariant, FP8).
+# The same SASS checks and bounds as the 16/32/64/128 keys: at the time of writing the SM80
+# keys keep 2 local-memory instructions like theirs, the SM90 ones none.
+HEADS_SM80 = [("bf16", 8, True, False, True, 0), ("fp16", "4/hkv", True, True, True, 0)]
+HEADS_SM90 = [(("bf16", 100, True, False, True, 0), (32, 4, "seesaw")),
+              (("bf16", "2/hkv", True, True, True, 128), (32, 4, "seesaw")),
+              (("bf16/e4m3", "2/hkv", True, False, True, 0), (32, 3, "seesaw", 2))]
+
+
+def test_mla_head_counts_and_kv_heads_compile(tmp_path):
+    keys80 = [mla_key("sm80", "sm_80", *c, (mla_stages_for("sm_80"),)) for c in HEADS_SM80]
+    out80, sec80 = compile_entries("sm_80", [(f"k{i}", "flash_attn_cute.sm80.mla:compile", k)
+                                             for i, k in enumerate(keys80)], tmp_path / "sm80")
+    keys90 = [mla_key("sm90", "sm_90a", *c, (mode,)) for c, mode in HEADS_SM90]
+    out90, sec90 = compile_entries("sm_90a", [(f"k{i}", "flash_attn_cute.sm90.mla:compile", k)
+                                              for i, k in enumerate(keys90)], tmp_path / "sm90")
+    print("\nmla heads: " + ", ".join(f"{v:.1f}s" for v in (*sec80.values(), *sec90.values())))
+    assert [k[3] for k in keys80 + keys90] == [8, "4/hkv", 100, "2/hkv", "2/hkv"]
+    check_artifacts(out80, keys80, "sm_80", SASS_EXPECT + ["ARRIVES.LDGSTSBAR"], SPILL_BOUND["sm_80"])
+    check_artifacts(out90, keys90, "sm_90a", SM90_SASS_EXPECT, 0)
+    for i, key in enumerate(keys90):
+        sass = next((out90 / f"k{i}").glob("*.sass")).read_text()
         assert sass.count("WARPGROUP.DEPBAR") <= 16, ("wgmma serialised", key)

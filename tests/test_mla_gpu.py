@@ -2,13 +2,15 @@
 pages gathered, K = [ckv, kpe] and V = ckv materialised), once per MLA backend that runs
 on the device.
 
-Compile budget: the SM80 key is (dtype, nheads, causal, split, lse); page size, lengths,
+Compile budget: the SM80 key is (dtype, heads, causal, split, lse); page size, lengths,
 batch and the number of splits are runtime values. So each case below sweeps page sizes
-and ragged lengths inside one key, and the keys are a curated list (every nheads once,
-causal x split x lse on 64 heads, fp16 on 128 heads). ``out=`` is poisoned with NaN so a
-row the kernel forgets fails; the allocate path must then be bit-identical. The SM90 key
-adds the consumers' Q K^T mode (FLASH_ATTN_CUTE_MLA_SM90_QK: "seesaw", the default, "one" or
-"split"; run the file once per mode to test each).
+and ragged lengths inside one key, and the keys are a curated list (16/32/64/128 heads
+once, causal x split x lse on 64 heads, fp16 on 128 heads; then each other head count of
+FlashMLA's tests once, KV heads, FP8 and batch invariance over them, FlashMLA's views).
+``out=`` is poisoned with NaN so a row the kernel forgets fails; the allocate path must
+then be bit-identical. The SM90 key adds the consumers' Q K^T mode
+(FLASH_ATTN_CUTE_MLA_SM90_QK: "seesaw", the default, "one" or "split"; run the file once
+per mode to test each).
 """
 
 import math
@@ -29,16 +31,18 @@ def backend(request):
     return request.param
 
 
-def make_inputs(seqlens, nheads, page_size, seqlen_q=1, dtype=torch.bfloat16, seed=0, spare_pages=3):
+def make_inputs(seqlens, nheads, page_size, seqlen_q=1, dtype=torch.bfloat16, seed=0, spare_pages=3, nheads_kv=None):
     """Gaussian inputs; a shuffled pool with spare pages (the table is a strided view of
-    a wider one), capacity one page above the longest sequence."""
+    a wider one), capacity one page above the longest sequence. ``nheads_kv``: caches with
+    a KV-head mode, (num_pages, page_size, nheads_kv, d) (None: the 3-D latent caches)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     batch = len(seqlens)
     max_pages = max(1, math.ceil(max(seqlens) / page_size)) + 1
     num_pages = batch * max_pages + spare_pages
     randn = lambda *s: torch.randn(*s, generator=g, device="cuda").to(dtype)
     q_nope, q_pe = randn(batch, seqlen_q, nheads, 512), randn(batch, seqlen_q, nheads, 64)
-    ckv, kpe = randn(num_pages, page_size, 512), randn(num_pages, page_size, 64)
+    heads = () if nheads_kv is None else (nheads_kv,)
+    ckv, kpe = randn(num_pages, page_size, *heads, 512), randn(num_pages, page_size, *heads, 64)
     perm = torch.randperm(num_pages, generator=g, device="cuda")[: batch * max_pages].to(torch.int32)
     wide = torch.full((batch, max_pages + 5), -7, dtype=torch.int32, device="cuda")
     wide[:, :max_pages] = perm.view(batch, max_pages)
@@ -58,6 +62,7 @@ def run_and_check(backend, inputs, *, causal=False, num_splits=1, return_lse=Fal
     out_pt, lse_pt = mla_decode_ref(*inputs, causal=causal, upcast=False)
     if return_lse:
         assert res[0] is out
+        assert res[1].shape == (q_nope.shape[0], q_nope.shape[2], q_nope.shape[1])  # (batch, nheads, seqlen_q)
         check_lse(res[1], lse_ref, lse_pt)
     else:
         assert res is out
@@ -143,18 +148,26 @@ def test_mla_nan_past_the_end(backend):
 
 
 def fp8_inputs(seqlens, nheads, page_size, *, seqlen_q=1, dtype=torch.bfloat16, fp8=torch.float8_e4m3fn, seed=10,
-               per_batch=False):
+               per_batch=False, nheads_kv=None):
     """``make_inputs`` with the caches quantized: one scale for ckv and kpe together (the
     576 values of a token, as vLLM stores them), or (``per_batch``) a descale per sequence
-    (the pool quantized once, each sequence's descale a power of two apart from it)."""
+    (the pool quantized once, each sequence's descale a power of two apart from it), per
+    (sequence, KV head) with ``nheads_kv`` (FA3's (batch, nheads_kv))."""
     from flash_attn_cute import quantize_fp8
 
     q_nope, q_pe, ckv, kpe, seqlens_t, table = make_inputs(seqlens, nheads, page_size, seqlen_q=seqlen_q, dtype=dtype,
-                                                           seed=seed)
-    both, descale = quantize_fp8(torch.cat([ckv, kpe], -1).unsqueeze(2), granularity="tensor", dtype=fp8)
-    ckv8, kpe8 = both[..., 0, :512].contiguous(), both[..., 0, 512:].contiguous()
+                                                           seed=seed, nheads_kv=nheads_kv)
+    if nheads_kv is None:
+        both, descale = quantize_fp8(torch.cat([ckv, kpe], -1).unsqueeze(2), granularity="tensor", dtype=fp8)
+        ckv8, kpe8 = both[..., 0, :512].contiguous(), both[..., 0, 512:].contiguous()
+    else:
+        both, descale = quantize_fp8(torch.cat([ckv, kpe], -1), granularity="tensor", dtype=fp8)
+        ckv8, kpe8 = both[..., :512].contiguous(), both[..., 512:].contiguous()
     if per_batch:
-        descale = descale * torch.tensor([2.0 ** (i % 3 - 1) for i in range(len(seqlens))], device="cuda")
+        cols = 1 if nheads_kv is None else nheads_kv
+        factors = [[2.0 ** ((i + j) % 3 - 1) for j in range(cols)] for i in range(len(seqlens))]
+        descale = descale * torch.tensor(factors, device="cuda")
+        descale = descale[:, 0] if nheads_kv is None else descale
     return (q_nope, q_pe, ckv8, kpe8, seqlens_t, table), descale.float()
 
 
@@ -218,3 +231,141 @@ def test_mla_fp8_split_many_empty_and_long(backend):
     # CTAs without tiles still look their first gather's page up (key 0, never past the table).
     inputs, descale = fp8_inputs((0, 5, 4097), 16, 16, seed=14)
     run_and_check_fp8(backend, inputs, descale, num_splits=7, return_lse=True)
+
+
+# ---------------------------------------------------------------------------------------
+# Any head count (1..128), KV heads (FlashMLA's h_kv) and FlashMLA's combined 576 layout.
+# The kernels pack a KV head's query heads x query positions into 64-row tiles and
+# predicate the last one: 3, 9, 24 or 100 heads at seqlen_q 2 put two query positions in
+# one tile (each row's causal limit its own), 100 and 126 heads a partial second tile.
+# Compile keys: (dtype, heads, causal, split, lse) per case; the page size, lengths and
+# split count are runtime values, so each case mixes them.
+# ---------------------------------------------------------------------------------------
+
+SEQLENS_HEADS = (1, 77, 300, 1000)  # a sequence of 1 key: with seqlen_q 2 causal, query 0 sees none
+# (nheads, page_size, seqlen_q, causal, num_splits, return_lse)
+HEAD_CASES = [
+    (1, 1, 2, True, 0, True), (3, 16, 2, True, 3, True), (4, 64, 1, False, 1, False), (8, 16, 1, False, 0, True),
+    (8, 64, 2, True, 1, True), (9, 1, 2, True, 3, True), (16, 16, 2, True, 0, True), (24, 64, 2, True, 3, True),
+    (63, 32, 1, False, 3, True), (64, 1, 2, True, 1, False), (100, 16, 2, True, 3, True),
+    (100, 128, 1, False, 0, False), (126, 1, 2, True, 0, True), (128, 64, 2, True, 3, True),
+]
+
+
+@pytest.mark.parametrize("nheads,page_size,seqlen_q,causal,num_splits,return_lse", HEAD_CASES)
+def test_mla_any_head_count(backend, nheads, page_size, seqlen_q, causal, num_splits, return_lse):
+    run_and_check(backend, make_inputs(SEQLENS_HEADS, nheads, page_size, seqlen_q=seqlen_q, seed=20 + nheads),
+                  causal=causal, num_splits=num_splits, return_lse=return_lse)
+
+
+def test_mla_odd_heads_fp16(backend):
+    run_and_check(backend, make_inputs((5, 700, 2048), 9, 16, seqlen_q=2, dtype=torch.float16, seed=21),
+                  causal=True, num_splits=0, return_lse=True)
+
+
+# (nheads, nheads_kv, page_size, seqlen_q, causal, num_splits, return_lse): 4, 16, 32, 3 and 1
+# query heads per KV head (1: the unpacked row path; 3 at seqlen_q 2: positions share a tile).
+KV_HEAD_CASES = [
+    (8, 2, 16, 1, False, 0, True), (64, 4, 64, 2, True, 3, True), (128, 4, 1, 2, True, 0, True),
+    (6, 2, 64, 2, True, 1, False), (4, 4, 16, 2, True, 3, True),
+]
+
+
+@pytest.mark.parametrize("nheads,nheads_kv,page_size,seqlen_q,causal,num_splits,return_lse", KV_HEAD_CASES)
+def test_mla_kv_heads(backend, nheads, nheads_kv, page_size, seqlen_q, causal, num_splits, return_lse):
+    run_and_check(backend, make_inputs(SEQLENS_HEADS, nheads, page_size, seqlen_q=seqlen_q, seed=40 + nheads,
+                                       nheads_kv=nheads_kv),
+                  causal=causal, num_splits=num_splits, return_lse=return_lse)
+
+
+def test_mla_kv_heads_nan_past_the_end(backend):
+    # Each KV head's rows past a sequence's end hold NaN (the 4-D pool): masked, never in O.
+    import flash_attn_cute
+
+    inputs = make_inputs((5, 70, 33), 16, 16, seed=41, nheads_kv=2)
+    q_nope, q_pe, ckv, kpe, seqlens, table = inputs
+    out_ref, _ = mla_decode_ref(*inputs)
+    out_pt, _ = mla_decode_ref(*inputs, upcast=False)
+    page = ckv.shape[1]
+    ckv_bad, kpe_bad = ckv.clone(), kpe.clone()
+    for b, n in enumerate(seqlens.tolist()):
+        for t in range(n, table.shape[1] * page):
+            ckv_bad[table[b, t // page], t % page] = float("nan")
+            kpe_bad[table[b, t // page], t % page] = float("nan")
+    out = flash_attn_cute.flash_mla_decode(q_nope, q_pe, ckv_bad, kpe_bad, seqlens, table, backend=backend)
+    check_close(out, out_ref, out_pt)
+
+
+# FP8 latent caches with any head count and with KV heads (descale per sequence, or per
+# (sequence, KV head): FA3's (batch, nheads_kv)).
+@pytest.mark.parametrize("nheads,nheads_kv,page_size,seqlen_q,causal,num_splits", [
+    (8, None, 64, 2, True, 0), (100, None, 16, 1, False, 3), (3, None, 1, 2, True, 1), (16, 2, 16, 2, True, 3),
+    (8, 4, 64, 1, False, 0)])
+def test_mla_fp8_any_heads_and_kv_heads(backend, nheads, nheads_kv, page_size, seqlen_q, causal, num_splits):
+    inputs, descale = fp8_inputs(SEQLENS_HEADS, nheads, page_size, seqlen_q=seqlen_q, seed=50 + nheads,
+                                 per_batch=True, nheads_kv=nheads_kv)
+    run_and_check_fp8(backend, inputs, descale, causal=causal, num_splits=num_splits, return_lse=True)
+
+
+@pytest.mark.parametrize("nheads,nheads_kv", [(24, None), (8, 2)])
+def test_mla_batch_invariant_any_heads_bitwise(backend, nheads, nheads_kv):
+    # One sequence of 4500 keys (two splits of 4096) in batches of 1, 3 and 40 (the others of
+    # other lengths): bitwise the same output and LSE (fixed keys per split), and close to
+    # the reference.
+    import flash_attn_cute
+
+    heads = () if nheads_kv is None else (nheads_kv,)
+    g = torch.Generator(device="cuda").manual_seed(60 + nheads)
+    randn = lambda *s: torch.randn(*s, generator=g, device="cuda").to(torch.bfloat16)
+    pages_per_seq, page = 320, 16  # capacity 5120: the same two splits in every batch
+    x = (randn(1, 2, nheads, 512), randn(1, 2, nheads, 64), randn(pages_per_seq, page, *heads, 512),
+         randn(pages_per_seq, page, *heads, 64))
+    outs = []
+    for batch in (1, 3, 40):
+        q_nope, q_pe = randn(batch, 2, nheads, 512), randn(batch, 2, nheads, 64)
+        ckv, kpe = randn(batch * pages_per_seq, page, *heads, 512), randn(batch * pages_per_seq, page, *heads, 64)
+        q_nope[:1], q_pe[:1], ckv[:pages_per_seq], kpe[:pages_per_seq] = x
+        table = torch.arange(batch * pages_per_seq, device="cuda", dtype=torch.int32).view(batch, pages_per_seq)
+        lens = torch.tensor([4500] + [(977 * i) % 5120 + 1 for i in range(1, batch)], dtype=torch.int32,
+                            device="cuda")
+        inputs = (q_nope, q_pe, ckv, kpe, lens, table)
+        out, lse = flash_attn_cute.flash_mla_decode(*inputs, causal=True, return_lse=True, batch_invariant=True,
+                                                    backend=backend)
+        if batch == 3:
+            check_close(out, mla_decode_ref(*inputs, causal=True)[0], mla_decode_ref(*inputs, causal=True,
+                                                                                      upcast=False)[0])
+        outs.append((out[0].clone(), lse[0].clone()))
+    for out, lse in outs[1:]:
+        assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])
+
+
+@pytest.mark.parametrize("nheads,nheads_kv,page_size,seqlen_q", [(16, 1, 64, 2), (8, 2, 16, 1), (128, 1, 1, 1)])
+def test_mla_flashmla_layout_views(backend, nheads, nheads_kv, page_size, seqlen_q):
+    # FlashMLA's combined layout: q (b, s_q, h, 576) and one k_cache (num_pages, page_size,
+    # h_kv, 576), passed as views q[..., :512], q[..., 512:], k_cache[..., :512],
+    # k_cache[..., 512:] (no copies): right against the reference, and bitwise the result of
+    # the same call on contiguous copies.
+    import flash_attn_cute
+
+    q_nope, q_pe, ckv, kpe, lens, table = make_inputs(SEQLENS_HEADS, nheads, page_size, seqlen_q=seqlen_q,
+                                                      seed=70 + nheads, nheads_kv=nheads_kv)
+    q, k_cache = torch.cat([q_nope, q_pe], -1), torch.cat([ckv, kpe], -1)
+    views = (q[..., :512], q[..., 512:], k_cache[..., :512], k_cache[..., 512:])
+    assert views[0].data_ptr() == q.data_ptr() and views[3].data_ptr() == k_cache.data_ptr() + 512 * 2
+    run_and_check(backend, (*views, lens, table), causal=seqlen_q > 1, num_splits=0, return_lse=True)
+    out = flash_attn_cute.flash_mla_decode(*views, lens, table, causal=seqlen_q > 1, backend=backend)
+    copies = tuple(t.contiguous() for t in views)
+    assert torch.equal(out, flash_attn_cute.flash_mla_decode(*copies, lens, table, causal=seqlen_q > 1,
+                                                             backend=backend))
+
+
+@pytest.mark.parametrize("nheads_kv", [1, 2])
+def test_mla_fp8_flashmla_layout_views(backend, nheads_kv):
+    # One 576-wide e4m3 cache (num_pages, page_size, h_kv, 576) read as its two views.
+    inputs, descale = fp8_inputs(SEQLENS_HEADS, 16, 64, seqlen_q=2, seed=80, nheads_kv=nheads_kv)
+    q_nope, q_pe, ckv8, kpe8, lens, table = inputs
+    k_cache = torch.cat([ckv8.view(torch.uint8), kpe8.view(torch.uint8)], -1).view(ckv8.dtype)
+    views = (k_cache[..., :512], k_cache[..., 512:])
+    assert views[1].data_ptr() == k_cache.data_ptr() + 512
+    run_and_check_fp8(backend, (q_nope, q_pe, *views, lens, table), descale, causal=True, num_splits=0,
+                      return_lse=True)

@@ -51,8 +51,22 @@ def test_exported():
     (dict(page_table=torch.zeros(6, dtype=torch.int32)), ValueError, "page_table must have shape"),
     (dict(cache_seqlens=torch.zeros(2, dtype=torch.int64)), TypeError, "cache_seqlens must be int32"),
     (dict(cache_seqlens=torch.zeros(3, dtype=torch.int32)), ValueError, "cache_seqlens must have shape"),
-    (dict(q_nope=torch.randn(2, 1, 24, 512).to(BF16), q_pe=torch.randn(2, 1, 24, 64).to(BF16)), ValueError,
-     r"nheads .* must be one of \(16, 32, 64, 128\)"),
+    (dict(q_nope=torch.randn(2, 1, 129, 512).to(BF16), q_pe=torch.randn(2, 1, 129, 64).to(BF16)), ValueError,
+     r"nheads \(q_nope.shape\[2\]\) must be in 1..128, got 129"),
+    (dict(q_nope=torch.randn(2, 1, 0, 512).to(BF16), q_pe=torch.randn(2, 1, 0, 64).to(BF16)), ValueError,
+     r"nheads \(q_nope.shape\[2\]\) must be in 1..128, got 0"),
+    # A KV-head mode (FlashMLA's (num_pages, page_size, h_kv, d)): nheads a multiple of h_kv, kpe alike.
+    (dict(ckv_cache=torch.randn(6, 4, 3, 512).to(BF16), kpe_cache=torch.randn(6, 4, 3, 64).to(BF16)), ValueError,
+     r"nheads \(q_nope.shape\[2\] = 16\) must be a multiple of nheads_kv \(ckv_cache.shape\[2\] = 3\)"),
+    (dict(ckv_cache=torch.randn(6, 4, 2, 512).to(BF16)), ValueError, r"kpe_cache must have shape \(num_pages, "
+     r"page_size, nheads_kv, 64\) like ckv_cache \(rank 4\)"),
+    (dict(ckv_cache=torch.randn(6, 4, 2, 512).to(BF16), kpe_cache=torch.randn(6, 4, 4, 64).to(BF16)), ValueError,
+     "kpe_cache .* must have the pages and KV heads of ckv_cache"),
+    (dict(ckv_cache=torch.randn(6, 4, 2, 512).to(BF16), kpe_cache=torch.randn(6, 4, 2, 64).to(BF16),
+          kv_descale=torch.ones(2, 4)), ValueError, r"kv_descale must have .* \(batch, nheads_kv\) = \(2, 2\)"),
+    (dict(ckv_cache=torch.randn(6, 4, 2, 2, 512).to(BF16)), ValueError,
+     r"ckv_cache must have shape \(num_pages, page_size, 512\) or \(num_pages, page_size, nheads_kv, 512\) "
+     r"\(rank 3, or 4"),
     (dict(q_nope=torch.randn(2, 0, 16, 512).to(BF16), q_pe=torch.randn(2, 0, 16, 64).to(BF16)), ValueError,
      "seqlen_q"),
     (dict(ckv_cache=torch.randn(6, 0, 512).to(BF16), kpe_cache=torch.randn(6, 0, 64).to(BF16)), ValueError,
@@ -99,9 +113,9 @@ def test_ckv_stride_alignment_is_checked():
         call(ckv_cache=odd)
 
 
-def _problem(batch=1, sq=1, capacity=32768, h=64, page=1, causal=False, lse=False):
+def _problem(batch=1, sq=1, capacity=32768, h=64, page=1, causal=False, lse=False, hkv=1):
     return MlaProblem(dtype=BF16, batch=batch, max_seqlen_q=sq, max_seqlen_k=capacity, nheads=h, page_size=page,
-                      softmax_scale=576 ** -0.5, causal=causal, has_lse=lse)
+                      softmax_scale=576 ** -0.5, causal=causal, has_lse=lse, nheads_kv=hkv)
 
 
 def test_plan_splits_from_shapes_only():
@@ -146,7 +160,9 @@ def test_compile_key_fields_and_registry():
 
     with pytest.raises(ValueError, match="MLA_STAGES"):
         sm80.plan(p, 1, None, None, tuning=Tuning(mla_stages="3"), arch="sm_80")
-    assert sm80.check(p) is None and "nheads" in sm80.check(p._replace(nheads=8))
+    assert sm80.check(p) is None and sm80.check(p._replace(nheads=8)) is None
+    assert "outside 1..128" in sm80.check(p._replace(nheads=129))
+    assert "not a multiple of nheads_kv 4" in sm80.check(p._replace(nheads=6, nheads_kv=4))
     assert sm80.runs_on((8, 0)) and sm80.runs_on((9, 0)) and not sm80.runs_on((8, 6))
     # the forward registry is untouched: forward backends never see an MLA problem
     assert "flash_attn_cute.sm80.mla" not in fwd.BACKENDS.values()
@@ -249,3 +265,124 @@ def test_repeated_call_skips_validation_and_planning(fake_device, monkeypatch):
     assert len(validated) == 1 and len(launched) == 3
     flash_mla_decode(**args, num_splits=1, causal=True)  # another call: validated and planned again
     assert len(validated) == 2
+
+
+# ---------------------------------------------------------------------------------------
+# Any head count (1..128), KV heads (FlashMLA's h_kv) and FlashMLA's combined 576 layout.
+# ---------------------------------------------------------------------------------------
+
+ANY_HEADS = [1, 3, 4, 8, 9, 16, 24, 63, 64, 100, 126, 128]
+
+
+@pytest.mark.parametrize("h", ANY_HEADS)
+def test_any_head_count_validates(h):
+    # Validation passes every check but the device (CPU tensors), for 3-D and 4-D caches.
+    with pytest.raises(ValueError, match="q_nope must be a CUDA tensor"):
+        call(q_nope=torch.randn(2, 2, h, 512).to(BF16), q_pe=torch.randn(2, 2, h, 64).to(BF16))
+    hkv = next(k for k in (4, 2, 1) if h % k == 0)
+    with pytest.raises(ValueError, match="q_nope must be a CUDA tensor"):
+        call(q_nope=torch.randn(2, 1, h, 512).to(BF16), q_pe=torch.randn(2, 1, h, 64).to(BF16),
+             ckv_cache=torch.randn(6, 4, hkv, 512).to(BF16), kpe_cache=torch.randn(6, 4, hkv, 64).to(BF16),
+             kv_descale=torch.ones(2, hkv))
+
+
+@pytest.mark.parametrize("backend", ["sm80", "sm90"])
+@pytest.mark.parametrize("h,sq", [(1, 1), (8, 1), (24, 1), (63, 1), (100, 1), (126, 1), (3, 2), (9, 2), (100, 2)])
+def test_padded_heads_cost_no_more_than_the_next_count(backend, h, sq):
+    # A head count runs on the grid and splits of the next supported one (16, 32, 64, 128),
+    # for the same shapes: the same CTAs, tiles and KV splits, so the same bytes read. (On
+    # any count whose packed rows fill the same 64-row tiles the grids are equal too.)
+    module = fwd.backend_module(backend, "mla")
+    nxt = next(n for n in (16, 32, 64, 128) if n >= h)
+    for batch, capacity in ((1, 32768), (4, 8192), (132, 2048), (768, 2048)):
+        a = module.plan(_problem(batch=batch, sq=sq, capacity=capacity, h=h), 0, None, 132, arch="sm_90a")
+        b = module.plan(_problem(batch=batch, sq=sq, capacity=capacity, h=nxt), 0, None, 132, arch="sm_90a")
+        tiles = lambda n: -(-sq * n // 64)
+        assert tiles(h) <= tiles(nxt)
+        if tiles(h) == tiles(nxt):
+            assert a.num_splits == b.num_splits, (batch, capacity)
+        assert a.config == b.config  # the kernel's static choices do not depend on the count
+
+
+def test_keys_of_head_counts_and_kv_heads():
+    from flash_attn_cute.keys import mla_heads_key, parse_mla_key
+
+    sm80, sm90 = fwd.backend_module("sm80", "mla"), fwd.backend_module("sm90", "mla")
+    p = _problem(h=8, causal=True)
+    # One latent head: the heads field is nheads, as in the keys of 16/32/64/128 (unchanged).
+    assert sm80.compile_key(p, sm80.plan(p, 1, None, None, arch="sm_80"), "sm_80") == (
+        "mla_sm80", "sm_80", "bf16", 8, True, False, False, 0, 2)
+    assert sm90.compile_key(p, sm90.plan(p, 1, None, None), "sm_90a")[3] == 8
+    for h in (16, 32, 64, 128):
+        q = _problem(h=h)
+        assert sm80.compile_key(q, sm80.plan(q, 1, None, None, arch="sm_80"), "sm_80")[3] == h
+    # KV heads: "<query heads per KV head>/hkv"; the KV-head count itself is a runtime value.
+    for hkv in (2, 4):
+        q = _problem(h=8, hkv=hkv, causal=True)
+        plan = sm90.plan(q, 1, None, None)
+        key = sm90.compile_key(q, plan, "sm_90a")
+        assert key[3] == f"{8 // hkv}/hkv" and plan.qhead_per_kvhead_packed(q) == 8 // hkv
+        f = parse_mla_key(key)
+        assert (f.qhead_per_kvhead, f.kv_heads, f.causal, f.config) == (8 // hkv, True, True, ((32, 4, "seesaw"),))
+    assert mla_heads_key(16) == 16 and parse_mla_key(("mla_sm80", "sm_80", "bf16", 16, False, False, False, 0, 2))[
+        2:4] == (16, False)
+    # 128 heads over 4 KV heads and 32 over 1 pack the same 32 rows per query position but
+    # read different caches: different keys.
+    a, b = _problem(h=128, hkv=4), _problem(h=32)
+    assert sm80.compile_key(a, sm80.plan(a, 1, None, None, arch="sm_80"), "sm_80") != \
+        sm80.compile_key(b, sm80.plan(b, 1, None, None, arch="sm_80"), "sm_80")
+
+
+def test_kv_heads_grid_and_splits():
+    # The KV heads are a grid mode: the split heuristic counts batch x nheads_kv CTAs of
+    # seqlen_q x (nheads / nheads_kv) packed rows.
+    sm80 = fwd.backend_module("sm80", "mla")
+    one = sm80.plan(_problem(batch=1, capacity=32768, h=16), 0, None, 132, arch="sm_90a")
+    four = sm80.plan(_problem(batch=1, capacity=32768, h=64, hkv=4), 0, None, 132, arch="sm_90a")
+    assert one.num_splits > four.num_splits > 1
+    assert _problem(h=64, hkv=4).qhead_per_kvhead == 16 and _problem(h=64, hkv=4).kv_heads
+    assert not _problem(h=64).kv_heads
+
+
+def test_kv_descale_views_with_kv_heads():
+    p8 = _problem(batch=3, h=8, hkv=2)._replace(kv_dtype=torch.float8_e4m3fn)
+    full = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    assert mla._kv_descale_view(p8, full, "cpu").tolist() == full.tolist()
+    per_seq = mla._kv_descale_view(p8, torch.tensor([1.0, 2.0, 3.0]), "cpu")
+    assert per_seq.shape == (3, 2) and per_seq.tolist() == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
+    assert mla._kv_descale_view(p8, torch.tensor([[1.0], [2.0], [3.0]]), "cpu").tolist() == per_seq.tolist()
+    one = mla._kv_descale_view(p8, torch.tensor([2.0]), "cpu")
+    assert one.shape == (3, 2) and one.stride() == (0, 0)
+    assert mla._kv_descale_view(p8, None, "cpu").tolist() == [[1.0, 1.0]] * 3
+
+
+def _flashmla_inputs(b=2, sq=1, h=16, hkv=1, pages=6, page=4, max_pages=3):
+    """FlashMLA's layout: q (b, s_q, h, 576), one k_cache (num_pages, page_size, h_kv, 576)."""
+    q = torch.randn(b, sq, h, 576).to(BF16)
+    k_cache = torch.randn(pages, page, hkv, 576).to(BF16)
+    table = torch.arange(b * max_pages, dtype=torch.int32).view(b, max_pages) % pages
+    return q, k_cache, torch.full((b,), 5, dtype=torch.int32), table
+
+
+@pytest.mark.parametrize("hkv", [1, 2])
+def test_flashmla_layout_views_reach_the_kernel_uncopied(fake_device, monkeypatch, hkv):
+    # q[..., :512], q[..., 512:], k_cache[..., :512], k_cache[..., 512:]: strided views, taken
+    # as they are (no copy); one KV head runs the 3-D kernels (the head mode dropped, a view).
+    launched = []
+    fake = SimpleNamespace(AUTO=True, runs_on=lambda cap: True, check=lambda p: None,
+                           plan=fwd.backend_module("sm80", "mla").plan,
+                           launcher=lambda problem, plan, device=None: (lambda *t: launched.append((problem, t))))
+    fake_device(lambda name, kind="fwd": fake)
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    q, k_cache, lens, table = _flashmla_inputs(h=8, hkv=hkv)
+    views = (q[..., :512], q[..., 512:], k_cache[..., :512], k_cache[..., 512:])
+    for _ in range(2):  # the second call replays the per-call cache
+        out = flash_mla_decode(*views, lens, table, num_splits=1)
+        assert out.shape == (2, 1, 8, 512)
+    for problem, tensors in launched:
+        assert problem.nheads_kv == hkv and problem.qhead_per_kvhead == 8 // hkv
+        qn, qp, ckv, kpe = tensors[:4]
+        assert qn.data_ptr() == q.data_ptr() and qp.data_ptr() == q.data_ptr() + 512 * 2
+        assert ckv.data_ptr() == k_cache.data_ptr() and kpe.data_ptr() == k_cache.data_ptr() + 512 * 2
+        assert ckv.dim() == (4 if hkv > 1 else 3) and ckv.stride(-1) == 1 and ckv.stride(1) == hkv * 576
+    assert len(launched) == 2

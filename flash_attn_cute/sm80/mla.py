@@ -36,13 +36,14 @@ def check(problem: MlaProblem) -> Optional[str]:
 
 def plan(problem: MlaProblem, num_splits: int, pack_gqa: Optional[bool], num_sms: Optional[int],
          tuning: Tuning = NO_TUNING, arch: Optional[str] = None) -> FwdPlan:
-    """One CTA per (64 packed rows, split, batch); ``num_splits`` 0 = the package's
+    """One CTA per (64 packed rows of a KV head's query heads, KV head, split, batch)
+    (``mla_kernel.MlaTile``: a partial last tile is predicated); ``num_splits`` 0 = the package's
     wave-efficiency heuristic on this grid (shapes only, never the device lengths; batch
     invariant: fixed keys per split). The query heads are always packed (``pack_gqa`` is
     ignored); the depth is the arch's (``tuning.mla_stages`` overrides)."""
     roles = MlaWarpRoles()
-    rows = problem.max_seqlen_q * problem.nheads
-    num_splits, split_blocks = plan_splits(problem, num_splits, num_sms, 1, rows, tile_m=roles.tile_m,
+    rows = problem.max_seqlen_q * problem.qhead_per_kvhead  # packed rows of one KV head
+    num_splits, split_blocks = plan_splits(problem, num_splits, num_sms, problem.nheads_kv, rows, tile_m=roles.tile_m,
                                            tile_n=roles.tile_n, ctas_per_sm=_CTAS_PER_SM, tolerance=_SPLIT_TOLERANCE)
     arch = arch or target_arch()
     stages, staging = mla_stages_for(arch, tuning.mla_stages, problem.kv_fp8), 0

@@ -2,8 +2,10 @@
 asymmetric warp roles.
 
 One CTA computes ``tile_m`` = 64 packed rows (query position x head, heads fastest:
-``pack_gqa`` with one KV head) of one sequence [and one KV split] against the shared
-latent cache: K = [ckv (512), kpe (64)], V = ckv. Per KV tile of ``tile_n`` = 32 keys:
+``pack_gqa`` over one KV head) of one sequence [and one KV split] against the shared
+latent cache: K = [ckv (512), kpe (64)], V = ckv. Any head count: the last tile of a
+sequence may be partial (``mla_kernel`` docstring); its Q rows past the end re-read the
+last valid row, its O and LSE rows past it are not stored. Per KV tile of ``tile_n`` = 32 keys:
 
     bytes from HBM       32 x (512 + 64) x 2      = 36.9 KB
     S = Q K^T            64 x 32 x 576 x 2        = 2.36 MFLOP
@@ -99,9 +101,9 @@ from flash_attn_cute.variants import apply_to_scores
 class MlaDecodeSm80:
     __call__ = mla_call  # the MLA kernels' shared entry point: MlaArgs -> launch
 
-    def __init__(self, dtype, nheads: int, causal: bool, is_split: bool, split_blocks: int, stages: int,
+    def __init__(self, dtype, qhead_per_kvhead: int, causal: bool, is_split: bool, split_blocks: int, stages: int,
                  fp8_stages: int = 0, roles: MlaWarpRoles = MlaWarpRoles()):
-        set_mla_config(self, dtype, nheads, causal, is_split, split_blocks)
+        set_mla_config(self, dtype, qhead_per_kvhead, causal, is_split, split_blocks)
         self.stages = stages
         self.fp8_stages = fp8_stages  # an FP8 cache's staging depth (0: 16 bits)
         self.roles = roles
@@ -148,8 +150,8 @@ class MlaDecodeSm80:
             SharedStorage,
             m_blocks_divisor(num_m_blocks),
         )
-        launch_ctas(kernel, SingleTileScheduler.grid(num_m_blocks, 1, args.num_splits, args.batch_size),
-                    self.roles.threads, SharedStorage, stream)
+        grid = SingleTileScheduler.grid(num_m_blocks, args.num_kv_heads(), args.num_splits, args.batch_size)
+        launch_ctas(kernel, grid, self.roles.threads, SharedStorage, stream)
 
     @cute.kernel
     def kernel(
@@ -169,6 +171,7 @@ class MlaDecodeSm80:
         tile = MlaTile.create(
             args, BlockInfo(self.tile_m, self.tile_n, self.qhead_per_kvhead_packed, self.variant, self.split_blocks),
             self.is_split, m_blocks)
+        args = args.for_kv_head(tile.head_kv)  # a KV-head mode: this CTA's head of the caches
         if tile.rows_valid > 0:
             storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
             smem = _MlaSmem(

@@ -76,15 +76,16 @@ def roles(qk: Optional[str] = None, fp8: bool = False, fp8_stages: Optional[str]
 
 def plan(problem: MlaProblem, num_splits: int, pack_gqa: Optional[bool], num_sms: Optional[int],
          tuning: Tuning = NO_TUNING, arch: Optional[str] = None) -> FwdPlan:
-    """One CTA per (64 packed rows, split, batch); 128 heads take two CTAs per query
-    position (two 64-row tiles, the cache read through L2 twice). ``num_splits`` 0 = the
+    """One CTA per (64 packed rows of a KV head's query heads, KV head, split, batch)
+    (``mla_kernel.MlaTile``: a partial last tile is predicated); 65 to 128 heads take two
+    CTAs per query position (two 64-row tiles, the cache read through L2 twice). ``num_splits`` 0 = the
     package's wave-efficiency heuristic on this grid (shapes only; batch invariant: fixed
     keys per split). ``tuning.mla_sm90_qk`` overrides the Q K^T mode (tuning, and the GPU
     tests of both)."""
     r = roles(tuning.mla_sm90_qk, problem.kv_fp8, tuning.mla_fp8_stages)
-    rows = problem.max_seqlen_q * problem.nheads
-    num_splits, split_blocks = plan_splits(problem, num_splits, num_sms, 1, rows, tile_m=r.tile_m, tile_n=r.tile_n,
-                                           ctas_per_sm=_CTAS_PER_SM, tolerance=_SPLIT_TOLERANCE)
+    rows = problem.max_seqlen_q * problem.qhead_per_kvhead  # packed rows of one KV head
+    num_splits, split_blocks = plan_splits(problem, num_splits, num_sms, problem.nheads_kv, rows, tile_m=r.tile_m,
+                                           tile_n=r.tile_n, ctas_per_sm=_CTAS_PER_SM, tolerance=_SPLIT_TOLERANCE)
     return FwdPlan(NAME, MlaSm90Config(r.tile_n, r.stages, r.qk, split_blocks, r.fp8_stages), True, num_splits)
 
 

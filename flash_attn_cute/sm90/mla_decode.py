@@ -3,8 +3,10 @@ cp.async, two consumer warpgroups on asynchronous wgmma, each owning half of the
 512-wide output (the FA3 layout of seed 000, written for this package).
 
 One CTA computes ``tile_m`` = 64 packed rows (query position x head, heads fastest, as
-``pack_gqa`` with one KV head) of one sequence [and one KV split] against the shared
-latent cache: K = [ckv (512), kpe (64)], V = ckv. Per KV tile of ``tile_n`` = 32 keys:
+``pack_gqa`` over one KV head) of one sequence [and one KV split] against the shared
+latent cache: K = [ckv (512), kpe (64)], V = ckv. Any head count: the last tile of a
+sequence may be partial (``mla_kernel`` docstring); the consumers zero its Q rows past the
+end (``load_q``) and store no O or LSE row past it. Per KV tile of ``tile_n`` = 32 keys:
 
     bytes from HBM     32 x (512 + 64) x 2                 = 36.9 KB
     S = Q K^T          64 x 32 x 576 x 2                   = 2.36 MFLOP
@@ -159,9 +161,9 @@ from flash_attn_cute.variants import apply_to_scores
 class MlaDecodeSm90:
     __call__ = mla_call  # the MLA kernels' shared entry point: MlaArgs -> launch
 
-    def __init__(self, dtype, nheads: int, causal: bool, is_split: bool, split_blocks: int,
+    def __init__(self, dtype, qhead_per_kvhead: int, causal: bool, is_split: bool, split_blocks: int,
                  roles: MlaRoles = MlaRoles()):
-        set_mla_config(self, dtype, nheads, causal, is_split, split_blocks)
+        set_mla_config(self, dtype, qhead_per_kvhead, causal, is_split, split_blocks)
         self.roles = roles
 
     @cute.jit
@@ -207,7 +209,8 @@ class MlaDecodeSm90:
         num_m_blocks = args.num_m_blocks(r.tile_m, self.qhead_per_kvhead_packed)
         launch_ctas(self.kernel(args, m_blocks_divisor(num_m_blocks), layouts, tiled_mma_qk, tiled_mma_pv,
                                 tiled_mma_pv_ss, SharedStorage),
-                    SingleTileScheduler.grid(num_m_blocks, 1, args.num_splits, args.batch_size), r.threads,
+                    SingleTileScheduler.grid(num_m_blocks, args.num_kv_heads(), args.num_splits, args.batch_size),
+                    r.threads,
                     SharedStorage, stream, setmaxnreg=True)
 
     @cute.kernel
@@ -283,6 +286,11 @@ class MlaDecodeSm90:
         """Tiles n_block_max - 1 down to n_block_min (the first visited is the only one the
         sequence end can cut), one stage each, gathered row by row."""
         r = self.roles
+        # A KV-head mode: this CTA's head of the caches, taken inside each role so that its
+        # pointers are not live across setmaxnreg (taken before the split, the causal
+        # even-split 4/hkv key kept 9 local-memory instructions in its prologue, against the
+        # 8 of the 3-D key it matches here; the other keys tried keep none either way).
+        args = args.for_kv_head(tile.head_kv)
         gather = MlaGather.create(smem.sC, smem.sKp, self.dtype, r.producer_threads, tidx)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, r.stages)
         for i in cutlass.range(tile.n_tiles, unroll=1):
@@ -301,6 +309,7 @@ class MlaDecodeSm90:
         (``mla_kernel.MlaFp8Staging``)."""
         r = self.roles
         ahead = r.fp8_stages - 1
+        args = args.for_kv_head(tile.head_kv)  # as in ``load``
         fp8 = MlaFp8Staging.create(args, smem.sC8, smem.sKp8, smem.sC, smem.sKp, self.dtype, r.producer_threads, tidx)
         last = tile.n_tiles - 1
         for p in cutlass.range_constexpr(ahead):
@@ -376,6 +385,7 @@ class MlaDecodeSm90:
         acc_O.fill(0.0)
         lse = cute.make_rmem_tensor((cute.size(ops.tScS_mn, mode=[0]),), Float32)
         self.load_q(tile, smem, args, cidx)
+        args = args.for_kv_head(tile.head_kv)  # a KV-head mode: its descale column (as in ``load``)
         tile_s = tile.with_kv_descale(args)  # an FP8 cache: the scores carry kv_descale
         if cutlass.const_expr(r.qk == "split"):
             self.s_warpgroup(tile_s, ops, pipeline_kv, None, acc_O, lse, cidx)
@@ -778,6 +788,6 @@ class _Sm90Ops:
 def compile_mla_sm90(key: tuple):
     """Compiles the kernel for ``key`` (``keys.mla_key``; config ``((tile_n, stages, qk[,
     fp8_stages]),)``) on fake tensors: no GPU needed."""
-    return compile_mla_from_key(key, lambda dtype, nheads, causal, is_split, split_blocks, config: MlaDecodeSm90(
-        dtype, nheads, causal, is_split, split_blocks,
+    return compile_mla_from_key(key, lambda dtype, heads, causal, is_split, split_blocks, config: MlaDecodeSm90(
+        dtype, heads, causal, is_split, split_blocks,
         mla_roles(*config)))
