@@ -22,7 +22,7 @@ from flash_attn_cute.cute_utils import CUTE_DTYPE_BY_NAME, compile_fwd, kernel_o
 from flash_attn_cute.keys import parse_key
 from flash_attn_cute.pack_gqa import packed_lse_rows, packed_rows, query_and_head_of_row
 from flash_attn_cute.seqlen_info import SeqlenInfo
-from flash_attn_cute.tile_scheduler import SingleTileScheduler, VarlenScheduler, WorkTile, m_blocks_divisor
+from flash_attn_cute.tile_scheduler import SingleTileScheduler, TileDivisors, VarlenScheduler, WorkTile, tile_divisors
 from flash_attn_cute.variants import AttentionVariant, AttnCtx, VariantParams, make_variant
 
 
@@ -181,31 +181,33 @@ def zero_rows_from(sX: cute.Tensor, first_row: Int32, tidx: Int32, num_threads: 
 
 
 def tile_grid(args: FwdArgs, tile_m: int, qhead_per_kvhead_packed: int) -> tuple:
-    """(grid, divisor, M blocks of the longest sequence, head groups) of a kernel with one
+    """(grid, divisors, M blocks of the longest sequence, head groups) of a kernel with one
     CTA per tile: ``VarlenScheduler`` for packed queries, else ``SingleTileScheduler``.
-    ``divisor`` (``tile_scheduler.m_blocks_divisor`` of the head groups, resp. of the M
-    blocks) is the kernel argument ``tile_work`` divides the block index by."""
+    ``divisors`` (``tile_scheduler.tile_divisors`` of the head groups, resp. of the M
+    blocks, and of the splits) is the kernel argument ``tile_work`` divides the block
+    index by."""
     num_m_blocks, heads = args.row_blocks(tile_m, qhead_per_kvhead_packed)
     if cutlass.const_expr(args.varlen_q):
         grid = VarlenScheduler.grid(cute.size(args.mQ.shape[0]), qhead_per_kvhead_packed, tile_m, heads,
                                     args.num_splits, args.batch_size)
-        divisor = m_blocks_divisor(heads)
+        divisors = tile_divisors(heads, args.num_splits)
     else:
         grid = SingleTileScheduler.grid(num_m_blocks, heads, args.num_splits, args.batch_size)
-        divisor = m_blocks_divisor(num_m_blocks)
-    return grid, divisor, num_m_blocks, heads
+        divisors = tile_divisors(num_m_blocks, args.num_splits)
+    return grid, divisors, num_m_blocks, heads
 
 
 @cute.jit
-def tile_work(args: FwdArgs, divisor: cute.FastDivmodDivisorV2, tile_m: cutlass.Constexpr[int],
+def tile_work(args: FwdArgs, divisors: TileDivisors, tile_m: cutlass.Constexpr[int],
               qhead_per_kvhead_packed: cutlass.Constexpr[int]) -> WorkTile:
-    """This CTA's tile in a grid of ``tile_grid`` (``divisor``: its divisor). Every lane of
-    the calling warp takes part."""
+    """This CTA's tile in a grid of ``tile_grid`` (``divisors``: its divisors). Every lane
+    of the calling warp takes part."""
     work = None
     if cutlass.const_expr(args.varlen_q):
-        work = VarlenScheduler.get_work(args.mCuSeqlensQ, divisor, qhead_per_kvhead_packed, tile_m, args.batch_size)
+        work = VarlenScheduler.get_work(args.mCuSeqlensQ, divisors.rows, qhead_per_kvhead_packed, tile_m,
+                                        args.batch_size)
     else:
-        work = SingleTileScheduler.get_work(divisor, args.num_splits, args.batch_size)
+        work = SingleTileScheduler.get_work(divisors, args.batch_size)
     return work
 
 

@@ -42,7 +42,7 @@ from flash_attn_cute.keys import parse_mla_key
 from flash_attn_cute.paged_kv import page_lookups
 from flash_attn_cute.seqlen_info import SeqlenInfo
 from flash_attn_cute.sm90.wgmma_utils import smem_layout as row_major_smem_layout
-from flash_attn_cute.tile_scheduler import SingleTileScheduler
+from flash_attn_cute.tile_scheduler import SingleTileScheduler, TileDivisors
 from flash_attn_cute.variants import AttnCtx, VariantParams, make_variant
 
 
@@ -143,12 +143,12 @@ class MlaTile(FwdTile):
     @staticmethod
     @cute.jit
     def create(args: MlaArgs, block_info: BlockInfo, is_split: cutlass.Constexpr[bool],
-               m_blocks: cute.FastDivmodDivisorV2) -> "MlaTile":
-        """This CTA's tile from the grid position (``SingleTileScheduler``, ``m_blocks`` the
-        kernel's ``m_blocks_divisor`` argument); ``block_info`` carries the kernel's tile
+               divisors: TileDivisors) -> "MlaTile":
+        """This CTA's tile from the grid position (``SingleTileScheduler``, ``divisors`` the
+        kernel's ``tile_divisors`` argument); ``block_info`` carries the kernel's tile
         shape, the heads packed per query position and the variant (causal or none: MLA has
         no window or softcap)."""
-        work = SingleTileScheduler.get_work(m_blocks, args.num_splits, args.batch_size)
+        work = SingleTileScheduler.get_work(divisors, args.batch_size)
         capacity = args.mPageTable.shape[1] * args.mCkv.shape[1]
         seqlen = SeqlenInfo.create(work.batch, args.mQn.shape[1], capacity, None, None, args.mSeqlens, capacity)
         no_window = VariantParams(Int32(-1), Int32(0), Float32(0.0), Float32(0.0))

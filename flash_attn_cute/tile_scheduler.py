@@ -29,7 +29,7 @@ already longest-first, so a dynamic (atomic counter) hand-out is not needed.
 """
 
 from dataclasses import dataclass
-from typing import Union
+from typing import NamedTuple, Union
 
 import cutlass
 import cutlass.cute as cute
@@ -67,6 +67,21 @@ def m_blocks_divisor(num_m_blocks):
     return cute.fast_divmod_create_divisor_v2(num_m_blocks)
 
 
+class TileDivisors(NamedTuple):
+    """What a one-CTA-per-tile grid's block index is divided by (``tile_divisors``, made
+    at launch): its M blocks (the head groups for ``VarlenScheduler``) and its splits."""
+
+    rows: cute.FastDivmodDivisorV2
+    splits: cute.FastDivmodDivisorV2
+
+
+def tile_divisors(rows, num_splits) -> TileDivisors:
+    """``TileDivisors`` of a grid, both fast divisors (``m_blocks_divisor``): the sequence
+    index of a (sequence, split) pair then stays on the uniform datapath (a runtime division
+    of it made the SM100 decode key's softmax warpgroup spill 98 values, sm_100a SASS)."""
+    return TileDivisors(m_blocks_divisor(rows), m_blocks_divisor(num_splits))
+
+
 @cute.jit
 def unfold_batch(m_blocks: cute.FastDivmodDivisorV2, batch_size: Int32):
     """(M block index, sequence, whether it is < batch_size) of this CTA in a grid of
@@ -93,13 +108,12 @@ class SingleTileScheduler:
 
     @staticmethod
     @cute.jit
-    def get_work(m_blocks: cute.FastDivmodDivisorV2, num_splits: Int32, batch_size: Int32) -> WorkTile:
-        """The CTA's tile in a grid of ``grid(num_m_blocks, ...)``; ``m_blocks``: the kernel's
-        ``m_blocks_divisor(num_m_blocks)`` argument."""
-        m_block, pair, in_batch = unfold_batch(m_blocks, batch_size * num_splits)
-        batch = pair // num_splits
-        return WorkTile(m_blocks.divisor - 1 - m_block, cute.arch.block_idx()[1], pair - batch * num_splits, batch,
-                        in_batch)
+    def get_work(divisors: TileDivisors, batch_size: Int32) -> WorkTile:
+        """The CTA's tile in a grid of ``grid(num_m_blocks, heads, num_splits, batch)``;
+        ``divisors``: the kernel's ``tile_divisors(num_m_blocks, num_splits)`` argument."""
+        m_block, pair, in_batch = unfold_batch(divisors.rows, batch_size * divisors.splits.divisor)
+        batch, split_idx = divmod(pair, divisors.splits)
+        return WorkTile(divisors.rows.divisor - 1 - m_block, cute.arch.block_idx()[1], split_idx, batch, in_batch)
 
     @staticmethod
     @cute.jit

@@ -56,6 +56,7 @@ from flash_attn_cute.sm100.config import (FP8_STAGES, HEAD_DIM_PAIRS, SMEM_LIMIT
 # The fp8 staging tiles: row-major, swizzled, one TMA box (the layout SM90's wgmma reads).
 from flash_attn_cute.sm90.wgmma_utils import smem_layout as row_major_smem_layout
 from flash_attn_cute.softmax import FP8_P_OFFSET, LOG2_E, OnlineSoftmax
+from flash_attn_cute.tile_scheduler import TileDivisors
 from flash_attn_cute.variants import AttentionVariant, apply_to_scores
 
 
@@ -246,12 +247,12 @@ class FlashAttnFwdSm100:
             sV8: v8_field
 
         assert SharedStorage.size_in_bytes() <= SMEM_LIMIT, (SharedStorage.size_in_bytes(), SMEM_LIMIT)
-        grid, grid_divisor, num_m_blocks, _ = tile_grid(args, self.tile_m, self.qhead_per_kvhead_packed)
+        grid, grid_divisors, num_m_blocks, _ = tile_grid(args, self.tile_m, self.qhead_per_kvhead_packed)
         kernel = self.kernel(
             args, (tma_Q, tma_K, tma_V), (tma_atom_Q, tma_atom_K, tma_atom_V),
             (sQ_layout, sK_layout, sV_layout, tP_layout, sK8_layout, sV8_layout), tiled_mma_qk, tiled_mma_pv, tx_bytes,
             SharedStorage,
-            grid_divisor,
+            grid_divisors,
         )
         launch_ctas(kernel, grid, self.roles.num_threads, SharedStorage, stream, setmaxnreg=True)
 
@@ -268,10 +269,10 @@ class FlashAttnFwdSm100:
     @cute.kernel
     def kernel(self, args: FwdArgs, tma_views: tuple, tma_atoms: tuple, smem_layouts: tuple,
                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tx_bytes: cutlass.Constexpr,
-               SharedStorage: cutlass.Constexpr, grid_divisor: cute.FastDivmodDivisorV2):
+               SharedStorage: cutlass.Constexpr, grid_divisors: TileDivisors):
         """``args``: the caller's tensors (Q and K for shapes only: loads go through the TMA
         views) and scalars; ``smem_layouts``: Q, K, V and P's (TMEM) operand layouts, then
-        the fp8 K and V staging; ``grid_divisor``: what ``tile_work`` divides the block
+        the fp8 K and V staging; ``grid_divisors``: what ``tile_work`` divides the block
         index by (``tile_grid``)."""
         tma_Q, tma_K, tma_V = tma_views
         tma_atom_Q, tma_atom_K, tma_atom_V = tma_atoms
@@ -347,7 +348,7 @@ class FlashAttnFwdSm100:
         mSink = args.mLearnableSink if cutlass.const_expr(not self.is_split) else None
         if warp_idx >= roles.mma_warp:
             cute.arch.setmaxregister_decrease(roles.other_regs)
-            tile = self.tile_of(args, grid_divisor)
+            tile = self.tile_of(args, grid_divisors)
             if tile.rows_valid > 0:
                 if warp_idx == roles.load_warp:
                     if tile.n_block_max > tile.n_block_min:
@@ -378,7 +379,7 @@ class FlashAttnFwdSm100:
                     tmem.free(tmem_ptr, self.tmem_cols)
         elif warp_idx < roles.num_softmax_warps:
             cute.arch.setmaxregister_increase(roles.softmax_regs)
-            tile = self.tile_of(args, grid_divisor)
+            tile = self.tile_of(args, grid_divisors)
             if tile.rows_valid > 0:
                 tmem.wait_for_alloc()
                 tmem_ptr = tmem.retrieve_ptr(Float32)
@@ -389,7 +390,7 @@ class FlashAttnFwdSm100:
                 tmem_barrier.arrive()
         else:
             cute.arch.setmaxregister_decrease(roles.correction_regs)
-            tile = self.tile_of(args, grid_divisor)
+            tile = self.tile_of(args, grid_divisors)
             if tile.rows_valid > 0:
                 tmem.wait_for_alloc()
                 tmem_ptr = tmem.retrieve_ptr(Float32)
@@ -401,9 +402,9 @@ class FlashAttnFwdSm100:
         return BlockInfo(self.tile_m, self.tile_n, self.qhead_per_kvhead_packed, self.variant, self.split_blocks,
                          self.q_class)
 
-    def tile_of(self, args: FwdArgs, grid_divisor: cute.FastDivmodDivisorV2) -> FwdTile:
+    def tile_of(self, args: FwdArgs, grid_divisors: TileDivisors) -> FwdTile:
         """This CTA's tile, as each role derives it (``fwd_kernel.tile_work``)."""
-        work = tile_work(args, grid_divisor, self.tile_m, self.qhead_per_kvhead_packed)
+        work = tile_work(args, grid_divisors, self.tile_m, self.qhead_per_kvhead_packed)
         return FwdTile.create(args, work, self.block_info(), self.is_split)
 
     # -----------------------------------------------------------------------------------

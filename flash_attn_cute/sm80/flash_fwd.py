@@ -38,6 +38,7 @@ from flash_attn_cute.layout_utils import acc_mn_view, acc_to_operand_a
 from flash_attn_cute.paged_kv import paged_row_fns
 from flash_attn_cute.sm80.gemm import gemm_rs, gemm_ss, smem_layout
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
+from flash_attn_cute.tile_scheduler import TileDivisors
 from flash_attn_cute.variants import AttentionVariant, apply_to_scores
 
 
@@ -86,7 +87,7 @@ class FlashAttnFwdSm80:
             (self.num_threads // 32, 1, 1),
             permutation_mnk=(self.num_threads // 32 * 16, 16, 16),
         )
-        grid, grid_divisor, num_m_blocks, _ = tile_grid(args, self.tile_m, self.qhead_per_kvhead_packed)
+        grid, grid_divisors, num_m_blocks, _ = tile_grid(args, self.tile_m, self.qhead_per_kvhead_packed)
         kernel = self.kernel(
             args, (sQ_layout, sK_layout, sV_layout, sK8_layout, sV8_layout),
             gmem_tiled_copy(self.dtype, self.head_dim, self.num_threads),
@@ -95,7 +96,7 @@ class FlashAttnFwdSm80:
              gmem_tiled_copy(kv_dtype, self.head_dim_v, self.num_threads)),
             tiled_mma,
             SharedStorage,
-            grid_divisor,
+            grid_divisors,
         )
         launch_ctas(kernel, grid, self.num_threads, SharedStorage, stream)
 
@@ -109,13 +110,13 @@ class FlashAttnFwdSm80:
         gmem_copy_KV8: tuple,  # K, V in their own dtype (fp8 caches: 16 elements per cp.async)
         tiled_mma: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
-        grid_divisor: cute.FastDivmodDivisorV2,  # what tile_work divides the block index by (tile_grid)
+        grid_divisors: TileDivisors,  # what tile_work divides the block index by (tile_grid)
     ):
         tidx, _, _ = cute.arch.thread_idx()
         block_info = BlockInfo(self.tile_m, self.tile_n, self.qhead_per_kvhead_packed, self.variant, self.split_blocks,
                          self.q_class)
         # The tile (``FwdTile.create``) in steps: its context and KV range only once it has rows.
-        work = tile_work(args, grid_divisor, self.tile_m, self.qhead_per_kvhead_packed)
+        work = tile_work(args, grid_divisors, self.tile_m, self.qhead_per_kvhead_packed)
         head_kv = FwdTile.head_kv_of(args, work, block_info)
         seqlen = FwdTile.seqlen_of(args, work)
         rows_valid = FwdTile.rows_valid_of(seqlen, work, block_info)

@@ -94,7 +94,7 @@ from flash_attn_cute.named_barrier import Sm80MlaBarrier
 from flash_attn_cute.sm80.config import MlaWarpRoles
 from flash_attn_cute.sm80.gemm import smem_layout
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
-from flash_attn_cute.tile_scheduler import SingleTileScheduler, m_blocks_divisor
+from flash_attn_cute.tile_scheduler import SingleTileScheduler, TileDivisors, tile_divisors
 from flash_attn_cute.variants import apply_to_scores
 
 
@@ -148,7 +148,7 @@ class MlaDecodeSm80:
             gmem_tiled_copy(self.dtype, D_CKV, self.roles.o_threads),
             gmem_tiled_copy(self.dtype, D_KPE, self.roles.o_threads),
             SharedStorage,
-            m_blocks_divisor(num_m_blocks),
+            tile_divisors(num_m_blocks, args.num_splits),
         )
         grid = SingleTileScheduler.grid(num_m_blocks, args.num_kv_heads(), args.num_splits, args.batch_size)
         launch_ctas(kernel, grid, self.roles.threads, SharedStorage, stream)
@@ -163,14 +163,14 @@ class MlaDecodeSm80:
         copy_C: cute.TiledCopy,
         copy_Kp: cute.TiledCopy,
         SharedStorage: cutlass.Constexpr,
-        m_blocks: cute.FastDivmodDivisorV2,  # the grid's M blocks (tile_scheduler.m_blocks_divisor)
+        divisors: TileDivisors,  # the grid's M blocks and splits (tile_scheduler.tile_divisors)
     ):
         sQn_layout, sQp_layout, sC_layout, sKp_layout, sP_layout, sC8_layout, sKp8_layout = smem_layouts
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tile = MlaTile.create(
             args, BlockInfo(self.tile_m, self.tile_n, self.qhead_per_kvhead_packed, self.variant, self.split_blocks),
-            self.is_split, m_blocks)
+            self.is_split, divisors)
         args = args.for_kv_head(tile.head_kv)  # a KV-head mode: this CTA's head of the caches
         if tile.rows_valid > 0:
             storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)

@@ -62,7 +62,7 @@ from flash_attn_cute.sm90.config import TWO_CTAS_SMEM, WarpRoles
 from flash_attn_cute.sm90.fp8_operands import FP8TileGeometry, p_to_fp8, transpose_v_block
 from flash_attn_cute.sm90.wgmma_utils import convert_pairs, kv_release, kv_wait, smem_layout, wgmma_gemm
 from flash_attn_cute.softmax import FP8_P_OFFSET, LOG2_E, OnlineSoftmax
-from flash_attn_cute.tile_scheduler import LptScheduler, PersistentScheduler, SingleTileScheduler
+from flash_attn_cute.tile_scheduler import LptScheduler, PersistentScheduler, SingleTileScheduler, TileDivisors
 from flash_attn_cute.variants import AttentionVariant, apply_to_scores
 
 
@@ -219,7 +219,7 @@ class FlashAttnFwdSm90:
             cute.size_in_bytes(kv_dtype, cute.select(sV_layout, mode=[0, 1])),
         )
 
-        grid, grid_divisor, num_m_blocks, heads_eff = tile_grid(args, self.tile_m, self.qhead_per_kvhead_packed)
+        grid, grid_divisors, num_m_blocks, heads_eff = tile_grid(args, self.tile_m, self.qhead_per_kvhead_packed)
         if cutlass.const_expr(self.persistent):
             grid = PersistentScheduler.grid(
                 PersistentScheduler.num_tiles(num_m_blocks, heads_eff, args.num_splits, args.batch_size), max_ctas
@@ -231,7 +231,7 @@ class FlashAttnFwdSm90:
             (sQ_layout, sK_layout, sV_layout, sO_layout, sKw_layout, sVw_layout, sVt_layout), tiled_mma_qk,
             tiled_mma_pv,
             gmem_tiled_copy(self.dtype, self.head_dim, self.roles.consumer_threads),
-            tx_bytes, SharedStorage, num_m_blocks, grid_divisor, heads_eff, l2_heads,
+            tx_bytes, SharedStorage, num_m_blocks, grid_divisors, heads_eff, l2_heads,
         )
         launch_ctas(kernel, grid, self.roles.threads, SharedStorage, stream, setmaxnreg=True,
                     ctas_per_sm=self.ctas_per_sm)
@@ -249,7 +249,7 @@ class FlashAttnFwdSm90:
         tx_bytes: cutlass.Constexpr,
         SharedStorage: cutlass.Constexpr,
         num_m_blocks: Int32,
-        grid_divisor: cute.FastDivmodDivisorV2,  # what tile_work divides the block index by (tile_grid)
+        grid_divisors: TileDivisors,  # what tile_work divides the block index by (tile_grid)
         heads_eff: Int32,
         l2_heads: Int32,
     ):
@@ -325,7 +325,7 @@ class FlashAttnFwdSm90:
 
         block_info = BlockInfo(self.tile_m, self.tile_n, self.qhead_per_kvhead_packed, self.variant, self.split_blocks,
                          self.q_class)
-        sched = _Sched(num_m_blocks, grid_divisor, heads_eff, l2_heads)
+        sched = _Sched(num_m_blocks, grid_divisors, heads_eff, l2_heads)
         pipeline.pipeline_init_wait()
 
         if warp_idx < len(self.roles.producer_warps):
@@ -354,7 +354,7 @@ class FlashAttnFwdSm90:
         elif cutlass.const_expr(self.use_lpt):
             work = LptScheduler.get_work(sched.num_m_blocks, sched.heads, args.batch_size, sched.l2_heads)
         else:
-            work = tile_work(args, sched.grid_divisor, self.tile_m, self.qhead_per_kvhead_packed)
+            work = tile_work(args, sched.grid_divisors, self.tile_m, self.qhead_per_kvhead_packed)
         return work
 
     @cute.jit
@@ -942,7 +942,7 @@ class _Sched:
     under pack_gqa), and (head, batch) pairs per L2 section of the LPT order."""
 
     num_m_blocks: Int32
-    grid_divisor: cute.FastDivmodDivisorV2  # what tile_work divides the block index by (tile_grid)
+    grid_divisors: TileDivisors  # what tile_work divides the block index by (tile_grid)
     heads: Int32
     l2_heads: Int32
 

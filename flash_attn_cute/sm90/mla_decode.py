@@ -154,7 +154,7 @@ from flash_attn_cute.named_barrier import Sm90MlaBarrier
 from flash_attn_cute.sm90.config import MlaRoles, mla_roles
 from flash_attn_cute.sm90.wgmma_utils import convert_pairs, kv_release, kv_wait, smem_layout, wgmma_gemm
 from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
-from flash_attn_cute.tile_scheduler import SingleTileScheduler, m_blocks_divisor
+from flash_attn_cute.tile_scheduler import SingleTileScheduler, TileDivisors, tile_divisors
 from flash_attn_cute.variants import apply_to_scores
 
 
@@ -207,8 +207,8 @@ class MlaDecodeSm90:
             self.dtype, self.dtype, k_major, mn_major, Float32, atom_layout_mnk=(1, r.num_consumer_wgs, 1),
             tiler_mn=(r.tile_m, r.o_cols))
         num_m_blocks = args.num_m_blocks(r.tile_m, self.qhead_per_kvhead_packed)
-        launch_ctas(self.kernel(args, m_blocks_divisor(num_m_blocks), layouts, tiled_mma_qk, tiled_mma_pv,
-                                tiled_mma_pv_ss, SharedStorage),
+        launch_ctas(self.kernel(args, tile_divisors(num_m_blocks, args.num_splits), layouts, tiled_mma_qk,
+                                tiled_mma_pv, tiled_mma_pv_ss, SharedStorage),
                     SingleTileScheduler.grid(num_m_blocks, args.num_kv_heads(), args.num_splits, args.batch_size),
                     r.threads,
                     SharedStorage, stream, setmaxnreg=True)
@@ -217,7 +217,7 @@ class MlaDecodeSm90:
     def kernel(
         self,
         args: MlaArgs,
-        m_blocks: cute.FastDivmodDivisorV2,  # the grid's M blocks (tile_scheduler.m_blocks_divisor)
+        divisors: TileDivisors,  # the grid's M blocks and splits (tile_scheduler.tile_divisors)
         smem_layouts: tuple,  # Qn, Qp, ckv, kpe, P, fp8 staging ckv and kpe
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
@@ -264,7 +264,7 @@ class MlaDecodeSm90:
         )
         tile = MlaTile.create(
             args, BlockInfo(r.tile_m, r.tile_n, self.qhead_per_kvhead_packed, self.variant, self.split_blocks),
-            self.is_split, m_blocks)
+            self.is_split, divisors)
         pipeline.pipeline_init_wait()
         if tile.rows_valid > 0:
             if warp_idx < r.producer_threads // 32:
