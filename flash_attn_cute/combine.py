@@ -385,7 +385,8 @@ def compile_combine(key: tuple):
                         options=compile_options(arch))
 
 
-def combine_launcher(out_dtype, head_dim_v: int, has_lse: bool, has_sink: bool = False, split_groups: int = 1):
+def combine_launcher(out_dtype, head_dim_v: int, has_lse: bool, has_sink: bool = False, split_groups: int = 1,
+                     arch: Optional[str] = None):
     """The compiled combine for an output dtype (torch), d_v, LSE on/off and sink on/off:
     called as ``fn(out_partial, lse_partial, out, lse, sink)`` with out_partial
     (num_splits, b, s, h, d_v) fp32, lse_partial (num_splits, b, h, s) fp32, out (b, s, h,

@@ -42,6 +42,7 @@ import torch
 
 from . import heuristics
 from .constants import MAX_SPLITS, MIXED_ROWS
+from .keys import arch_of_capability
 from .problems import FwdPlan, FwdProblem, MlaProblem
 from .tuning import NO_TUNING, Tuning
 
@@ -131,11 +132,12 @@ def select_backend(requested: Optional[str], problem, device) -> tuple:
 
 
 def combine_launcher(out_dtype: torch.dtype, d_v: int, has_lse: bool, has_sink: bool = False,
-                     split_groups: int = 1) -> Callable:
-    """The compiled split-KV combine (see ``combine.combine_launcher``); imported lazily."""
+                     split_groups: int = 1, arch: Optional[str] = None) -> Callable:
+    """The compiled split-KV combine for ``arch`` (see ``combine.combine_launcher``);
+    imported lazily."""
     from .combine import combine_launcher as launcher
 
-    return launcher(out_dtype, d_v, has_lse, has_sink, split_groups)
+    return launcher(out_dtype, d_v, has_lse, has_sink, split_groups, arch)
 
 
 class Resolved(NamedTuple):
@@ -189,11 +191,14 @@ def _resolve(problem, requested: Optional[str], num_splits: int, pack_gqa: Optio
             then=_resolve(rest, requested, rest_splits, pack_gqa, device, tuning))
     name, module = select_backend(requested, problem, device)
     num_sms = heuristics.num_sms(device) if num_splits == 0 else None
-    plan = module.plan(problem, num_splits, pack_gqa, num_sms, tuning=tuning)
+    # The arch the launcher compiles for, from the call's device: a planner whose config
+    # depends on it (SM100's sm_103 rule, SM80's shared memory) plans what it compiles.
+    arch = arch_of_capability(torch.cuda.get_device_capability(device))
+    plan = module.plan(problem, num_splits, pack_gqa, num_sms, tuning=tuning, arch=arch)
     combine = None
     if plan.is_split:
         combine = combine_launcher(problem.out_dtype, problem.d_v, problem.has_lse, problem.has_sink,
-                                   heuristics.combine_split_groups(plan.num_splits, problem.batch_invariant))
+                                   heuristics.combine_split_groups(plan.num_splits, problem.batch_invariant), arch)
     return Resolved(plan, module.launcher(problem, plan, device), combine)
 
 

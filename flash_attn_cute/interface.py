@@ -35,6 +35,7 @@ from . import call_cache, checks, fwd, heuristics, ops, tuning, user_variants
 from .backend_kit import NO_VARIANT
 from .checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, normalize_window  # noqa: F401  (public names)
 from .constants import INT32_MAX, MAX_SPLITS
+from .keys import arch_of_capability
 from .problems import FwdProblem, out_dtype
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_combine",
@@ -581,6 +582,7 @@ def flash_attn_combine(out_partial, lse_partial, *, out=None, out_dtype=None, re
         out = out_partial.new_empty((b, s, h, d_v), dtype=out_dtype)
     lse = lse_partial.new_empty((b, h, s)) if return_lse else None
     if out.numel() > 0 or (lse is not None and lse.numel() > 0):
-        fwd.combine_launcher(out.dtype, d_v, lse is not None, split_groups=heuristics.combine_split_groups(ns))(
+        fwd.combine_launcher(out.dtype, d_v, lse is not None, split_groups=heuristics.combine_split_groups(ns),
+                             arch=arch_of_capability(torch.cuda.get_device_capability(out.device)))(
             out_partial, lse_partial, out, lse, None)
     return (out, lse) if return_lse else out

@@ -44,7 +44,16 @@ def target_arch(device=None) -> str:
         return arch
     if not torch.cuda.is_available():
         raise RuntimeError("no GPU: set CUTE_DSL_ARCH (e.g. sm_90a) to compile without one")
-    major, minor = torch.cuda.get_device_capability(device)
+    return arch_of_capability(torch.cuda.get_device_capability(device))
+
+
+def arch_of_capability(capability: tuple) -> str:
+    """The arch a call on a GPU of ``capability`` compiles for (``target_arch``'s rule from
+    a capability the caller read): CUTE_DSL_ARCH, else ``sm_<major><minor>[a]``."""
+    arch = os.environ.get("CUTE_DSL_ARCH")
+    if arch:
+        return arch
+    major, minor = capability
     return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
 
 

@@ -181,10 +181,13 @@ def test_corrupted_entry_is_recompiled_and_replaced(frozen, built, tmp_path):
 # ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch,capability", [("sm_80", (8, 0)), ("sm_90a", (9, 0))])
+@pytest.mark.parametrize("arch,capability", [("sm_80", (8, 0)), ("sm_90a", (9, 0)), ("sm_100a", (10, 0)),
+                                               ("sm_103a", (10, 3))])
 def test_preset_keys_are_what_the_launchers_ask_for(monkeypatch, arch, capability):
     """Resolving every preset problem the way a call does (device faked) asks the JIT
-    cache for exactly the preset's entries."""
+    cache for exactly the preset's entries: the runtime plans with the call's arch
+    (``fwd.resolve``), so sm_103 takes SM100's sm_103 rule (no FMA-pipe exponentials) as the
+    AOT build does."""
     asked = set()
     monkeypatch.setenv("CUTE_DSL_ARCH", arch)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
@@ -313,8 +316,10 @@ def test_expand_and_validate(tmp_path):
 
 
 def test_refused_problems_are_reported():
-    entries, skipped = aot.entries_for([{"d": [64, 80]}], "sm_80")
-    assert len(entries) == 1 and len(skipped) == 1 and "80" in skipped[0]
+    entries, skipped = aot.entries_for([{"d": [64, 80]}], "sm_80")  # 80: the 96 tile, padded
+    assert len(entries) == 2 and not skipped
+    entries, skipped = aot.entries_for([{"d": [64, 256]}], "sm_100a", backend="sm100")
+    assert len(entries) == 1 and len(skipped) == 1 and "256" in skipped[0]
     with pytest.raises(ValueError, match="arch"):
         aot.entries_for(TINY, "ampere")
 

@@ -220,9 +220,13 @@ def test_fp8_attention_refusals(launches, monkeypatch):
         flash_attn_func(q8, k8.to(torch.float8_e5m2), v8.to(torch.float8_e5m2))
     pool = torch.randn(8, 16, 2, 64).to(E4M3)
     table = torch.arange(8, dtype=torch.int32).view(2, 4)
-    with pytest.raises(NotImplementedError, match="page_size a multiple of 64"):
-        flash_attn_with_kvcache(q8, pool, pool, cache_seqlens=torch.tensor([60, 3], dtype=torch.int32),
-                                page_table=table)
+    # Pages of 16 (vLLM's): gathered rows on one consumer warpgroup (config.fp8_qkv_tile).
+    launches.clear()
+    flash_attn_with_kvcache(q8, pool, pool, cache_seqlens=torch.tensor([60, 3], dtype=torch.int32), page_table=table)
+    config = launches[-1].plan.config
+    assert config.gather_kv and config.tile_m == 64
+    with pytest.raises(ValueError, match=r"multiple of 16 in \[16, 256\] \(FP8 tensors\), got 40"):
+        flash_attn_func(*(torch.randn(2, 8, 2, 40).to(E4M3) for _ in range(3)))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
     with pytest.raises(NotImplementedError, match="FP8 attention"):
         flash_attn_func(q8, k8, v8)

@@ -248,7 +248,7 @@ def test_batch_invariant_is_always_split_with_the_sink_in_the_combine(launches, 
     # Fixed keys per split (4096), the splits the capacity needs, a split kernel and the
     # combine even for one split; the combine gets the sink, the kernel fp32 partials.
     combines = []
-    monkeypatch.setattr(fwd, "combine_launcher", lambda out_dtype, d_v, has_lse, has_sink=False, split_groups=1:
+    monkeypatch.setattr(fwd, "combine_launcher", lambda out_dtype, d_v, has_lse, has_sink=False, split_groups=1, arch=None:
                         lambda *t: combines.append((has_sink, t)))
     a = mixed_step(page_size=16)  # capacity 608 keys: one split
     sink = torch.randn(8)
@@ -268,7 +268,7 @@ def test_batch_invariant_is_always_split_with_the_sink_in_the_combine(launches, 
 def test_seqused_q_split_partials_start_empty(launches, monkeypatch):
     # Rows past seqused_q are not computed: split partials start at LSE -inf so that the
     # combine writes them as rows that saw no key, never uninitialised memory.
-    monkeypatch.setattr(fwd, "combine_launcher", lambda out_dtype, d_v, has_lse, has_sink=False, split_groups=1: lambda *t: None)
+    monkeypatch.setattr(fwd, "combine_launcher", lambda out_dtype, d_v, has_lse, has_sink=False, split_groups=1, arch=None: lambda *t: None)
     a = mixed_step()
     flash_attn_varlen_func(**a, seqused_q=torch.tensor([1, 1, 3, 0, 200], dtype=torch.int32), num_splits=3)
     lse_partial = launches[-2].tensors[4]  # the mixed plan's short part (the long one is never split)

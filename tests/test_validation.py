@@ -171,7 +171,7 @@ def fake_gpu(fake_device, monkeypatch):
     fake_device(lambda name, kind="fwd": _fake_backend(fake_kernel))
     fake_combine.split_groups = []
 
-    def launcher(out_dtype, d_v, has_lse, has_sink=False, split_groups=1):
+    def launcher(out_dtype, d_v, has_lse, has_sink=False, split_groups=1, arch=None):
         fake_combine.split_groups.append(split_groups)
         return fake_combine
 

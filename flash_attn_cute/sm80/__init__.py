@@ -10,7 +10,6 @@ from typing import NamedTuple, Optional
 
 from ..backend_kit import (feature_refusal, fwd_entry_points, head_dim_refusal, head_groups, plan_rows, plan_splits,
                            tile_head_dims)
-from ..keys import target_arch_or_none
 from ..problems import FwdPlan, FwdProblem
 from ..tuning import NO_TUNING, Tuning
 from .config import fp8_refusal, fp8_staging_fits, select_tile
@@ -63,12 +62,11 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     GQA packing (None = FA3's rule) and KV splits
     (0 = heuristic on ``num_sms``; batch invariant: fixed keys per split, ``num_splits``
     ignored). FP8 K/V: the tile's KV block shrinks where its staging would not fit the
-    shared memory of ``arch`` (default: the current target, ``keys.target_arch``; none
-    without a GPU or CUTE_DSL_ARCH: the tile of the 227 KB parts)."""
+    shared memory of ``arch`` (the call's, ``fwd.resolve``; None: the tile of the 227 KB
+    parts)."""
     pack_gqa, rows = plan_rows(problem, pack_gqa, _SPLIT_TILE_M)
     d, d_v = tile_head_dims(problem, HEAD_DIM_PAIRS)
     tile = select_tile(d, d_v, rows, tuning.sm80_tile, problem.batch_invariant)
-    arch = arch or (target_arch_or_none() if problem.kv_fp8 else None)
     if problem.kv_fp8 and arch is not None:
         tile = fp8_staging_fits(tile, d, d_v, arch)
     num_splits, split_blocks = plan_splits(problem, num_splits, num_sms, head_groups(problem, pack_gqa), rows,

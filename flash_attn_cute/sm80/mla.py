@@ -8,7 +8,6 @@ from typing import NamedTuple, Optional
 
 from ..backend_kit import mla_entry_points, mla_refusal, plan_splits
 from ..constants import MLA_NHEADS
-from ..keys import target_arch
 from ..problems import FwdPlan, MlaProblem
 from ..tuning import NO_TUNING, Tuning, fp8_stages_override
 from .config import MLA_FP8_STAGING, MLA_SMEM_KB, MlaWarpRoles, mla_smem_kb, mla_stages_for, smem_kb
@@ -40,12 +39,13 @@ def plan(problem: MlaProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     (``mla_kernel.MlaTile``: a partial last tile is predicated); ``num_splits`` 0 = the package's
     wave-efficiency heuristic on this grid (shapes only, never the device lengths; batch
     invariant: fixed keys per split). The query heads are always packed (``pack_gqa`` is
-    ignored); the depth is the arch's (``tuning.mla_stages`` overrides)."""
+    ignored); the depth is the arch's (the call's, ``fwd.resolve``; None: the A100's, the
+    smallest shared memory; ``tuning.mla_stages`` overrides)."""
     roles = MlaWarpRoles()
     rows = problem.max_seqlen_q * problem.qhead_per_kvhead  # packed rows of one KV head
     num_splits, split_blocks = plan_splits(problem, num_splits, num_sms, problem.nheads_kv, rows, tile_m=roles.tile_m,
                                            tile_n=roles.tile_n, ctas_per_sm=_CTAS_PER_SM, tolerance=_SPLIT_TOLERANCE)
-    arch = arch or target_arch()
+    arch = arch or "sm_80"
     stages, staging = mla_stages_for(arch, tuning.mla_stages, problem.kv_fp8), 0
     if problem.kv_fp8:
         stages, staging = fp8_stages_override(tuning.mla_fp8_stages) or (stages, MLA_FP8_STAGING)
