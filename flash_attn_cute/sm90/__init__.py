@@ -25,7 +25,8 @@ _SPLIT_TOLERANCE = 0.95
 
 # wgmma and setmaxnreg exist on sm_90a only.
 AUTO = True
-FEATURES = frozenset({"learnable_sink", "seqused_q", "batch_invariant", "fp8_kv", "fp8_qkv"})  # backend_kit.FEATURES this kernel implements
+# backend_kit.FEATURES this kernel implements
+FEATURES = frozenset({"learnable_sink", "seqused_q", "batch_invariant", "fp8_kv", "fp8_qkv", "paged_leftpad"})
 
 
 class Sm90Config(NamedTuple):
@@ -52,6 +53,9 @@ def check(problem: FwdProblem) -> Optional[str]:
     if problem.qkv_fp8 and problem.page_size % 64:
         return (f"FP8 attention over a paged cache needs page_size a multiple of 64 (one TMA per block; "
                 f"row gathers of FP8 Q, K and V are not implemented), got {problem.page_size}")
+    if problem.qkv_fp8 and problem.leftpad_k:
+        return ("FP8 attention over a paged cache with cache_leftpad needs row gathers of FP8 Q, K and V, "
+                "which are not implemented (one TMA per page-aligned block only)")
     return config.unsupported_reason(problem.d, problem.d_v) or feature_refusal(problem, FEATURES)
 
 
@@ -88,7 +92,7 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     num_splits, split_blocks = plan_splits(problem, num_splits, num_sms, head_groups(problem, pack_gqa), rows,
                                            tile_m=tile[0], tile_n=tile[1], ctas_per_sm=split_ctas or ctas_per_sm,
                                            tolerance=_SPLIT_TOLERANCE)
-    gather_kv = config.gathers_kv(tile[1], problem.page_size)
+    gather_kv = config.gathers_kv(tile[1], problem.page_size, problem.leftpad_k)
     fits = config.persistent_fits(problem.d, problem.d_v, tile, problem.qhead_per_kvhead if pack_gqa else 1,
                                   problem.varlen_q, num_splits > 1 or split_blocks > 0, gather_kv,
                                   problem.has_seqused_q)

@@ -159,10 +159,11 @@ def fp8_qkv_tile(d: int, dv: int, tile: tuple, page_size: int = 0, causal: bool 
     return m, n, stages, tile[3]
 
 
-def gathers_kv(tile_n: int, page_size: int) -> bool:
+def gathers_kv(tile_n: int, page_size: int, leftpad_k: bool = False) -> bool:
     """Whether a paged cache (page_size > 0) is read by cp.async row gathers: its pages
-    do not hold whole tile_n blocks, so no TMA box spans one."""
-    return page_size > 0 and page_size % tile_n != 0
+    do not hold whole tile_n blocks, so no TMA box spans one; or its sequences start at a
+    per-sequence position (``leftpad_k``: cache_leftpad), so a block starts inside a page."""
+    return page_size > 0 and (page_size % tile_n != 0 or leftpad_k)
 
 
 def persistent_fits(d: int, dv: int, tile: tuple, pack: int, varlen_q: bool, is_split: bool,

@@ -434,6 +434,9 @@ class FlashAttnFwdSm90:
 
     def kv_tma_loaders(self, args: FwdArgs, io: "_Io", tile: FwdTile):
         """(load_k, load_v): ``(n_block, state) ->`` one TMA of the block into the stage."""
+        if cutlass.const_expr(args.mLeftpadK is not None):
+            # A key start inside a page moves every block off the page's TMA boxes.
+            raise ValueError("a paged cache with mLeftpadK (cache_leftpad) is read by row gathers (gather_kv)")
         head_kv, batch = tile.head_kv, tile.ctx.batch
         if cutlass.const_expr(args.paged):
             mK_cur = io.tma_K[None, None, head_kv, None]  # (page_size, d, num_pages)
@@ -488,16 +491,19 @@ class FlashAttnFwdSm90:
             tXcX = thr_copy.partition_S(cute.make_identity_tensor((self.tile_n, cols)))
             mX_h = mX[None, None, tile.head_kv, None]  # (num_pages, page_size, cols)
             return lambda n_block, st: self.gather_kv_block(tiled_copy, tXsX, tXcX, mX_h, args.mPageTable,
-                                                            tile.ctx.batch, pipe, n_block, st, tile.seqlen.seqlen_k)
+                                                            tile.ctx.batch, pipe, n_block, st, tile.seqlen.seqlen_k,
+                                                            tile.seqlen.leftpad_k)
 
         return loader(io.tma_K, io.sK, self.head_dim, io.pipeline_k), loader(io.tma_V, io.sV, self.head_dim_v,
                                                                              io.pipeline_v)
 
     @cute.jit
-    def gather_kv_block(self, tiled_copy, tXsX, tXcX, mX_h, mPageTable, batch, pipe, n_block, state, seqlen_k):
+    def gather_kv_block(self, tiled_copy, tXsX, tXcX, mX_h, mPageTable, batch, pipe, n_block, state, seqlen_k,
+                        key_start=None):
         """cp.async of this thread's chunks of block n_block, then a cp.async arrive on the
         stage's full barrier (it fires when they land). The page lookups of a group of rows
-        are issued before its first copy (``paged_kv.page_lookups``). Rows past the
+        are issued before its first copy (``paged_kv.page_lookups``; ``key_start``: the
+        sequence's first cache position with cache_leftpad, else None). Rows past the
         sequence end are not read: their scores are masked, and the consumers zero the V
         tail (``zero_v_tail``)."""
         page_size, num_pages = mX_h.shape[1], mX_h.shape[0]
@@ -510,7 +516,8 @@ class FlashAttnFwdSm90:
         last = seqlen_k - 1
         for g in cutlass.range_constexpr(cute.ceil_div(rows, group)):
             count = min(group, rows - g * group)
-            tPrPage, tPrRow = page_lookups(mPageTable, batch, tXcX, t0, last, g * group, count, page_size, num_pages)
+            tPrPage, tPrRow = page_lookups(mPageTable, batch, tXcX, t0, last, g * group, count, page_size, num_pages,
+                                           key_start)
             if cutlass.const_expr(g == 0):
                 pipe.producer_acquire(state)
             for i in cutlass.range_constexpr(count):
