@@ -186,7 +186,7 @@ APPEND_CASES = [
     ("rotary_fp32", False, lambda a: a.update(rotary_cos=a["rotary_cos"].float(), rotary_sin=a["rotary_sin"].float()),
      TypeError, "rotary_cos must be torch.bfloat16"),
     ("batch_idx_with_pages", True, lambda a: a.update(cache_batch_idx=torch.tensor([1, 0], dtype=torch.int32)),
-     ValueError, "cache_batch_idx and cache_leftpad apply to a contiguous cache"),
+     ValueError, "cache_batch_idx applies to a contiguous cache"),
     ("leftpad_int64", False, lambda a: a.update(cache_leftpad=torch.tensor([1, 0])), TypeError,
      "cache_leftpad must be int32"),
     ("seqlens_no_room", False, lambda a: a.update(cache_seqlens=48), ValueError, r"cache_seqlens must be in \[0, 47\]"),
