@@ -459,13 +459,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     Safety: the kernels never read or write outside the cache, without any host-side check:
     lengths are clamped to the capacity (``max_seqlen_k``, or ``max_pages_per_seq *
-    page_size``), page ids into ``[0, num_pages)``, so an out-of-range ``cache_seqlens`` or
-    page-table entry gives wrong results, never an illegal access. The default path never
-    synchronises with the device, so it can be captured in a CUDA graph (the split
-    heuristic then plans for the capacity). ``check_cache_bounds=True`` (a debugging aid)
-    reads ``cache_seqlens`` and the referenced page-table entries back to the host, raises
-    ValueError on any value out of range, and plans for the true maximum length: one
-    device-to-host sync per call, skipped under CUDA-graph capture.
+    page_size``), page ids into ``[0, num_pages)``, ``cache_batch_idx`` entries into ``[0,
+    batch_cache)`` (a bad entry writes and reads the rows of the clamped cache row, another
+    sequence's), ``cache_leftpad`` into ``[0, length]``, so an out-of-range value gives
+    wrong results, never an illegal access. The default path never synchronises with the
+    device, so it can be captured in a CUDA graph (the split heuristic then plans for the
+    capacity). ``check_cache_bounds=True`` (a debugging aid) reads ``cache_seqlens``,
+    ``cache_batch_idx`` and the referenced page-table entries back to the host (one read),
+    raises ValueError on any value out of range, and plans for the true maximum length:
+    one device-to-host sync per call, skipped under CUDA-graph capture.
 
     ``learnable_sink``, ``batch_invariant``, FP8 caches and FP8 attention: as in
     ``flash_attn_varlen_func``;

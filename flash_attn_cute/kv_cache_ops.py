@@ -196,7 +196,8 @@ def append_and_attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
                          "q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale, "out": out})
     max_seqlen_k = capacity
     if check_cache_bounds:
-        max_seqlen_k = checks.cache_bounds(cache_seqlens, capacity, page_table, k_cache.shape, new_per_seq)
+        max_seqlen_k = checks.cache_bounds(cache_seqlens, capacity, page_table, k_cache.shape, new_per_seq,
+                                           batch_idx=cache_batch_idx, leftpad=cache_leftpad)
     opts, variant = checks.user_variant(*variant_args, opts, q.device, batch=batch, nheads=nheads,
                                         max_seqlen_q=seqlen_q, max_seqlen_k=capacity)
     from . import kv_append

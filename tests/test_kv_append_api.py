@@ -1,15 +1,16 @@
 """CPU tests of ``flash_attn_with_kvcache``'s append path (``kv_cache_ops``): appending into
 an FP8 cache (the append kernel quantizes with the descales, which then reach the
 attention), ``cache_leftpad`` over a paged cache (the attention's per-sequence key start,
-``FwdArgs.mLeftpadK``). A fake GPU (``fake_device``) runs fake launchers that record what
-the kernels are given; every refusal happens before any launch. The kernels' numerics are GPU tests (tests/test_kv_append_gpu.py)."""
+``FwdArgs.mLeftpadK``) and the ``cache_batch_idx`` bound check. A fake GPU (``fake_device``)
+runs fake launchers that record what the kernels are given; every refusal happens before
+any launch. The kernels' numerics are GPU tests (tests/test_kv_append_gpu.py)."""
 
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from flash_attn_cute import fwd, keys, kv_append, sm80, sm90, sm100
+from flash_attn_cute import checks, fwd, keys, kv_append, sm80, sm90, sm100
 from flash_attn_cute.backend_kit import NO_VARIANT
 from flash_attn_cute.interface import flash_attn_with_kvcache
 from flash_attn_cute.problems import FwdProblem
@@ -264,3 +265,29 @@ def test_sm100_leftpad_falls_back_to_sm80(monkeypatch):
     assert fwd.select_backend(None, _problem(leftpad_k=False), "cuda:0")[0] == "sm100"
     with pytest.raises(NotImplementedError, match="cache_leftpad with a paged cache"):
         fwd.select_backend("sm100", _problem(), "cuda:0")
+
+
+def test_check_cache_bounds_reads_cache_batch_idx(events, monkeypatch):
+    reads = []
+    real = checks.cache_bounds
+    monkeypatch.setattr(checks, "cache_bounds", lambda *a, **kw: reads.append(kw) or real(*a, **kw))
+    a = _call(cache_dtype=BF16, k_cache=torch.randn(3, 48, 2, 64).to(BF16), v_cache=torch.randn(3, 48, 2, 64).to(BF16))
+    for bad, shown in (([0, 3], 3), ([-1, 2], -1), ([2**31 - 1, 0], 2**31 - 1)):
+        with pytest.raises(ValueError, match=rf"cache_batch_idx entries must lie in \[0, batch_cache = 3\).*got "
+                                             rf"{shown} "):
+            flash_attn_with_kvcache(**a, cache_batch_idx=torch.tensor(bad, dtype=I32), check_cache_bounds=True)
+    assert events == [] and len(reads) == 3  # one read-back per call, before any launch
+    flash_attn_with_kvcache(**a, cache_batch_idx=torch.tensor([2, 0], dtype=I32), check_cache_bounds=True)
+    assert _kinds(events) == ["append", "attention"] and len(reads) == 4
+    # Unchecked, an out-of-range index is the kernel's to clamp (no host read at all).
+    events.clear()
+    flash_attn_with_kvcache(**a, cache_batch_idx=torch.tensor([7, 0], dtype=I32))
+    assert _kinds(events) == ["append", "attention"] and len(reads) == 4
+
+
+def test_cache_bounds_pages_before_leftpad_are_not_checked():
+    table = torch.tensor([[99, 99, 1, 2], [0, 1, 2, 3]], dtype=I32)  # sequence 0 starts at page 2
+    lens = torch.tensor([60, 64], dtype=I32)
+    with pytest.raises(ValueError, match="page_table entries"):
+        checks.cache_bounds(lens, 64, table, (4, 16, 2, 64))
+    assert checks.cache_bounds(lens, 64, table, (4, 16, 2, 64), leftpad=torch.tensor([32, 0], dtype=I32)) == 64
