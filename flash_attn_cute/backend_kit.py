@@ -20,7 +20,7 @@ NO_VARIANT = (None,) * 5
 
 # Problem features a forward kernel must implement explicitly: (field, what it is).
 FEATURES = (("has_sink", "learnable_sink"), ("has_seqused_q", "seqused_q"), ("batch_invariant", "batch_invariant"),
-            ("kv_fp8", "fp8_kv"), ("qkv_fp8", "fp8_qkv"))
+            ("kv_fp8", "fp8_kv"), ("qkv_fp8", "fp8_qkv"), ("leftpad_k", "paged_leftpad"))
 MLA_FEATURES = (("batch_invariant", "batch_invariant"), ("kv_fp8", "fp8_kv"))  # MLA has no sinks, no query counts
 
 
@@ -112,7 +112,7 @@ def fwd_key(name: str, problem: FwdProblem, plan: FwdPlan, arch: str, tile: tupl
                     plan.qhead_per_kvhead_packed(problem), plan.is_split,
                     problem.has_lse or plan.is_split,  # a split kernel always writes partial LSEs
                     problem.varlen_q, problem.varlen_k, problem.has_seqused_k, problem.paged, problem.has_seqused_q,
-                    problem.has_sink, plan.config.split_blocks, problem.q_class, extra)
+                    problem.has_sink, plan.config.split_blocks, problem.q_class, extra, leftpad_k=problem.leftpad_k)
 
 
 def entry_points(key: Callable, kernel_module: str, compile_fn: str, scalars: Callable, bind: Callable = None):
@@ -141,9 +141,9 @@ def entry_points(key: Callable, kernel_module: str, compile_fn: str, scalars: Ca
 
 def _bind_fwd(fn, scalars: tuple) -> Callable:
     def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q, learnable_sink,
-               k_descale=None, v_descale=None, variant_tensors=NO_VARIANT):
+               k_descale=None, v_descale=None, variant_tensors=NO_VARIANT, leftpad_k=None):
         fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q, learnable_sink,
-           k_descale, v_descale, *variant_tensors, *scalars)
+           k_descale, v_descale, leftpad_k, *variant_tensors, *scalars)
 
     return launch
 
@@ -156,10 +156,11 @@ def fwd_entry_points(name: str, kernel_module: str, compile_fn: str, key_tile: C
     window_left, window_right, softcap, num_splits, max_seqlen_q, batch, then
     ``extra_scalars(problem, plan, device)``, and takes ``launch(q, k, v, out, lse,
     cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q, learnable_sink[,
-    k_descale, v_descale, variant_tensors])`` (split kernels get fp32 partials as out/lse and
-    leave the sink to the combine; the sink is fp32; the descales fp32 ``(batch,
+    k_descale, v_descale, variant_tensors, leftpad_k])`` (split kernels get fp32 partials as
+    out/lse and leave the sink to the combine; the sink is fp32; the descales fp32 ``(batch,
     nheads_kv)`` for FP8 K/V, else None; a user variant's tensors are its aux slots and
-    block ranges)."""
+    block ranges; ``leftpad_k`` (batch,) int32 for a ``FwdProblem.leftpad_k`` paged cache:
+    each sequence's first cache position, ``seqused_k`` then counting the keys from it)."""
 
     def key(problem: FwdProblem, plan: FwdPlan, arch: str) -> tuple:
         return fwd_key(name, problem, plan, arch, key_tile(plan.config), key_extra(plan.config))

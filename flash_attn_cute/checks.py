@@ -422,11 +422,14 @@ def user_variant(score_mod, mask_mod, aux_tensors, block_mask, opts: Options, de
     return opts, (spec, user_variants.kernel_aux(aux) + (ranges,), ranges)
 
 
-def cache_bounds(cache_seqlens: torch.Tensor, capacity: int, table, kv_shape, new_tokens: int = 0) -> int:
-    """Refuse cache lengths outside [0, capacity - new_tokens] (``new_tokens``: an append's)
-    and referenced pages outside [0, num_pages); returns max(cache_seqlens) + new_tokens (a
-    tighter bound than the capacity, used by the split heuristic). Skipped, returning the
-    capacity, under CUDA-graph capture."""
+def cache_bounds(cache_seqlens: torch.Tensor, capacity: int, table, kv_shape, new_tokens: int = 0,
+                 batch_idx: Optional[torch.Tensor] = None, leftpad: Optional[torch.Tensor] = None) -> int:
+    """Refuse cache lengths outside [0, capacity - new_tokens] (``new_tokens``: an append's),
+    referenced pages outside [0, num_pages) (those from a sequence's ``leftpad`` on, where
+    given) and ``batch_idx`` entries (``cache_batch_idx``) outside [0, batch_cache =
+    kv_shape[0]): all read back in one device-to-host transfer. Returns max(cache_seqlens)
+    + new_tokens (a tighter bound than the capacity, used by the split heuristic). Skipped,
+    returning the capacity, under CUDA-graph capture."""
     if cache_seqlens.numel() == 0:
         return 0
     if cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -434,17 +437,30 @@ def cache_bounds(cache_seqlens: torch.Tensor, capacity: int, table, kv_shape, ne
     if new_tokens:
         cache_seqlens = cache_seqlens + new_tokens
     stats = list(torch.aminmax(cache_seqlens))
-    if table is not None and table.shape[1] > 0:
+    paged = table is not None and table.shape[1] > 0
+    if paged:
         pages_used = (cache_seqlens.clamp(min=0) + kv_shape[1] - 1) // kv_shape[1]
-        used = torch.arange(table.shape[1], device=table.device)[None, :] < pages_used[:, None]
+        page_idx = torch.arange(table.shape[1], device=table.device)[None, :]
+        used = page_idx < pages_used[:, None]
+        if leftpad is not None:
+            used &= page_idx >= (leftpad.clamp(min=0) // kv_shape[1])[:, None]
         stats += [torch.where(used, table, 0).min(), torch.where(used, table, 0).max()]
-    lo, hi, *pages = torch.stack(stats).tolist()
+    if batch_idx is not None:
+        stats += list(torch.aminmax(batch_idx))
+    values = torch.stack([t.to(torch.int64) for t in stats]).tolist()
+    lo, hi = values[:2]
     if lo < new_tokens or hi > capacity:
         what = "max_pages_per_seq * page_size" if table is not None else "max_seqlen_k (k_cache.shape[1])"
         plus = f" + the {new_tokens} new tokens" if new_tokens else ""
         raise ValueError(f"cache_seqlens{plus} must lie in [0, {what} = {capacity}], got values in "
                          f"[{lo - new_tokens}, {hi - new_tokens}]{plus}")
-    if pages and (pages[0] < 0 or pages[1] >= kv_shape[0]):
+    if paged and (values[2] < 0 or values[3] >= kv_shape[0]):
         raise ValueError(f"page_table entries used by cache_seqlens must lie in [0, num_pages = {kv_shape[0]}), "
-                         f"got values in [{pages[0]}, {pages[1]}]")
+                         f"got values in [{values[2]}, {values[3]}]")
+    if batch_idx is not None:
+        idx_lo, idx_hi = values[-2:]
+        if idx_lo < 0 or idx_hi >= kv_shape[0]:
+            bad = idx_lo if idx_lo < 0 else idx_hi
+            raise ValueError(f"cache_batch_idx entries must lie in [0, batch_cache = {kv_shape[0]}) "
+                             f"(k_cache.shape[0]), got {bad} (entries in [{idx_lo}, {idx_hi}])")
     return hi

@@ -38,10 +38,12 @@ def kernel_out_dtype(dtype, is_split: bool):
 
 
 def fake_fwd_tensors(dtype, d: int, dv: int, *, is_split: bool, has_lse: bool, varlen_q: bool, varlen_k: bool,
-                     has_seqused_k: bool, paged: bool, has_seqused_q: bool, has_sink: bool, kv_dtype=None) -> tuple:
+                     has_seqused_k: bool, paged: bool, has_seqused_q: bool, has_sink: bool, kv_dtype=None,
+                     leftpad_k: bool = False) -> tuple:
     """The forward kernels' tensor arguments as fake tensors, in their order: mQ, mK, mV,
     mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, mSeqUsedQ, mLearnableSink,
-    mKDescale, mVDescale (None where absent). A split kernel writes fp32 partials with a
+    mKDescale, mVDescale, mLeftpadK (None where absent; ``leftpad_k``: a paged cache's
+    per-sequence key starts, (batch,) int32). A split kernel writes fp32 partials with a
     leading split mode; head dims are static; the sink is fp32 (the host converts a 16-bit
     one). ``kv_dtype`` (default ``dtype``): an fp8 K/V comes with its two descales, fp32
     (batch, nheads_kv) of any strides (a broadcast scalar has stride 0)."""
@@ -66,6 +68,7 @@ def fake_fwd_tensors(dtype, d: int, dv: int, *, is_split: bool, has_lse: bool, v
         fake_tensor(cutlass.Float32, 1, align=4) if has_sink else None,
         fake_tensor(cutlass.Float32, 2, align=4, contiguous_last=False) if fp8 else None,
         fake_tensor(cutlass.Float32, 2, align=4, contiguous_last=False) if fp8 else None,
+        int_vec(1) if leftpad_k else None,
     )
 
 
@@ -89,14 +92,16 @@ def fake_variant_tensors(user_key: Optional[tuple]) -> tuple:
 
 def compile_fwd(kernel, dtype, d: int, dv: int, arch: str, *, is_split: bool, has_lse: bool, varlen_q: bool,
                 varlen_k: bool, has_seqused_k: bool, paged: bool, has_seqused_q: bool, has_sink: bool,
-                extra_scalars: tuple = (), user_key: Optional[tuple] = None, kv_dtype=None):
+                extra_scalars: tuple = (), user_key: Optional[tuple] = None, kv_dtype=None,
+                leftpad_k: bool = False):
     """``cute.compile`` of a forward kernel on its fake arguments: the tensors of
     ``fake_fwd_tensors`` and ``fake_variant_tensors``, then softmax_scale, window_left,
     window_right, softcap, num_splits, max_seqlen_q, batch (runtime values; placeholders
     here), then the kernel's ``extra_scalars``, then the stream."""
     tensors = fake_fwd_tensors(dtype, d, dv, is_split=is_split, has_lse=has_lse, varlen_q=varlen_q,
                                varlen_k=varlen_k, has_seqused_k=has_seqused_k, paged=paged,
-                               has_seqused_q=has_seqused_q, has_sink=has_sink, kv_dtype=kv_dtype)
+                               has_seqused_q=has_seqused_q, has_sink=has_sink, kv_dtype=kv_dtype,
+                               leftpad_k=leftpad_k)
     tensors = tensors + fake_variant_tensors(user_key)
     F32, I32 = cutlass.Float32, cutlass.Int32
     scalars = (F32(1.0), I32(-1), I32(-1), F32(0.0), I32(1), I32(1), I32(1)) + tuple(extra_scalars)

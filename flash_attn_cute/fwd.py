@@ -20,7 +20,7 @@ A backend module owns everything architecture-specific about its kind:
   function of a short key that reads only the problem and the plan;
 - ``launcher(problem, plan, device=None)``: a callable taking the kind's tensors (forward:
   ``q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q,
-  learnable_sink[, k_descale, v_descale, variant tensors]``; MLA: ``q_nope, q_pe, ckv, kpe,
+  learnable_sink[, k_descale, v_descale, variant tensors, leftpad_k]``; MLA: ``q_nope, q_pe, ckv, kpe,
   out, lse, cache_seqlens, page_table, kv_descale``) with the compiled kernel and every runtime scalar bound
   (``backend_kit`` builds these three).
 
@@ -275,15 +275,19 @@ def run_fwd(problem: FwdProblem, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seq
             page_table=None, seqused_q=None, learnable_sink=None, k_descale=None, v_descale=None,
             requested: Optional[str] = None,
             num_splits: int = 1, pack_gqa: Optional[bool] = None, variant_tensors: Optional[tuple] = None,
-            tuning: Tuning = NO_TUNING) -> None:
+            tuning: Tuning = NO_TUNING, leftpad_k=None) -> None:
     """Plan, launch and (for split-KV) combine a forward problem into ``out`` / ``lse``
     (allocated by the caller); ``learnable_sink`` fp32; the descales as the public API takes
-    them (``checks.kernel_descales``)."""
+    them (``checks.kernel_descales``); ``leftpad_k`` (batch,) int32 for a
+    ``problem.leftpad_k`` paged cache (each sequence's first cache position)."""
+    from .backend_kit import NO_VARIANT
     from .checks import kernel_descales
 
     k_descale, v_descale = kernel_descales(problem, k_descale, v_descale, q.device)
     rest = (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q, learnable_sink, k_descale, v_descale)
-    if problem.variant is not None:
-        rest += (variant_tensors,)
+    if problem.variant is not None or problem.leftpad_k:
+        rest += (variant_tensors if variant_tensors is not None else NO_VARIANT,)
+    if problem.leftpad_k:
+        rest += (leftpad_k,)
     run_resolved(resolve(problem, requested, num_splits, pack_gqa, q.device, tuning), problem, (q, k, v), out, lse,
                  rest, learnable_sink, problem.has_seqused_q)

@@ -42,6 +42,10 @@ class FwdArgs(NamedTuple):
     mLearnableSink: Optional[cute.Tensor]  # (h,) fp32: one logit per query head (read by non-split kernels)
     mKDescale: Optional[cute.Tensor]  # (b, h_kv) fp32, FP8 K/V only: K = the fp8 values x k_descale
     mVDescale: Optional[cute.Tensor]  # (b, h_kv) fp32, FP8 K/V only
+    # (b,) int32, paged caches only (cache_leftpad, FA3's leftpad_k): sequence b's key j is
+    # cache position leftpad[b] + j, and mSeqUsedK counts its keys from there
+    # (``SeqlenInfo.leftpad_k``, ``paged_kv``).
+    mLeftpadK: Optional[cute.Tensor]
     mAux0: Optional[cute.Tensor]  # a user variant's aux tensors (user_variants.MAX_AUX slots)
     mAux1: Optional[cute.Tensor]
     mAux2: Optional[cute.Tensor]
@@ -132,7 +136,8 @@ def fwd_call(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.T
              mCuSeqlensK: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
              mPageTable: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
              mLearnableSink: Optional[cute.Tensor], mKDescale: Optional[cute.Tensor],
-             mVDescale: Optional[cute.Tensor], mAux0: Optional[cute.Tensor], mAux1: Optional[cute.Tensor],
+             mVDescale: Optional[cute.Tensor], mLeftpadK: Optional[cute.Tensor], mAux0: Optional[cute.Tensor],
+             mAux1: Optional[cute.Tensor],
              mAux2: Optional[cute.Tensor], mAux3: Optional[cute.Tensor], mBlockRanges: Optional[cute.Tensor],
              softmax_scale: Float32, window_left: Int32,
              window_right: Int32, softcap: Float32, num_splits: Int32, max_seqlen_q: Int32, batch_size: Int32,
@@ -142,7 +147,7 @@ def fwd_call(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.T
     then the kernel's extra scalars (their types come from the values compiled with) and
     the stream, handed to the class's ``launch(args, *extra_scalars, stream)``."""
     self.launch(FwdArgs(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, mSeqUsedQ,
-                        mLearnableSink, mKDescale, mVDescale, mAux0, mAux1, mAux2, mAux3, mBlockRanges,
+                        mLearnableSink, mKDescale, mVDescale, mLeftpadK, mAux0, mAux1, mAux2, mAux3, mBlockRanges,
                         softmax_scale, window_left,
                         window_right, softcap, num_splits, max_seqlen_q, batch_size),
                 *extra_scalars_and_stream)
@@ -162,7 +167,8 @@ def compile_from_key(key: tuple, tile_len: int, make_kernel: Callable, extra_sca
     return compile_fwd(kernel, dtype, f.d, f.d_v, f.arch, kv_dtype=CUTE_DTYPE_BY_NAME[kv_name or q_name],
                        is_split=f.is_split, has_lse=f.has_lse,
                        varlen_q=f.varlen_q, varlen_k=f.varlen_k, has_seqused_k=f.has_seqused_k, paged=f.paged,
-                       has_seqused_q=f.has_seqused_q, has_sink=f.has_sink, extra_scalars=extra_scalars,
+                       has_seqused_q=f.has_seqused_q, has_sink=f.has_sink, leftpad_k=f.leftpad_k,
+                       extra_scalars=extra_scalars,
                        user_key=f.flags[3] if len(f.flags) > 3 else None)
 
 
@@ -254,10 +260,11 @@ class FwdTile:
 
     @staticmethod
     def seqlen_of(args: FwdArgs, work: WorkTile) -> SeqlenInfo:
-        """The work tile's sequence. A paged cache has no offsets; its lengths come from
-        seqused_k (or cu_seqlens_k); seqused_q, where given, counts its query rows."""
+        """The work tile's sequence. A paged cache has no offsets (but its key start, with
+        mLeftpadK); its lengths come from seqused_k (or cu_seqlens_k); seqused_q, where
+        given, counts its query rows."""
         return SeqlenInfo.create_for(work.batch, args.mQ, args.mK, args.mCuSeqlensQ, args.mCuSeqlensK,
-                                     args.mSeqUsedK, args.mPageTable, args.mSeqUsedQ)
+                                     args.mSeqUsedK, args.mPageTable, args.mSeqUsedQ, args.mLeftpadK)
 
     @staticmethod
     def ctx_of(args: FwdArgs, work: WorkTile, seqlen: SeqlenInfo, block_info: BlockInfo) -> AttnCtx:

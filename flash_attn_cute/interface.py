@@ -72,6 +72,9 @@ class _Call(NamedTuple):
     k_descale: Optional[torch.Tensor] = None  # checked (checks.descales); read for FP8 K/V only
     v_descale: Optional[torch.Tensor] = None
     q_descale: Optional[torch.Tensor] = None  # read for FP8 queries only
+    # A paged cache's per-sequence key starts (cache_leftpad): (batch,) int32; seqused_k then
+    # counts the keys from there (kv_cache_ops)
+    leftpad_k: Optional[torch.Tensor] = None
 
 
 # ---------------------------------------------------------------------------------------
@@ -104,15 +107,18 @@ def _no_variant_under_compile(*variant_args) -> None:
 
 
 def _launch(entry: call_cache.Entry, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-            page_table, learnable_sink, variant_tensors, k_descale=None, v_descale=None, q_descale=None) -> None:
+            page_table, learnable_sink, variant_tensors, k_descale=None, v_descale=None, q_descale=None,
+            leftpad_k=None) -> None:
     problem = entry.problem
     # The kernels and the combine read the sink as fp32 (a no-op for an fp32 sink; a
     # 16-bit one costs one small conversion per call, not a compiled variant per dtype).
     sink = None if learnable_sink is None else learnable_sink.float()
     k_descale, v_descale = checks.kernel_descales(problem, k_descale, v_descale, q.device, q_descale)
     rest = (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q, sink, k_descale, v_descale)
-    if problem.variant is not None:
+    if problem.variant is not None or problem.leftpad_k:
         rest += (variant_tensors,)
+    if problem.leftpad_k:
+        rest += (leftpad_k,)
     fwd.run_resolved(entry.resolved, problem, (q, k, v), out, lse, rest, sink, problem.has_seqused_q)
 
 
@@ -156,11 +162,13 @@ def _run(call: _Call, fast_key=None, seqlens_fill=None):
     return result
 
 
-def _execute(call: _Call, seqlens_fill=None) -> tuple:
+def _execute(call: _Call, seqlens_fill=None, prologue=None) -> tuple:
     """(result, per-call cache entry or None): allocate outputs, describe the call as a
     ``FwdProblem`` and run it through the dispatch seam (``fwd.resolve`` and
     ``fwd.run_resolved``: backend, plan, launch, combine). ``max_seqlen_k == 0`` (or an
-    empty batch) means every query sees no key: no launch, no entry."""
+    empty batch) means every query sees no key: no launch, no entry. ``prologue()``, if
+    given, runs once the call is planned, before its launch (or its empty result):
+    ``kv_cache_ops``' append, so that a call no kernel runs leaves the cache untouched."""
     q, k, v, out = call.q, call.k, call.v, call.out
     varlen_q = call.cu_seqlens_q is not None
     lse_shape = (call.nheads, q.shape[0]) if varlen_q else (call.batch, call.nheads, q.shape[1])
@@ -168,6 +176,8 @@ def _execute(call: _Call, seqlens_fill=None) -> tuple:
         out = q.new_empty(*q.shape[:-1], call.d_v, dtype=out_dtype(q.dtype))
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if call.return_lse else None
     if out.numel() == 0 or call.batch == 0 or call.max_seqlen_q == 0 or call.max_seqlen_k == 0:
+        if prologue is not None:
+            prologue()
         _empty_result(out, lse, call.learnable_sink, varlen_q)
         return ((out, lse) if call.return_lse else out), None
     opts = call.opts
@@ -180,11 +190,15 @@ def _execute(call: _Call, seqlens_fill=None) -> tuple:
         page_size=k.shape[1] if call.page_table is not None else 0, has_lse=call.return_lse, variant=spec,
         has_seqused_q=call.seqused_q is not None, has_sink=call.learnable_sink is not None,
         batch_invariant=opts.batch_invariant,
-        kv_dtype=k.dtype if k.dtype in checks.FP8_DTYPES and q.dtype not in checks.FP8_DTYPES else None)
+        kv_dtype=k.dtype if k.dtype in checks.FP8_DTYPES and q.dtype not in checks.FP8_DTYPES else None,
+        leftpad_k=call.leftpad_k is not None)
     resolved = fwd.resolve(problem, opts.backend, opts.num_splits, opts.pack_gqa, q.device, tuning.from_env())
     entry = call_cache.Entry(problem, resolved, tuple(out.shape), lse_shape, seqlens_fill, block_ranges)
+    if prologue is not None:
+        prologue()
     _launch(entry, q, k, v, out, lse, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_q, call.seqused_k,
-            call.page_table, call.learnable_sink, variant_tensors, call.k_descale, call.v_descale, call.q_descale)
+            call.page_table, call.learnable_sink, variant_tensors, call.k_descale, call.v_descale, call.q_descale,
+            call.leftpad_k)
     return ((out, lse) if call.return_lse else out), entry
 
 
@@ -439,23 +453,36 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     position: rotary embedding (``rotary_interleaved``: GPT-J pairs, else GPT-NeoX halves)
     of the first ``rotary_dim`` channels of the new k at its positions and of q (at
     ``cache_seqlens + i`` for causal/local, else at ``cache_seqlens``; q itself is left
-    unchanged). ``cache_batch_idx`` ``(batch,)`` int32: cache row of each batch row;
-    ``cache_leftpad`` ``(batch,)`` int32: the sequence starts at that cache position (both
-    contiguous caches only, as in FA2). Append and rotary are one CuTe-DSL kernel
+    unchanged). ``cache_batch_idx`` ``(batch,)`` int32: cache row of each batch row
+    (contiguous caches only, as in FA2); ``cache_leftpad`` ``(batch,)`` int32: the sequence
+    starts at that cache position (FA3's ``leftpad_k``, contiguous or paged): its keys are
+    cache positions ``[cache_leftpad[b], cache_seqlens[b] + seqlen_new)``, causal / windows
+    aligned to the bottom-right of those, new tokens still written at ``cache_seqlens[b] +
+    t`` and rotated at that absolute position. Append and rotary are one CuTe-DSL kernel
     (``kv_append.py``) launched before the attention; no host sync.
+
+    FP8 caches (e4m3 / e5m2, ``k_descale`` / ``v_descale`` fp32 ``(batch, nheads_kv)`` or one
+    element, None = 1): new tokens in q's 16-bit dtype are rotated in fp32 and stored as
+    ``fp8(x / descale[b, h_kv])`` (round to nearest even, saturating at the format's largest
+    finite value: 448 for e4m3, 57344 for e5m2); new tokens already in the cache's dtype are
+    copied as they are, or (k with rotary) dequantized, rotated and requantized. With e4m3
+    q (FP8 attention) q is rotated the same way with ``q_descale`` (its rotary tables and
+    16-bit new tokens in fp16 or bf16). The attention then reads the cache with the descales.
 
     Safety: the kernels never read or write outside the cache, without any host-side check:
     lengths are clamped to the capacity (``max_seqlen_k``, or ``max_pages_per_seq *
-    page_size``), page ids into ``[0, num_pages)``, so an out-of-range ``cache_seqlens`` or
-    page-table entry gives wrong results, never an illegal access. The default path never
-    synchronises with the device, so it can be captured in a CUDA graph (the split
-    heuristic then plans for the capacity). ``check_cache_bounds=True`` (a debugging aid)
-    reads ``cache_seqlens`` and the referenced page-table entries back to the host, raises
-    ValueError on any value out of range, and plans for the true maximum length: one
-    device-to-host sync per call, skipped under CUDA-graph capture.
+    page_size``), page ids into ``[0, num_pages)``, ``cache_batch_idx`` entries into ``[0,
+    batch_cache)`` (a bad entry writes and reads the rows of the clamped cache row, another
+    sequence's), ``cache_leftpad`` into ``[0, length]``, so an out-of-range value gives
+    wrong results, never an illegal access. The default path never synchronises with the
+    device, so it can be captured in a CUDA graph (the split heuristic then plans for the
+    capacity). ``check_cache_bounds=True`` (a debugging aid) reads ``cache_seqlens``,
+    ``cache_batch_idx`` and the referenced page-table entries back to the host (one read),
+    raises ValueError on any value out of range, and plans for the true maximum length:
+    one device-to-host sync per call, skipped under CUDA-graph capture.
 
-    ``learnable_sink`` (aliases ``s_aux``, ``sinks``), ``batch_invariant``, FP8 caches
-    (``k_descale``, ``v_descale``; not with an append yet): as in ``flash_attn_varlen_func``;
+    ``learnable_sink`` (aliases ``s_aux``, ``sinks``), ``batch_invariant``, FP8 caches and
+    FP8 attention: as in ``flash_attn_varlen_func``;
     ``return_softmax_lse`` is FA2/FA3's name for ``return_lse``. User variants as in
     ``flash_attn_func``: ``q_idx`` counts the new queries from 0 and ``kv_idx`` the cache
     positions."""
@@ -486,15 +513,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if appends or remaps:
         from . import kv_cache_ops
 
-        if isinstance(k_cache, torch.Tensor) and k_cache.dtype in checks.FP8_DTYPES:
-            raise NotImplementedError("appending k / v (or rotary, cache_batch_idx, cache_leftpad) into an FP8 cache "
-                                      "is not supported yet: quantize and write the new tokens, then call without "
-                                      "them")
-
         return kv_cache_ops.append_and_attend(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, learnable_sink, bool(rotary_interleaved),
-            return_lse, out, check_cache_bounds, option_args, variant_args)
+            return_lse, out, check_cache_bounds, option_args, variant_args, (q_descale, k_descale, v_descale))
     key = None
     if not check_cache_bounds:
         int_seqlens = cache_seqlens if not isinstance(cache_seqlens, torch.Tensor) else None

@@ -8,6 +8,9 @@ backends build keys without loading the DSL; the kernel modules parse them.
 - Forward kernels: ``make_key`` / ``parse_key`` (``("fwd_<backend>", arch, dtype, d, d_v,
   *config fields, flags, qhead_per_kvhead_packed, is_split, has_lse, varlen_q, varlen_k,
   has_seqused_k, paged, has_seqused_q, has_sink, split_blocks, q_class, *backend extra)``).
+  ``paged`` is a bool, or ``PAGED_LEFTPAD`` for a paged cache whose sequences start at a
+  per-sequence position (``cache_leftpad``, the kernels' ``mLeftpadK``): a value of its own
+  in an existing field, so that every other key stays what it was.
 - MLA kernels: ``mla_key`` / ``parse_mla_key`` (``("mla_<backend>", arch, dtype, heads,
   causal, is_split, has_lse, split_blocks, *config)``; ``heads``: ``mla_heads_key``).
 - The split-KV combine: ``combine_key``.
@@ -74,17 +77,24 @@ def target_arch_or_none(device=None):
     return None
 
 
+# The ``paged`` field of a forward key over a paged cache with per-sequence key starts.
+PAGED_LEFTPAD = "paged+leftpad_k"
+
+
 def make_key(name: str, arch: str, dtype_name: str, d: int, d_v: int, tile: tuple, flags, qhead_per_kvhead_packed,
              is_split, has_lse, varlen_q, varlen_k, has_seqused_k, paged, has_seqused_q, has_sink, split_blocks,
-             q_class: int = 0, extra: tuple = ()) -> tuple:
+             q_class: int = 0, extra: tuple = (), leftpad_k: bool = False) -> tuple:
     """A forward compile key: ``("fwd_<name>", arch, dtype, d, d_v, *tile, flags,
     qhead_per_kvhead_packed, is_split, has_lse, varlen_q, varlen_k, has_seqused_k, paged,
     has_seqused_q, has_sink, split_blocks, q_class, *extra)``; ``tile``: the static fields of
     the backend's config that come first (spread into the key), ``extra``: the backend's own
-    static choices, last; ``q_class`` (``FwdProblem.q_class``): the sequences it computes."""
+    static choices, last; ``q_class`` (``FwdProblem.q_class``): the sequences it computes;
+    ``leftpad_k`` (a paged cache only, ``FwdProblem.leftpad_k``): ``paged`` is ``PAGED_LEFTPAD``."""
+    assert not leftpad_k or paged, "leftpad_k is for paged caches"
     flags = tuple(bool(f) for f in flags[:3]) + tuple(flags[3:])  # [user variant key]
+    paged = PAGED_LEFTPAD if leftpad_k else bool(paged)
     return (f"fwd_{name}", arch, dtype_name, d, d_v, *tile, flags, int(qhead_per_kvhead_packed),
-            bool(is_split), bool(has_lse), bool(varlen_q), bool(varlen_k), bool(has_seqused_k), bool(paged),
+            bool(is_split), bool(has_lse), bool(varlen_q), bool(varlen_k), bool(has_seqused_k), paged,
             bool(has_seqused_q), bool(has_sink), int(split_blocks), int(q_class), *extra)
 
 
@@ -103,12 +113,17 @@ class KeyFields(NamedTuple):
     varlen_q: bool
     varlen_k: bool
     has_seqused_k: bool
-    paged: bool
+    paged: object  # True / False, or PAGED_LEFTPAD (truthy)
     has_seqused_q: bool
     has_sink: bool
     split_blocks: int
     q_class: int
     extra: tuple  # the backend's own fields after the common ones
+
+    @property
+    def leftpad_k(self) -> bool:
+        """A paged cache with per-sequence key starts (``mLeftpadK``)."""
+        return self.paged == PAGED_LEFTPAD
 
 
 _COMMON_FIELDS = 12  # flags .. q_class

@@ -12,18 +12,31 @@ positions, and writes the per-sequence metadata the attention then reads:
   - k_offsets_out[b] = row(b) * s_cache + leftpad and k_offsets_out[batch] = 0, only for
     contiguous caches with cache_batch_idx or cache_leftpad: the attention then reads the
     flattened (b_cache * s_cache, h_kv, d) cache with cu_seqlens_k = k_offsets_out and
-    seqused_k = seqused_out.
+    seqused_k = seqused_out. A paged cache with cache_leftpad gets seqused_out only: the
+    attention reads its pages from each sequence's start (``FwdArgs.mLeftpadK``).
 
 Rotary over the first rotary_dim channels, in fp32, rounded once: interleaved (GPT-J) pairs
 (x[2i], x[2i+1]), otherwise (GPT-NeoX) pairs (x[i], x[i + rotary_dim / 2]), each rotated by
 cos / sin of column i of row clamp(position, 0, seqlen_ro - 1) of rotary_cos / rotary_sin.
+Positions are absolute cache positions, with cache_leftpad too (FA2's convention).
+
+FP8 (the key's dtype field, ``append_key``): the caches may be e4m3 / e5m2, with new tokens
+in the 16-bit dtype or in the cache's own; q may be e4m3 (FP8 attention, with e4m3 caches).
+A value written into an fp8 row is computed in fp32 and stored as fp8(x / descale) (IEEE
+division, then cvt.rn.satfinite: round to nearest even, saturating at the format's largest
+finite value, 448 / 57344; NaN stays NaN), descale = k_descale[b, h_kv] / v_descale[b,
+h_kv] for the caches, q_descale[b, h // (h / h_kv)] for q. An fp8 source that is rotated
+(new k with rotary, e4m3 q) is read as x8 * descale first; fp8 channels that are not
+rotated (all of v, k without rotary, the channels past rotary_dim) are copied bit for bit.
+fp8 rows move in 64-bit accesses (8 values, the chunk of a 16-bit item), 16-bit ones in
+128-bit ones.
 
 Launch contract (``append_launcher(...)`` returns ``fn``; torch's current stream, no host
 sync, no allocation: CUDA-graph capturable)::
 
     fn(q, k_new, v_new, k_cache, v_cache, cache_seqlens, page_table, cache_batch_idx,
        cache_leftpad, rotary_cos, rotary_sin, q_out, seqused_out, k_offsets_out,
-       cu_seqlens_q, cu_seqlens_k_new)
+       cu_seqlens_q, cu_seqlens_k_new, q_descale, k_descale, v_descale)
 
   q, q_out          (b, sq, h, d) (varlen: (total_q, h, d)), or both None when the key has
                     no q; q_out may be q itself (each thread reads its chunks before
@@ -34,14 +47,18 @@ sync, no allocation: CUDA-graph capturable)::
                     always given (they define the capacity)
   cache_seqlens     (b,) int32, always given; seqused_out (b,) int32, always given
   page_table        (b, max_pages) int32 when paged, else None
-  cache_batch_idx, cache_leftpad   (b,) int32 or None (contiguous caches only)
-  rotary_cos, rotary_sin           (seqlen_ro >= 1, rotary_dim / 2) in q's dtype, or None
-                                   when rotary_dim is 0
+  cache_batch_idx   (b,) int32 or None (contiguous caches only)
+  cache_leftpad     (b,) int32 or None
+  rotary_cos, rotary_sin           (seqlen_ro >= 1, rotary_dim / 2) in the key's 16-bit
+                                   dtype, or None when rotary_dim is 0
   k_offsets_out     (b + 1,) int32 when contiguous and (cache_batch_idx or cache_leftpad)
                     is given, else None
   cu_seqlens_q      (b + 1,) int32 in varlen mode with q, else None
   cu_seqlens_k_new  (b + 1,) int32 in varlen mode with new k / v, else None (may be the
                     same tensor as cu_seqlens_q: the query rows are the new rows)
+  q_descale         (b, h_kv) fp32 (any strides: a broadcast element has stride 0) with an
+                    e4m3 q, else None
+  k_descale, v_descale             (b, h_kv) fp32 with new k / v into fp8 caches, else None
 
 Varlen (packed) mode, the ``varlen`` flag of the key (FA3's ``flash_attn_with_kvcache(...,
 cu_seqlens_q=, cu_seqlens_k_new=)``, a serving engine's mixed step): new row r of sequence
@@ -68,7 +85,9 @@ attention's cu_seqlens_k).
 Bytes per appended token (16-bit dtype): k and v are read once and written once,
 4 * h_kv * (d + d_v) bytes (8 KiB at h_kv = 8, d = d_v = 128); each query token adds
 4 * h * d bytes for q -> q_out, and each distinct position 2 * rotary_dim bytes of
-cos / sin (shared by all heads of that token, so they come from L1 / L2).
+cos / sin (shared by all heads of that token, so they come from L1 / L2). Into an FP8
+cache 16-bit tokens take 3 * h_kv * (d + d_v) bytes (a 4-byte descale per (token, head)
+besides, from L1).
 
 Design. The work is pure data movement, so the kernel is a flat, memory-bound SIMT copy:
 every thread owns one 16-byte chunk of one (token, head) row of q, k or v (two chunks,
@@ -101,7 +120,10 @@ from cutlass import Float32, Int32, const_expr
 
 from . import jit_cache
 from .cute_utils import CUTE_DTYPE_BY_NAME, compile_options, fake_stream, fake_tensor
-from .keys import DTYPE_NAMES, target_arch
+from .keys import DTYPE_NAMES, arch_capability, target_arch
+
+# The fp8 formats a cache may hold (e4m3 also for FP8 attention's q).
+FP8_TYPES = (cutlass.Float8E4M3FN, cutlass.Float8E5M2)
 
 # Positions are clamped into [-POS_LIMIT, POS_LIMIT] before any arithmetic: cache_seqlens
 # + token index can then never overflow int32, whatever cache_seqlens holds.
@@ -120,10 +142,23 @@ class KVAppendRotary:
         paged: bool,
         varlen: bool = False,
         num_threads: int = 128,
+        q_dtype: Optional[Type[cutlass.Numeric]] = None,
+        new_dtype: Optional[Type[cutlass.Numeric]] = None,
+        cache_dtype: Optional[Type[cutlass.Numeric]] = None,
     ):
+        # ``dtype``: the 16-bit type of the rotary tables and of every 16-bit operand; q,
+        # the new tokens and the caches may instead be fp8 (``q_dtype`` e4m3: FP8
+        # attention; ``cache_dtype`` e4m3 / e5m2 with new tokens in ``dtype`` or in it).
         assert dtype in (cutlass.Float16, cutlass.BFloat16), dtype
         self.dtype = dtype
-        self.vec = 128 // dtype.width  # elements of one 128-bit chunk
+        self.q_dtype = q_dtype or dtype
+        self.cache_dtype = cache_dtype or dtype
+        self.new_dtype = new_dtype or dtype
+        assert self.cache_dtype in (dtype, *FP8_TYPES), self.cache_dtype
+        assert self.new_dtype in (dtype, self.cache_dtype), (self.new_dtype, self.cache_dtype)
+        assert self.q_dtype == dtype or (self.q_dtype == cutlass.Float8E4M3FN == self.cache_dtype), self.q_dtype
+        # Elements of one item's chunk: 16 bytes of a 16-bit row (8 bytes of an fp8 one).
+        self.vec = 128 // dtype.width
         assert head_dim % self.vec == 0 and head_dim_v % self.vec == 0, (head_dim, head_dim_v)
         # A multiple of 16: a NeoX half (rotary_dim / 2) is whole chunks, so a thread's two
         # partner chunks are both 16-byte aligned, and so are its cos / sin columns.
@@ -163,6 +198,9 @@ class KVAppendRotary:
         mKOffsets: Optional[cute.Tensor],  # (b + 1,) int32
         mCuQ: Optional[cute.Tensor],  # (b + 1,) int32, varlen with q
         mCuK: Optional[cute.Tensor],  # (b + 1,) int32, varlen with new k / v
+        mQDescale: Optional[cute.Tensor],  # (b, h_kv) fp32, e4m3 q
+        mKDescale: Optional[cute.Tensor],  # (b, h_kv) fp32, fp8 caches with new k / v
+        mVDescale: Optional[cute.Tensor],
         stream,
     ):
         if const_expr((mQ is None) != (mQOut is None) or (mK is None) != (mV is None)):
@@ -171,16 +209,27 @@ class KVAppendRotary:
             raise ValueError("rotary_cos / rotary_sin are given exactly when rotary_dim > 0")
         if const_expr((mPageTable is not None) != self.paged):
             raise ValueError("page_table is given exactly for paged caches")
-        if const_expr(self.paged and (mBatchIdx is not None or mLeftpad is not None)):
-            raise ValueError("cache_batch_idx and cache_leftpad are for contiguous caches")
-        if const_expr((mKOffsets is not None) != (mBatchIdx is not None or mLeftpad is not None)):
-            raise ValueError("k_offsets_out is written exactly with cache_batch_idx or cache_leftpad")
+        if const_expr(self.paged and mBatchIdx is not None):
+            raise ValueError("cache_batch_idx is for contiguous caches")
+        if const_expr((mKOffsets is not None) != (not self.paged and (mBatchIdx is not None or mLeftpad is not None))):
+            raise ValueError("k_offsets_out is written exactly for contiguous caches with cache_batch_idx or "
+                             "cache_leftpad")
         if const_expr((mCuQ is not None) != (self.varlen and mQ is not None)
                       or (mCuK is not None) != (self.varlen and mK is not None)):
             raise ValueError("cu_seqlens_q / cu_seqlens_k_new are given exactly in varlen mode with q / new k, v")
-        for t in (mQ, mK, mV, mKCache, mVCache, mCos, mSin, mQOut):
-            if const_expr(t is not None and t.element_type != self.dtype):
-                raise TypeError(f"q, k, v, caches and cos / sin must all be {self.dtype}")
+        if const_expr((mQDescale is not None) != (mQ is not None and self.q_dtype.width == 8)
+                      or (mKDescale is not None) != (mK is not None and self.cache_dtype.width == 8)
+                      or (mVDescale is not None) != (mKDescale is not None)):
+            raise ValueError("q_descale is given exactly with an fp8 q, k_descale / v_descale exactly with new "
+                             "k / v into an fp8 cache")
+        for what, tensors, dtype in (("q and q_out", (mQ, mQOut), self.q_dtype),
+                                     ("k_new and v_new", (mK, mV), self.new_dtype),
+                                     ("the caches", (mKCache, mVCache), self.cache_dtype),
+                                     ("cos / sin", (mCos, mSin), self.dtype),
+                                     ("the descales", (mQDescale, mKDescale, mVDescale), Float32)):
+            for t in tensors:
+                if const_expr(t is not None and t.element_type != dtype):
+                    raise TypeError(f"{what} must be {dtype}, got {t.element_type}")
         # Segment sizes in items: rows x items per row (items_* are compile-time constants).
         # Varlen: the rows are the packed (total, h) rows and the lengths (q_len, s_new)
         # are unused (1).
@@ -207,9 +256,14 @@ class KVAppendRotary:
         div_kv_heads = cute.fast_divmod_create_divisor_v2(cutlass.max(kv_heads, 1))
         div_kv_len = cute.fast_divmod_create_divisor_v2(cutlass.max(s_new, 1))
         div_page = cute.fast_divmod_create_divisor_v2(cutlass.max(mKCache.shape[1], 1))
+        # e4m3 q: the query heads per KV head, q_descale being per KV head (FA3's layout).
+        div_group = None
+        if const_expr(mQDescale is not None):
+            div_group = cute.fast_divmod_create_divisor_v2(cutlass.max(q_heads // cutlass.max(mKCache.shape[2], 1), 1))
         self.kernel(
             mQ, mK, mV, mKCache, mVCache, mSeqlens, mPageTable, mBatchIdx, mLeftpad, mCos, mSin, mQOut, mSeqused,
-            mKOffsets, mCuQ, mCuK, n_q, n_kv, s_new, div_q_heads, div_q_len, div_kv_heads, div_kv_len, div_page,
+            mKOffsets, mCuQ, mCuK, mQDescale, mKDescale, mVDescale, n_q, n_kv, s_new, div_q_heads, div_q_len,
+            div_kv_heads, div_kv_len, div_page, div_group,
         ).launch(grid=[cute.ceil_div(total, self.num_threads), 1, 1], block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
@@ -231,6 +285,9 @@ class KVAppendRotary:
         mKOffsets: Optional[cute.Tensor],
         mCuQ: Optional[cute.Tensor],
         mCuK: Optional[cute.Tensor],
+        mQDescale: Optional[cute.Tensor],
+        mKDescale: Optional[cute.Tensor],
+        mVDescale: Optional[cute.Tensor],
         n_q: Int32,  # items of the q segment
         n_kv: Int32,  # (b, s_new, h_kv) (varlen: (total_new, h_kv)) rows of the k and of the v segment
         s_new: Int32,  # dense only
@@ -239,6 +296,7 @@ class KVAppendRotary:
         div_kv_heads: cute.FastDivmodDivisorV2,
         div_kv_len: cute.FastDivmodDivisorV2,
         div_page: cute.FastDivmodDivisorV2,
+        div_group: Optional[cute.FastDivmodDivisorV2],  # query heads per KV head, e4m3 q only
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -255,14 +313,18 @@ class KVAppendRotary:
                         pos = self.start_position(mSeqlens, b)
                         if const_expr(self.q_positions_per_query):
                             pos += t
-                        self.rotate_item(mQ[r, head, None], mQOut[r, head, None], item, mCos, mSin, pos)
+                        scale = self.q_scale(mQDescale, b, head, div_group)
+                        self.rotate_item(mQ[r, head, None], mQOut[r, head, None], item, mCos, mSin, pos, scale,
+                                         scale)
                 else:
                     bt, head = divmod(row, div_q_heads)
                     b, t = divmod(bt, div_q_len)
                     pos = self.start_position(mSeqlens, b)
                     if const_expr(self.q_positions_per_query):
                         pos += t
-                    self.rotate_item(mQ[b, t, head, None], mQOut[b, t, head, None], item, mCos, mSin, pos)
+                    scale = self.q_scale(mQDescale, b, head, div_group)
+                    self.rotate_item(mQ[b, t, head, None], mQOut[b, t, head, None], item, mCos, mSin, pos, scale,
+                                     scale)
         if const_expr(mK is not None):
             gk = g - n_q
             n_k = n_kv * self.items_qk
@@ -275,14 +337,16 @@ class KVAppendRotary:
                         pos = self.start_position(mSeqlens, b) + t
                         if self.in_cache(mKCache, mPageTable, pos):
                             gDst = self.cache_row(mKCache, mPageTable, mBatchIdx, b, pos, head, div_page)
-                            self.rotate_item(mK[r, head, None], gDst, item, mCos, mSin, pos)
+                            src_scale, dst_scale = self.kv_scales(mKDescale, b, head, self.rotary_dim > 0)
+                            self.rotate_item(mK[r, head, None], gDst, item, mCos, mSin, pos, src_scale, dst_scale)
                 else:
                     bt, head = divmod(row, div_kv_heads)
                     b, t = divmod(bt, div_kv_len)
                     pos = self.start_position(mSeqlens, b) + t
                     if self.in_cache(mKCache, mPageTable, pos):
                         gDst = self.cache_row(mKCache, mPageTable, mBatchIdx, b, pos, head, div_page)
-                        self.rotate_item(mK[b, t, head, None], gDst, item, mCos, mSin, pos)
+                        src_scale, dst_scale = self.kv_scales(mKDescale, b, head, self.rotary_dim > 0)
+                        self.rotate_item(mK[b, t, head, None], gDst, item, mCos, mSin, pos, src_scale, dst_scale)
             gv = gk - n_k
             if gv >= 0 and gv < n_kv * self.items_v:
                 row, item = gv // self.items_v, gv % self.items_v
@@ -293,14 +357,40 @@ class KVAppendRotary:
                         pos = self.start_position(mSeqlens, b) + t
                         if self.in_cache(mVCache, mPageTable, pos):
                             gDst = self.cache_row(mVCache, mPageTable, mBatchIdx, b, pos, head, div_page)
-                            self.copy_chunk(mV[r, head, None], gDst, item)
+                            _, dst_scale = self.kv_scales(mVDescale, b, head, False)
+                            self.copy_chunk(mV[r, head, None], gDst, item, None, dst_scale)
                 else:
                     bt, head = divmod(row, div_kv_heads)
                     b, t = divmod(bt, div_kv_len)
                     pos = self.start_position(mSeqlens, b) + t
                     if self.in_cache(mVCache, mPageTable, pos):
                         gDst = self.cache_row(mVCache, mPageTable, mBatchIdx, b, pos, head, div_page)
-                        self.copy_chunk(mV[b, t, head, None], gDst, item)
+                        _, dst_scale = self.kv_scales(mVDescale, b, head, False)
+                        self.copy_chunk(mV[b, t, head, None], gDst, item, None, dst_scale)
+
+    @cute.jit
+    def q_scale(self, mQDescale: Optional[cute.Tensor], b: Int32, head: Int32,
+                div_group: Optional[cute.FastDivmodDivisorV2]):
+        """q_descale of query head ``head`` of sequence ``b`` (its KV head's), or None for a
+        16-bit q. e4m3 q is dequantized, rotated and requantized with it (both scales)."""
+        scale = None
+        if const_expr(mQDescale is not None):
+            head_kv, _ = divmod(head, div_group)
+            scale = mQDescale[b, head_kv]
+        return scale
+
+    @cute.jit
+    def kv_scales(self, mDescale: Optional[cute.Tensor], b: Int32, head: Int32, rotated: cutlass.Constexpr[bool]):
+        """(source scale, destination scale) of a new k / v row into the cache: None where
+        the side is 16-bit. New tokens in the cache's fp8 dtype are copied as they are,
+        unless rotated (k with rotary): then dequantized, rotated and requantized, with the
+        same descale (neither side is read for a plain copy)."""
+        src_scale, dst_scale = None, None
+        if const_expr(mDescale is not None and (rotated or self.new_dtype != self.cache_dtype)):
+            dst_scale = mDescale[b, head]
+            if const_expr(self.new_dtype == self.cache_dtype):
+                src_scale = dst_scale
+        return src_scale, dst_scale
 
     @cute.jit
     def find_sequence(self, mCu: cute.Tensor, batch: Int32, r: Int32):
@@ -378,24 +468,38 @@ class KVAppendRotary:
         return mCache[cache_b, pos, head, None]
 
     @cute.jit
-    def load_chunk(self, gRow: cute.Tensor, c: Int32) -> cute.TensorSSA:
-        """Chunk ``c`` of a (d,) gmem row, one 128-bit load, as fp32."""
-        rX = cute.make_rmem_tensor((self.vec,), self.dtype)
+    def load_chunk(self, gRow: cute.Tensor, c: Int32, scale: Optional[Float32] = None) -> cute.TensorSSA:
+        """Chunk ``c`` of a (d,) gmem row as fp32: one 128-bit load of a 16-bit row (64-bit
+        of an fp8 one), times ``scale`` when given (an fp8 row's descale)."""
+        rX = cute.make_rmem_tensor((self.vec,), gRow.element_type)
         cute.autovec_copy(cute.flat_divide(gRow, (self.vec,))[None, c], rX)
-        return rX.load().to(Float32)
+        x = rX.load().to(Float32)
+        if const_expr(scale is not None):
+            x = x * scale
+        return x
 
     @cute.jit
-    def store_chunk(self, x: cute.TensorSSA, gRow: cute.Tensor, c: Int32):
-        """fp32 values rounded once to the dtype, one 128-bit store to chunk ``c``."""
-        rX = cute.make_rmem_tensor((self.vec,), self.dtype)
-        rX.store(x.to(self.dtype))
+    def store_chunk(self, x: cute.TensorSSA, gRow: cute.Tensor, c: Int32, scale: Optional[Float32] = None):
+        """fp32 values (divided by ``scale`` when given: an fp8 row's descale) rounded once
+        to the row's dtype, one store to chunk ``c``. Into fp8 the rounding is to nearest
+        even, saturating at the format's largest finite value (cvt.rn.satfinite)."""
+        if const_expr(scale is not None):
+            x = x / scale
+        rX = cute.make_rmem_tensor((self.vec,), gRow.element_type)
+        rX.store(x.to(gRow.element_type))
         cute.autovec_copy(rX, cute.flat_divide(gRow, (self.vec,))[None, c])
 
     @cute.jit
-    def copy_chunk(self, gSrc: cute.Tensor, gDst: cute.Tensor, c: Int32):
-        rX = cute.make_rmem_tensor((self.vec,), self.dtype)
-        cute.autovec_copy(cute.flat_divide(gSrc, (self.vec,))[None, c], rX)
-        cute.autovec_copy(rX, cute.flat_divide(gDst, (self.vec,))[None, c])
+    def copy_chunk(self, gSrc: cute.Tensor, gDst: cute.Tensor, c: Int32, src_scale: Optional[Float32] = None,
+                   dst_scale: Optional[Float32] = None):
+        """Chunk ``c`` from one row to another: the bits as they are between rows of one
+        dtype, else through fp32 (a 16-bit value quantized into an fp8 cache)."""
+        if const_expr(gSrc.element_type == gDst.element_type):
+            rX = cute.make_rmem_tensor((self.vec,), gSrc.element_type)
+            cute.autovec_copy(cute.flat_divide(gSrc, (self.vec,))[None, c], rX)
+            cute.autovec_copy(rX, cute.flat_divide(gDst, (self.vec,))[None, c])
+        else:
+            self.store_chunk(self.load_chunk(gSrc, c, src_scale), gDst, c, dst_scale)
 
     @cute.jit
     def load_cos_sin(self, mCos: cute.Tensor, mSin: cute.Tensor, pos: Int32, c: Int32, n: cutlass.Constexpr[int]):
@@ -416,24 +520,26 @@ class KVAppendRotary:
         mCos: Optional[cute.Tensor],
         mSin: Optional[cute.Tensor],
         pos: Int32,  # absolute position, unclamped
+        src_scale: Optional[Float32] = None,  # an fp8 source's descale (dequantized before the rotation)
+        dst_scale: Optional[Float32] = None,  # an fp8 destination's descale (quantized after it)
     ):
         if const_expr(self.neox):
             if item < self.half:
                 # Pairs (x[i], x[i + rotary_dim / 2]): chunk item and chunk item + half,
                 # cos / sin columns of chunk item.
                 cos, sin = self.load_cos_sin(mCos, mSin, pos, item, self.vec)
-                x0 = self.load_chunk(gSrc, item)
-                x1 = self.load_chunk(gSrc, item + self.half)
-                self.store_chunk(x0 * cos - x1 * sin, gDst, item)
-                self.store_chunk(x0 * sin + x1 * cos, gDst, item + self.half)
+                x0 = self.load_chunk(gSrc, item, src_scale)
+                x1 = self.load_chunk(gSrc, item + self.half, src_scale)
+                self.store_chunk(x0 * cos - x1 * sin, gDst, item, dst_scale)
+                self.store_chunk(x0 * sin + x1 * cos, gDst, item + self.half, dst_scale)
             else:
-                self.copy_chunk(gSrc, gDst, item + self.half)
+                self.copy_chunk(gSrc, gDst, item + self.half, src_scale, dst_scale)
         elif const_expr(self.interleaved):
             if item < self.rot_chunks:
                 # Pairs (x[2i], x[2i + 1]) inside the chunk: vec / 2 cos / sin columns.
                 cos, sin = self.load_cos_sin(mCos, mSin, pos, item, self.vec // 2)
                 rX = cute.make_rmem_tensor((self.vec,), Float32)
-                rX.store(self.load_chunk(gSrc, item))
+                rX.store(self.load_chunk(gSrc, item, src_scale))
                 rCos = cute.make_rmem_tensor((self.vec // 2,), Float32)
                 rSin = cute.make_rmem_tensor((self.vec // 2,), Float32)
                 rCos.store(cos)
@@ -442,11 +548,11 @@ class KVAppendRotary:
                     x0, x1 = rX[2 * i], rX[2 * i + 1]
                     rX[2 * i] = x0 * rCos[i] - x1 * rSin[i]
                     rX[2 * i + 1] = x0 * rSin[i] + x1 * rCos[i]
-                self.store_chunk(rX.load(), gDst, item)
+                self.store_chunk(rX.load(), gDst, item, dst_scale)
             else:
-                self.copy_chunk(gSrc, gDst, item)
+                self.copy_chunk(gSrc, gDst, item, src_scale, dst_scale)
         else:
-            self.copy_chunk(gSrc, gDst, item)
+            self.copy_chunk(gSrc, gDst, item, src_scale, dst_scale)
 
     @cute.jit
     def write_metadata(
@@ -498,15 +604,26 @@ class KVAppendRotary:
 
 def append_key(arch: str, dtype_name: str, d: int, d_v: int, rotary_dim: int, interleaved: bool,
                q_positions_per_query: bool, has_q: bool, has_new_kv: bool, paged: bool, has_batch_idx: bool,
-               has_leftpad: bool, varlen: bool = False) -> tuple:
+               has_leftpad: bool, varlen: bool = False, q_dtype_name: Optional[str] = None,
+               new_dtype_name: Optional[str] = None, cache_dtype_name: Optional[str] = None) -> tuple:
     """``("kv_append", arch, dtype, d, d_v, rotary_dim, interleaved, q_positions_per_query,
     has_q, has_new_kv, paged, has_batch_idx, has_leftpad, varlen)``; flags that change
     nothing (interleaved without rotary, q positions without a rotated q, varlen without
     q or new k / v: then only metadata is written, the same as dense) are normalised to
-    False so that they do not make distinct binaries."""
-    assert not (paged and (has_batch_idx or has_leftpad)), "batch idx / leftpad are for contiguous caches"
+    False so that they do not make distinct binaries.
+
+    ``dtype`` is the 16-bit type of the rotary tables and of the 16-bit operands
+    (``dtype_name``); where q (e4m3), the new tokens or the caches (e4m3 / e5m2) are fp8
+    it is ``"<dtype>/<q>/<new k, v>/<caches>"`` (``"bf16/bf16/bf16/e4m3"``: bf16 tokens
+    quantized into an e4m3 cache), q's and the new tokens' names normalised to the 16-bit
+    one when they are not passed. Paged caches take a leftpad (it only shortens the key
+    counts written), never a batch idx."""
+    assert not (paged and has_batch_idx), "batch idx is for contiguous caches"
     rotary_dim = int(rotary_dim)
-    return ("kv_append", arch, dtype_name, int(d), int(d_v), rotary_dim, bool(interleaved) and rotary_dim > 0,
+    names = (dtype_name, (q_dtype_name if has_q else None) or dtype_name,
+             (new_dtype_name if has_new_kv else None) or dtype_name, cache_dtype_name or dtype_name)
+    dtype_field = dtype_name if len(set(names)) == 1 else "/".join(names)
+    return ("kv_append", arch, dtype_field, int(d), int(d_v), rotary_dim, bool(interleaved) and rotary_dim > 0,
             bool(q_positions_per_query) and rotary_dim > 0 and bool(has_q), bool(has_q), bool(has_new_kv),
             bool(paged), bool(has_batch_idx), bool(has_leftpad), bool(varlen) and (bool(has_q) or bool(has_new_kv)))
 
@@ -514,30 +631,48 @@ def append_key(arch: str, dtype_name: str, d: int, d_v: int, rotary_dim: int, in
 def compile_append(key: tuple):
     """Compile for ``key`` = append_key(...). Pure function of the key: sizes and leading
     strides are symbolic, so no batch, length, head count or page size recompiles."""
-    (name, arch, dtype_name, d, d_v, rotary_dim, interleaved, q_per_query, has_q, has_new_kv, paged, has_batch_idx,
+    (name, arch, dtype_field, d, d_v, rotary_dim, interleaved, q_per_query, has_q, has_new_kv, paged, has_batch_idx,
      has_leftpad, varlen) = key
     assert name == "kv_append"
-    dtype = CUTE_DTYPE_BY_NAME[dtype_name]
+    dtype_name, *fp8_names = dtype_field.split("/")
+    q_name, new_name, cache_name = fp8_names or (dtype_name,) * 3
+    dtype, q_dtype, new_dtype, cache_dtype = (CUTE_DTYPE_BY_NAME[n] for n in (dtype_name, q_name, new_name,
+                                                                              cache_name))
     rank = 3 if varlen else 4  # (total, h, d) or (b, s, h, d)
-    x = lambda dim, r=rank: fake_tensor(dtype, r, shape=(None,) * (r - 1) + (dim,))
+    x = lambda dt, dim, r=rank: fake_tensor(dt, r, shape=(None,) * (r - 1) + (dim,))
     i32 = lambda rank: fake_tensor(Int32, rank, align=4)
     rot = lambda: fake_tensor(dtype, 2, shape=(None, rotary_dim // 2)) if rotary_dim > 0 else None
+    # Descales: fp32 (b, h_kv) of any strides (one element broadcast has stride 0).
+    descale = lambda given: fake_tensor(Float32, 2, align=4, contiguous_last=False) if given else None
+    q_descale = has_q and q_dtype.width == 8
+    kv_descale = has_new_kv and cache_dtype.width == 8
     tensors = (
-        x(d) if has_q else None, x(d) if has_new_kv else None, x(d_v) if has_new_kv else None,
-        x(d, 4), x(d_v, 4), i32(1), i32(2) if paged else None, i32(1) if has_batch_idx else None,
-        i32(1) if has_leftpad else None, rot(), rot(), x(d) if has_q else None, i32(1),
-        i32(1) if (has_batch_idx or has_leftpad) else None,
+        x(q_dtype, d) if has_q else None, x(new_dtype, d) if has_new_kv else None,
+        x(new_dtype, d_v) if has_new_kv else None, x(cache_dtype, d, 4), x(cache_dtype, d_v, 4), i32(1),
+        i32(2) if paged else None, i32(1) if has_batch_idx else None, i32(1) if has_leftpad else None, rot(), rot(),
+        x(q_dtype, d) if has_q else None, i32(1), i32(1) if not paged and (has_batch_idx or has_leftpad) else None,
         i32(1) if varlen and has_q else None, i32(1) if varlen and has_new_kv else None,
+        descale(q_descale), descale(kv_descale), descale(kv_descale),
     )
-    kernel = KVAppendRotary(dtype, d, d_v, rotary_dim, interleaved, q_per_query, paged, varlen)
+    kernel = KVAppendRotary(dtype, d, d_v, rotary_dim, interleaved, q_per_query, paged, varlen, q_dtype=q_dtype,
+                            new_dtype=new_dtype, cache_dtype=cache_dtype)
     return cute.compile(kernel, *tensors, fake_stream(), options=compile_options(arch))
 
 
 def append_launcher(dtype, d: int, d_v: int, rotary_dim: int, interleaved: bool, q_positions_per_query: bool,
                     has_q: bool, has_new_kv: bool, paged: bool, has_batch_idx: bool, has_leftpad: bool,
-                    varlen: bool = False):
-    """The compiled append for a torch dtype and the static flags of ``append_key``, called
-    as in the module docstring (None where absent). Runs on torch's current stream."""
-    key = append_key(target_arch(), DTYPE_NAMES[dtype], d, d_v, rotary_dim, interleaved, q_positions_per_query,
-                     has_q, has_new_kv, paged, has_batch_idx, has_leftpad, varlen)
+                    varlen: bool = False, q_dtype=None, new_dtype=None, cache_dtype=None, device=None):
+    """The compiled append for torch dtypes (``dtype`` the 16-bit one; ``q_dtype``,
+    ``new_dtype``, ``cache_dtype`` where q, the new tokens or the caches differ: fp8) and
+    the static flags of ``append_key``, called as in the module docstring (None where
+    absent). Runs on torch's current stream. An fp8 operand needs the conversion
+    instructions of compute capability 8.9: refused below (NotImplementedError), before
+    anything compiles or runs."""
+    arch = target_arch(device)
+    names = [DTYPE_NAMES[t] if t is not None else None for t in (q_dtype, new_dtype, cache_dtype)]
+    if any(n in ("e4m3", "e5m2") for n in names) and arch_capability(arch) < (8, 9):
+        raise NotImplementedError(f"an FP8 cache append (or FP8 queries) needs a GPU of compute capability >= 8.9 "
+                                  f"(its fp8 conversion instructions), got {arch}")
+    key = append_key(arch, DTYPE_NAMES[dtype], d, d_v, rotary_dim, interleaved, q_positions_per_query,
+                     has_q, has_new_kv, paged, has_batch_idx, has_leftpad, varlen, *names)
     return jit_cache.get_or_compile("kv_append", key, lambda: compile_append(key))

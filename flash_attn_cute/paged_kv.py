@@ -5,7 +5,14 @@ in page ``page_table[b, t // page_size]``, row ``t % page_size``. A page id outs
 pool is clamped into it: a corrupt table gives wrong keys, never a read outside the cache
 (the lengths themselves are clamped to the table's capacity by ``SeqlenInfo``). Any page
 size works, 1 included; one definition for every kernel that gathers rows.
+
+With ``cache_leftpad`` (``SeqlenInfo.leftpad_k``, the kernels' ``mLeftpadK``) sequence b's
+key j is cache position ``leftpad_k + j``: the lookups take the start (``key_start``) and
+add it to every key before the page division (None: nothing added, the code of a cache
+without it). ``SeqlenInfo`` bounds start + length by the capacity.
 """
+
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -22,23 +29,29 @@ def page_and_row(mPageTable: cute.Tensor, batch: Int32, t: Int32, page_size: Int
 
 @cute.jit
 def page_lookups(mPageTable: cute.Tensor, batch: Int32, tXcX: cute.Tensor, t0: Int32, last: Int32,
-                 first: cutlass.Constexpr[int], count: cutlass.Constexpr[int], page_size: Int32, num_pages: Int32):
+                 first: cutlass.Constexpr[int], count: cutlass.Constexpr[int], page_size: Int32, num_pages: Int32,
+                 key_start: Optional[Int32] = None):
     """(pages, rows in page): two (count,) register tensors for the partition rows [first,
     first + count) of a KV block whose first key is ``t0`` (``tXcX``: a thread's (CPY, M,
     chunks) coordinates of the block). The lookups are issued together, before any copy
     needs one, so their latencies overlap (one after another, page size 1 read 1.65 TB/s
-    on the H200). Keys past ``last``, the sequence's last, look ``last`` up: a real page."""
+    on the H200). Keys past ``last``, the sequence's last, look ``last`` up: a real page.
+    ``key_start``: the cache position of key 0 (``SeqlenInfo.leftpad_k``)."""
     tPrPage = cute.make_rmem_tensor((count,), Int32)
     tPrRow = cute.make_rmem_tensor((count,), Int32)
     for i in cutlass.range_constexpr(count):
         t = cutlass.min(t0 + tXcX[0, first + i, 0][0], last)
+        if cutlass.const_expr(key_start is not None):
+            t = t + key_start
         tPrPage[i], tPrRow[i] = page_and_row(mPageTable, batch, t, page_size, num_pages)
     return tPrPage, tPrRow
 
 
-def paged_row_fns(mK: cute.Tensor, mV: cute.Tensor, mPageTable: cute.Tensor, batch: Int32, head_kv: Int32):
+def paged_row_fns(mK: cute.Tensor, mV: cute.Tensor, mPageTable: cute.Tensor, batch: Int32, head_kv: Int32,
+                  key_start: Optional[Int32] = None):
     """Row functions over paged caches ``mK``/``mV`` (num_pages, page_size, h_kv, d*): key
-    position -> 1-D gmem tensor (d*,) of that key for ``head_kv``. Both take the page
+    -> 1-D gmem tensor (d*,) of that key for ``head_kv``, the key at cache position
+    ``key_start`` + key (``SeqlenInfo.leftpad_k``; None: the key itself). Both take the page
     geometry from K (the API checks that V agrees), so a K row and a V row of the same
     key share one page lookup after common-subexpression elimination."""
     page_size, num_pages = mK.shape[1], mK.shape[0]
@@ -47,6 +60,8 @@ def paged_row_fns(mK: cute.Tensor, mV: cute.Tensor, mPageTable: cute.Tensor, bat
         mX_h = mX[None, None, head_kv, None]  # (num_pages, page_size, d*)
 
         def row(t):
+            if cutlass.const_expr(key_start is not None):
+                t = t + key_start
             page, r = page_and_row(mPageTable, batch, t, page_size, num_pages)
             return mX_h[page, r, None]
 

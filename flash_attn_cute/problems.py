@@ -58,6 +58,9 @@ class FwdProblem(NamedTuple):
     # 0 every one; n > 0 those of at most n queries; -n those of more than n.
     q_class: int = 0
     kv_dtype: Optional[torch.dtype] = None  # FP8 K/V (with k_descale / v_descale); None: q's dtype
+    # A paged cache whose sequences start at a per-sequence cache position (cache_leftpad;
+    # FwdArgs.mLeftpadK): key j of sequence b is cache position leftpad[b] + j.
+    leftpad_k: bool = False
 
     @property
     def kv_fp8(self) -> bool:

@@ -216,12 +216,22 @@ def dequantize_kv(x8, descale):
     return x8.float() * scale
 
 
-def attention_kvcache_ref(q, k_cache, v_cache, cache_seqlens, page_table=None, **kwargs):
+def attention_kvcache_ref(q, k_cache, v_cache, cache_seqlens, page_table=None, cache_leftpad=None, **kwargs):
     """Decode/append attention over the first cache_seqlens[b] keys of each cache row,
-    causal/windows aligned to the bottom-right of (seqlen_q, cache_seqlens[b])."""
+    causal/windows aligned to the bottom-right of (seqlen_q, cache_seqlens[b]).
+    ``cache_leftpad`` (b,): sequence b's keys are cache positions [leftpad[b],
+    cache_seqlens[b]) instead (key j at position leftpad[b] + j), the masks aligned to the
+    bottom-right of (seqlen_q, cache_seqlens[b] - leftpad[b]); contiguous or paged."""
     if page_table is not None:
         k_cache = gather_paged_kv(k_cache, page_table)
         v_cache = gather_paged_kv(v_cache, page_table)
+    if cache_leftpad is not None:
+        start = cache_leftpad.long().to(k_cache.device)
+        cap = k_cache.shape[1]
+        rows = (start[:, None] + torch.arange(cap, device=k_cache.device)[None]).clamp(max=cap - 1)  # (b, cap)
+        take = lambda c: torch.gather(c, 1, rows[:, :, None, None].expand(-1, -1, *c.shape[2:]))
+        k_cache, v_cache = take(k_cache), take(v_cache)
+        cache_seqlens = (cache_seqlens.long().to(start.device) - start).clamp(min=0)
     return attention_ref(q, k_cache, v_cache, seqlens_k=cache_seqlens, **kwargs)
 
 
@@ -412,9 +422,32 @@ def varlen_rows_ref(cu_seqlens, batch, rows):
     return b, r - first.clamp(min=0), found
 
 
+FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def quantize_ref(x32, dtype):
+    """fp32 values (already divided by their descale) into the fp8 ``dtype``: round to
+    nearest even, saturating at the format's largest finite value (448 for e4m3, 57344 for
+    e5m2; NaN stays NaN), what the kernels' ``cvt.rn.satfinite`` does. torch's own
+    conversion overflows e5m2 to inf, hence the clamp (which rounding to nearest then
+    leaves as it is below the largest finite value)."""
+    fmax = torch.finfo(dtype).max
+    return x32.float().clamp(-fmax, fmax).to(dtype)
+
+
+def _descale_rows(descale, b, nheads_kv, device, group=1):
+    """A (batch, h_kv) or one-element descale (None: 1) for the batch indices ``b`` (any
+    shape): fp32 of shape b.shape + (h_kv * group, 1), each KV head's repeated over its
+    ``group`` query heads."""
+    t = torch.ones(1, device=device) if descale is None else descale.float().to(device)
+    t = t.reshape(1, 1).expand(int(b.max()) + 1 if b.numel() else 1, nheads_kv) if t.numel() == 1 else t
+    return t[b.long()].repeat_interleave(group, dim=-1)[..., None]
+
+
 def kv_append_ref(q, k_new, v_new, k_cache, v_cache, cache_seqlens, page_table=None, cache_batch_idx=None,
                   cache_leftpad=None, rotary_cos=None, rotary_sin=None, interleaved=True, q_positions_per_query=True,
-                  upcast=False, cu_seqlens_q=None, cu_seqlens_k_new=None):
+                  upcast=False, cu_seqlens_q=None, cu_seqlens_k_new=None, q_descale=None, k_descale=None,
+                  v_descale=None):
     """What ``kv_append`` computes, without modifying any input: returns (q_rot, k_cache
     after, v_cache after, seqused (b,) int32, k_offsets (b + 1,) int32 or None).
 
@@ -435,7 +468,14 @@ def kv_append_ref(q, k_new, v_new, k_cache, v_cache, cache_seqlens, page_table=N
     sequence b (``varlen_rows_ref``) is token t = r - cu[b] of b. Rows outside every
     sequence are not written: their q_rot rows are NaN (the kernel leaves q_out there as
     it was). s_new of sequence b is max(c[b + 1] - c[b], 0) with c = cu_seqlens_k_new
-    clamped into [0, total_new] (0 for b >= len(cu) - 1)."""
+    clamped into [0, total_new] (0 for b >= len(cu) - 1).
+
+    FP8 (``quantize_ref``): into an e4m3 / e5m2 cache, 16-bit new tokens are stored as
+    fp8(x / descale[b, h_kv]), k rotated first (``k_descale``, ``v_descale``: (b, h_kv) or
+    one element, None = 1); fp8 new tokens are copied as they are, except k's rotated
+    channels: dequantized (x * k_descale), rotated, quantized again. e4m3 q is rotated the
+    same way with ``q_descale`` (per KV head). With ``upcast`` the fp8 slots written hold
+    the fp32 values before that last rounding (in stored units: divided by the descale)."""
     rotary_dim = 0 if rotary_cos is None else 2 * rotary_cos.shape[1]
     start = cache_seqlens.long()
     batch = start.shape[0]
@@ -443,38 +483,74 @@ def kv_append_ref(q, k_new, v_new, k_cache, v_cache, cache_seqlens, page_table=N
     paged = page_table is not None
     capacity = page_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     start_of = lambda b: start[b] if batch else torch.zeros_like(b)  # b is 0 when batch is 0
+    fp8_cache = k_cache.dtype in FP8_TYPES
+    h_kv = k_cache.shape[2]
 
-    def rotate(x, positions):
-        y = apply_rotary_ref(x, rotary_cos, rotary_sin, positions, interleaved, rotary_dim)
-        return y if upcast else y.to(x.dtype)
+    def rotate(x, positions, scale=None, fp8_out=None):
+        """x (B, S, h, d) rotated at ``positions``; fp8 (``fp8_out``, ``scale`` (B, S, h, 1)):
+        dequantized first if x is fp8, quantized after (fp8 channels it does not rotate
+        copied as they are)."""
+        if fp8_out is None:
+            y = apply_rotary_ref(x, rotary_cos, rotary_sin, positions, interleaved, rotary_dim)
+            return y if upcast else y.to(x.dtype)
+        fp8_in = x.dtype in FP8_TYPES
+        x32 = x.float() * scale if fp8_in else x.float()
+        y = apply_rotary_ref(x32, rotary_cos, rotary_sin, positions, interleaved, rotary_dim) / scale
+        if fp8_in:
+            y[..., rotary_dim:] = x[..., rotary_dim:].float()
+        return y if upcast else quantize_ref(y, fp8_out)
+
+    def stored(x, scale):
+        """v (B, S, h, d) as the cache stores it."""
+        if not fp8_cache:
+            return x
+        if x.dtype in FP8_TYPES:
+            return x.float() if upcast else x
+        return x.float() / scale if upcast else quantize_ref(x.float() / scale, k_cache.dtype)
 
     q_rot = None
+    q_fp8 = q is not None and q.dtype in FP8_TYPES
+    q_scale = lambda b: _descale_rows(q_descale, b, h_kv, device, q.shape[-2] // h_kv) if q_fp8 else None
+    q_out_dtype = q.dtype if q_fp8 else None
     if q is not None and cu_seqlens_q is not None:
         bq, tq, found = varlen_rows_ref(cu_seqlens_q, batch, q.shape[0])
-        q_rot = rotate(q[None], (start_of(bq) + (tq if q_positions_per_query else 0))[None])[0]
-        q_rot[~found] = float("nan")
+        q_rot = rotate(q[None], (start_of(bq) + (tq if q_positions_per_query else 0))[None],
+                       None if not q_fp8 else q_scale(bq)[None], q_out_dtype)[0]
+        if q_rot.dtype in FP8_TYPES:
+            q_rot = q_rot.view(torch.uint8)
+            q_rot[~found] = 0x7F  # NaN: the kernel leaves these rows as they were
+            q_rot = q_rot.view(q.dtype)
+        else:
+            q_rot[~found] = float("nan")
     elif q is not None:
         t = torch.arange(q.shape[1], device=device)
-        q_rot = rotate(q, start[:, None] + (t[None] if q_positions_per_query else 0))
+        bq = torch.arange(batch, device=device)[:, None].expand(batch, q.shape[1])
+        q_rot = rotate(q, start[:, None] + (t[None] if q_positions_per_query else 0), q_scale(bq), q_out_dtype)
     k_out = k_cache.float().clone() if upcast else k_cache.clone()
     v_out = v_cache.float().clone() if upcast else v_cache.clone()
     s_new = torch.zeros(batch, dtype=torch.long, device=device)
+    k_scale = lambda b: _descale_rows(k_descale, b, h_kv, device) if fp8_cache else None
+    v_scale = lambda b: _descale_rows(v_descale, b, h_kv, device) if fp8_cache else None
+    k_fp8_out = k_cache.dtype if fp8_cache else None
     if k_new is not None:
         if cu_seqlens_k_new is not None:
             bk, tk, found = varlen_rows_ref(cu_seqlens_k_new, batch, k_new.shape[0])
             pos = start_of(bk) + tk  # (total_new,)
-            k_rot = rotate(k_new[None], pos[None])[0]
+            k_rot = rotate(k_new[None], pos[None], None if not fp8_cache else k_scale(bk)[None], k_fp8_out)[0]
+            v_st = stored(v_new[None], None if not fp8_cache else v_scale(bk)[None])[0]
             (rows,) = (found & (pos >= 0) & (pos < capacity)).nonzero(as_tuple=True)
-            bs, p, k_src, v_src = bk[rows], pos[rows], k_rot[rows], v_new[rows]
+            bs, p, k_src, v_src = bk[rows], pos[rows], k_rot[rows], v_st[rows]
             c = cu_seqlens_k_new.long().clamp(0, k_new.shape[0])
             nb = max(min(c.shape[0] - 1, batch), 0)
             s_new[:nb] = (c[1:nb + 1] - c[:nb]).clamp(min=0)
         else:
             s_new += k_new.shape[1]
             pos = start[:, None] + torch.arange(k_new.shape[1], device=device)[None]  # (b, s_new)
-            k_rot = rotate(k_new, pos)
+            bt = torch.arange(batch, device=device)[:, None].expand(batch, k_new.shape[1])
+            k_rot = rotate(k_new, pos, k_scale(bt), k_fp8_out)
+            v_st = stored(v_new, v_scale(bt))
             bs, ts = ((pos >= 0) & (pos < capacity)).nonzero(as_tuple=True)
-            p, k_src, v_src = pos[bs, ts], k_rot[bs, ts], v_new[bs, ts]
+            p, k_src, v_src = pos[bs, ts], k_rot[bs, ts], v_st[bs, ts]
         if paged:
             page = page_table.long()[bs, p // k_cache.shape[1]].clamp(0, k_cache.shape[0] - 1)
             slot = (page, p % k_cache.shape[1])
@@ -483,8 +559,11 @@ def kv_append_ref(q, k_new, v_new, k_cache, v_cache, cache_seqlens, page_table=N
             if cache_batch_idx is not None:
                 row = cache_batch_idx.long()[bs].clamp(0, k_cache.shape[0] - 1)
             slot = (row, p)
-        k_out[slot] = k_src.to(k_out.dtype)
-        v_out[slot] = v_src.to(v_out.dtype)
+        for dst, src in ((k_out, k_src), (v_out, v_src)):
+            if dst.dtype in FP8_TYPES:  # as bytes: fp8 indexing is not implemented everywhere
+                dst.view(torch.uint8)[slot] = src.to(dst.dtype).view(torch.uint8)
+            else:
+                dst[slot] = src.to(dst.dtype)
     end = (start + s_new).clamp(0, capacity)
     leftpad = torch.zeros_like(end) if cache_leftpad is None else torch.minimum(cache_leftpad.long().clamp(min=0), end)
     seqused = (end - leftpad).int()

@@ -115,9 +115,10 @@ def test_fp8_refusals(launches):
         flash_attn_func(q, k8, v8, q_descale=1.0)
     with pytest.raises(TypeError, match="FP8 queries need k and v in"):
         flash_attn_func(q.to(E4M3), k8.to(torch.bfloat16), v8)
-    with pytest.raises(NotImplementedError, match="into an FP8 cache"):
-        flash_attn_with_kvcache(q, k8, v8, k=torch.randn(2, 1, 2, 64).to(E4M3), v=torch.randn(2, 1, 2, 64).to(E4M3),
-                                cache_seqlens=3)
+    # Appending into an FP8 cache takes q's 16-bit dtype or the cache's own (tests/test_kv_append_api.py)
+    with pytest.raises(TypeError, match="k must be torch.bfloat16 like q, or torch.float8_e4m3fn like the cache"):
+        flash_attn_with_kvcache(q, k8, v8, k=torch.randn(2, 1, 2, 64).to(torch.float8_e5m2),
+                                v=torch.randn(2, 1, 2, 64).to(torch.float8_e5m2), cache_seqlens=3)
     # 16-bit caches: descales checked, then ignored (no fp8 problem)
     k, v = _kv(dtype=torch.bfloat16)
     flash_attn_with_kvcache(q, k, v, k_descale=torch.ones(2, 2), v_descale=torch.ones(1))

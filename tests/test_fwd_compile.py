@@ -336,3 +336,81 @@ def test_plan_is_what_the_launcher_compiles():
     key = module.compile_key(decode, plan, "sm_90a")
     assert key[1] == "sm_90a" and module.compile_key(decode, plan._replace(num_splits=1), "sm_90a") != key
     assert module.plan(decode, 1, False, None).num_splits == 1
+
+
+# cache_leftpad over a paged cache (FwdProblem.leftpad_k, FwdArgs.mLeftpadK): the SM80
+# kernel (its row gathers add the start) and the SM90 kernel (row gathers for every page
+# size, a start inside a page moving each block off the pages' TMA boxes); the SM100 kernel
+# refuses it (its check), so a B200 runs the SM80 kernel.
+LEFTPAD_CASES = [("sm80", "sm_80"), ("sm80", "sm_90a"), ("sm90", "sm_90a")]
+
+
+def leftpad_problems(arch):
+    """(problem, num_splits): a split decode step over pages of 16 and a prefill chunk over
+    pages of 128 (SM90: TMA-sized pages, gathered here), and FP8 K/V over pages of 64 (not
+    for sm_80: no fp8 conversions)."""
+    base = fwd.FwdProblem(dtype=BF16, batch=4, max_seqlen_q=1, max_seqlen_k=4096, nheads=32, nheads_kv=8, d=128,
+                          d_v=128, softmax_scale=128 ** -0.5, causal=True, window_left=-1, window_right=0,
+                          softcap=0.0, varlen_q=False, varlen_k=False, has_seqused_k=True, page_size=16,
+                          has_lse=True, leftpad_k=True)
+    problems = [(base, 3), (base._replace(page_size=128, max_seqlen_q=256), 1)]
+    if arch != "sm_80":
+        problems.append((base._replace(page_size=64, kv_dtype=torch.float8_e4m3fn), 0))
+    return problems
+
+
+def leftpad_key_pairs(backend, arch):
+    """[(key with leftpad_k, the same problem's key without)]."""
+    module = fwd.backend_module(backend)
+    key = lambda p, ns: module.compile_key(p, module.plan(p, ns, True, 132), arch)
+    return [(key(p, ns), key(p._replace(leftpad_k=False), ns)) for p, ns in leftpad_problems(arch)]
+
+
+@pytest.fixture(scope="module")
+def leftpad_artifacts(tmp_path_factory):
+    cache = {}
+
+    def get(backend, arch):
+        if (backend, arch) not in cache:
+            keys = [k for pair in leftpad_key_pairs(backend, arch) for k in pair]
+            entries = [(f"k{i}", f"flash_attn_cute.{backend}:compile", key) for i, key in enumerate(keys)]
+            cache[backend, arch] = keys, *compile_entries(arch, entries, tmp_path_factory.mktemp(f"lp_{backend}"))
+        return cache[backend, arch]
+
+    return get
+
+
+@pytest.mark.parametrize("backend,arch", LEFTPAD_CASES)
+def test_leftpad_compiles_and_sass(leftpad_artifacts, backend, arch):
+    keys, out_dir, _ = leftpad_artifacts(backend, arch)
+    for i, key in enumerate(keys):
+        cubins = list((out_dir / f"k{i}").glob(f"*.{arch}.cubin"))
+        assert len(cubins) == 1 and cubins[0].read_bytes()[:4] == b"\x7fELF", key
+    pairs = leftpad_key_pairs(backend, arch)
+    if backend == "sm90":  # pages of 64 and 128 hold whole blocks: TMA without key starts
+        assert [fields(backend, without).extra[0] for _, without in pairs] == [True, False, False]
+    for with_lp, without in pairs:
+        f, g = fields(backend, with_lp), fields(backend, without)
+        # The ``paged`` field differs (keys.PAGED_LEFTPAD); on SM90 also the plan's gathers.
+        assert f.leftpad_k and not g.leftpad_k and f.paged and g.paged is True
+        assert [i for i, (x, y) in enumerate(zip(with_lp, without)) if x != y][0] == 5 + TILE_LEN[backend] + 7
+        if backend == "sm90":
+            assert f.extra[0], "a paged cache with key starts is gathered"
+        sass_of = lambda k: list((out_dir / f"k{keys.index(k)}").glob("*.sass"))
+        if not sass_of(with_lp):
+            pytest.skip("no usable nvdisasm (pip install nvidia-cuda-nvdisasm): no SASS to check")
+        sass = sass_of(with_lp)[0].read_text()
+        for op in SASS_EXPECT[backend] + (sm90_loads(with_lp) if backend == "sm90" else []):
+            assert op in sass, (op, with_lp)
+        if backend == "sm90":
+            assert not re.search(r"\bUTMALDG\b", sass) or f.qhead_per_kvhead_packed == 1  # KV never by TMA
+        bound = spill_bound(backend, with_lp)
+        assert bound is None or len(re.findall(r"\b(LDL|STL)\b", sass)) <= bound, ("local memory", with_lp)
+        assert sass_histogram(out_dir / f"k{keys.index(with_lp)}")[0] != \
+            sass_histogram(out_dir / f"k{keys.index(without)}")[0], "the key starts are read"
+
+
+def test_leftpad_refused_by_sm100():
+    p = leftpad_problems("sm_100a")[0][0]._replace(page_size=128)
+    assert "cache_leftpad with a paged cache" in fwd.backend_module("sm100").check(p)
+    assert fwd.backend_module("sm100").check(p._replace(leftpad_k=False)) is None

@@ -17,7 +17,8 @@ import pytest
 import torch
 from compile_harness import compile_entries, covering_subset
 
-from flash_attn_cute.testing import apply_rotary_ref, gather_paged_kv, kv_append_ref, varlen_rows_ref
+from flash_attn_cute.testing import (apply_rotary_ref, attention_kvcache_ref, gather_paged_kv, kv_append_ref,
+                                     quantize_ref, varlen_rows_ref)
 
 # sm_80: the lowest supported arch; sm_90a: the main target (H200); sm_100a: Blackwell.
 ARCHS = ["sm_80", "sm_90a", "sm_100a"]
@@ -29,14 +30,14 @@ ROTARY = [(0, False), (64, True), (64, False), (32, True), (32, False)]
 
 def key_space(arch):
     """Every flag combination the kernel accepts, over fp16 / bf16 and (d, d_v) in
-    (64, 128), (128, 64): paged caches take neither batch idx nor leftpad."""
+    (64, 128), (128, 64): paged caches take a leftpad (key counts only), never a batch idx."""
     from flash_attn_cute.kv_append import append_key
 
     keys = set()
     for dtype, (d, d_v), (rd, inter), per_query, has_q, has_kv, paged, idx, leftpad, varlen in itertools.product(
             ["fp16", "bf16"], [(64, 128), (128, 64)], ROTARY, [True, False], [True, False], [True, False],
             [True, False], [True, False], [True, False], [True, False]):
-        if paged and (idx or leftpad):
+        if paged and idx:
             continue
         keys.add(append_key(arch, dtype, d, d_v, rd, inter, per_query, has_q, has_kv, paged, idx, leftpad, varlen))
     return keys
@@ -44,6 +45,7 @@ def key_space(arch):
 
 def entry_name(key):
     _, _, dtype, d, d_v, rd, inter, per_query, has_q, has_kv, paged, idx, leftpad, varlen = key
+    dtype = dtype.replace("/", "_")  # FP8: "bf16/bf16/bf16/e4m3" (kv_append.append_key)
     rot = "norot" if rd == 0 else f"{'gptj' if inter else 'neox'}{rd}"
     flags = [n for n, f in (("perq", per_query), ("q", has_q), ("kv", has_kv), ("paged", paged), ("idx", idx),
                             ("leftpad", leftpad), ("varlen", varlen)) if f]
@@ -170,6 +172,89 @@ def backward_loops(sass):
             if addr_of_line[start] < addr_of_line[i]:
                 loops.append([lines[j] for j in range(start, i + 1) if j in addr_of_line])
     return loops
+
+
+# ---------------------------------------------------------------------------------------
+# FP8: tokens quantized into an e4m3 / e5m2 cache, fp8 tokens copied or requantized, e4m3 q
+# (FP8 attention) rotated with its descale. sm_90a and sm_100a: sm_80 has no fp8
+# conversions (append_launcher refuses FP8 below compute capability 8.9).
+# ---------------------------------------------------------------------------------------
+
+FP8_ARCHS = ["sm_90a", "sm_100a"]
+
+
+def fp8_keys(arch):
+    """(dtype_name, d, d_v, rotary_dim, interleaved, per_query, has_q, has_kv, paged, idx, leftpad, varlen,
+    q, new, cache): every source / destination pair of dtypes, with and without rotary, in
+    every cache layout (contiguous, batch idx + leftpad, paged, paged + leftpad) and varlen."""
+    from flash_attn_cute.kv_append import append_key
+
+    specs = [
+        ("bf16", 128, 128, 128, False, True, True, True, False, False, False, False, None, None, "e4m3"),
+        ("fp16", 64, 128, 32, True, True, True, True, True, False, True, True, None, None, "e5m2"),
+        ("bf16", 64, 64, 32, False, False, True, True, False, True, True, False, None, "e4m3", "e4m3"),
+        ("bf16", 128, 64, 0, False, False, False, True, True, False, False, False, None, "e5m2", "e5m2"),
+        ("bf16", 128, 128, 64, True, True, True, True, True, False, False, True, "e4m3", "e4m3", "e4m3"),
+        ("fp16", 128, 128, 128, False, True, True, True, False, False, False, False, "e4m3", None, "e4m3"),
+        ("bf16", 128, 128, 0, False, False, False, False, True, False, True, False, None, None, "e4m3"),
+    ]
+    return [append_key(arch, *spec) for spec in specs]
+
+
+@pytest.fixture(scope="module")
+def fp8_artifacts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kv_append_fp8_artifacts")
+    out = {}
+    for arch in FP8_ARCHS:
+        entries = [(entry_name(k), "flash_attn_cute.kv_append:compile_append", k) for k in fp8_keys(arch)]
+        out[arch] = compile_entries(arch, entries, root)
+    return out
+
+
+def fp8_parts(key):
+    """(q, new k / v, cache) dtype names of a key (its 16-bit name where not fp8)."""
+    names = key[2].split("/")
+    return tuple(names[1:]) if len(names) == 4 else (names[0],) * 3
+
+
+@pytest.mark.parametrize("arch,key", [(a, k) for a in FP8_ARCHS for k in fp8_keys(a)],
+                         ids=[f"{a}-{entry_name(k)}" for a in FP8_ARCHS for k in fp8_keys(a)])
+def test_fp8_cubin_and_sass(fp8_artifacts, arch, key):
+    d = fp8_artifacts[arch][0] / entry_name(key)
+    cubins = list(d.glob(f"*.{arch}.cubin"))
+    assert len(cubins) == 1 and cubins[0].read_bytes()[:4] == b"\x7fELF"
+    ptx = next(d.glob("*.ptx")).read_text()
+    sass_files = list(d.glob("*.sass"))
+    if not sass_files:
+        pytest.skip("no usable nvdisasm (pip install nvidia-cuda-nvdisasm): no SASS to check")
+    sass = sass_files[0].read_text()
+    _, _, _, _, _, rd, _, _, has_q, has_kv, _, _, _, _ = key
+    q_name, new_name, cache_name = fp8_parts(key)
+    fp8 = ("e4m3", "e5m2")
+    # What is rounded into fp8 from fp32: 16-bit tokens into the cache, and every rotated fp8
+    # row (k from fp8 tokens, e4m3 q); plain fp8 copies are bytes.
+    quantize_kv = has_kv and cache_name in fp8 and (new_name not in fp8 or rd > 0)
+    quantize_q = has_q and q_name in fp8
+    for name, quantized in ((cache_name, quantize_kv), (q_name, quantize_q)):
+        if quantized:
+            assert f"F2FP.SATFINITE.{name.upper()}.F32.PACK" in sass, name
+            assert f"cvt.rn.satfinite.{name}x2.f32" in ptx  # round to nearest even, saturating
+    if quantize_kv or quantize_q:
+        assert "div.rn.f32" in ptx and "div.approx" not in ptx  # x / descale, IEEE-rounded
+    # fp8 sources that are rotated are widened in registers first.
+    if (has_kv and new_name in fp8 and rd > 0) or quantize_q:
+        assert re.search(r"F2FP\.F16\.E[45]M[23]\.UNPACK", sass)
+    # fp8 rows move in 64-bit accesses (an 8-value chunk), 16-bit ones in 128-bit.
+    if (has_kv and cache_name in fp8) or quantize_q:
+        assert re.search(r"\bSTG\.E(\.\w+)*\.64\b", sass)
+    if (has_kv and new_name in fp8) or quantize_q:
+        assert re.search(r"\bLDG\.E(\.\w+)*\.64\b", sass)
+    if (has_kv and new_name not in fp8) or (has_q and q_name not in fp8):
+        assert re.search(r"\bLDG\.E(\.\w+)*\.128\b", sass)
+    assert not re.search(r"\bSTG\.E(\.\w+)*\.(U16|S16|16|U8|S8|8)\b", sass)
+    assert not re.search(r"\b(LDL|STL|LDS|STS)\b", sass)
+    # The only subroutine: the slow path of an IEEE division (denormal / huge quotients).
+    assert not re.search(r"\bCALL\b", sass) or quantize_kv or quantize_q
 
 
 def test_compile_times_recorded(artifacts):
@@ -481,3 +566,127 @@ def test_kv_append_ref_varlen_untrusted_lengths():
         assert torch.equal(out[2][int(kw["cache_batch_idx"][b[r]]), p], v_new[r])
     changed = {tuple(i) for i in (out[2] != v_cache).any(-1).any(-1).nonzero().tolist()}
     assert changed <= written and len(written) == int(found.sum())
+
+
+# ---------------------------------------------------------------------------------------
+# FP8 and paged-leftpad references
+# ---------------------------------------------------------------------------------------
+
+
+def test_quantize_ref_rounds_to_nearest_even_and_saturates():
+    e4m3 = torch.tensor([1.0625, 1.1875, 448.0, 464.0, 1e6, -1e9, 2.0**-10, 3 * 2.0**-10])
+    assert quantize_ref(e4m3, torch.float8_e4m3fn).float().tolist() == [1.0, 1.25, 448.0, 448.0, 448.0, -448.0,
+                                                                        0.0, 2.0**-8]
+    e5m2 = torch.tensor([61440.0, 1e6, -1e6, 1.125, 1.375])
+    assert quantize_ref(e5m2, torch.float8_e5m2).float().tolist() == [57344.0, 57344.0, -57344.0, 1.0, 1.5]
+    assert torch.isnan(quantize_ref(torch.tensor([float("nan")]), torch.float8_e4m3fn).float()).all()
+
+
+def _fp8_problem(seed, paged, token_dtype, cache_dtype=torch.float8_e4m3fn):
+    g = torch.Generator().manual_seed(seed)
+    b, s_new, h, h_kv, d = 3, 4, 4, 2, 32
+    rnd = lambda *shape, dtype=torch.bfloat16: (torch.randn(*shape, generator=g) * 3).to(dtype)
+    q = rnd(b, 1, h, d)
+    k_new, v_new = rnd(b, s_new, h_kv, d, dtype=token_dtype), rnd(b, s_new, h_kv, d, dtype=token_dtype)
+    shape = (10, 4, h_kv, d) if paged else (b, 16, h_kv, d)
+    k_cache, v_cache = rnd(*shape, dtype=cache_dtype), rnd(*shape, dtype=cache_dtype)
+    kw = dict(page_table=torch.randperm(10, generator=g)[:9].view(3, 3).int()) if paged else {}
+    seqlens = torch.tensor([0, 5, 9], dtype=torch.int32)
+    kd, vd = torch.rand(b, h_kv, generator=g) + 0.25, torch.tensor([0.5])
+    return q, k_new, v_new, k_cache, v_cache, seqlens, kw, kd, vd
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kv_append_ref_fp8_is_the_16bit_append_quantized(paged):
+    """16-bit tokens into an FP8 cache: the fp32 (upcast) append into a 16-bit copy of the
+    cache, each written slot divided by its (b, h_kv) descale and rounded (``quantize_ref``);
+    every other slot's bytes untouched."""
+    q, k_new, v_new, k_cache, v_cache, seqlens, kw, kd, vd = _fp8_problem(8, paged, torch.bfloat16)
+    cos, sin, _ = rope_tables(32, 16, torch.bfloat16)
+    rot = dict(rotary_cos=cos, rotary_sin=sin, interleaved=False)
+    out = kv_append_ref(q, k_new, v_new, k_cache, v_cache, seqlens, k_descale=kd, v_descale=vd, **kw, **rot)
+    up = kv_append_ref(q, k_new, v_new, k_cache, v_cache, seqlens, k_descale=kd, v_descale=vd, upcast=True, **kw,
+                       **rot)
+    # The same append into a 16-bit cache (fp32 values), then the quantization by hand.
+    ref32 = kv_append_ref(q, k_new, v_new, k_cache.float(), v_cache.float(), seqlens, upcast=True, **kw, **rot)
+    nan_k = torch.full_like(k_new, float("nan"))
+    placed = kv_append_ref(None, nan_k, nan_k, k_cache.float(), v_cache.float(), seqlens, **kw)[1]
+    written = torch.isnan(placed)
+    rows = torch.arange(k_cache.shape[0])
+    if paged:  # the batch row of each page, for its descale
+        owner = torch.full((k_cache.shape[0],), 0)
+        owner[kw["page_table"].flatten().long()] = torch.arange(3).repeat_interleave(3)
+        rows = owner
+    kd_rows = kd[rows][:, None, :, None]
+    for got, got32, ref, scale in ((out[1], up[1], ref32[1], kd_rows), (out[2], up[2], ref32[2], vd)):
+        expect32 = torch.where(written, ref / scale, got32)
+        assert torch.equal(got32, expect32)
+        expect = torch.where(written, quantize_ref(ref / scale, got.dtype).float(), got.float())
+        assert torch.equal(got.float(), expect)
+    untouched = ~written
+    assert torch.equal(out[1].view(torch.uint8)[untouched], k_cache.view(torch.uint8)[untouched])
+    assert torch.equal(out[2].view(torch.uint8)[untouched], v_cache.view(torch.uint8)[untouched])
+    assert torch.equal(out[0], ref32[0].to(torch.bfloat16))  # 16-bit q: rotated as before
+
+
+def test_kv_append_ref_fp8_tokens():
+    """Tokens already in the cache's fp8 dtype: v (and k without rotary) copied byte for
+    byte; k with rotary: its rotated channels dequantized, rotated in fp32 and requantized
+    with k_descale, its other channels copied."""
+    q, k_new, v_new, k_cache, v_cache, seqlens, kw, kd, vd = _fp8_problem(9, False, torch.float8_e5m2,
+                                                                          torch.float8_e5m2)
+    plain = kv_append_ref(None, k_new, v_new, k_cache, v_cache, seqlens, k_descale=kd, v_descale=vd)
+    for b in range(3):
+        p = slice(int(seqlens[b]), int(seqlens[b]) + k_new.shape[1])
+        assert torch.equal(plain[1][b, p].view(torch.uint8), k_new[b].view(torch.uint8))
+        assert torch.equal(plain[2][b, p].view(torch.uint8), v_new[b].view(torch.uint8))
+    cos, sin, _ = rope_tables(32, 16, torch.bfloat16)
+    rot = kv_append_ref(None, k_new, v_new, k_cache, v_cache, seqlens, k_descale=kd, v_descale=vd, rotary_cos=cos,
+                        rotary_sin=sin)
+    assert torch.equal(rot[2].view(torch.uint8), plain[2].view(torch.uint8))
+    for b in range(3):
+        p = slice(int(seqlens[b]), int(seqlens[b]) + k_new.shape[1])
+        pos = torch.arange(p.start, p.stop)[None]
+        x = k_new[b:b + 1].float() * kd[b][None, None, :, None]
+        expect = quantize_ref(apply_rotary_ref(x, cos, sin, pos, True, 16) / kd[b][None, None, :, None],
+                              torch.float8_e5m2)[0]
+        assert torch.equal(rot[1][b, p, :, :16].view(torch.uint8), expect[..., :16].view(torch.uint8))
+        assert torch.equal(rot[1][b, p, :, 16:].view(torch.uint8), k_new[b, :, :, 16:].view(torch.uint8))
+
+
+def test_kv_append_ref_fp8_queries():
+    """e4m3 q (FP8 attention): rotated channels dequantized with q_descale of the head's KV
+    head, rotated, requantized; the others copied."""
+    g = torch.Generator().manual_seed(10)
+    q = (torch.randn(2, 3, 4, 32, generator=g) * 4).to(torch.float8_e4m3fn)
+    cache = torch.zeros(2, 16, 2, 32, dtype=torch.float8_e4m3fn)
+    qd = torch.tensor([[0.5, 2.0], [1.5, 0.25]])
+    cos, sin, _ = rope_tables(32, 16, torch.bfloat16)
+    seqlens = torch.tensor([3, 7], dtype=torch.int32)
+    out = kv_append_ref(q, None, None, cache, cache, seqlens, rotary_cos=cos, rotary_sin=sin, q_descale=qd)[0]
+    assert out.dtype == torch.float8_e4m3fn
+    scale = qd.repeat_interleave(2, dim=1)[:, None, :, None]  # heads 0, 1 -> KV head 0; 2, 3 -> 1
+    pos = seqlens.long()[:, None] + torch.arange(3)[None]
+    expect = quantize_ref(apply_rotary_ref(q.float() * scale, cos, sin, pos, True, 16) / scale, torch.float8_e4m3fn)
+    assert torch.equal(out[..., :16].view(torch.uint8), expect[..., :16].view(torch.uint8))
+    assert torch.equal(out[..., 16:].view(torch.uint8), q[..., 16:].view(torch.uint8))
+
+
+def test_attention_kvcache_ref_leftpad_is_a_shifted_cache():
+    """Keys [leftpad, end) of a paged cache are the keys [0, end - leftpad) of the cache
+    shifted by leftpad: the masks align to the bottom-right of the relative length."""
+    g = torch.Generator().manual_seed(11)
+    b, ps, pages, h, d = 3, 4, 5, 2, 16
+    pool = torch.randn(b * pages, ps, h, d, generator=g)
+    vpool = torch.randn(b * pages, ps, h, d, generator=g)
+    table = torch.randperm(b * pages, generator=g).view(b, pages).int()
+    q = torch.randn(b, 3, h, d, generator=g)
+    lens, leftpad = torch.tensor([20, 9, 5]), torch.tensor([3, 0, 5])
+    out, lse = attention_kvcache_ref(q, pool, vpool, lens, page_table=table, cache_leftpad=leftpad, causal=True)
+    dense_k, dense_v = gather_paged_kv(pool, table), gather_paged_kv(vpool, table)
+    for i in range(b):
+        lo, hi = int(leftpad[i]), int(lens[i])
+        o, l_ = attention_kvcache_ref(q[i:i + 1], dense_k[i:i + 1, lo:], dense_v[i:i + 1, lo:],
+                                      torch.tensor([hi - lo]), causal=True)
+        assert torch.allclose(out[i], o[0], atol=1e-6) and torch.equal(torch.isinf(lse[i]), torch.isinf(l_[0]))
+    assert torch.isinf(lse[2]).all()  # leftpad == length: no key

@@ -33,7 +33,10 @@ _SPLIT_TOLERANCE = 0.95
 # check refuses runs the SM80 kernel (fwd.select_backend logs why). Compiled and SASS-checked
 # for sm_100a on CPU, not yet run on Blackwell hardware.
 AUTO = True
-FEATURES = frozenset({"learnable_sink", "seqused_q", "batch_invariant", "fp8_kv", "fp8_qkv"})  # backend_kit.FEATURES this kernel implements
+# backend_kit.FEATURES this kernel implements. Not "paged_leftpad" (cache_leftpad with a page
+# table): a page is one KV block read by one TMA box, and a sequence starting inside a page
+# would need row gathers; the SM80 kernel runs such a call.
+FEATURES = frozenset({"learnable_sink", "seqused_q", "batch_invariant", "fp8_kv", "fp8_qkv"})
 
 log = logging.getLogger("flash_attn_cute")
 
@@ -61,6 +64,9 @@ def check(problem: FwdProblem) -> Optional[str]:
                 f"got {problem.page_size}")
     if DTYPE_NAMES.get(problem.dtype) not in ("fp16", "bf16", "e4m3"):
         return f"dtype {problem.dtype} is not fp16, bf16 or float8_e4m3fn"
+    if problem.leftpad_k:
+        return ("cache_leftpad with a paged cache is not implemented by this kernel (it reads each page as one KV "
+                "block by TMA; a sequence starting inside a page needs row gathers)")
     return feature_refusal(problem, FEATURES)
 
 

@@ -158,6 +158,10 @@ class FlashAttnFwdSm100:
 
     @cute.jit
     def launch(self, args: FwdArgs, stream):
+        if cutlass.const_expr(args.mLeftpadK is not None):
+            # One TMA box per page and KV block: a key start inside a page needs row gathers
+            # (the backend's check refuses it; the SM80 kernel runs such a call).
+            raise ValueError("the SM100 kernel does not read a paged cache from a per-sequence key start (mLeftpadK)")
         cta_group = tcgen05.CtaGroup.ONE
         tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32, cta_group,

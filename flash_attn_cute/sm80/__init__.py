@@ -28,7 +28,7 @@ _SPLIT_TOLERANCE = 0.95
 # Every GPU of compute capability >= 8.0 runs mma.sync and cp.async.
 AUTO = True
 # backend_kit.FEATURES this kernel implements
-FEATURES = frozenset({"learnable_sink", "seqused_q", "batch_invariant", "fp8_kv"})
+FEATURES = frozenset({"learnable_sink", "seqused_q", "batch_invariant", "fp8_kv", "paged_leftpad"})
 
 
 class Sm80Config(NamedTuple):

@@ -286,11 +286,12 @@ class FlashAttnFwdSm80:
 
     def kv_sources(self, args: FwdArgs, tile: FwdTile, thr_copy_QK, thr_copy_V):
         """K and V as load sources: a row function through the page table for a paged
-        cache, else the thread's partition of the (tile_n, d, n_blocks) tiling, whose
-        per-block address is one multiply-add on a few hoisted offsets."""
+        cache (from the sequence's key start with cache_leftpad), else the thread's
+        partition of the (tile_n, d, n_blocks) tiling, whose per-block address is one
+        multiply-add on a few hoisted offsets."""
         batch, head_kv = tile.ctx.batch, tile.head_kv
         if cutlass.const_expr(args.paged):
-            return paged_row_fns(args.mK, args.mV, args.mPageTable, batch, head_kv)
+            return paged_row_fns(args.mK, args.mV, args.mPageTable, batch, head_kv, tile.seqlen.leftpad_k)
         mK_h = tile.seqlen.k_view(args.mK, batch, args.varlen_k)[None, head_kv, None]
         mV_h = tile.seqlen.k_view(args.mV, batch, args.varlen_k)[None, head_kv, None]
         gK = cute.local_tile(mK_h, (self.tile_n, self.head_dim), (None, 0))

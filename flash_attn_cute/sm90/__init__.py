@@ -29,7 +29,8 @@ _SPLIT_TOLERANCE = 0.95
 
 # wgmma and setmaxnreg exist on sm_90a only.
 AUTO = True
-FEATURES = frozenset({"learnable_sink", "seqused_q", "batch_invariant", "fp8_kv", "fp8_qkv"})  # backend_kit.FEATURES this kernel implements
+# backend_kit.FEATURES this kernel implements
+FEATURES = frozenset({"learnable_sink", "seqused_q", "batch_invariant", "fp8_kv", "fp8_qkv", "paged_leftpad"})
 
 
 class Sm90Config(NamedTuple):
@@ -87,11 +88,12 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     ctas_per_sm = config.override_ctas(tuning.sm90_tile) or ctas_per_sm
     if problem.qkv_fp8:
         tile = config.fp8_qkv_tile(d, d_v, tile, problem.page_size, problem.causal or problem.local,
-                                   measured=not tuning.sm90_tile and not problem.batch_invariant)
+                                   measured=not tuning.sm90_tile and not problem.batch_invariant,
+                                   leftpad_k=problem.leftpad_k)
     num_splits, split_blocks = plan_splits(problem, num_splits, num_sms, head_groups(problem, pack_gqa), rows,
                                            tile_m=tile[0], tile_n=tile[1], ctas_per_sm=split_ctas or ctas_per_sm,
                                            tolerance=_SPLIT_TOLERANCE)
-    gather_kv = config.gathers_kv(tile[1], problem.page_size)
+    gather_kv = config.gathers_kv(tile[1], problem.page_size, problem.leftpad_k)
     fits = config.persistent_fits(d, d_v, tile, problem.qhead_per_kvhead if pack_gqa else 1,
                                   problem.varlen_q, num_splits > 1 or split_blocks > 0, gather_kv,
                                   problem.has_seqused_q)

@@ -131,7 +131,7 @@ def fp8_qkv_smem_bytes(d: int, dv: int, tile_m: int, tile_n: int, stages: int) -
 
 
 def fp8_qkv_tile(d: int, dv: int, tile: tuple, page_size: int = 0, causal: bool = False,
-                 measured: bool = True) -> tuple:
+                 measured: bool = True, leftpad_k: bool = False) -> tuple:
     """The tile of FP8 Q, K and V from the 16-bit one: tile_n a multiple of 32 (an 8-bit
     wgmma's k-block, the unit of the V transposes) that divides a page of a multiple of 64
     keys (one TMA per block; other pages are gathered) and fits two stages, and the stages
@@ -158,7 +158,7 @@ def fp8_qkv_tile(d: int, dv: int, tile: tuple, page_size: int = 0, causal: bool 
     # transpose V), which needs the registers of a one-consumer-warpgroup tile: tile_m 64.
     # sm_90a SASS, pages of 16, causal prefill, local-memory accesses: d 128 (128, 128) 316,
     # (128, 96) 265, (64, 128) 0; d 64 (128, 128) 277; d 256 (128, 96) 225, (64, 96) 0.
-    tma_pages = page_size and page_size % 64 == 0
+    tma_pages = page_size and page_size % 64 == 0 and not leftpad_k  # cache_leftpad: gathered (gathers_kv)
     if page_size and not tma_pages:
         m = 64
     fits = lambda t: (not tma_pages or page_size % t == 0) and fp8_qkv_smem_bytes(d, dv, m, t, 2) <= SMEM_LIMIT
@@ -168,10 +168,11 @@ def fp8_qkv_tile(d: int, dv: int, tile: tuple, page_size: int = 0, causal: bool 
     return m, n, stages, tile[3]
 
 
-def gathers_kv(tile_n: int, page_size: int) -> bool:
+def gathers_kv(tile_n: int, page_size: int, leftpad_k: bool = False) -> bool:
     """Whether a paged cache (page_size > 0) is read by cp.async row gathers: its pages
-    do not hold whole tile_n blocks, so no TMA box spans one."""
-    return page_size > 0 and page_size % tile_n != 0
+    do not hold whole tile_n blocks, so no TMA box spans one; or its sequences start at a
+    per-sequence position (``leftpad_k``: cache_leftpad), so a block starts inside a page."""
+    return page_size > 0 and (page_size % tile_n != 0 or leftpad_k)
 
 
 def persistent_fits(d: int, dv: int, tile: tuple, pack: int, varlen_q: bool, is_split: bool,

@@ -435,6 +435,9 @@ class FlashAttnFwdSm90:
 
     def kv_tma_loaders(self, args: FwdArgs, io: "_Io", tile: FwdTile):
         """(load_k, load_v): ``(n_block, state) ->`` one TMA of the block into the stage."""
+        if cutlass.const_expr(args.mLeftpadK is not None):
+            # A key start inside a page moves every block off the page's TMA boxes.
+            raise ValueError("a paged cache with mLeftpadK (cache_leftpad) is read by row gathers (gather_kv)")
         head_kv, batch = tile.head_kv, tile.ctx.batch
         if cutlass.const_expr(args.paged):
             mK_cur = io.tma_K[None, None, head_kv, None]  # (page_size, d, num_pages)
@@ -491,17 +494,18 @@ class FlashAttnFwdSm90:
             mX_h = mX[None, None, tile.head_kv, None]  # (num_pages, page_size, cols)
             return lambda n_block, st: self.gather_kv_block(tiled_copy, tXsX, tXcX, mX_h, args.mPageTable,
                                                             tile.ctx.batch, pipe, n_block, st, tile.seqlen.seqlen_k,
-                                                            cols_valid)
+                                                            tile.seqlen.leftpad_k, cols_valid)
 
         return (loader(io.tma_K, io.sK, self.head_dim, self.head_dim_valid, io.pipeline_k),
                 loader(io.tma_V, io.sV, self.head_dim_v, self.head_dim_v_valid, io.pipeline_v))
 
     @cute.jit
     def gather_kv_block(self, tiled_copy, tXsX, tXcX, mX_h, mPageTable, batch, pipe, n_block, state, seqlen_k,
-                        cols_valid: cutlass.Constexpr = None):
+                        key_start=None, cols_valid: cutlass.Constexpr = None):
         """cp.async of this thread's chunks of block n_block, then a cp.async arrive on the
         stage's full barrier (it fires when they land). The page lookups of a group of rows
-        are issued before its first copy (``paged_kv.page_lookups``). Rows past the
+        are issued before its first copy (``paged_kv.page_lookups``; ``key_start``: the
+        sequence's first cache position with cache_leftpad, else None). Rows past the
         sequence end are not read: their scores are masked, and the consumers zero the V
         tail (``zero_v_tail``). ``cols_valid``: a padded head dim's columns (the rest
         zero-filled)."""
@@ -515,7 +519,8 @@ class FlashAttnFwdSm90:
         last = seqlen_k - 1
         for g in cutlass.range_constexpr(cute.ceil_div(rows, group)):
             count = min(group, rows - g * group)
-            tPrPage, tPrRow = page_lookups(mPageTable, batch, tXcX, t0, last, g * group, count, page_size, num_pages)
+            tPrPage, tPrRow = page_lookups(mPageTable, batch, tXcX, t0, last, g * group, count, page_size, num_pages,
+                                           key_start)
             if cutlass.const_expr(g == 0):
                 pipe.producer_acquire(state)
             for i in cutlass.range_constexpr(count):
