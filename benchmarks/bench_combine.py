@@ -25,8 +25,8 @@ SHAPES = [(128, 1, 64, 512), (2, 64, 64, 512), (128, 1, 32, 128), (32, 8, 32, 12
 def launcher(stages: int, d_v: int, split_groups: int):
     import torch
 
-    from flash_attn_cute import combine
-    from flash_attn_cute.keys import DTYPE_NAMES, target_arch
+    from flash_attn_cute.kernels import combine
+    from flash_attn_cute.host.keys import DTYPE_NAMES, target_arch
 
     if stages == 8:
         return combine.combine_launcher(torch.bfloat16, d_v, False, False, split_groups)
@@ -46,7 +46,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     import torch
 
-    from flash_attn_cute.heuristics import combine_split_groups
+    from flash_attn_cute.host.heuristics import combine_split_groups
 
     rows = []
     for ns, b, h, dv in SHAPES:

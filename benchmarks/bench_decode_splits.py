@@ -56,7 +56,7 @@ def parse_args(argv=None):
 
 def decode_problem(q, k_cache, v_cache, page_table, max_seqlen_k):
     """The FwdProblem flash_attn_with_kvcache builds for this call (default arguments)."""
-    from flash_attn_cute.problems import FwdProblem
+    from flash_attn_cute.host.problems import FwdProblem
 
     b, sq, h, d = q.shape
     return FwdProblem(dtype=q.dtype, batch=b, max_seqlen_q=sq, max_seqlen_k=max_seqlen_k, nheads=h,
@@ -69,10 +69,11 @@ def chosen_num_splits(backend, problem, pack_gqa):
     """The num_splits that auto (0) resolves to: the backend's own plan."""
     import torch
 
-    from flash_attn_cute import fwd, heuristics
+    from flash_attn_cute import seam
+    from flash_attn_cute.host import heuristics
 
     sms = heuristics.num_sms(torch.device("cuda"))
-    return fwd.backend_module(backend).plan(problem, 0, pack_gqa, sms).num_splits
+    return seam.backend_module(backend).plan(problem, 0, pack_gqa, sms).num_splits
 
 
 def launch_only(backend, problem, q, k_cache, v_cache, cache_seqlens, page_table, num_splits, pack_gqa):
@@ -80,11 +81,11 @@ def launch_only(backend, problem, q, k_cache, v_cache, cache_seqlens, page_table
     kernels (and the output allocation) cost."""
     import torch
 
-    from flash_attn_cute import fwd
+    from flash_attn_cute import seam
 
     def fn():
         out = q.new_empty(*q.shape[:-1], v_cache.shape[-1])
-        fwd.run_fwd(problem, q, k_cache, v_cache, out, None, seqused_k=cache_seqlens, page_table=page_table,
+        seam.run_fwd(problem, q, k_cache, v_cache, out, None, seqused_k=cache_seqlens, page_table=page_table,
                     requested=backend, num_splits=num_splits, pack_gqa=pack_gqa)
         return out
 

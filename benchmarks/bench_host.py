@@ -90,7 +90,7 @@ def main(argv=None):
         ]
     # flash_mla_decode through the same seam and per-call cache: 64 heads, b4 x 512 (one
     # launch) and b1 x 32768 (split-KV: the kernel, then the combine).
-    from flash_attn_cute import fwd
+    from flash_attn_cute import seam
 
     cap = torch.cuda.get_device_capability()
     for mla_batch, mla_len in ((4, 512), (1, 32768)):
@@ -99,8 +99,8 @@ def main(argv=None):
         ckv, kpe = randn(pages, page, 512, dtype=dtype), randn(pages, page, 64, dtype=dtype)
         mla_table = torch.arange(pages, dtype=torch.int32, device=common.DEVICE).view(mla_batch, -1)
         mla_lens = torch.full((mla_batch,), mla_len, dtype=torch.int32, device=common.DEVICE)
-        for backend in sorted(fwd.MLA_BACKENDS):
-            if fwd.backend_module(backend, "mla").runs_on(cap):
+        for backend in sorted(seam.MLA_BACKENDS):
+            if seam.backend_module(backend, "mla").runs_on(cap):
                 mla_args = (q_nope, q_pe, ckv, kpe, mla_lens, mla_table)
                 cases.append((f"ours_{backend}", f"flash_mla_decode b{mla_batch} x {mla_len} page {page}",
                               lambda b=backend, a=mla_args: fa.flash_mla_decode(*a, backend=b)))

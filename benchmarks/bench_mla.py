@@ -156,8 +156,9 @@ def one_row(fa, backend, inputs, page, heads, refs, fp8=False):
     """``refs``: the 16-bit row's ``references`` (an FP8 row computes its own)."""
     import torch
 
-    from flash_attn_cute import fwd, tuning
-    from flash_attn_cute.problems import MlaProblem
+    from flash_attn_cute import seam
+    from flash_attn_cute.host import tuning
+    from flash_attn_cute.host.problems import MlaProblem
 
     q_nope, q_pe, ckv, kpe, seqlens, table = inputs
     batch, pages_per_seq = table.shape
@@ -177,7 +178,7 @@ def one_row(fa, backend, inputs, page, heads, refs, fp8=False):
     problem = MlaProblem(dtype=q_nope.dtype, batch=batch, max_seqlen_q=1, max_seqlen_k=pages_per_seq * page,
                          nheads=heads, page_size=page, softmax_scale=576 ** -0.5, causal=False, has_lse=False,
                          kv_dtype=ckv.dtype if fp8 else None)
-    plan = fwd.resolve(problem, backend, 0, None, q_nope.device, tuning.from_env()).plan
+    plan = seam.resolve(problem, backend, 0, None, q_nope.device, tuning.from_env()).plan
     return ms, nbytes / (ms * 1e-3) / 1e12, flops / (ms * 1e-3) / 1e12, correct, f"splits={plan.num_splits}"
 
 
@@ -207,10 +208,10 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("bench_mla.py needs a CUDA GPU")
     import flash_attn_cute as fa
-    from flash_attn_cute import fwd
+    from flash_attn_cute import seam
 
     cap = torch.cuda.get_device_capability()
-    backends = [b for b in sorted(fwd.MLA_BACKENDS) if fwd.backend_module(b, "mla").runs_on(cap)] \
+    backends = [b for b in sorted(seam.MLA_BACKENDS) if seam.backend_module(b, "mla").runs_on(cap)] \
         if args.backends == "all" else args.backends.split(",")
     dtype = common.parse_dtype(args.dtype)
     picked = ROWS if args.rows == "all" else [ROWS[int(i)] for i in args.rows.split(",")]

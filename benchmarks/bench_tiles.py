@@ -4,7 +4,7 @@ k, v (``--sm90-fp8``), on one prefill shape per head dim (tuning aid).
 Each tile is its own plan and compile: FLASH_ATTN_CUTE_SM80_TILE="m,n,warps,q_in_regs"
 (FLASH_ATTN_CUTE_SM90_TILE="m,n,stages") is read at the API edge on every call and is
 part of the per-call and plan caches' keys (``tuning.py``), so each iteration runs the
-tile it names; the ``config`` column is the plan the call resolved to (``fwd.resolve``),
+tile it names; the ``config`` column is the plan the call resolved to (``seam.resolve``),
 which the CSV shows distinct per tile.
 
     python benchmarks/bench_tiles.py [--sm90 | --sm90-fp8] [--csv tiles.csv] [--seqlen 8192] [--no-md]
@@ -60,15 +60,16 @@ def resolved_config(q, k, causal, backend="sm80"):
     """The config the call's plan holds (what was compiled and launched)."""
     import torch
 
-    from flash_attn_cute import fwd, tuning
-    from flash_attn_cute.problems import FwdProblem
+    from flash_attn_cute import seam
+    from flash_attn_cute.host import tuning
+    from flash_attn_cute.host.problems import FwdProblem
 
     b, s, h, d = q.shape
     problem = FwdProblem(dtype=q.dtype, batch=b, max_seqlen_q=s, max_seqlen_k=k.shape[1], nheads=h,
                          nheads_kv=k.shape[2], d=d, d_v=d, softmax_scale=d ** -0.5, causal=causal,
                          window_left=-1, window_right=0 if causal else -1, softcap=0.0, varlen_q=False,
                          varlen_k=False, has_seqused_k=False, page_size=0, has_lse=False)
-    return fwd.resolve(problem, backend, 1, None, torch.device("cuda"), tuning.from_env()).plan.config
+    return seam.resolve(problem, backend, 1, None, torch.device("cuda"), tuning.from_env()).plan.config
 
 
 def main(argv=None):

@@ -125,12 +125,12 @@ def our_backends(arg="all"):
     """--backends: "all" = every registered backend that runs on this GPU (an SM100 kernel
     is not listed on a Hopper), else the comma list as given."""
     import torch
-    from flash_attn_cute import fwd
+    from flash_attn_cute import seam
 
     if arg != "all":
         return [b.strip() for b in arg.split(",") if b.strip()]
     cap = torch.cuda.get_device_capability()
-    return [b for b in sorted(fwd.BACKENDS) if fwd.backend_module(b).runs_on(cap)]
+    return [b for b in sorted(seam.BACKENDS) if seam.backend_module(b).runs_on(cap)]
 
 
 def load_fa4():

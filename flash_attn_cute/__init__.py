@@ -9,21 +9,13 @@ variants: ``score_mod`` / ``mask_mod`` / ``aux_tensors`` / ``block_mask`` argume
 
 from importlib.metadata import PackageNotFoundError, version as _version
 
-from .interface import (
-    BACKENDS,
-    MAX_SPLITS,
-    SUPPORTED_DTYPES,
-    SUPPORTED_HEAD_DIMS,
-    flash_attn_combine,
-    flash_attn_func,
-    flash_attn_varlen_func,
-    flash_attn_with_kvcache,
-)
-from . import mods
-from .block_mask import BlockMask, create_block_mask
-from .fp8 import quantize_fp8
-from .mla import flash_mla_decode
-from .user_variants import VariantCompileError
+from flash_attn_cute.interface import (BACKENDS, MAX_SPLITS, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, flash_attn_combine,
+                                       flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache)
+from flash_attn_cute import mods
+from flash_attn_cute.host.block_mask import BlockMask, create_block_mask
+from flash_attn_cute.host.fp8 import quantize_fp8
+from flash_attn_cute.mla import flash_mla_decode
+from flash_attn_cute.host.user_variants import VariantCompileError
 
 try:
     __version__ = _version("flash_attn_cute")

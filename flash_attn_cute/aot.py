@@ -78,8 +78,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple, Optional
 
-from .constants import MLA_MAX_NHEADS, MLA_NHEADS
-from .keys import arch_capability
+from flash_attn_cute.host.constants import MLA_MAX_NHEADS, MLA_NHEADS
+from flash_attn_cute.host.keys import arch_capability
 
 __all__ = ["PRESETS", "AotEntry", "load_descriptions", "expand", "entries_for", "build", "read_manifest", "main"]
 
@@ -209,8 +209,8 @@ def problem_of(one: dict):
     description, as the public API builds it."""
     import torch
 
-    from .checks import normalize_window
-    from .problems import FwdProblem, MlaProblem
+    from flash_attn_cute.api.checks import normalize_window
+    from flash_attn_cute.host.problems import FwdProblem, MlaProblem
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn}[one["dtype"]]
     if one["api"] == "mla":
@@ -234,17 +234,17 @@ def problem_of(one: dict):
 
 def _backend_for(arch: str, requested: Optional[str], problem):
     """(name, module, None) of the backend the runtime would run ``problem`` with on
-    ``arch`` (``fwd.select_backend``'s rule), or (None, None, why not)."""
-    from . import fwd
+    ``arch`` (``seam.select_backend``'s rule), or (None, None, why not)."""
+    from flash_attn_cute import seam
 
     kind = problem.kind
-    if requested is not None and requested in fwd.REGISTRIES[kind]:
+    if requested is not None and requested in seam.REGISTRIES[kind]:
         names = [requested]
     else:
-        names = fwd.candidates(kind, arch_capability(arch))
+        names = seam.candidates(kind, arch_capability(arch))
     reasons = []
     for name in names:
-        module = fwd.backend_module(name, kind)
+        module = seam.backend_module(name, kind)
         reason = module.check(problem)
         if reason is None:
             return name, module, None
@@ -255,32 +255,32 @@ def _backend_for(arch: str, requested: Optional[str], problem):
 def entries_for(descriptions: list, arch: str, backend: Optional[str] = None) -> tuple:
     """(entries, skipped): the distinct binaries the descriptions need on ``arch``, in
     order, and a line per expanded description that no backend runs."""
-    from . import fwd
-    from .keys import DTYPE_NAMES, combine_key
+    from flash_attn_cute import seam
+    from flash_attn_cute.host.keys import DTYPE_NAMES, combine_key
 
     arch_capability(arch)  # refuses a malformed arch before any work
     entries, skipped = {}, []
     for description in descriptions:
         for one in expand(description):
             whole = problem_of(one)
-            reason = fwd.capability_refusal(whole, arch_capability(arch))
+            reason = seam.capability_refusal(whole, arch_capability(arch))
             if reason is not None:
                 skipped.append(f"{one}: {reason}")
                 continue
-            for problem, num_splits in fwd.mixed_parts(whole, one["num_splits"]):  # as fwd.resolve plans it
+            for problem, num_splits in seam.mixed_parts(whole, one["num_splits"]):  # as seam.resolve plans it
                 name, module, reason = _backend_for(arch, backend, problem)
                 if name is None:
                     skipped.append(f"{one}: {reason}")
                     continue
                 plan = module.plan(problem, num_splits, one["pack_gqa"], one["num_sms"], arch=arch)
                 key = module.compile_key(problem, plan, arch)
-                target = f"{fwd.REGISTRIES[problem.kind][name]}:compile"
+                target = f"{seam.REGISTRIES[problem.kind][name]}:compile"
                 entries.setdefault((key[0], key), AotEntry(key[0], key, target))
                 if plan.is_split:
                     ckey = combine_key(DTYPE_NAMES[problem.out_dtype], problem.d_v, problem.has_lse, arch,
                                        problem.has_sink)
                     entries.setdefault(("combine", ckey),
-                                       AotEntry("combine", ckey, "flash_attn_cute.combine:compile_combine"))
+                                       AotEntry("combine", ckey, "flash_attn_cute.kernels.combine:compile_combine"))
     return list(entries.values()), skipped
 
 
@@ -297,7 +297,7 @@ def _build_one(task: tuple) -> dict:
     try:
         if os.environ.get("CUTE_DSL_ARCH") != arch:
             raise RuntimeError(f"worker started with CUTE_DSL_ARCH={os.environ.get('CUTE_DSL_ARCH')!r}, not {arch!r}")
-        from . import jit_cache
+        from flash_attn_cute.host import jit_cache
 
         module_name, fn_name = target.split(":")
         compile_fn = getattr(importlib.import_module(module_name), fn_name)
@@ -360,7 +360,7 @@ def build(entries: list, arch: str, out, jobs: Optional[int] = None, stream=None
     """Compiles ``entries`` for ``arch`` into ``out`` with ``jobs`` spawned processes;
     returns a summary (counts, seconds, the fingerprint folder, failures) and updates
     the folder's manifest."""
-    from . import jit_cache
+    from flash_attn_cute.host import jit_cache
 
     stream = sys.stderr if stream is None else stream
     out = Path(out).expanduser().resolve()
@@ -424,7 +424,7 @@ def _to_tuple(x):
 def read_manifest(root, fingerprint: Optional[str] = None) -> list:
     """The ``AotEntry`` list (each with its ``arch`` dropped) built into ``root`` for this
     package's sources (or ``fingerprint``); empty when there is none."""
-    from . import jit_cache
+    from flash_attn_cute.host import jit_cache
 
     path = Path(root) / (fingerprint or jit_cache.cached_fingerprint()) / MANIFEST
     if not path.is_file():
@@ -438,7 +438,7 @@ def read_manifest(root, fingerprint: Optional[str] = None) -> list:
 
 
 def main(argv=None) -> int:
-    from . import fwd
+    from flash_attn_cute import seam
 
     parser = argparse.ArgumentParser(prog="python -m flash_attn_cute.aot", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -447,7 +447,7 @@ def main(argv=None) -> int:
                         help="decode | prefill | mla | all | FILE.json (a list of descriptions)")
     parser.add_argument("--out", required=True, help="folder to fill (the cache layout; existing entries are kept)")
     parser.add_argument("--jobs", type=int, default=None, help="worker processes (default: the CPU count)")
-    parser.add_argument("--backend", choices=sorted(set(fwd.BACKENDS) | set(fwd.MLA_BACKENDS)), default=None,
+    parser.add_argument("--backend", choices=sorted(set(seam.BACKENDS) | set(seam.MLA_BACKENDS)), default=None,
                         help="force a backend (default: the runtime's choice for the arch)")
     parser.add_argument("--dry-run", action="store_true", help="list the entries, compile nothing")
     args = parser.parse_args(argv)

@@ -31,12 +31,15 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import call_cache, checks, fwd, heuristics, ops, tuning, user_variants
-from .backend_kit import NO_VARIANT
-from .checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, normalize_window  # noqa: F401  (public names)
-from .constants import INT32_MAX, MAX_SPLITS
-from .keys import arch_of_capability
-from .problems import FwdProblem, out_dtype
+from flash_attn_cute.api import call_cache, checks
+from flash_attn_cute.host import heuristics, tuning, user_variants
+from flash_attn_cute import seam
+from flash_attn_cute.api import ops
+from flash_attn_cute.seam.backend_kit import NO_VARIANT
+from flash_attn_cute.api.checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, normalize_window  # noqa: F401  (public names)
+from flash_attn_cute.host.constants import INT32_MAX, MAX_SPLITS
+from flash_attn_cute.host.keys import arch_of_capability
+from flash_attn_cute.host.problems import FwdProblem, out_dtype
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_combine",
            "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES", "MAX_SPLITS", "BACKENDS"]
@@ -119,7 +122,7 @@ def _launch(entry: call_cache.Entry, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
         rest += (variant_tensors,)
     if problem.leftpad_k:
         rest += (leftpad_k,)
-    fwd.run_resolved(entry.resolved, problem, (q, k, v), out, lse, rest, sink, problem.has_seqused_q)
+    seam.run_resolved(entry.resolved, problem, (q, k, v), out, lse, rest, sink, problem.has_seqused_q)
 
 
 def _replay(entry: call_cache.Entry, q, k, v, out, return_lse, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -164,8 +167,8 @@ def _run(call: _Call, fast_key=None, seqlens_fill=None):
 
 def _execute(call: _Call, seqlens_fill=None, prologue=None) -> tuple:
     """(result, per-call cache entry or None): allocate outputs, describe the call as a
-    ``FwdProblem`` and run it through the dispatch seam (``fwd.resolve`` and
-    ``fwd.run_resolved``: backend, plan, launch, combine). ``max_seqlen_k == 0`` (or an
+    ``FwdProblem`` and run it through the dispatch seam (``seam.resolve`` and
+    ``seam.run_resolved``: backend, plan, launch, combine). ``max_seqlen_k == 0`` (or an
     empty batch) means every query sees no key: no launch, no entry. ``prologue()``, if
     given, runs once the call is planned, before its launch (or its empty result):
     ``kv_cache_ops``' append, so that a call no kernel runs leaves the cache untouched."""
@@ -192,7 +195,7 @@ def _execute(call: _Call, seqlens_fill=None, prologue=None) -> tuple:
         batch_invariant=opts.batch_invariant,
         kv_dtype=k.dtype if k.dtype in checks.FP8_DTYPES and q.dtype not in checks.FP8_DTYPES else None,
         leftpad_k=call.leftpad_k is not None)
-    resolved = fwd.resolve(problem, opts.backend, opts.num_splits, opts.pack_gqa, q.device, tuning.from_env())
+    resolved = seam.resolve(problem, opts.backend, opts.num_splits, opts.pack_gqa, q.device, tuning.from_env())
     entry = call_cache.Entry(problem, resolved, tuple(out.shape), lse_shape, seqlens_fill, block_ranges)
     if prologue is not None:
         prologue()
@@ -511,7 +514,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if k is None:
         cu_seqlens_k_new = None  # it describes the new tokens only (FA3, SGLang pass it regardless)
     if appends or remaps:
-        from . import kv_cache_ops
+        from flash_attn_cute.api import kv_cache_ops
 
         return kv_cache_ops.append_and_attend(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
@@ -604,7 +607,7 @@ def flash_attn_combine(out_partial, lse_partial, *, out=None, out_dtype=None, re
         out = out_partial.new_empty((b, s, h, d_v), dtype=out_dtype)
     lse = lse_partial.new_empty((b, h, s)) if return_lse else None
     if out.numel() > 0 or (lse is not None and lse.numel() > 0):
-        fwd.combine_launcher(out.dtype, d_v, lse is not None, split_groups=heuristics.combine_split_groups(ns),
+        seam.combine_launcher(out.dtype, d_v, lse is not None, split_groups=heuristics.combine_split_groups(ns),
                              arch=arch_of_capability(torch.cuda.get_device_capability(out.device)))(
             out_partial, lse_partial, out, lse, None)
     return (out, lse) if return_lse else out

@@ -7,7 +7,7 @@ Any head count from 1 to 128: the kernels pack a KV head's query heads x query p
 into 64-row tiles and predicate the partial last one (``mla_kernel``), so q and out are
 never padded or copied. The public entry point is ``flash_mla_decode``: it validates the
 call (``checks``), describes it as an ``MlaProblem`` and runs it through the seam every
-kernel family shares (``fwd.py``: the ``"mla"`` kind, backends in ``fwd.MLA_BACKENDS``),
+kernel family shares (``seam.py``: the ``"mla"`` kind, backends in ``seam.MLA_BACKENDS``),
 with the per-call cache of the forward entry points (``call_cache``). Split-KV partials
 (fp32) are merged by the package's combine kernel (d_v 512). The host path never
 synchronises with the device: the kernels clamp each length to ``max_pages_per_seq *
@@ -21,10 +21,12 @@ from typing import Optional
 
 import torch
 
-from . import call_cache, checks, fwd, tuning
-from .constants import D_CKV, D_KPE, MAX_SPLITS, MLA_MAX_NHEADS, MLA_NHEADS
-from .fwd import MLA_BACKENDS
-from .problems import MlaProblem
+from flash_attn_cute.api import call_cache, checks
+from flash_attn_cute.host import tuning
+from flash_attn_cute import seam
+from flash_attn_cute.host.constants import D_CKV, D_KPE, MAX_SPLITS, MLA_MAX_NHEADS, MLA_NHEADS
+from flash_attn_cute.seam import MLA_BACKENDS
+from flash_attn_cute.host.problems import MlaProblem
 
 __all__ = ["flash_mla_decode", "MlaProblem", "MLA_BACKENDS", "MLA_NHEADS", "MLA_MAX_NHEADS", "D_CKV", "D_KPE"]
 
@@ -172,7 +174,7 @@ def flash_mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_tab
         if out is None:
             out = q_nope.new_empty(hit.out_shape)
         lse = q_nope.new_empty(hit.lse_shape, dtype=torch.float32) if return_lse else None
-        fwd.run_resolved(hit.resolved, hit.problem, (q_nope, q_pe, *_kernel_caches(hit.problem, ckv_cache, kpe_cache)),
+        seam.run_resolved(hit.resolved, hit.problem, (q_nope, q_pe, *_kernel_caches(hit.problem, ckv_cache, kpe_cache)),
                          out, lse,
                          (cache_seqlens, page_table, _kv_descale_view(hit.problem, kv_descale, q_nope.device)))
         return (out, lse) if return_lse else out
@@ -198,8 +200,8 @@ def flash_mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_tab
                          batch_invariant=batch_invariant,
                          kv_dtype=ckv_cache.dtype if ckv_cache.dtype in checks.FP8_DTYPES else None,
                          nheads_kv=ckv_cache.shape[2] if ckv_cache.dim() == 4 else 1)
-    resolved = fwd.resolve(problem, name, num_splits, None, q_nope.device, tuning.from_env())
-    fwd.run_resolved(resolved, problem, (q_nope, q_pe, *_kernel_caches(problem, ckv_cache, kpe_cache)), out, lse,
+    resolved = seam.resolve(problem, name, num_splits, None, q_nope.device, tuning.from_env())
+    seam.run_resolved(resolved, problem, (q_nope, q_pe, *_kernel_caches(problem, ckv_cache, kpe_cache)), out, lse,
                      (cache_seqlens, page_table, _kv_descale_view(problem, kv_descale, q_nope.device)))
     call_cache.store(fast_key, call_cache.Entry(problem, resolved, out_shape, lse_shape))
     return (out, lse) if return_lse else out

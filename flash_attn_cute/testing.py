@@ -36,10 +36,10 @@ def _exact_fp32_matmul():
 
 
 def backends_on_this_gpu(kind: str = "fwd") -> list:
-    """Registered backends of a problem kind (``fwd.REGISTRIES``: "fwd", "mla") whose
+    """Registered backends of a problem kind (``seam.REGISTRIES``: "fwd", "mla") whose
     kernels run on the current GPU; all of them without a GPU (the GPU tests that
     parametrize over them are skipped then)."""
-    from .fwd import REGISTRIES, backend_module
+    from flash_attn_cute.seam import REGISTRIES, backend_module
 
     names = sorted(REGISTRIES[kind])
     if torch.cuda.is_available():
@@ -321,9 +321,9 @@ def variant_case_problem(name: str, backend: str):
     registered: ``alibi_document`` (ALiBi + document mask + block mask, causal prefill),
     ``document_rows`` (a document block mask with row bounds: no mask_mod call in the
     kernel) and ``table_perhead_paged`` (bias table + per-head mask, paged GQA decode, split)."""
-    from . import mods
-    from .problems import FwdProblem
-    from .user_variants import make_spec
+    from flash_attn_cute import mods
+    from flash_attn_cute.host.problems import FwdProblem
+    from flash_attn_cute.host.user_variants import make_spec
 
     if name in ("alibi_document", "document_rows"):
         aux = (torch.empty(16, dtype=torch.float32), torch.empty(2, 4096, dtype=torch.int32))
@@ -347,11 +347,11 @@ def variant_case_problem(name: str, backend: str):
 def compile_variant_case(case: tuple):
     """Compiles a named case (``variant_case_problem``) for (backend, name) on fakes: the
     compile harness's target (the spec must be registered in the compiling process)."""
-    from . import fwd
+    from flash_attn_cute import seam
 
     backend, name = case
     problem, num_splits, pack_gqa = variant_case_problem(name, backend)
-    module = fwd.backend_module(backend)
+    module = seam.backend_module(backend)
     plan = module.plan(problem, num_splits, pack_gqa, 132)
     return module.compile(module.compile_key(problem, plan))
 

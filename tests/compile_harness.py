@@ -3,7 +3,7 @@
 The DSL reads CUTE_DSL_ARCH / CUTE_DSL_KEEP / CUTE_DSL_DUMP_DIR once, at import, so each
 arch compiles in its own subprocess (this file run as a script) with those variables
 set. An entry is ``(label, "module:function", key)``: the function compiles the key
-(``flash_attn_cute.sm80:compile``, ``flash_attn_cute.combine:compile_combine``...). The
+(``flash_attn_cute.sm80:compile``, ``flash_attn_cute.kernels.combine:compile_combine``...). The
 artifacts it keeps (PTX, cubin and, when nvdisasm is installed, SASS) land in one folder
 per label for the tests to read.
 """

@@ -58,7 +58,7 @@ def jit_cache_dir(tmp_path, monkeypatch):
     """Points FLASH_ATTN_CUTE_CACHE_DIR at an empty temporary folder (and enables the disk
     cache) for this test and the subprocesses it starts; clears the in-memory cache and
     the counters around it."""
-    from flash_attn_cute import jit_cache
+    from flash_attn_cute.host import jit_cache
 
     cache = tmp_path / "jit_cache"
     monkeypatch.setenv("FLASH_ATTN_CUTE_CACHE_DIR", str(cache))
@@ -74,15 +74,17 @@ def jit_cache_dir(tmp_path, monkeypatch):
 def fake_device(monkeypatch):
     """CPU tensors pass as a 132-SM Hopper GPU (capability 9.0, device check off, caches
     cleared around the test); ``use(backend_module)`` installs a stand-in for
-    ``fwd.backend_module(name, kind)`` (fake launchers: the launch contract without a kernel);
+    ``seam.backend_module(name, kind)`` (fake launchers: the launch contract without a kernel);
     the split-KV combine is a no-op unless the test installs its own."""
-    from flash_attn_cute import call_cache, checks, fwd, heuristics
+    from flash_attn_cute.api import call_cache, checks
+    from flash_attn_cute.host import heuristics
+    from flash_attn_cute import seam
 
     call_cache.clear()
     monkeypatch.setattr(checks, "check_device", lambda tensors: None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(heuristics, "num_sms", lambda device: 132)
-    monkeypatch.setattr(fwd, "combine_launcher", lambda out_dtype, d_v, has_lse, has_sink=False, split_groups=1, arch=None: lambda *tensors: None)
+    monkeypatch.setattr(seam, "combine_launcher", lambda out_dtype, d_v, has_lse, has_sink=False, split_groups=1, arch=None: lambda *tensors: None)
     monkeypatch.delenv("FLASH_ATTN_CUTE_BACKEND", raising=False)
-    yield lambda backend_module: monkeypatch.setattr(fwd, "backend_module", backend_module)
+    yield lambda backend_module: monkeypatch.setattr(seam, "backend_module", backend_module)
     call_cache.clear()

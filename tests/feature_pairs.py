@@ -209,10 +209,12 @@ class fake_gpu_calls:
     def __enter__(self):
         from types import SimpleNamespace
 
-        from flash_attn_cute import call_cache, checks, fwd, heuristics, keys
+        from flash_attn_cute.api import call_cache, checks
+        from flash_attn_cute.host import heuristics, keys
+        from flash_attn_cute import seam
 
         call_cache.clear()
-        real = fwd.backend_module
+        real = seam.backend_module
         arch = self.arch
 
         def backend_module(name, kind="fwd"):
@@ -228,15 +230,15 @@ class fake_gpu_calls:
             names = [n for n in dir(module) if not n.startswith("__") and n != "launcher"]
             return SimpleNamespace(**{n: getattr(module, n) for n in names}, launcher=launcher)
 
-        self._set(fwd, "backend_module", backend_module)
-        self._set(fwd, "combine_launcher", lambda *a, **k: (lambda *tensors: None))
+        self._set(seam, "backend_module", backend_module)
+        self._set(seam, "combine_launcher", lambda *a, **k: (lambda *tensors: None))
         self._set(checks, "check_device", lambda tensors: None)
         self._set(heuristics, "num_sms", lambda device: 132)
         self._set(torch.cuda, "get_device_capability", lambda device=None: keys.arch_capability(arch))
         return self
 
     def __exit__(self, *exc):
-        from flash_attn_cute import call_cache
+        from flash_attn_cute.api import call_cache
 
         for obj, name, value in reversed(self._undo):
             setattr(obj, name, value)

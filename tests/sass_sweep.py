@@ -61,8 +61,8 @@ def _pkg(*names):
 
 def _registry(kind):
     if kind == "fwd":
-        return _pkg("flash_attn_cute.fwd:BACKENDS")
-    return _pkg("flash_attn_cute.fwd:MLA_BACKENDS", "flash_attn_cute.mla:MLA_BACKENDS")
+        return _pkg("flash_attn_cute.seam:BACKENDS", "flash_attn_cute.fwd:BACKENDS")
+    return _pkg("flash_attn_cute.seam:MLA_BACKENDS", "flash_attn_cute.fwd:MLA_BACKENDS", "flash_attn_cute.mla:MLA_BACKENDS")
 
 
 def _key(kind, backend, problem, num_splits, pack_gqa, num_sms, arch):
@@ -78,24 +78,29 @@ def _key(kind, backend, problem, num_splits, pack_gqa, num_sms, arch):
 
 
 def fwd_key(backend, problem_kwargs, num_splits, pack_gqa, num_sms, arch):
-    problem = _pkg("flash_attn_cute.fwd:FwdProblem")(**problem_kwargs)
+    problem = _pkg("flash_attn_cute.seam:FwdProblem", "flash_attn_cute.fwd:FwdProblem")(**problem_kwargs)
     return _key("fwd", backend, problem, num_splits, pack_gqa, num_sms, arch)
 
 
 def mla_key(backend, problem_kwargs, num_splits, num_sms, arch):
-    problem = _pkg("flash_attn_cute.fwd:MlaProblem", "flash_attn_cute.mla:MlaProblem")(**problem_kwargs)
+    problem = _pkg("flash_attn_cute.seam:MlaProblem", "flash_attn_cute.fwd:MlaProblem", "flash_attn_cute.mla:MlaProblem")(**problem_kwargs)
     return _key("mla", backend, problem, num_splits, True, num_sms, arch)  # MLA always packs its heads
 
 
 def combine_key(dtype, d_v, has_lse, arch):  # the key alone
-    dtype_name = _pkg("flash_attn_cute.keys:DTYPE_NAMES", "flash_attn_cute.cute_utils:DTYPE_NAMES")[dtype]
-    return _pkg("flash_attn_cute.keys:combine_key", "flash_attn_cute.combine:combine_key")(dtype_name, d_v, has_lse,
+    dtype_name = _pkg("flash_attn_cute.host.keys:DTYPE_NAMES", "flash_attn_cute.keys:DTYPE_NAMES",
+                      "flash_attn_cute.cute_utils:DTYPE_NAMES")[dtype]
+    return _pkg("flash_attn_cute.host.keys:combine_key", "flash_attn_cute.keys:combine_key",
+                "flash_attn_cute.combine:combine_key")(dtype_name, d_v, has_lse,
                                                                                             arch)
 
 
 def compile_target(kind, backend):
     """The "module:function" compiling a key of ``kind`` (fwd, mla, combine)."""
-    return "flash_attn_cute.combine:compile_combine" if kind == "combine" else _registry(kind)[backend] + ":compile"
+    if kind == "combine":
+        combine = _pkg("flash_attn_cute.kernels.combine:compile_combine", "flash_attn_cute.combine:compile_combine")
+        return f"{combine.__module__}:compile_combine"
+    return _registry(kind)[backend] + ":compile"
 
 
 # ------------------------------------------------------------------------------ sweeps

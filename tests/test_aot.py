@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from flash_attn_cute import aot, combine, fwd, jit_cache
+from flash_attn_cute import aot, seam
+from flash_attn_cute.kernels import combine
+from flash_attn_cute.host import jit_cache
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = [{"api": "kvcache", "d": 64, "num_splits": 2}]
@@ -28,7 +30,8 @@ LOADER = r'''
 import importlib, json, os, sys
 import torch  # imported first, as in any real caller
 import flash_attn_cute
-from flash_attn_cute import aot, jit_cache
+from flash_attn_cute import aot
+from flash_attn_cute.host import jit_cache
 
 entries = aot.read_manifest(sys.argv[1])
 assert entries, "no manifest for this fingerprint"
@@ -186,20 +189,20 @@ def test_corrupted_entry_is_recompiled_and_replaced(frozen, built, tmp_path):
 def test_preset_keys_are_what_the_launchers_ask_for(monkeypatch, arch, capability):
     """Resolving every preset problem the way a call does (device faked) asks the JIT
     cache for exactly the preset's entries: the runtime plans with the call's arch
-    (``fwd.resolve``), so sm_103 takes SM100's sm_103 rule (no FMA-pipe exponentials) as the
+    (``seam.resolve``), so sm_103 takes SM100's sm_103 rule (no FMA-pipe exponentials) as the
     AOT build does."""
     asked = set()
     monkeypatch.setenv("CUTE_DSL_ARCH", arch)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(jit_cache, "get_or_compile", lambda name, key, fn: asked.add((name, key)) or (lambda *a: None))
-    fwd.clear_plan_cache()
+    seam.clear_plan_cache()
     descriptions = aot.load_descriptions("all")
     try:
         for description in descriptions:
             for one in aot.expand(description):
-                fwd.resolve(aot.problem_of(one), None, one["num_splits"], one["pack_gqa"], torch.device("cuda", 0))
+                seam.resolve(aot.problem_of(one), None, one["num_splits"], one["pack_gqa"], torch.device("cuda", 0))
     finally:
-        fwd.clear_plan_cache()
+        seam.clear_plan_cache()
     entries, skipped = aot.entries_for(descriptions, arch)
     assert skipped == []
     assert asked == {(e.name, e.key) for e in entries}
@@ -215,7 +218,7 @@ def test_presets_cover_the_serving_shapes():
     assert set(everything) == set(decode) | set(prefill) | set(serving) | set(mla)
     # Serving steps: packed queries over pages with seqused_k; the mixed steps (max_seqlen_q
     # 2048) as both launches of their plan: the short sequences (64 // ratio queries) and the rest.
-    from flash_attn_cute.keys import parse_key
+    from flash_attn_cute.host.keys import parse_key
 
     steps = [parse_key(e.key, 4) for e in serving if e.name == "fwd_sm80"]
     assert all(f.varlen_q and f.paged and f.has_seqused_k and not f.varlen_k for f in steps)
@@ -244,7 +247,7 @@ def test_presets_cover_the_serving_shapes():
 def test_serving_features_are_described():
     # learnable_sink / seqused_q / batch_invariant: the keys a serving engine's calls ask for
     # (a batch-invariant plan is always split, its combine adds the sink).
-    from flash_attn_cute.keys import parse_key
+    from flash_attn_cute.host.keys import parse_key
 
     described = [{"api": "kvcache", "seqlen_k": 8192, "page_size": 64, "qhead_per_kvhead": 4,
                   "learnable_sink": True, "batch_invariant": [False, True]}]

@@ -34,9 +34,9 @@ def config_name(dtype, head_dim_v, with_lse, with_sink=False):
 
 
 def entries(arch):
-    from flash_attn_cute.combine import combine_key
+    from flash_attn_cute.kernels.combine import combine_key
 
-    return [(config_name(*c), "flash_attn_cute.combine:compile_combine", combine_key(*c[:3], arch, has_sink=c[3]))
+    return [(config_name(*c), "flash_attn_cute.kernels.combine:compile_combine", combine_key(*c[:3], arch, has_sink=c[3]))
             for c in CONFIGS]
 
 
@@ -106,7 +106,7 @@ def test_tile_config_every_head_dim(dtype):
     """Static invariants the kernel relies on, for every supported d_v (multiples of 8 up to 512)."""
     import cutlass
 
-    from flash_attn_cute.combine import FlashAttnCombine
+    from flash_attn_cute.kernels.combine import FlashAttnCombine
 
     cute_dtype = {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16, "fp32": cutlass.Float32}[dtype]
     for head_dim_v in range(8, 513, 8):
@@ -122,7 +122,7 @@ def test_tile_config_every_head_dim(dtype):
 
 
 def test_compile_is_keyed_by_arch_from_env(monkeypatch):
-    from flash_attn_cute.combine import combine_key, target_arch
+    from flash_attn_cute.kernels.combine import combine_key, target_arch
 
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_80")
     assert target_arch() == "sm_80"

@@ -15,8 +15,8 @@ NEG_INF = -math.inf
 
 def combine_fwd(out_partial, lse_partial, out, lse=None, sink=None, split_groups=None):
     """The combine as the package launches it: ``split_groups`` from the split count unless given."""
-    from flash_attn_cute.combine import combine_launcher
-    from flash_attn_cute.heuristics import combine_split_groups
+    from flash_attn_cute.kernels.combine import combine_launcher
+    from flash_attn_cute.host.heuristics import combine_split_groups
 
     if split_groups is None:
         split_groups = combine_split_groups(out_partial.shape[0])
@@ -178,7 +178,7 @@ def test_strided_views_and_no_stray_writes():
 
 def test_recompiles_only_per_key(monkeypatch):
     """A new shape or split count reuses the compiled kernel: sizes and strides are symbolic."""
-    from flash_attn_cute import combine
+    from flash_attn_cute.kernels import combine
 
     compile_calls = []
     real = combine.compile_combine

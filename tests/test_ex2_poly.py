@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from flash_attn_cute.softmax import _EX2_POLY, _ROUND_MAGIC
+from flash_attn_cute.device.softmax import _EX2_POLY, _ROUND_MAGIC
 
 
 def _fma32(a, b, c):

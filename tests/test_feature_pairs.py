@@ -7,9 +7,9 @@ import pytest
 from compile_harness import compile_entries
 from feature_pairs import PAIR_ARCHS, PAIRS, REFUSED, pair_keys
 
-from flash_attn_cute import fwd
+from flash_attn_cute import seam
 
-BACKENDS = sorted(fwd.BACKENDS)
+BACKENDS = sorted(seam.BACKENDS)
 
 
 def _keys_or_refusal(backend, pair):

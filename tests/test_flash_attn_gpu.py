@@ -22,14 +22,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from flash_attn_cute.testing import (
-    attention_kvcache_ref,
-    attention_ref,
-    attention_varlen_ref,
-    backends_on_this_gpu,
-    check_close,
-    check_lse,
-)
+from flash_attn_cute.testing import (attention_kvcache_ref, attention_ref, attention_varlen_ref, backends_on_this_gpu,
+                                     check_close, check_lse)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -516,18 +510,18 @@ def compile_keys(backend="sm80", arch="sm_90a", num_sms=132):
     the backend's own ``plan`` and ``compile_key`` on ``num_sms`` SMs (the H200's 132):
     the problems as the tests build them, calls the backend refuses left out. The CPU
     compile tests compile a covering subset of these keys."""
-    from flash_attn_cute import fwd, interface
-    from flash_attn_cute.combine import combine_key
-    from flash_attn_cute.keys import DTYPE_NAMES
+    from flash_attn_cute import interface, seam
+    from flash_attn_cute.kernels.combine import combine_key
+    from flash_attn_cute.host.keys import DTYPE_NAMES
 
-    module = fwd.backend_module(backend)
+    module = seam.backend_module(backend)
     keys, comb = set(), set()
 
     def add(cfg, kind, batch, max_sq, max_sk, has_lse=True, page_size=0):
         if max_sq == 0 or max_sk == 0:
             return
         causal, left, right = interface.normalize_window(cfg.causal, cfg.window)
-        problem = fwd.FwdProblem(
+        problem = seam.FwdProblem(
             dtype=cfg.dtype, batch=batch, max_seqlen_q=max_sq, max_seqlen_k=max_sk, nheads=cfg.nheads,
             nheads_kv=cfg.nheads_kv, d=cfg.d, d_v=cfg.dv, softmax_scale=cfg.d ** -0.5, causal=causal,
             window_left=left, window_right=right, softcap=cfg.softcap, varlen_q=kind == "varlen",
@@ -572,7 +566,7 @@ def compile_keys(backend="sm80", arch="sm_90a", num_sms=132):
 
 
 if __name__ == "__main__":
-    from flash_attn_cute import fwd as _fwd
+    from flash_attn_cute import seam as _fwd
 
     for name in _fwd.BACKENDS:
         keys, comb = compile_keys(name)

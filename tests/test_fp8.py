@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flash_attn_cute.fp8 import quantize_fp8
+from flash_attn_cute.host.fp8 import quantize_fp8
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
@@ -41,9 +41,9 @@ def test_refusals():
 
 from types import SimpleNamespace  # noqa: E402
 
-from flash_attn_cute import (flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, fwd, sm80,  # noqa: E402
+from flash_attn_cute import (flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, seam, sm80,  # noqa: E402
                              sm90, sm100)
-from flash_attn_cute.problems import FwdProblem  # noqa: E402
+from flash_attn_cute.host.problems import FwdProblem  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 
@@ -131,7 +131,7 @@ def test_fp8_needs_compute_capability_8_9(monkeypatch):
                    d_v=64, softmax_scale=0.1, causal=False, window_left=-1, window_right=-1, softcap=0.0,
                    varlen_q=False, varlen_k=False, has_seqused_k=False, page_size=0, has_lse=False, kv_dtype=E4M3)
     with pytest.raises(NotImplementedError, match="compute capability >= 8.9"):
-        fwd.select_backend(None, p, "cuda:0")
+        seam.select_backend(None, p, "cuda:0")
     assert sm100.check(p) is None and sm90.check(p) is None and sm80.check(p) is None
 
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from flash_attn_cute import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, quantize_fp8
-from flash_attn_cute.testing import (attention_kvcache_ref, attention_ref, attention_varlen_ref, check_close,
-                                     check_lse, dequantize_kv)
+from flash_attn_cute.testing import (attention_kvcache_ref, attention_ref, attention_varlen_ref, check_close, check_lse,
+                                     dequantize_kv)
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HOPPER, reason="FP8 attention runs on Hopper (SM90)")]

@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from flash_attn_cute import flash_attn_varlen_func, flash_attn_with_kvcache, quantize_fp8
-from flash_attn_cute.testing import (attention_kvcache_ref, attention_serving_ref, check_close, check_lse,
-                                     dequantize_kv)
+from flash_attn_cute.testing import attention_kvcache_ref, attention_serving_ref, check_close, check_lse, dequantize_kv
 
 pytestmark = [
     pytest.mark.gpu,

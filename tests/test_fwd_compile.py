@@ -18,8 +18,8 @@ import test_serving_gpu
 from compile_harness import compile_entries, covering_subset
 from sass_sweep import sass_histogram
 
-from flash_attn_cute import fwd
-from flash_attn_cute.keys import parse_key
+from flash_attn_cute import seam
+from flash_attn_cute.host.keys import parse_key
 
 BF16 = torch.bfloat16
 
@@ -69,7 +69,7 @@ def spill_bound(backend, key):
         # page id of the tile's first block, across the wait for its stage.
         return 6
     return 0
-CASES = [(b, a) for b in sorted(fwd.BACKENDS) for a in ARCHS[b]]
+CASES = [(b, a) for b in sorted(seam.BACKENDS) for a in ARCHS[b]]
 
 
 def compile_keys(backend, arch):
@@ -81,10 +81,10 @@ def sink_pairs(arch, backend):
     """[(key with a learnable sink, the same key without)]: a decode step (32 query heads
     packed over 8 KV heads, a 2048-token cache) unsplit, and batch invariant (split
     kernels of fixed keys per split, which leave the sink to the combine)."""
-    module = fwd.backend_module(backend)
+    module = seam.backend_module(backend)
     pairs = []
     for invariant in (False, True):
-        problem = fwd.FwdProblem(dtype=BF16, batch=3, max_seqlen_q=1, max_seqlen_k=2048, nheads=32, nheads_kv=8,
+        problem = seam.FwdProblem(dtype=BF16, batch=3, max_seqlen_q=1, max_seqlen_k=2048, nheads=32, nheads_kv=8,
                                  d=128, d_v=128, softmax_scale=128 ** -0.5, causal=True, window_left=-1,
                                  window_right=0, softcap=0.0, varlen_q=False, varlen_k=False, has_seqused_k=True,
                                  page_size=0, has_lse=True, has_sink=True, batch_invariant=invariant)
@@ -98,8 +98,8 @@ def sm100_extra_keys(arch):
     """Beyond the sweep's covering subset: a contiguous KV cache (seqused_k, not paged) in
     decode shape (packed GQA, split, q_stage 1), whose last KV block's tail V rows the
     kernel zeroes (the covering subset reaches that code only through a paged key)."""
-    module = fwd.backend_module("sm100")
-    problem = fwd.FwdProblem(dtype=BF16, batch=2, max_seqlen_q=1, max_seqlen_k=4096, nheads=32, nheads_kv=8, d=128,
+    module = seam.backend_module("sm100")
+    problem = seam.FwdProblem(dtype=BF16, batch=2, max_seqlen_q=1, max_seqlen_k=4096, nheads=32, nheads_kv=8, d=128,
                              d_v=128, softmax_scale=128 ** -0.5, causal=False, window_left=-1, window_right=-1,
                              softcap=0.0, varlen_q=False, varlen_k=False, has_seqused_k=True, page_size=0,
                              has_lse=True)
@@ -116,8 +116,8 @@ def fp8_keys(arch, backend="sm80"):
     keys run two; SM100: 128, two Q stages), and SM100 d 192."""
     if arch == "sm_80" or (backend == "sm100") != (arch == "sm_100a"):
         return []
-    module = fwd.backend_module(backend)
-    base = fwd.FwdProblem(dtype=BF16, batch=2, max_seqlen_q=1, max_seqlen_k=4096, nheads=32, nheads_kv=8, d=128,
+    module = seam.backend_module(backend)
+    base = seam.FwdProblem(dtype=BF16, batch=2, max_seqlen_q=1, max_seqlen_k=4096, nheads=32, nheads_kv=8, d=128,
                           d_v=128, softmax_scale=128 ** -0.5, causal=False, window_left=-1, window_right=-1,
                           softcap=0.0, varlen_q=False, varlen_k=False, has_seqused_k=True, page_size=0,
                           has_lse=True, kv_dtype=torch.float8_e4m3fn)
@@ -141,7 +141,7 @@ def fp8_attention_keys(arch, backend="sm90"):
     chunk of d 80 (padded) over pages of 1, whose rows producer warp 0 gathers."""
     if arch != {"sm90": "sm_90a", "sm100": "sm_100a"}[backend]:
         return []
-    base = fwd.FwdProblem(dtype=torch.float8_e4m3fn, batch=2, max_seqlen_q=4096, max_seqlen_k=4096, nheads=16,
+    base = seam.FwdProblem(dtype=torch.float8_e4m3fn, batch=2, max_seqlen_q=4096, max_seqlen_k=4096, nheads=16,
                           nheads_kv=4, d=128, d_v=128, softmax_scale=128 ** -0.5, causal=False, window_left=-1,
                           window_right=-1, softcap=0.0, varlen_q=False, varlen_k=False, has_seqused_k=False,
                           page_size=0, has_lse=False)
@@ -156,7 +156,7 @@ def fp8_attention_keys(arch, backend="sm90"):
                       0),
                      (base._replace(max_seqlen_q=512, page_size=1, has_seqused_k=True, causal=True,
                                     window_right=0, d=80, d_v=80), 1)]
-    module = fwd.backend_module(backend)
+    module = seam.backend_module(backend)
     return [module.compile_key(p, module.plan(p, ns, None, 132), arch) for p, ns in problems]
 
 
@@ -329,7 +329,7 @@ def test_plan_is_what_the_launcher_compiles():
     # pack or split decision yields a different key.
     from test_validation import _problem
 
-    module = fwd.backend_module("sm80")
+    module = seam.backend_module("sm80")
     decode = _problem(nheads=32, nheads_kv=8, max_seqlen_k=131072, has_seqused_k=True)
     plan = module.plan(decode, 0, None, 132)
     assert plan.pack_gqa and plan.num_splits > 1 and plan.config.tile_m == 64
@@ -349,7 +349,7 @@ def leftpad_problems(arch):
     """(problem, num_splits): a split decode step over pages of 16 and a prefill chunk over
     pages of 128 (SM90: TMA-sized pages, gathered here), and FP8 K/V over pages of 64 (not
     for sm_80: no fp8 conversions)."""
-    base = fwd.FwdProblem(dtype=BF16, batch=4, max_seqlen_q=1, max_seqlen_k=4096, nheads=32, nheads_kv=8, d=128,
+    base = seam.FwdProblem(dtype=BF16, batch=4, max_seqlen_q=1, max_seqlen_k=4096, nheads=32, nheads_kv=8, d=128,
                           d_v=128, softmax_scale=128 ** -0.5, causal=True, window_left=-1, window_right=0,
                           softcap=0.0, varlen_q=False, varlen_k=False, has_seqused_k=True, page_size=16,
                           has_lse=True, leftpad_k=True)
@@ -361,7 +361,7 @@ def leftpad_problems(arch):
 
 def leftpad_key_pairs(backend, arch):
     """[(key with leftpad_k, the same problem's key without)]."""
-    module = fwd.backend_module(backend)
+    module = seam.backend_module(backend)
     key = lambda p, ns: module.compile_key(p, module.plan(p, ns, True, 132), arch)
     return [(key(p, ns), key(p._replace(leftpad_k=False), ns)) for p, ns in leftpad_problems(arch)]
 
@@ -412,5 +412,5 @@ def test_leftpad_compiles_and_sass(leftpad_artifacts, backend, arch):
 
 def test_leftpad_refused_by_sm100():
     p = leftpad_problems("sm_100a")[0][0]._replace(page_size=128)
-    assert "cache_leftpad with a paged cache" in fwd.backend_module("sm100").check(p)
-    assert fwd.backend_module("sm100").check(p._replace(leftpad_k=False)) is None
+    assert "cache_leftpad with a paged cache" in seam.backend_module("sm100").check(p)
+    assert seam.backend_module("sm100").check(p._replace(leftpad_k=False)) is None

@@ -1,4 +1,4 @@
-"""Tests of flash_attn_cute.jit_cache (CPU only).
+"""Tests of flash_attn_cute.host.jit_cache (CPU only).
 
 The cross-process tests compile a tiny real CuTe kernel (y = 2 x) against fake tensors
 with ``CUTE_DSL_ARCH=sm_80`` in fresh Python processes, export it, and load it back in
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from flash_attn_cute import jit_cache
+from flash_attn_cute.host import jit_cache
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,8 +28,8 @@ import contextlib, json, os, sys, time
 import torch  # imported first, as in any real caller: its import is not a cache cost
 import cutlass
 import cutlass.cute as cute
-from flash_attn_cute import jit_cache
-from flash_attn_cute.cute_utils import COMPILE_OPTIONS, fake_stream, fake_tensor
+from flash_attn_cute.host import jit_cache
+from flash_attn_cute.device.cute_utils import COMPILE_OPTIONS, fake_stream, fake_tensor
 
 
 @cute.kernel
@@ -307,7 +307,7 @@ def test_fingerprint_tracks_sources_and_versions(tmp_path, monkeypatch):
     (pkg / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"\0")
     (pkg / "notes.txt").write_text("not a source")
     assert jit_cache.source_fingerprint(pkg) == base  # only .py files count
-    src = pkg / "cute_utils.py"
+    src = pkg / "device" / "cute_utils.py"
     src.write_text(src.read_text() + "\n# edited\n")
     edited = jit_cache.source_fingerprint(pkg)
     assert edited != base

@@ -10,10 +10,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flash_attn_cute import checks, fwd, keys, kv_append, sm80, sm90, sm100
-from flash_attn_cute.backend_kit import NO_VARIANT
+from flash_attn_cute import seam, sm100, sm80, sm90
+from flash_attn_cute.api import checks
+from flash_attn_cute.host import keys
+from flash_attn_cute.kernels import kv_append
+from flash_attn_cute.seam.backend_kit import NO_VARIANT
 from flash_attn_cute.interface import flash_attn_with_kvcache
-from flash_attn_cute.problems import FwdProblem
+from flash_attn_cute.host.problems import FwdProblem
 
 BF16, E4M3, E5M2 = torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2
 I32 = torch.int32
@@ -263,10 +266,10 @@ def test_backends_on_paged_leftpad():
 
 def test_sm100_leftpad_falls_back_to_sm80(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
-    assert fwd.select_backend(None, _problem(), "cuda:0")[0] == "sm80"
-    assert fwd.select_backend(None, _problem(leftpad_k=False), "cuda:0")[0] == "sm100"
+    assert seam.select_backend(None, _problem(), "cuda:0")[0] == "sm80"
+    assert seam.select_backend(None, _problem(leftpad_k=False), "cuda:0")[0] == "sm100"
     with pytest.raises(NotImplementedError, match="cache_leftpad with a paged cache"):
-        fwd.select_backend("sm100", _problem(), "cuda:0")
+        seam.select_backend("sm100", _problem(), "cuda:0")
 
 
 def test_check_cache_bounds_reads_cache_batch_idx(events, monkeypatch):

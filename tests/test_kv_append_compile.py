@@ -31,7 +31,7 @@ ROTARY = [(0, False), (64, True), (64, False), (32, True), (32, False)]
 def key_space(arch):
     """Every flag combination the kernel accepts, over fp16 / bf16 and (d, d_v) in
     (64, 128), (128, 64): paged caches take a leftpad (key counts only), never a batch idx."""
-    from flash_attn_cute.kv_append import append_key
+    from flash_attn_cute.kernels.kv_append import append_key
 
     keys = set()
     for dtype, (d, d_v), (rd, inter), per_query, has_q, has_kv, paged, idx, leftpad, varlen in itertools.product(
@@ -74,7 +74,7 @@ def entries(arch):
     per-query positions. Field 1 (the arch) is the same for all."""
     combos = {k + ((rotary_kind(k), k[8], k[9]), (rotary_kind(k), k[9], k[10])) + varlen_parts(k): k
               for k in key_space(arch)}
-    return [(entry_name(combos[c]), "flash_attn_cute.kv_append:compile_append", combos[c])
+    return [(entry_name(combos[c]), "flash_attn_cute.kernels.kv_append:compile_append", combos[c])
             for c in covering_subset(combos, fixed_fields=2)]
 
 
@@ -187,7 +187,7 @@ def fp8_keys(arch):
     """(dtype_name, d, d_v, rotary_dim, interleaved, per_query, has_q, has_kv, paged, idx, leftpad, varlen,
     q, new, cache): every source / destination pair of dtypes, with and without rotary, in
     every cache layout (contiguous, batch idx + leftpad, paged, paged + leftpad) and varlen."""
-    from flash_attn_cute.kv_append import append_key
+    from flash_attn_cute.kernels.kv_append import append_key
 
     specs = [
         ("bf16", 128, 128, 128, False, True, True, True, False, False, False, False, None, None, "e4m3"),
@@ -206,7 +206,7 @@ def fp8_artifacts(tmp_path_factory):
     root = tmp_path_factory.mktemp("kv_append_fp8_artifacts")
     out = {}
     for arch in FP8_ARCHS:
-        entries = [(entry_name(k), "flash_attn_cute.kv_append:compile_append", k) for k in fp8_keys(arch)]
+        entries = [(entry_name(k), "flash_attn_cute.kernels.kv_append:compile_append", k) for k in fp8_keys(arch)]
         out[arch] = compile_entries(arch, entries, root)
     return out
 
@@ -268,7 +268,7 @@ def test_compile_times_recorded(artifacts):
 
 
 def test_key_fields_and_normalisation():
-    from flash_attn_cute.kv_append import append_key
+    from flash_attn_cute.kernels.kv_append import append_key
 
     key = append_key("sm_90a", "bf16", 128, 128, 64, True, True, True, True, False, True, False)
     assert key == ("kv_append", "sm_90a", "bf16", 128, 128, 64, True, True, True, True, False, True, False, False)
@@ -290,7 +290,8 @@ def test_key_fields_and_normalisation():
 
 
 def test_launcher_goes_through_jit_cache(monkeypatch):
-    from flash_attn_cute import jit_cache, kv_append
+    from flash_attn_cute.host import jit_cache
+    from flash_attn_cute.kernels import kv_append
 
     seen = []
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
@@ -308,7 +309,7 @@ def test_items_cover_every_chunk_once(interleaved):
     once, and an item that rotates owns whole pairs."""
     import cutlass
 
-    from flash_attn_cute.kv_append import KVAppendRotary
+    from flash_attn_cute.kernels.kv_append import KVAppendRotary
 
     for d in range(16, 513, 16):
         for rd in range(0, d + 1, 16):

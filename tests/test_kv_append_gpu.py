@@ -43,7 +43,7 @@ POISON_INT = -7
 
 def launch(q, k_new, v_new, k_cache, v_cache, seqlens, page_table, batch_idx, leftpad, cos, sin, q_out, seqused,
            k_offsets, cu_q=None, cu_k=None, *, interleaved, per_query):
-    from flash_attn_cute.kv_append import append_launcher
+    from flash_attn_cute.kernels.kv_append import append_launcher
 
     rotary_dim = 0 if cos is None else 2 * cos.shape[1]
     fn = append_launcher(k_cache.dtype, k_cache.shape[-1], v_cache.shape[-1], rotary_dim, interleaved, per_query,
@@ -637,7 +637,7 @@ def descales(c: Fp8Case, gen, batch):
 
 def kernel_view(t, batch, h_kv):
     """A descale as the kernel reads it: fp32 (batch, h_kv), a broadcast view for one element."""
-    from flash_attn_cute.checks import descale_view
+    from flash_attn_cute.api.checks import descale_view
 
     return descale_view(t, batch, h_kv, torch.device(DEVICE))
 
@@ -802,7 +802,7 @@ def verify_fp8(c: Fp8Case, t, e):
 
 
 def launch_fp8(c: Fp8Case, t):
-    from flash_attn_cute.kv_append import append_launcher
+    from flash_attn_cute.kernels.kv_append import append_launcher
 
     rd = rotary_dim_of(t)
     fp8_tokens = t["k_new"] is not None and t["k_new"].dtype in FP8

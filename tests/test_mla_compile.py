@@ -14,7 +14,7 @@ import re
 import pytest
 from compile_harness import compile_entries
 
-from flash_attn_cute.keys import mla_key
+from flash_attn_cute.host.keys import mla_key
 from flash_attn_cute.sm80.config import MLA_FP8_STAGING, mla_stages_for
 
 ARCHS = ["sm_80", "sm_90a", "sm_100a"]

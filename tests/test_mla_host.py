@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import flash_attn_cute
-from flash_attn_cute import fwd, mla
+from flash_attn_cute import mla, seam
 from flash_attn_cute.mla import MlaProblem, flash_mla_decode
-from flash_attn_cute.tuning import Tuning
+from flash_attn_cute.host.tuning import Tuning
 
 BF16 = torch.bfloat16
 
@@ -119,7 +119,7 @@ def _problem(batch=1, sq=1, capacity=32768, h=64, page=1, causal=False, lse=Fals
 
 
 def test_plan_splits_from_shapes_only():
-    sm80 = fwd.backend_module("sm80", "mla")
+    sm80 = seam.backend_module("sm80", "mla")
     # one sequence of 32k keys on 132 SMs: split; a full batch: not; explicit counts kept
     assert sm80.plan(_problem(), 0, None, 132, arch="sm_90a").num_splits > 8
     assert sm80.plan(_problem(batch=768, capacity=2048), 0, None, 132, arch="sm_90a").num_splits == 1
@@ -129,7 +129,7 @@ def test_plan_splits_from_shapes_only():
 
 
 def test_compile_key_fields_and_registry():
-    sm80 = fwd.backend_module("sm80", "mla")
+    sm80 = seam.backend_module("sm80", "mla")
     p = _problem(h=128, causal=True)
     plan = sm80.plan(p, 3, None, None, arch="sm_90a")
     assert plan.config == (3, 0, 0) and plan.pack_gqa and plan.qhead_per_kvhead_packed(p) == 128
@@ -165,8 +165,8 @@ def test_compile_key_fields_and_registry():
     assert "not a multiple of nheads_kv 4" in sm80.check(p._replace(nheads=6, nheads_kv=4))
     assert sm80.runs_on((8, 0)) and sm80.runs_on((9, 0)) and not sm80.runs_on((8, 6))
     # the forward registry is untouched: forward backends never see an MLA problem
-    assert "flash_attn_cute.sm80.mla" not in fwd.BACKENDS.values()
-    assert fwd.REGISTRIES["mla"] is mla.MLA_BACKENDS
+    assert "flash_attn_cute.sm80.mla" not in seam.BACKENDS.values()
+    assert seam.REGISTRIES["mla"] is mla.MLA_BACKENDS
 
 
 def test_kv_descale_views():
@@ -192,7 +192,7 @@ def test_warp_roles_fit_the_register_file():
 def test_sm90_seam_key_roles_and_selection(monkeypatch):
     from flash_attn_cute.sm90.config import MlaRoles
 
-    sm90 = fwd.backend_module("sm90", "mla")
+    sm90 = seam.backend_module("sm90", "mla")
     assert mla.MLA_BACKENDS["sm90"] == "flash_attn_cute.sm90.mla"
     assert sm90.runs_on((9, 0)) and not sm90.runs_on((8, 0)) and not sm90.runs_on((10, 0))
     p = _problem(h=128, causal=True)
@@ -218,16 +218,16 @@ def test_sm90_seam_key_roles_and_selection(monkeypatch):
         sm90.plan(p, 3, None, None, tuning=Tuning(mla_sm90_qk="half"))
     # backend=None on a 9.x GPU: the SM90 kernel when it is automatic, else SM80.
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    name, _ = fwd.select_backend(None, p, "cuda:0")
+    name, _ = seam.select_backend(None, p, "cuda:0")
     assert name == ("sm90" if sm90.AUTO else "sm80")
-    assert fwd.select_backend("sm90", p, "cuda:0")[0] == "sm90"
+    assert seam.select_backend("sm90", p, "cuda:0")[0] == "sm90"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert fwd.select_backend(None, p, "cuda:0")[0] == "sm80"
+    assert seam.select_backend(None, p, "cuda:0")[0] == "sm80"
     with pytest.raises(NotImplementedError, match="compute capability 8.0"):
-        fwd.select_backend("sm90", p, "cuda:0")
+        seam.select_backend("sm90", p, "cuda:0")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))  # 99 KB of smem
     with pytest.raises(NotImplementedError, match="no MLA kernel runs this call"):
-        fwd.select_backend(None, p, "cuda:0")
+        seam.select_backend(None, p, "cuda:0")
     # roles: the register pool and 227 KB of shared memory bound them
     assert MlaRoles().threads == 384 and MlaRoles().o_cols == 256
     assert MlaRoles().qk == "seesaw" and MlaRoles().stages == 4
@@ -252,7 +252,7 @@ def test_repeated_call_skips_validation_and_planning(fake_device, monkeypatch):
     # validation, no planning); out=None must not defeat the cache.
     launched, validated = [], []
     fake = SimpleNamespace(AUTO=True, runs_on=lambda cap: True, check=lambda p: None,
-                           plan=fwd.backend_module("sm80", "mla").plan,
+                           plan=seam.backend_module("sm80", "mla").plan,
                            launcher=lambda problem, plan, device=None: (lambda *t: launched.append(t)))
     fake_device(lambda name, kind="fwd": fake)
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
@@ -292,7 +292,7 @@ def test_padded_heads_cost_no_more_than_the_next_count(backend, h, sq):
     # A head count runs on the grid and splits of the next supported one (16, 32, 64, 128),
     # for the same shapes: the same CTAs, tiles and KV splits, so the same bytes read. (On
     # any count whose packed rows fill the same 64-row tiles the grids are equal too.)
-    module = fwd.backend_module(backend, "mla")
+    module = seam.backend_module(backend, "mla")
     nxt = next(n for n in (16, 32, 64, 128) if n >= h)
     for batch, capacity in ((1, 32768), (4, 8192), (132, 2048), (768, 2048)):
         a = module.plan(_problem(batch=batch, sq=sq, capacity=capacity, h=h), 0, None, 132, arch="sm_90a")
@@ -305,9 +305,9 @@ def test_padded_heads_cost_no_more_than_the_next_count(backend, h, sq):
 
 
 def test_keys_of_head_counts_and_kv_heads():
-    from flash_attn_cute.keys import mla_heads_key, parse_mla_key
+    from flash_attn_cute.host.keys import mla_heads_key, parse_mla_key
 
-    sm80, sm90 = fwd.backend_module("sm80", "mla"), fwd.backend_module("sm90", "mla")
+    sm80, sm90 = seam.backend_module("sm80", "mla"), seam.backend_module("sm90", "mla")
     p = _problem(h=8, causal=True)
     # One latent head: the heads field is nheads, as in the keys of 16/32/64/128 (unchanged).
     assert sm80.compile_key(p, sm80.plan(p, 1, None, None, arch="sm_80"), "sm_80") == (
@@ -336,7 +336,7 @@ def test_keys_of_head_counts_and_kv_heads():
 def test_kv_heads_grid_and_splits():
     # The KV heads are a grid mode: the split heuristic counts batch x nheads_kv CTAs of
     # seqlen_q x (nheads / nheads_kv) packed rows.
-    sm80 = fwd.backend_module("sm80", "mla")
+    sm80 = seam.backend_module("sm80", "mla")
     one = sm80.plan(_problem(batch=1, capacity=32768, h=16), 0, None, 132, arch="sm_90a")
     four = sm80.plan(_problem(batch=1, capacity=32768, h=64, hkv=4), 0, None, 132, arch="sm_90a")
     assert one.num_splits > four.num_splits > 1
@@ -370,7 +370,7 @@ def test_flashmla_layout_views_reach_the_kernel_uncopied(fake_device, monkeypatc
     # as they are (no copy); one KV head runs the 3-D kernels (the head mode dropped, a view).
     launched = []
     fake = SimpleNamespace(AUTO=True, runs_on=lambda cap: True, check=lambda p: None,
-                           plan=fwd.backend_module("sm80", "mla").plan,
+                           plan=seam.backend_module("sm80", "mla").plan,
                            launcher=lambda problem, plan, device=None: (lambda *t: launched.append((problem, t))))
     fake_device(lambda name, kind="fwd": fake)
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")

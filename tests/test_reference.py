@@ -10,16 +10,8 @@ import math
 import pytest
 import torch
 
-from flash_attn_cute.testing import (
-    attention_kvcache_ref,
-    attention_ref,
-    attention_varlen_ref,
-    check_close,
-    check_lse,
-    gather_paged_kv,
-    is_close,
-    visible_mask,
-)
+from flash_attn_cute.testing import (attention_kvcache_ref, attention_ref, attention_varlen_ref, check_close, check_lse,
+                                     gather_paged_kv, is_close, visible_mask)
 
 
 def naive_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,

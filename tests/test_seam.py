@@ -1,4 +1,4 @@
-"""CPU tests of the seam every kernel family shares (``fwd.py``): one registry per problem
+"""CPU tests of the seam every kernel family shares (``seam.py``): one registry per problem
 kind, tuning overrides as explicit plan arguments that are part of both caches' keys, one
 ``clear`` for every cache, and the host/device line (import without the DSL)."""
 
@@ -11,10 +11,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flash_attn_cute import call_cache, fwd, mla, mods, sm80, sm90, tuning
-from flash_attn_cute.problems import FwdProblem, MlaProblem
-from flash_attn_cute.tuning import Tuning
-from flash_attn_cute.user_variants import make_spec
+from flash_attn_cute import mla, mods, seam, sm80, sm90
+from flash_attn_cute.api import call_cache
+from flash_attn_cute.host import tuning
+from flash_attn_cute.host.problems import FwdProblem, MlaProblem
+from flash_attn_cute.host.tuning import Tuning
+from flash_attn_cute.host.user_variants import make_spec
 
 PACKAGE = Path(__file__).resolve().parents[1] / "flash_attn_cute"
 BF16 = torch.bfloat16
@@ -39,9 +41,9 @@ def test_import_does_not_load_the_dsl():
 
 # Modules that run on the device (or compile for it) must not reach back into the seam or
 # the public API: the floors stay host (API, seam, backend plans) above device helpers.
-HOST_ONLY = {"fwd", "interface", "mla", "checks", "call_cache", "backend_kit", "aot", "ops"}
-DEVICE_MODULES = ["fwd_kernel.py", "combine.py", "sm80/flash_fwd.py", "sm80/mla_decode.py", "sm90/flash_fwd.py",
-                  "sm90/mla_decode.py", "sm100/flash_fwd.py"]
+HOST_ONLY = {"seam", "interface", "mla", "checks", "call_cache", "backend_kit", "aot", "ops"}
+DEVICE_MODULES = ["device/fwd_kernel.py", "kernels/combine.py", "sm80/flash_fwd.py", "sm80/mla_decode.py",
+                  "sm90/flash_fwd.py", "sm90/mla_decode.py", "sm100/flash_fwd.py"]
 
 
 @pytest.mark.parametrize("path", DEVICE_MODULES)
@@ -57,15 +59,15 @@ def test_device_code_does_not_import_the_seam(path):
 
 
 def test_registries_per_kind():
-    assert fwd.REGISTRIES == {"fwd": fwd.BACKENDS, "mla": fwd.MLA_BACKENDS} and mla.MLA_BACKENDS is fwd.MLA_BACKENDS
-    assert fwd.candidates("fwd", (9, 0)) == ["sm90", "sm80"] and fwd.candidates("fwd", (12, 0)) == ["sm80"]
-    assert fwd.candidates("mla", (9, 0)) == ["sm90", "sm80"] and fwd.candidates("mla", (8, 6)) == []
+    assert seam.REGISTRIES == {"fwd": seam.BACKENDS, "mla": seam.MLA_BACKENDS} and mla.MLA_BACKENDS is seam.MLA_BACKENDS
+    assert seam.candidates("fwd", (9, 0)) == ["sm90", "sm80"] and seam.candidates("fwd", (12, 0)) == ["sm80"]
+    assert seam.candidates("mla", (9, 0)) == ["sm90", "sm80"] and seam.candidates("mla", (8, 6)) == []
     # The plan holds every choice: the key reads only (problem, plan).
     mla_problem = MlaProblem(dtype=BF16, batch=4, max_seqlen_q=1, max_seqlen_k=8192, nheads=64, page_size=64,
                              softmax_scale=576 ** -0.5, causal=False, has_lse=False)
     for kind, problem in (("fwd", _problem()), ("mla", mla_problem)):
-        for name in fwd.REGISTRIES[kind]:
-            module = fwd.backend_module(name, kind)
+        for name in seam.REGISTRIES[kind]:
+            module = seam.backend_module(name, kind)
             if module.check(problem) is not None:
                 continue
             plan = module.plan(problem, 0, None, 132, arch="sm_90a")
@@ -159,14 +161,14 @@ def test_a_knob_changed_between_calls_is_a_new_plan(fake_device, monkeypatch):
 def test_one_clear_for_every_cache(fake_device, monkeypatch):
     launcher = lambda problem, plan, device=None: (lambda *tensors: None)
     fakes = {kind: SimpleNamespace(AUTO=True, runs_on=lambda cap: True, check=lambda p: None,
-                                   plan=fwd.backend_module("sm80", kind).plan, launcher=launcher)
+                                   plan=seam.backend_module("sm80", kind).plan, launcher=launcher)
              for kind in ("fwd", "mla")}
     fake_device(lambda name, kind="fwd": fakes[kind])
     mla_problem = MlaProblem(dtype=BF16, batch=4, max_seqlen_q=1, max_seqlen_k=8192, nheads=64, page_size=64,
                              softmax_scale=576 ** -0.5, causal=False, has_lse=False)
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
-    fwd.resolve(mla_problem, None, 1, None, "cuda:0")
-    fwd.resolve(_problem(), None, 1, None, "cuda:0")
-    assert len(fwd._plan_cache) == 2
+    seam.resolve(mla_problem, None, 1, None, "cuda:0")
+    seam.resolve(_problem(), None, 1, None, "cuda:0")
+    assert len(seam._plan_cache) == 2
     call_cache.clear()
-    assert not fwd._plan_cache
+    assert not seam._plan_cache

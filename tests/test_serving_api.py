@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flash_attn_cute import fwd, sm80
-from flash_attn_cute.backend_kit import FEATURES, feature_refusal
+from flash_attn_cute import seam, sm80
+from flash_attn_cute.seam.backend_kit import FEATURES, feature_refusal
 from flash_attn_cute.interface import flash_attn_varlen_func, flash_attn_with_kvcache
 
 BF16 = torch.bfloat16
@@ -55,7 +55,7 @@ def mixed_step(page_size=16, lens_q=(1, 1, 7, 0, 300), lens_k=(40, 513, 100, 9, 
 def test_varlen_queries_over_a_paged_cache_reach_the_kernel(launches):
     a = mixed_step()
     out, lse = flash_attn_varlen_func(**a, causal=True, return_lse=True)
-    # A mixed step: two launches over the same tensors (fwd.mixed_short_q), the sequences
+    # A mixed step: two launches over the same tensors (seam.mixed_short_q), the sequences
     # of at most 64 // 4 = 16 queries on the decode tile, then the others.
     short, call = launches
     assert (short.problem.q_class, short.problem.max_seqlen_q, short.plan.config.tile_m) == (16, 16, 64)
@@ -222,7 +222,7 @@ def test_features_a_kernel_lacks_are_refused_by_name(fake_device):
             flash_attn_varlen_func(q, k, v, backend="sm80", **kw)
     # every forward backend implements all of them, except FP8 attention on SM80 (no fp8 MMA)
     # and cache_leftpad over pages on SM100 (its pages are TMA boxes of whole KV blocks)
-    for name, module in fwd.BACKENDS.items():
+    for name, module in seam.BACKENDS.items():
         lacks = {"sm80": {"fp8_qkv"}, "sm100": {"paged_leftpad"}}.get(name, set())
         assert importlib.import_module(module).FEATURES == {n for _, n in FEATURES} - lacks, name
 
@@ -249,7 +249,7 @@ def test_batch_invariant_is_always_split_with_the_sink_in_the_combine(launches, 
     # Fixed keys per split (4096), the splits the capacity needs, a split kernel and the
     # combine even for one split; the combine gets the sink, the kernel fp32 partials.
     combines = []
-    monkeypatch.setattr(fwd, "combine_launcher", lambda out_dtype, d_v, has_lse, has_sink=False, split_groups=1, arch=None:
+    monkeypatch.setattr(seam, "combine_launcher", lambda out_dtype, d_v, has_lse, has_sink=False, split_groups=1, arch=None:
                         lambda *t: combines.append((has_sink, t)))
     a = mixed_step(page_size=16)  # capacity 608 keys: one split
     sink = torch.randn(8)
@@ -269,7 +269,7 @@ def test_batch_invariant_is_always_split_with_the_sink_in_the_combine(launches, 
 def test_seqused_q_split_partials_start_empty(launches, monkeypatch):
     # Rows past seqused_q are not computed: split partials start at LSE -inf so that the
     # combine writes them as rows that saw no key, never uninitialised memory.
-    monkeypatch.setattr(fwd, "combine_launcher", lambda out_dtype, d_v, has_lse, has_sink=False, split_groups=1, arch=None: lambda *t: None)
+    monkeypatch.setattr(seam, "combine_launcher", lambda out_dtype, d_v, has_lse, has_sink=False, split_groups=1, arch=None: lambda *t: None)
     a = mixed_step()
     flash_attn_varlen_func(**a, seqused_q=torch.tensor([1, 1, 3, 0, 200], dtype=torch.int32), num_splits=3)
     lse_partial = launches[-2].tensors[4]  # the mixed plan's short part (the long one is never split)

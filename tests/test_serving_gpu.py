@@ -310,11 +310,11 @@ def test_batch_invariant_across_tiles(backend):
 
 def test_batch_invariant_mla_bitwise():
     fa = _api()
-    from flash_attn_cute import fwd
+    from flash_attn_cute import seam
 
     cap = torch.cuda.get_device_capability()
-    for name in sorted(fwd.MLA_BACKENDS):
-        if not fwd.backend_module(name, "mla").runs_on(cap):
+    for name in sorted(seam.MLA_BACKENDS):
+        if not seam.backend_module(name, "mla").runs_on(cap):
             continue
         g = torch.Generator(device=DEVICE).manual_seed(6)
         x_nope, x_pe = (torch.randn(1, 1, 64, n, device=DEVICE, generator=g).to(BF16) for n in (512, 64))
@@ -376,7 +376,7 @@ def _dense_ref(q, k, v, upcast, key_mask=None):
 
 def test_200k_sequences_mla():
     fa = _api()
-    from flash_attn_cute import fwd
+    from flash_attn_cute import seam
 
     cap = torch.cuda.get_device_capability()
     torch.manual_seed(8)
@@ -384,8 +384,8 @@ def test_200k_sequences_mla():
     ckv, kpe = _randn(N_SEQS, 4, 512), _randn(N_SEQS, 4, 64)  # one 4-token page per sequence
     table = torch.arange(N_SEQS, device=DEVICE, dtype=torch.int32).view(N_SEQS, 1)
     lens = torch.randint(1, 5, (N_SEQS,), device=DEVICE, dtype=torch.int32)
-    for name in sorted(fwd.MLA_BACKENDS):
-        if not fwd.backend_module(name, "mla").runs_on(cap):
+    for name in sorted(seam.MLA_BACKENDS):
+        if not seam.backend_module(name, "mla").runs_on(cap):
             continue
         out = fa.flash_mla_decode(q_nope, q_pe, ckv, kpe, lens, table, backend=name)
         q = torch.cat([q_nope, q_pe], -1)
@@ -412,13 +412,13 @@ def serving_problems():
     """(FwdProblem, num_splits, pack_gqa) of this file's forward calls, as the public API
     describes them (bf16; ``max_seqlen_k`` the cache capacity where the lengths live on
     the device)."""
-    from flash_attn_cute import fwd, interface
+    from flash_attn_cute import interface, seam
 
     def problem(batch, sq, sk, h, hk, d, mask=None, *, varlen_q=False, varlen_k=False, seqused_k=True, page_size=0,
                 lse=True, sink=False, seqused_q=False, invariant=False):
         mask = mask or {}
         causal, left, right = interface.normalize_window(mask.get("causal", False), mask.get("window_size", (-1, -1)))
-        return fwd.FwdProblem(
+        return seam.FwdProblem(
             dtype=BF16, batch=batch, max_seqlen_q=sq, max_seqlen_k=sk, nheads=h, nheads_kv=hk, d=d, d_v=d,
             softmax_scale=d ** -0.5, causal=causal, window_left=left, window_right=right,
             softcap=mask.get("softcap", 0.0), varlen_q=varlen_q, varlen_k=varlen_k, has_seqused_k=seqused_k,
@@ -466,10 +466,10 @@ def serving_problems():
 def compile_keys(backend="sm80", arch="sm_90a", num_sms=132):
     """(forward keys, combine keys) of ``serving_problems`` on ``backend`` for ``arch`` (as
     ``test_flash_attn_gpu.compile_keys``); calls the backend refuses are left out."""
-    from flash_attn_cute import fwd
-    from flash_attn_cute.keys import DTYPE_NAMES, combine_key
+    from flash_attn_cute import seam
+    from flash_attn_cute.host.keys import DTYPE_NAMES, combine_key
 
-    module = fwd.backend_module(backend)
+    module = seam.backend_module(backend)
     keys, comb = set(), set()
     for problem, num_splits, pack_gqa in serving_problems():
         if module.check(problem) is not None:

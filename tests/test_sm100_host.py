@@ -5,10 +5,10 @@ their SASS checked (tcgen05 MMAs, TMEM loads/stores, TMA) by tests/test_fwd_comp
 import pytest
 import torch
 
-from flash_attn_cute import fwd, heuristics, keys, sm100
-from flash_attn_cute.sm100.config import (
-    SMEM_LIMIT, TILE_M, TMEM_COLUMNS, WarpRoles, kv_stages_for, smem_bytes, tmem_alloc_columns, tmem_columns,
-)
+from flash_attn_cute import seam, sm100
+from flash_attn_cute.host import heuristics, keys
+from flash_attn_cute.sm100.config import (SMEM_LIMIT, TILE_M, TMEM_COLUMNS, WarpRoles, kv_stages_for, smem_bytes,
+                                          tmem_alloc_columns, tmem_columns)
 
 ARCH = "sm_100a"
 
@@ -17,7 +17,7 @@ def _problem(**kw):
     base = dict(dtype=torch.bfloat16, batch=2, max_seqlen_q=1024, max_seqlen_k=1024, nheads=8, nheads_kv=8, d=128,
                 d_v=128, softmax_scale=0.1, causal=False, window_left=-1, window_right=-1, softcap=0.0,
                 varlen_q=False, varlen_k=False, has_seqused_k=False, page_size=0, has_lse=True)
-    return fwd.FwdProblem(**{**base, **kw})
+    return seam.FwdProblem(**{**base, **kw})
 
 
 # ---------------------------------------------------------------------------------------
@@ -36,7 +36,7 @@ def test_module_exposes_the_seam():
                                        (160, 120, (192, 128)), (8, 8, (64, 64))])
 def test_check_accepts_head_dims_its_tiles_hold(d, dv, tile):
     """Any head dims inside one of the kernel's tiles run on the smallest, padded."""
-    from flash_attn_cute.backend_kit import tile_head_dims
+    from flash_attn_cute.seam.backend_kit import tile_head_dims
 
     assert sm100.check(_problem(d=d, d_v=dv)) is None
     assert tile_head_dims(_problem(d=d, d_v=dv), sm100.HEAD_DIM_PAIRS) == tile
@@ -130,7 +130,7 @@ def test_pack_gqa_ratios_dividing_128_pack(ratio):
 
 
 def test_backend_is_automatic_on_blackwell():
-    # backend=None picks this kernel on compute capability 10.x (fwd.select_backend), not elsewhere.
+    # backend=None picks this kernel on compute capability 10.x (seam.select_backend), not elsewhere.
     assert sm100.AUTO and sm100.runs_on((10, 0)) and sm100.runs_on((10, 3))
     assert not sm100.runs_on((9, 0)) and not sm100.runs_on((12, 0))
 
@@ -202,7 +202,7 @@ def test_split_ranges_partition_the_keys(seqlen_k, num_splits):
 def test_split_uses_the_shared_block_info():
     import inspect
 
-    from flash_attn_cute import fwd_kernel
+    from flash_attn_cute.device import fwd_kernel
     from flash_attn_cute.sm100 import flash_fwd
 
     # The tile (split bounds included) comes from the shared FwdTile.create, on BlockInfo.

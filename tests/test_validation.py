@@ -16,21 +16,13 @@ import pytest
 import torch
 
 import flash_attn_cute
-from flash_attn_cute import checks, fwd, heuristics, interface, sm80
-from flash_attn_cute.heuristics import ceildiv, num_splits_heuristic, should_pack_gqa
-from flash_attn_cute.interface import (
-    flash_attn_combine,
-    flash_attn_func,
-    flash_attn_varlen_func,
-    flash_attn_with_kvcache,
-    normalize_window,
-)
-from flash_attn_cute.testing import (
-    attention_kvcache_ref,
-    attention_ref,
-    attention_varlen_ref,
-    visible_mask,
-)
+from flash_attn_cute import interface, seam, sm80
+from flash_attn_cute.api import checks
+from flash_attn_cute.host import heuristics
+from flash_attn_cute.host.heuristics import ceildiv, num_splits_heuristic, should_pack_gqa
+from flash_attn_cute.interface import (flash_attn_combine, flash_attn_func, flash_attn_varlen_func,
+                                       flash_attn_with_kvcache, normalize_window)
+from flash_attn_cute.testing import attention_kvcache_ref, attention_ref, attention_varlen_ref, visible_mask
 
 F16, BF16 = torch.float16, torch.bfloat16
 
@@ -175,14 +167,14 @@ def fake_gpu(fake_device, monkeypatch):
         fake_combine.split_groups.append(split_groups)
         return fake_combine
 
-    monkeypatch.setattr(fwd, "combine_launcher", launcher)
+    monkeypatch.setattr(seam, "combine_launcher", launcher)
     yield SimpleNamespace(kernel=fake_kernel, combine=fake_combine)
 
 
 @pytest.fixture
 def no_launch(fake_gpu, monkeypatch):
-    monkeypatch.setattr(fwd, "backend_module", lambda name, kind="fwd": _fake_backend(_refuse))
-    monkeypatch.setattr(fwd, "combine_launcher", _refuse)
+    monkeypatch.setattr(seam, "backend_module", lambda name, kind="fwd": _fake_backend(_refuse))
+    monkeypatch.setattr(seam, "combine_launcher", _refuse)
     monkeypatch.setattr(heuristics, "num_sms", _refuse)
 
 
@@ -568,7 +560,7 @@ def _problem(**kw):
     base = dict(dtype=BF16, batch=1, max_seqlen_q=1, max_seqlen_k=128, nheads=4, nheads_kv=4, d=128, d_v=128,
                 softmax_scale=0.1, causal=False, window_left=-1, window_right=-1, softcap=0.0, varlen_q=False,
                 varlen_k=False, has_seqused_k=False, page_size=0, has_lse=False)
-    return fwd.FwdProblem(**{**base, **kw})
+    return seam.FwdProblem(**{**base, **kw})
 
 
 # Capabilities: Ampere and Ada run the SM80 kernel, Hopper the SM90 one, Blackwell (10.x)
@@ -580,9 +572,9 @@ def test_backend_by_capability(monkeypatch, cap, expected):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
     if expected is RuntimeError:
         with pytest.raises(RuntimeError, match="compute capability >= 8.0"):
-            fwd.select_backend(None, _problem(), "cuda:0")
+            seam.select_backend(None, _problem(), "cuda:0")
     else:
-        assert fwd.select_backend(None, _problem(), "cuda:0")[0] == expected
+        assert seam.select_backend(None, _problem(), "cuda:0")[0] == expected
 
 
 def test_backend_names_explicit_and_env(monkeypatch):
@@ -607,26 +599,26 @@ def test_backend_names_explicit_and_env(monkeypatch):
 
 def test_explicit_backend_refusal_names_the_reason(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert fwd.select_backend("sm80", _problem(), "cuda:0")[0] == "sm80"  # SM80 kernel on a Hopper GPU
+    assert seam.select_backend("sm80", _problem(), "cuda:0")[0] == "sm80"  # SM80 kernel on a Hopper GPU
     with pytest.raises(NotImplementedError, match=r"'sm80' cannot run this call: head dims \(d, d_v\) = \(128, 264\)"):
-        fwd.select_backend("sm80", _problem(d_v=264), "cuda:0")
+        seam.select_backend("sm80", _problem(d_v=264), "cuda:0")
     with pytest.raises(NotImplementedError, match="'sm100' cannot run this call: .* compute capability 9.0"):
-        fwd.select_backend("sm100", _problem(), "cuda:0")  # tcgen05 kernels on a Hopper GPU
+        seam.select_backend("sm100", _problem(), "cuda:0")  # tcgen05 kernels on a Hopper GPU
 
 
 def test_auto_backend_falls_back_to_sm80_with_a_reason(monkeypatch, caplog):
     # A Hopper backend that refuses paged caches: auto selection runs SM80 and logs why.
     hopper = SimpleNamespace(AUTO=True, runs_on=lambda cap: cap[0] == 9,
                              check=lambda p: "paged KV not supported" if p.paged else None)
-    modules = {"sm90": hopper, "sm80": sm80, "sm100": fwd.backend_module("sm100")}
-    monkeypatch.setattr(fwd, "backend_module", lambda name, kind="fwd": modules[name])
+    modules = {"sm90": hopper, "sm80": sm80, "sm100": seam.backend_module("sm100")}
+    monkeypatch.setattr(seam, "backend_module", lambda name, kind="fwd": modules[name])
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert fwd.select_backend(None, _problem(), "cuda:0")[0] == "sm90"
+    assert seam.select_backend(None, _problem(), "cuda:0")[0] == "sm90"
     with caplog.at_level("INFO", logger="flash_attn_cute"):
-        assert fwd.select_backend(None, _problem(page_size=16), "cuda:0")[0] == "sm80"
+        assert seam.select_backend(None, _problem(page_size=16), "cuda:0")[0] == "sm80"
     assert "paged KV not supported" in caplog.text
     with pytest.raises(NotImplementedError, match="paged KV not supported"):
-        fwd.select_backend("sm90", _problem(page_size=16), "cuda:0")
+        seam.select_backend("sm90", _problem(page_size=16), "cuda:0")
 
 
 def test_blackwell_runs_sm100_and_falls_back_to_sm80(fake_gpu, monkeypatch, caplog):
@@ -647,9 +639,9 @@ def test_blackwell_runs_sm100_and_falls_back_to_sm80(fake_gpu, monkeypatch, capl
             return SimpleNamespace(**{**vars(fake), "AUTO": sm100.AUTO,
                                       "runs_on": sm100.runs_on, "check": sm100.check, "plan": sm100.plan})
         # Each fake runs where its backend runs (the SM90 kernel not on 10.x).
-        return SimpleNamespace(**{**vars(fake), "runs_on": importlib.import_module(fwd.BACKENDS[name]).runs_on})
+        return SimpleNamespace(**{**vars(fake), "runs_on": importlib.import_module(seam.BACKENDS[name]).runs_on})
 
-    monkeypatch.setattr(fwd, "backend_module", backend)
+    monkeypatch.setattr(seam, "backend_module", backend)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
     q, k, v = make_qkv(d=128, dv=128)
     close(flash_attn_func(q, k, v, causal=True), attention_ref(q, k, v, causal=True)[0])
@@ -695,7 +687,7 @@ def test_plan_cache_resolves_once(fake_gpu, monkeypatch):
     plans = []
     real = _fake_backend(fake_kernel)
     counting = SimpleNamespace(**{**vars(real), "plan": lambda *a, **kw: plans.append(a) or sm80.plan(*a, **kw)})
-    monkeypatch.setattr(fwd, "backend_module", lambda name, kind="fwd": counting)
+    monkeypatch.setattr(seam, "backend_module", lambda name, kind="fwd": counting)
     q, k, v = make_qkv()
     for _ in range(3):
         flash_attn_func(q, k, v)

@@ -13,15 +13,8 @@ skipping against the predicate-only path, and fully masked rows.
 import pytest
 import torch
 
-from flash_attn_cute.testing import (
-    attention_kvcache_ref,
-    attention_ref,
-    attention_varlen_ref,
-    backends_on_this_gpu,
-    bias_table_mod,
-    check_close,
-    check_lse,
-)
+from flash_attn_cute.testing import (attention_kvcache_ref, attention_ref, attention_varlen_ref, backends_on_this_gpu,
+                                     bias_table_mod, check_close, check_lse)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -202,7 +195,7 @@ def test_variant_paged_decode_gqa(backend, page_size):
 def test_new_aux_values_do_not_recompile(backend):
     """New slopes / ids are runtime data: one compile, results follow the data."""
     fa = _fa()
-    from flash_attn_cute import jit_cache
+    from flash_attn_cute.host import jit_cache
 
     torch.manual_seed(6)
     b, h, s = 1, 4, 200

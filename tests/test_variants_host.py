@@ -8,10 +8,10 @@ import pytest
 import torch
 from compile_harness import compile_entries
 
-from flash_attn_cute import create_block_mask, fwd, mods
-from flash_attn_cute.block_mask import EMPTY, FULL, PARTIAL
+from flash_attn_cute import create_block_mask, mods, seam
+from flash_attn_cute.host.block_mask import EMPTY, FULL, PARTIAL
 from flash_attn_cute.testing import attention_ref, variant_case_problem
-from flash_attn_cute.user_variants import check_aux_tensors, function_digest, make_spec
+from flash_attn_cute.host.user_variants import check_aux_tensors, function_digest, make_spec
 
 
 def _spec_key(score_mod=None, mask_mod=None, aux=(), block_q=0):
@@ -129,7 +129,7 @@ def test_block_mask_against_brute_force(mask_mod, shape, block_size):
 def test_row_bounds_table_and_when_the_kernel_uses_it():
     """The kernels' table: block entries then row bounds in columns 4-5; the row bounds
     replace the mask_mod only over the block mask's own aux tensors."""
-    from flash_attn_cute import checks
+    from flash_attn_cute.api import checks
 
     sq = 300
     docs = (torch.arange(sq) // 41).to(torch.int32)[None].expand(2, sq).contiguous()
@@ -197,7 +197,7 @@ def test_variant_path_compiles(variant_artifacts, arch):
 
 def test_variant_key_is_in_the_compile_key():
     problem, num_splits, pack_gqa = variant_case_problem("alibi_document", "sm80")
-    module = fwd.backend_module("sm80")
+    module = seam.backend_module("sm80")
     key = module.compile_key(problem, module.plan(problem, num_splits, pack_gqa, 132), "sm_80")
     plain = module.compile_key(problem._replace(variant=None), module.plan(problem, num_splits, pack_gqa, 132),
                                "sm_80")
@@ -295,7 +295,7 @@ def test_softcap_composes_with_a_user_mask_mod():
     built from the key's softcap flag as well as the user's spec (issue 30: the cap was
     dropped, 0.04-0.09 off in bf16)."""
     pytest.importorskip("cutlass")
-    from flash_attn_cute.variants import make_variant
+    from flash_attn_cute.device.user_variant_kernel import make_variant
 
     def keep_all(b, h, q_idx, kv_idx, aux):
         return kv_idx >= 0

@@ -14,12 +14,12 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple, Optional
 
-from ..backend_kit import (feature_refusal, fwd_entry_points, head_dim_refusal, head_groups, plan_rows, plan_splits,
-                           tile_head_dims)
-from ..keys import DTYPE_NAMES, arch_capability
-from ..problems import FwdPlan, FwdProblem
-from ..tuning import NO_TUNING, Tuning
-from .config import HEAD_DIM_PAIRS, SMEM_LIMIT, TILE_M, kv_stages_for, smem_bytes
+from flash_attn_cute.seam.backend_kit import (feature_refusal, fwd_entry_points, head_dim_refusal, head_groups,
+                                              plan_rows, plan_splits, tile_head_dims)
+from flash_attn_cute.host.keys import DTYPE_NAMES, arch_capability
+from flash_attn_cute.host.problems import FwdPlan, FwdProblem
+from flash_attn_cute.host.tuning import NO_TUNING, Tuning
+from flash_attn_cute.sm100.config import HEAD_DIM_PAIRS, SMEM_LIMIT, TILE_M, kv_stages_for, smem_bytes
 
 NAME = "sm100"
 TILE_N = 128
@@ -30,7 +30,7 @@ _CTAS_PER_SM = 1
 _SPLIT_TOLERANCE = 0.95
 
 # tcgen05 and tensor memory: B200/GB200 (sm_100a). backend=None picks it on 10.x; a call its
-# check refuses runs the SM80 kernel (fwd.select_backend logs why). Compiled and SASS-checked
+# check refuses runs the SM80 kernel (seam.select_backend logs why). Compiled and SASS-checked
 # for sm_100a on CPU, not yet run on Blackwell hardware.
 AUTO = True
 # backend_kit.FEATURES this kernel implements. Not "paged_leftpad" (cache_leftpad with a page

@@ -43,21 +43,19 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 
-from flash_attn_cute.block_info import BlockInfo
-from flash_attn_cute.copy_utils import aligned_row_ptr, gmem_tiled_copy, widen_fp8
-from flash_attn_cute.cute_utils import launch_ctas
-from flash_attn_cute.fwd_kernel import (FwdArgs, FwdTile, compile_from_key, fwd_call, set_fwd_config, tile_grid,
-                                        tile_work, zero_rows_from)
-from flash_attn_cute.layout_utils import select
-from flash_attn_cute.named_barrier import Sm100FwdBarrier
-from flash_attn_cute.paged_kv import page_and_row
+from flash_attn_cute.device.block_info import BlockInfo
+from flash_attn_cute.device.copy_utils import aligned_row_ptr, gmem_tiled_copy, widen_fp8
+from flash_attn_cute.device.cute_utils import launch_ctas
+from flash_attn_cute.device.fwd_kernel import (FwdArgs, FwdTile, compile_from_key, fwd_call, set_fwd_config, tile_grid,
+                                               tile_work, zero_rows_from)
+from flash_attn_cute.device.layout_utils import row_major_smem_layout, select  # fp8 staging: one TMA box each
+from flash_attn_cute.device.named_barrier import Sm100FwdBarrier
+from flash_attn_cute.device.paged_kv import page_and_row
 from flash_attn_cute.sm100.config import (FP8_STAGES, HEAD_DIM_PAIRS, SMEM_LIMIT, TILE_M, TMEM_COLUMNS, WarpRoles,
                                           tmem_alloc_columns, tmem_columns)
-# The fp8 staging tiles: row-major, swizzled, one TMA box (the layout SM90's wgmma reads).
-from flash_attn_cute.sm90.wgmma_utils import smem_layout as row_major_smem_layout
-from flash_attn_cute.softmax import FP8_P_OFFSET, LOG2_E, OnlineSoftmax
-from flash_attn_cute.tile_scheduler import TileDivisors
-from flash_attn_cute.variants import AttentionVariant, apply_to_scores
+from flash_attn_cute.device.softmax import FP8_P_OFFSET, LOG2_E, OnlineSoftmax
+from flash_attn_cute.device.tile_scheduler import TileDivisors
+from flash_attn_cute.device.variants import AttentionVariant, apply_to_scores
 
 
 # How far (log2 units) a 16-bit P's running row max may lag the true one (``OnlineSoftmax``):

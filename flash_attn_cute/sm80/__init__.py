@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from ..backend_kit import (feature_refusal, fwd_entry_points, head_dim_refusal, head_groups, plan_rows, plan_splits,
-                           tile_head_dims)
-from ..problems import FwdPlan, FwdProblem
-from ..tuning import NO_TUNING, Tuning
-from .config import fp8_refusal, fp8_staging_fits, select_tile
+from flash_attn_cute.seam.backend_kit import (feature_refusal, fwd_entry_points, head_dim_refusal, head_groups,
+                                              plan_rows, plan_splits, tile_head_dims)
+from flash_attn_cute.host.problems import FwdPlan, FwdProblem
+from flash_attn_cute.host.tuning import NO_TUNING, Tuning
+from flash_attn_cute.sm80.config import fp8_refusal, fp8_staging_fits, select_tile
 
 NAME = "sm80"
 # Tiles of every pair of constants.HEAD_DIM_TILES, for d (q/k) and d_v (v) apart; other head
@@ -62,7 +62,7 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     GQA packing (None = FA3's rule) and KV splits
     (0 = heuristic on ``num_sms``; batch invariant: fixed keys per split, ``num_splits``
     ignored). FP8 K/V: the tile's KV block shrinks where its staging would not fit the
-    shared memory of ``arch`` (the call's, ``fwd.resolve``; None: the tile of the 227 KB
+    shared memory of ``arch`` (the call's, ``seam.resolve``; None: the tile of the 227 KB
     parts)."""
     pack_gqa, rows = plan_rows(problem, pack_gqa, _SPLIT_TILE_M)
     d, d_v = tile_head_dims(problem, HEAD_DIM_PAIRS)

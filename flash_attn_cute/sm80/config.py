@@ -6,8 +6,8 @@ anything; the kernels read their roles from here."""
 from dataclasses import dataclass
 from typing import Optional
 
-from ..constants import D_CKV
-from ..keys import arch_capability
+from flash_attn_cute.host.constants import D_CKV
+from flash_attn_cute.host.keys import arch_capability
 
 
 def select_tile(head_dim: int, head_dim_v: int, rows_per_kv_head: int, override: Optional[str] = None,

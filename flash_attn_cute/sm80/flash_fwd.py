@@ -28,18 +28,18 @@ import cutlass.cute as cute
 from cutlass import Float32
 from cutlass.cute.nvgpu import warp
 
-from flash_attn_cute.block_info import BlockInfo
-from flash_attn_cute.copy_utils import copy_rows, gmem_tiled_copy, widen_fp8
-from flash_attn_cute.cute_utils import launch_ctas
-from flash_attn_cute.epilogue import store_lse, store_o
-from flash_attn_cute.fwd_kernel import (FwdArgs, FwdTile, compile_from_key, fwd_call, set_fwd_config, tile_grid,
-                                        tile_work)
-from flash_attn_cute.layout_utils import acc_mn_view, acc_to_operand_a
-from flash_attn_cute.paged_kv import paged_row_fns
+from flash_attn_cute.device.block_info import BlockInfo
+from flash_attn_cute.device.copy_utils import copy_rows, gmem_tiled_copy, widen_fp8
+from flash_attn_cute.device.cute_utils import launch_ctas
+from flash_attn_cute.device.epilogue import store_lse, store_o
+from flash_attn_cute.device.fwd_kernel import (FwdArgs, FwdTile, compile_from_key, fwd_call, set_fwd_config, tile_grid,
+                                               tile_work)
+from flash_attn_cute.device.layout_utils import acc_mn_view, acc_to_operand_a
+from flash_attn_cute.device.paged_kv import paged_row_fns
 from flash_attn_cute.sm80.gemm import gemm_rs, gemm_ss, smem_layout
-from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
-from flash_attn_cute.tile_scheduler import TileDivisors
-from flash_attn_cute.variants import AttentionVariant, apply_to_scores
+from flash_attn_cute.device.softmax import LOG2_E, OnlineSoftmax
+from flash_attn_cute.device.tile_scheduler import TileDivisors
+from flash_attn_cute.device.variants import AttentionVariant, apply_to_scores
 
 
 class FlashAttnFwdSm80:

@@ -7,7 +7,7 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 
-from flash_attn_cute.copy_utils import swizzle_atom_cols
+from flash_attn_cute.device.copy_utils import swizzle_atom_cols
 
 
 def smem_layout(rows: int, cols: int, stages: Optional[int] = None):

@@ -1,16 +1,16 @@
 """SM80 MLA decode backend (mma.sync, cp.async gathers): the seam's check / plan /
-compile_key / compile / launcher for the ``"mla"`` kind (see ``fwd.py``). The kernel is
+compile_key / compile / launcher for the ``"mla"`` kind (see ``seam/__init__.py``). The kernel is
 ``sm80/mla_decode.py``; the DSL is imported only when a kernel is compiled."""
 
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from ..backend_kit import mla_entry_points, mla_refusal, plan_splits
-from ..constants import MLA_NHEADS
-from ..problems import FwdPlan, MlaProblem
-from ..tuning import NO_TUNING, Tuning, fp8_stages_override
-from .config import MLA_FP8_STAGING, MLA_SMEM_KB, MlaWarpRoles, mla_smem_kb, mla_stages_for, smem_kb
+from flash_attn_cute.seam.backend_kit import mla_entry_points, mla_refusal, plan_splits
+from flash_attn_cute.host.constants import MLA_NHEADS
+from flash_attn_cute.host.problems import FwdPlan, MlaProblem
+from flash_attn_cute.host.tuning import NO_TUNING, Tuning, fp8_stages_override
+from flash_attn_cute.sm80.config import MLA_FP8_STAGING, MLA_SMEM_KB, MlaWarpRoles, mla_smem_kb, mla_stages_for, smem_kb
 
 NAME, NHEADS, AUTO = "sm80", MLA_NHEADS, True
 FEATURES = frozenset({"batch_invariant", "fp8_kv"})  # what this kernel implements of backend_kit.MLA_FEATURES
@@ -39,7 +39,7 @@ def plan(problem: MlaProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     (``mla_kernel.MlaTile``: a partial last tile is predicated); ``num_splits`` 0 = the package's
     wave-efficiency heuristic on this grid (shapes only, never the device lengths; batch
     invariant: fixed keys per split). The query heads are always packed (``pack_gqa`` is
-    ignored); the depth is the arch's (the call's, ``fwd.resolve``; None: the A100's, the
+    ignored); the depth is the arch's (the call's, ``seam.resolve``; None: the A100's, the
     smallest shared memory; ``tuning.mla_stages`` overrides)."""
     roles = MlaWarpRoles()
     rows = problem.max_seqlen_q * problem.qhead_per_kvhead  # packed rows of one KV head

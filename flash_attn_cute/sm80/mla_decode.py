@@ -40,7 +40,7 @@ measured mma.sync rate of Hopper (about two thirds of wgmma peak). So neither bo
 kernel: the pipeline has to keep tiles in flight, which is what the S-ahead-of-O overlap
 and loads that no warp waits for buy.
 
-Synchronisation. FULL is an mbarrier per KV stage (``flash_attn_cute.mbarrier``: the PTX
+Synchronisation. FULL is an mbarrier per KV stage (``flash_attn_cute.device.mbarrier``: the PTX
 of sm_80); the others are named barriers (``named_barrier.Sm80MlaBarrier``, ``bar.sync`` /
 ``bar.arrive``):
 
@@ -81,21 +81,21 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warp
 
-from flash_attn_cute import mbarrier
-from flash_attn_cute.block_info import BlockInfo
-from flash_attn_cute.constants import D_CKV, D_KPE
-from flash_attn_cute.copy_utils import copy_rows, gmem_tiled_copy
-from flash_attn_cute.cute_utils import launch_ctas
-from flash_attn_cute.epilogue import store_lse, store_o
-from flash_attn_cute.layout_utils import acc_mn_view
-from flash_attn_cute.mla_kernel import (MlaArgs, MlaFp8Staging, MlaGather, MlaTile, compile_mla_from_key, mla_call,
-                                        set_mla_config)
-from flash_attn_cute.named_barrier import Sm80MlaBarrier
+from flash_attn_cute.device import mbarrier
+from flash_attn_cute.device.block_info import BlockInfo
+from flash_attn_cute.host.constants import D_CKV, D_KPE
+from flash_attn_cute.device.copy_utils import copy_rows, gmem_tiled_copy
+from flash_attn_cute.device.cute_utils import launch_ctas
+from flash_attn_cute.device.epilogue import store_lse, store_o
+from flash_attn_cute.device.layout_utils import acc_mn_view
+from flash_attn_cute.device.mla_kernel import (MlaArgs, MlaFp8Staging, MlaGather, MlaTile, compile_mla_from_key,
+                                               mla_call, set_mla_config)
+from flash_attn_cute.device.named_barrier import Sm80MlaBarrier
 from flash_attn_cute.sm80.config import MlaWarpRoles
 from flash_attn_cute.sm80.gemm import smem_layout
-from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
-from flash_attn_cute.tile_scheduler import SingleTileScheduler, TileDivisors, tile_divisors
-from flash_attn_cute.variants import apply_to_scores
+from flash_attn_cute.device.softmax import LOG2_E, OnlineSoftmax
+from flash_attn_cute.device.tile_scheduler import SingleTileScheduler, TileDivisors, tile_divisors
+from flash_attn_cute.device.variants import apply_to_scores
 
 
 class MlaDecodeSm80:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from .. import heuristics
-from ..backend_kit import (feature_refusal, fwd_entry_points, head_dim_refusal, head_groups, plan_rows, plan_splits,
-                           tile_head_dims)
-from ..problems import FwdPlan, FwdProblem
-from ..tuning import NO_TUNING, Tuning
-from . import config
+from flash_attn_cute.host import heuristics
+from flash_attn_cute.seam.backend_kit import (feature_refusal, fwd_entry_points, head_dim_refusal, head_groups,
+                                              plan_rows, plan_splits, tile_head_dims)
+from flash_attn_cute.host.problems import FwdPlan, FwdProblem
+from flash_attn_cute.host.tuning import NO_TUNING, Tuning
+from flash_attn_cute.sm90 import config
 
 NAME = "sm90"
 # Tiles of every pair of constants.HEAD_DIM_TILES; other head dims (multiples of 8 up to

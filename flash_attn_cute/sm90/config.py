@@ -6,7 +6,7 @@ use it without compiling anything; the kernels read their roles from here."""
 from dataclasses import dataclass
 from typing import Optional
 
-from ..constants import D_CKV, D_KPE
+from flash_attn_cute.host.constants import D_CKV, D_KPE
 
 SMEM_LIMIT = 227 * 1024  # sm_90 opt-in shared memory per block
 

@@ -49,21 +49,22 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from flash_attn_cute.block_info import BlockInfo
-from flash_attn_cute.copy_utils import copy_row, copy_rows, gmem_tiled_copy, widen_fp8
-from flash_attn_cute.cute_utils import launch_ctas
-from flash_attn_cute.epilogue import store_lse, store_o
-from flash_attn_cute.fwd_kernel import (FwdArgs, FwdTile, compile_from_key, fwd_call, set_fwd_config, tile_grid,
-                                        tile_work, zero_rows_from)
-from flash_attn_cute.layout_utils import acc_mn_view, acc_to_operand_a, select, transpose_view
-from flash_attn_cute.named_barrier import Sm90FwdBarrier
-from flash_attn_cute.paged_kv import page_and_row, page_lookups
+from flash_attn_cute.device.block_info import BlockInfo
+from flash_attn_cute.device.copy_utils import copy_row, copy_rows, gmem_tiled_copy, widen_fp8
+from flash_attn_cute.device.cute_utils import launch_ctas
+from flash_attn_cute.device.epilogue import store_lse, store_o
+from flash_attn_cute.device.fwd_kernel import (FwdArgs, FwdTile, compile_from_key, fwd_call, set_fwd_config, tile_grid,
+                                               tile_work, zero_rows_from)
+from flash_attn_cute.device.layout_utils import (acc_mn_view, acc_to_operand_a, row_major_smem_layout, select,
+                                                 transpose_view)
+from flash_attn_cute.device.named_barrier import Sm90FwdBarrier
+from flash_attn_cute.device.paged_kv import page_and_row, page_lookups
 from flash_attn_cute.sm90.config import TWO_CTAS_SMEM, WarpRoles
 from flash_attn_cute.sm90.fp8_operands import FP8TileGeometry, p_to_fp8, transpose_v_block
-from flash_attn_cute.sm90.wgmma_utils import convert_pairs, kv_release, kv_wait, smem_layout, wgmma_gemm
-from flash_attn_cute.softmax import FP8_P_OFFSET, LOG2_E, OnlineSoftmax
-from flash_attn_cute.tile_scheduler import LptScheduler, PersistentScheduler, SingleTileScheduler, TileDivisors
-from flash_attn_cute.variants import AttentionVariant, apply_to_scores
+from flash_attn_cute.sm90.wgmma_utils import convert_pairs, kv_release, kv_wait, wgmma_gemm
+from flash_attn_cute.device.softmax import FP8_P_OFFSET, LOG2_E, OnlineSoftmax
+from flash_attn_cute.device.tile_scheduler import LptScheduler, PersistentScheduler, SingleTileScheduler, TileDivisors
+from flash_attn_cute.device.variants import AttentionVariant, apply_to_scores
 
 
 class FlashAttnFwdSm90:
@@ -116,8 +117,8 @@ class FlashAttnFwdSm90:
         ``max_ctas``: the persistent grid's bound (the SM count; unused otherwise)."""
         mQ, mK, mV, mO = args.mQ, args.mK, args.mV, args.mO
         varlen_q, varlen_k = cutlass.const_expr(args.varlen_q), cutlass.const_expr(args.varlen_k)
-        sQ_layout = smem_layout(self.dtype, self.tile_m, self.head_dim)
-        sO_layout = smem_layout(self.dtype, self.tile_m, self.head_dim_v)
+        sQ_layout = row_major_smem_layout(self.dtype, self.tile_m, self.head_dim)
+        sO_layout = row_major_smem_layout(self.dtype, self.tile_m, self.head_dim_v)
         # O leaves through smem (Q's buffer, free by then) and one TMA store, for batch
         # tensors in the input dtype; packed rows, varlen rows (a box would spill into the
         # next sequence), rows cut by seqused_q (the box would write rows past it) and fp32
@@ -134,14 +135,14 @@ class FlashAttnFwdSm90:
         kv_dtype = args.mK.element_type
         self.fp8 = kv_dtype.width == 8 and not self.fp8_qkv
         assert not self.fp8 or self.roles.num_consumer_wgs == 1, "fp8 K/V: one consumer warpgroup (sm90/config.py)"
-        sK_layout = smem_layout(kv_dtype, self.tile_n, self.head_dim, self.num_stages)
-        sV_layout = smem_layout(kv_dtype, self.tile_n, self.head_dim_v, self.num_stages)
-        sKw_layout = smem_layout(self.dtype, self.tile_n, self.head_dim, 1)
-        sVw_layout = smem_layout(self.dtype, self.tile_n, self.head_dim_v, 1)
+        sK_layout = row_major_smem_layout(kv_dtype, self.tile_n, self.head_dim, self.num_stages)
+        sV_layout = row_major_smem_layout(kv_dtype, self.tile_n, self.head_dim_v, self.num_stages)
+        sKw_layout = row_major_smem_layout(self.dtype, self.tile_n, self.head_dim, 1)
+        sVw_layout = row_major_smem_layout(self.dtype, self.tile_n, self.head_dim_v, 1)
         kw_field = cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKw_layout) if self.fp8 else 8], 1024]
         vw_field = cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sVw_layout) if self.fp8 else 8], 1024]
         # FP8 Q, K, V: V^T stages (d_v, tile_n), keys contiguous, written by the transposes.
-        sVt_layout = smem_layout(kv_dtype, self.head_dim_v, self.tile_n, self.num_stages)
+        sVt_layout = row_major_smem_layout(kv_dtype, self.head_dim_v, self.tile_n, self.num_stages)
         vt_field = cute.struct.MemRange[kv_dtype, 16]  # unused (16-bit kernels keep their smem layout)
         if cutlass.const_expr(self.fp8_qkv):
             vt_field = cute.struct.Align[cute.struct.MemRange[kv_dtype, cute.cosize(sVt_layout)], 1024]

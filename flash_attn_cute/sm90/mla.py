@@ -1,17 +1,17 @@
 """SM90 MLA decode backend (1 producer + 2 consumer warpgroups, wgmma, cp.async gathers):
 the seam's check / plan / compile_key / compile / launcher for the ``"mla"`` kind (see
-``fwd.py``). The kernel is ``sm90/mla_decode.py``; the DSL is imported only when a kernel
+``seam/__init__.py``). The kernel is ``sm90/mla_decode.py``; the DSL is imported only when a kernel
 is compiled."""
 
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from ..backend_kit import mla_entry_points, mla_refusal, plan_splits
-from ..constants import MLA_NHEADS
-from ..problems import FwdPlan, MlaProblem
-from ..tuning import NO_TUNING, Tuning, fp8_stages_override
-from .config import QK_MODES, SMEM_LIMIT, MlaRoles, mla_roles
+from flash_attn_cute.seam.backend_kit import mla_entry_points, mla_refusal, plan_splits
+from flash_attn_cute.host.constants import MLA_NHEADS
+from flash_attn_cute.host.problems import FwdPlan, MlaProblem
+from flash_attn_cute.host.tuning import NO_TUNING, Tuning, fp8_stages_override
+from flash_attn_cute.sm90.config import MlaRoles, QK_MODES, SMEM_LIMIT, mla_roles
 
 NAME = "sm90"
 NHEADS = MLA_NHEADS

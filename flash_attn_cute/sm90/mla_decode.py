@@ -142,20 +142,20 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32
 from cutlass.cute.nvgpu import warpgroup
 
-from flash_attn_cute.block_info import BlockInfo
-from flash_attn_cute.constants import D_CKV, D_KPE
-from flash_attn_cute.copy_utils import copy_rows, gmem_tiled_copy
-from flash_attn_cute.cute_utils import launch_ctas
-from flash_attn_cute.epilogue import store_lse, store_o
-from flash_attn_cute.layout_utils import acc_mn_view, acc_to_operand_a, transpose_view
-from flash_attn_cute.mla_kernel import (MlaArgs, MlaFp8Staging, MlaGather, MlaTile, compile_mla_from_key, mla_call,
-                                        set_mla_config)
-from flash_attn_cute.named_barrier import Sm90MlaBarrier
+from flash_attn_cute.device.block_info import BlockInfo
+from flash_attn_cute.host.constants import D_CKV, D_KPE
+from flash_attn_cute.device.copy_utils import copy_rows, gmem_tiled_copy
+from flash_attn_cute.device.cute_utils import launch_ctas
+from flash_attn_cute.device.epilogue import store_lse, store_o
+from flash_attn_cute.device.layout_utils import acc_mn_view, acc_to_operand_a, row_major_smem_layout, transpose_view
+from flash_attn_cute.device.mla_kernel import (MlaArgs, MlaFp8Staging, MlaGather, MlaTile, compile_mla_from_key,
+                                               mla_call, set_mla_config)
+from flash_attn_cute.device.named_barrier import Sm90MlaBarrier
 from flash_attn_cute.sm90.config import MlaRoles, mla_roles
-from flash_attn_cute.sm90.wgmma_utils import convert_pairs, kv_release, kv_wait, smem_layout, wgmma_gemm
-from flash_attn_cute.softmax import LOG2_E, OnlineSoftmax
-from flash_attn_cute.tile_scheduler import SingleTileScheduler, TileDivisors, tile_divisors
-from flash_attn_cute.variants import apply_to_scores
+from flash_attn_cute.sm90.wgmma_utils import convert_pairs, kv_release, kv_wait, wgmma_gemm
+from flash_attn_cute.device.softmax import LOG2_E, OnlineSoftmax
+from flash_attn_cute.device.tile_scheduler import SingleTileScheduler, TileDivisors, tile_divisors
+from flash_attn_cute.device.variants import apply_to_scores
 
 
 class MlaDecodeSm90:
@@ -175,10 +175,10 @@ class MlaDecodeSm90:
         # An FP8 cache's staging tiles (each producer thread reads back only its own chunks).
         sC8_layout, sKp8_layout, c8_field, kp8_field = MlaFp8Staging.smem(kv_dtype, r.tile_n, r.fp8_stages)
         layouts = (
-            smem_layout(self.dtype, r.tile_m, D_CKV), smem_layout(self.dtype, r.tile_m, D_KPE),
-            smem_layout(self.dtype, r.tile_n, D_CKV, r.stages), smem_layout(self.dtype, r.tile_n, D_KPE, r.stages),
+            row_major_smem_layout(self.dtype, r.tile_m, D_CKV), row_major_smem_layout(self.dtype, r.tile_m, D_KPE),
+            row_major_smem_layout(self.dtype, r.tile_n, D_CKV, r.stages), row_major_smem_layout(self.dtype, r.tile_n, D_KPE, r.stages),
             # "one": P of a stage, K-major A operand, over the same bytes as its kpe rows.
-            smem_layout(self.dtype, r.tile_m, r.tile_n, r.stages), sC8_layout, sKp8_layout,
+            row_major_smem_layout(self.dtype, r.tile_m, r.tile_n, r.stages), sC8_layout, sKp8_layout,
         )
 
         @cute.struct

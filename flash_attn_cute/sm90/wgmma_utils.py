@@ -1,23 +1,11 @@
-"""wgmma building blocks shared by the SM90 kernels (forward and MLA decode): the
-swizzled shared-memory tiles wgmma reads, the wait for and release of a K/V stage it
-reads, the fp32 -> 16-bit conversion of S into the P operand, and one wgmma group over a
-warpgroup's fragments."""
-
-from typing import Optional
+"""wgmma building blocks shared by the SM90 kernels (forward and MLA decode): the wait for
+and release of a K/V stage it reads, the fp32 -> 16-bit conversion of S into the P
+operand, and one wgmma group over a warpgroup's fragments. (The swizzled row-major smem
+tiles wgmma reads are ``device.layout_utils.row_major_smem_layout``, shared with SM100.)"""
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
-from cutlass.tensor_utils import LayoutEnum
-
-
-def smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None):
-    """Row-major (rows, cols[, stages]) tile in the widest wgmma swizzle its row allows."""
-    atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
-    if stages is None:
-        return cute.tile_to_shape(atom, (rows, cols), (0, 1))
-    return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
 
 
 def convert_pairs(src: cute.Tensor, dst: cute.Tensor):

@@ -11,7 +11,7 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 
-from flash_attn_cute.constants import D_CKV, D_KPE
+from flash_attn_cute.host.constants import D_CKV, D_KPE
 
 CUTE_DTYPE_BY_NAME = {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16, "fp32": cutlass.Float32, "i32": cutlass.Int32,
                       "e4m3": cutlass.Float8E4M3FN, "e5m2": cutlass.Float8E5M2}
@@ -76,7 +76,7 @@ def fake_variant_tensors(user_key: Optional[tuple]) -> tuple:
     """A user variant's kernel tensors as fakes (``user_variants.VariantSpec.key``): the
     aux slots (strides all symbolic: broadcast views are fine), then the block mask's
     key ranges; None where absent."""
-    from flash_attn_cute.user_variants import MAX_AUX
+    from flash_attn_cute.host.user_variants import MAX_AUX
 
     aux, ranges = [], None
     if user_key is not None:

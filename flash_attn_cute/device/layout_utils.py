@@ -6,13 +6,19 @@ Two C fragments reach the softmax:
 * wgmma (SM90): ``((2, 2, N / 8), MMA_M, MMA_N)``; per warp the same m16n8 pattern,
   repeated N / 8 times along the columns of one instruction.
 
-``acc_mn_view`` gives rows x cols per thread for either; ``acc_to_operand_a`` reuses a
+``row_major_smem_layout`` is the swizzled row-major smem tile wgmma reads (SM90, and
+SM100's fp8 staging). ``acc_mn_view`` gives rows x cols per thread for either; ``acc_to_operand_a`` reuses a
 C fragment as the A register operand of the next MMA (P of O += P V), which is
 possible because the C layout of one MMA and the A layout of the next coincide
 register for register once the column mode is regrouped into k slices.
 """
 
+from typing import Optional
+
 import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.tensor_utils import LayoutEnum
 
 
 def _is_wgmma(layout) -> bool:
@@ -66,3 +72,12 @@ def transpose_view(s: cute.Tensor) -> cute.Tensor:
 def select(t: cute.Tensor, modes) -> cute.Tensor:
     """Tensor with its modes reordered (a view, no copy)."""
     return cute.make_tensor(t.iterator, cute.select(t.layout, modes))
+
+
+def row_major_smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None):
+    """Row-major (rows, cols[, stages]) smem tile in the widest wgmma swizzle its row allows:
+    what SM90 wgmma reads, and SM100's fp8 staging tiles (one TMA box each)."""
+    atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))

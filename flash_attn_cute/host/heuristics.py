@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from .constants import MAX_SPLITS
+from flash_attn_cute.host.constants import MAX_SPLITS
 
 __all__ = ["num_splits_heuristic", "resolve_num_splits", "num_sms", "should_pack_gqa", "ceildiv", "MAX_SPLITS",
            "combine_split_groups"]

@@ -30,7 +30,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .user_variants import check_aux_tensors
+from flash_attn_cute.host.user_variants import check_aux_tensors
 
 __all__ = ["BlockMask", "create_block_mask"]
 

@@ -1,4 +1,4 @@
-"""What every backend module builds its seam entry points from (see ``fwd.py``): row and
+"""What every backend module builds its seam entry points from (see ``seam/__init__.py``): row and
 split planning on its own tile, compile keys from (problem, plan), and the launcher that
 binds a compiled kernel's runtime scalars. Plain Python: the kernel module (and the DSL)
 is imported when a key is first compiled."""
@@ -8,10 +8,10 @@ from __future__ import annotations
 import importlib
 from typing import Callable, Optional
 
-from . import heuristics, jit_cache
-from .constants import KEYS_PER_SPLIT, MAX_SPLITS, MLA_MAX_NHEADS, padded_head_dims
-from .keys import dtype_key, make_key, mla_heads_key, mla_key, target_arch
-from .problems import FwdPlan, FwdProblem, MlaProblem
+from flash_attn_cute.host import heuristics, jit_cache
+from flash_attn_cute.host.constants import KEYS_PER_SPLIT, MAX_SPLITS, MLA_MAX_NHEADS, padded_head_dims
+from flash_attn_cute.host.keys import dtype_key, make_key, mla_heads_key, mla_key, target_arch
+from flash_attn_cute.host.problems import FwdPlan, FwdProblem, MlaProblem
 
 # A user variant's kernel tensors when there is none: the aux slots and the block ranges
 # (user_variants.MAX_AUX + 1).

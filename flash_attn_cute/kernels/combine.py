@@ -38,12 +38,12 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
-from . import jit_cache
-from .constants import MAX_SPLITS
-from .cute_utils import CUTE_DTYPE_BY_NAME, compile_options, fake_stream, fake_tensor
-from .keys import DTYPE_NAMES, combine_key, target_arch
-from .softmax import LN_2, LOG2_E
-from .tile_scheduler import fold_batch, m_blocks_divisor, unfold_batch
+from flash_attn_cute.host import jit_cache
+from flash_attn_cute.host.constants import MAX_SPLITS
+from flash_attn_cute.device.cute_utils import CUTE_DTYPE_BY_NAME, compile_options, fake_stream, fake_tensor
+from flash_attn_cute.host.keys import DTYPE_NAMES, combine_key, target_arch
+from flash_attn_cute.device.softmax import LN_2, LOG2_E
+from flash_attn_cute.device.tile_scheduler import fold_batch, m_blocks_divisor, unfold_batch
 
 
 class FlashAttnCombine:

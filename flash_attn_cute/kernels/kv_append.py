@@ -118,9 +118,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from . import jit_cache
-from .cute_utils import CUTE_DTYPE_BY_NAME, compile_options, fake_stream, fake_tensor
-from .keys import DTYPE_NAMES, arch_capability, target_arch
+from flash_attn_cute.host import jit_cache
+from flash_attn_cute.device.cute_utils import CUTE_DTYPE_BY_NAME, compile_options, fake_stream, fake_tensor
+from flash_attn_cute.host.keys import DTYPE_NAMES, arch_capability, target_arch
 
 # The fp8 formats a cache may hold (e4m3 also for FP8 attention's q).
 FP8_TYPES = (cutlass.Float8E4M3FN, cutlass.Float8E5M2)

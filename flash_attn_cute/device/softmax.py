@@ -16,7 +16,7 @@ from cutlass import Float32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from flash_attn_cute.layout_utils import acc_mn_view
+from flash_attn_cute.device.layout_utils import acc_mn_view
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)

@@ -35,7 +35,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Int32
 
-from flash_attn_cute.constants import MAX_GRID_YZ
+from flash_attn_cute.host.constants import MAX_GRID_YZ
 
 
 

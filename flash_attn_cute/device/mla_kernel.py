@@ -33,17 +33,18 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from flash_attn_cute.block_info import BlockInfo
-from flash_attn_cute.constants import D_CKV, D_KPE
-from flash_attn_cute.copy_utils import copy_row, gmem_tiled_copy, swizzle_atom_cols, widen_fp8
-from flash_attn_cute.cute_utils import CUTE_DTYPE_BY_NAME, compile_mla
-from flash_attn_cute.fwd_kernel import FwdTile
-from flash_attn_cute.keys import parse_mla_key
-from flash_attn_cute.paged_kv import page_lookups
-from flash_attn_cute.seqlen_info import SeqlenInfo
-from flash_attn_cute.sm90.wgmma_utils import smem_layout as row_major_smem_layout
-from flash_attn_cute.tile_scheduler import SingleTileScheduler, TileDivisors
-from flash_attn_cute.variants import AttnCtx, VariantParams, make_variant
+from flash_attn_cute.device.block_info import BlockInfo
+from flash_attn_cute.host.constants import D_CKV, D_KPE
+from flash_attn_cute.device.copy_utils import copy_row, gmem_tiled_copy, swizzle_atom_cols, widen_fp8
+from flash_attn_cute.device.cute_utils import CUTE_DTYPE_BY_NAME, compile_mla
+from flash_attn_cute.device.fwd_kernel import FwdTile
+from flash_attn_cute.device.layout_utils import row_major_smem_layout
+from flash_attn_cute.host.keys import parse_mla_key
+from flash_attn_cute.device.paged_kv import page_lookups
+from flash_attn_cute.device.seqlen_info import SeqlenInfo
+from flash_attn_cute.device.tile_scheduler import SingleTileScheduler, TileDivisors
+from flash_attn_cute.device.user_variant_kernel import make_variant
+from flash_attn_cute.device.variants import AttnCtx, VariantParams
 
 
 class MlaArgs(NamedTuple):

@@ -63,7 +63,7 @@ from typing import Any, Callable, Optional
 __all__ = ["get_or_compile", "clear_memory_cache", "stats", "reset_stats", "cache_dir", "cache_path",
            "cache_enabled", "prebuilt_dirs", "source_fingerprint"]
 
-_PACKAGE_DIR = Path(__file__).resolve().parent
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]  # flash_attn_cute/ (this is flash_attn_cute/host/)
 _CACHE_FORMAT = "2"  # bump when the on-disk layout, entry hash or export options change
 _LOCK_TIMEOUT_S = 900.0  # longer than any single compile; then we compile without the lock
 _FOLDER_MODE = 0o755  # folders we create: never writable by group or others, whatever the umask

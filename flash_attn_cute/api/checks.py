@@ -15,10 +15,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import user_variants
-from .constants import HEAD_DIM_ALIGN, INT32_MAX, MAX_GRID_YZ, MAX_HEAD_DIM, MAX_SPLITS
-from .fp8 import FP8_DTYPES  # K/V caches (with 16-bit queries), and e4m3 queries (FP8 attention)
-from .fwd import BACKENDS
+from flash_attn_cute.host import user_variants
+from flash_attn_cute.host.constants import HEAD_DIM_ALIGN, INT32_MAX, MAX_GRID_YZ, MAX_HEAD_DIM, MAX_SPLITS
+from flash_attn_cute.host.fp8 import FP8_DTYPES  # K/V caches (with 16-bit queries), and e4m3 queries (FP8 attention)
+from flash_attn_cute.host.registry import BACKENDS
 
 # Head dims the forward takes: every multiple of 8 up to 256 (FA3's and vLLM's range), each
 # run on the next tile width its kernel compiles (``constants.padded_head_dims``; a backend
@@ -382,7 +382,7 @@ def user_variant(score_mod, mask_mod, aux_tensors, block_mask, opts: Options, de
         if aux_tensors is not None:
             raise ValueError("aux_tensors is given without a score_mod, mask_mod or block_mask to read it")
         return opts, None
-    from .block_mask import BlockMask
+    from flash_attn_cute.host.block_mask import BlockMask
 
     block_q, ranges, rows = 0, None, False
     if block_mask is not None:

@@ -8,7 +8,7 @@ MAX_SPLITS = 256  # split-KV partials the combine kernel accepts
 # key 0 of the sequence, so a sequence's splits never depend on the rest of the batch.
 KEYS_PER_SPLIT = 4096
 # A varlen call over a cache whose sequences mix decode rows and longer ones (a serving
-# step) runs as two launches (``fwd.mixed_short_q``): the sequences of at most this many
+# step) runs as two launches (``seam.mixed_short_q``): the sequences of at most this many
 # packed rows on the decode tile, the others on the prefill tile.
 MIXED_ROWS = 64
 INT32_MAX = 2**31 - 1  # kernels take lengths, windows and page ids as int32

@@ -13,8 +13,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from flash_attn_cute.copy_utils import aligned_row_ptr
-from flash_attn_cute.layout_utils import acc_mn_view
+from flash_attn_cute.device.copy_utils import aligned_row_ptr
+from flash_attn_cute.device.layout_utils import acc_mn_view
 
 
 @cute.jit

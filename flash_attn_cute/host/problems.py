@@ -1,4 +1,4 @@
-"""The problem kinds the seam (``fwd.py``) dispatches, and the plan a backend makes of one.
+"""The problem kinds the seam (``seam/__init__.py``) dispatches, and the plan a backend makes of one.
 
 A problem describes one call without its tensors (hashable: it keys the plan cache); a
 backend's ``plan`` turns it into a ``FwdPlan`` holding every choice the compile key reads.
@@ -12,8 +12,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .constants import D_CKV, D_KPE
-from .fp8 import FP8_DTYPES
+from flash_attn_cute.host.constants import D_CKV, D_KPE
+from flash_attn_cute.host.fp8 import FP8_DTYPES
 
 
 def out_dtype(q_dtype: torch.dtype) -> torch.dtype:
@@ -54,7 +54,7 @@ class FwdProblem(NamedTuple):
     has_seqused_q: bool = False  # per-sequence query counts (dense queries, rows past them unwritten)
     has_sink: bool = False  # learnable_sink: one logit per query head in every denominator
     batch_invariant: bool = False  # fixed keys per split and batch-independent tiles
-    # The sequences a kernel computes (the two launches of a mixed plan, ``fwd.mixed_short_q``):
+    # The sequences a kernel computes (the two launches of a mixed plan, ``seam.mixed_short_q``):
     # 0 every one; n > 0 those of at most n queries; -n those of more than n.
     q_class: int = 0
     kv_dtype: Optional[torch.dtype] = None  # FP8 K/V (with k_descale / v_descale); None: q's dtype

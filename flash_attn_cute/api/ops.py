@@ -46,7 +46,7 @@ def fwd(
     batch_invariant: bool,
 ) -> torch.Tensor:
     """Writes attention into ``out``; returns the LSE (an empty tensor unless ``return_lse``)."""
-    from . import interface
+    from flash_attn_cute import interface
 
     opts = dict(softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
                 learnable_sink=learnable_sink, softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa,

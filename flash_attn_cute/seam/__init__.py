@@ -40,26 +40,16 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from . import heuristics
-from .constants import MAX_SPLITS, MIXED_ROWS
-from .keys import arch_of_capability
-from .problems import FwdPlan, FwdProblem, MlaProblem
-from .tuning import NO_TUNING, Tuning
+from flash_attn_cute.host import heuristics
+from flash_attn_cute.host.registry import BACKENDS, MLA_BACKENDS, REGISTRIES
+from flash_attn_cute.host.constants import MAX_SPLITS, MIXED_ROWS
+from flash_attn_cute.host.keys import arch_of_capability
+from flash_attn_cute.host.problems import FwdPlan, FwdProblem, MlaProblem
+from flash_attn_cute.host.tuning import NO_TUNING, Tuning
 
 __all__ = ["FwdProblem", "MlaProblem", "FwdPlan", "BACKENDS", "MLA_BACKENDS", "REGISTRIES", "backend_module",
            "candidates", "select_backend", "resolve", "run_resolved", "run_fwd", "clear_plan_cache", "MAX_SPLITS"]
 
-# One line per backend of each kind: name -> module (imported on first use).
-BACKENDS = {
-    "sm80": "flash_attn_cute.sm80",
-    "sm90": "flash_attn_cute.sm90",
-    "sm100": "flash_attn_cute.sm100",
-}
-MLA_BACKENDS = {
-    "sm80": "flash_attn_cute.sm80.mla",
-    "sm90": "flash_attn_cute.sm90.mla",
-}
-REGISTRIES = {"fwd": BACKENDS, "mla": MLA_BACKENDS}
 _KIND_LABEL = {"fwd": "", "mla": "MLA "}  # in messages
 _PLAN_CACHE_SIZE = 4096  # distinct problems remembered; a serving loop repeats a handful
 
@@ -135,7 +125,7 @@ def combine_launcher(out_dtype: torch.dtype, d_v: int, has_lse: bool, has_sink: 
                      split_groups: int = 1, arch: Optional[str] = None) -> Callable:
     """The compiled split-KV combine for ``arch`` (see ``combine.combine_launcher``);
     imported lazily."""
-    from .combine import combine_launcher as launcher
+    from flash_attn_cute.kernels.combine import combine_launcher as launcher
 
     return launcher(out_dtype, d_v, has_lse, has_sink, split_groups, arch)
 
@@ -280,8 +270,8 @@ def run_fwd(problem: FwdProblem, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seq
     (allocated by the caller); ``learnable_sink`` fp32; the descales as the public API takes
     them (``checks.kernel_descales``); ``leftpad_k`` (batch,) int32 for a
     ``problem.leftpad_k`` paged cache (each sequence's first cache position)."""
-    from .backend_kit import NO_VARIANT
-    from .checks import kernel_descales
+    from flash_attn_cute.seam.backend_kit import NO_VARIANT
+    from flash_attn_cute.api.checks import kernel_descales
 
     k_descale, v_descale = kernel_descales(problem, k_descale, v_descale, q.device)
     rest = (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q, learnable_sink, k_descale, v_descale)

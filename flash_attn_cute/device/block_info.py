@@ -12,7 +12,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from flash_attn_cute.variants import AttentionVariant, AttnCtx
+from flash_attn_cute.device.variants import AttentionVariant, AttnCtx
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from flash_attn_cute.pack_gqa import query_and_head_of_row
+from flash_attn_cute.device.pack_gqa import query_and_head_of_row
 
 
 @dataclass(frozen=True)
@@ -253,19 +253,3 @@ def row_bounds_rel(variant: cutlass.Constexpr, q_idx, head, ctx: AttnCtx, col0):
     if cutlass.const_expr(lo is not None):
         lo_rel = lo - col0
     return lo_rel, hi_rel
-
-
-def make_variant(causal: bool, local: bool, softcap: bool, user_key: Optional[tuple] = None) -> AttentionVariant:
-    """The variant for the public API's flags (local wins over causal: the host folds
-    causal into window_right = 0); ``user_key`` names a registered user variant
-    (``user_variants.VariantSpec.key``), composed with the built-in mask and, when the
-    user gives no ``score_mod``, with the built-in softcap (the host refuses both)."""
-    mask = Local() if local else (Causal() if causal else None)
-    mod = Softcap() if softcap else None
-    if user_key is not None:
-        from flash_attn_cute.user_variant_kernel import kernel_variant  # it imports this module
-
-        return kernel_variant(user_key, mask, mod)
-    if mask is not None and mod is not None:
-        return Compose(mod, mask)
-    return mask or mod or AttentionVariant()

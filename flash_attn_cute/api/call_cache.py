@@ -16,8 +16,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import fwd
-from .tuning import env_knobs
+from flash_attn_cute import seam
+from flash_attn_cute.host.tuning import env_knobs
 
 _CACHE_SIZE = 1024
 _calls: dict = {}
@@ -25,7 +25,7 @@ _calls: dict = {}
 
 class Entry(NamedTuple):
     problem: object  # a problem of any kind (problems.py)
-    resolved: fwd.Resolved
+    resolved: seam.Resolved
     out_shape: tuple
     lse_shape: tuple
     seqlens_fill: Optional[int] = None  # flash_attn_with_kvcache with an int cache_seqlens
@@ -77,4 +77,4 @@ def store(k, entry: Entry) -> None:
 def clear() -> None:
     """Forget every cached call and every resolved plan, of every entry point and kind."""
     _calls.clear()
-    fwd.clear_plan_cache()
+    seam.clear_plan_cache()

@@ -3,7 +3,8 @@ registry, aux checks): ``UserVariant``, the ``AttentionVariant`` that runs the u
 ``score_mod`` / ``mask_mod`` inside a kernel, its aux tensors (``AuxTensor``) and the
 key ranges of a block mask.
 
-``variants.make_variant`` builds it from the spec a compile key names
+``make_variant`` builds every kernel's variant from its compile key's flags: the built-in
+ones (``variants.py``), or this one from the spec the key names
 (``user_variants.registered_spec``): the user's score modifier, the built-in mask (causal /
 local, may be None) AND the user's mask, and key ranges from the built-in mask
 intersected with the block mask's (``ctx.block_ranges``: (batch, heads, q blocks, 4)
@@ -11,12 +12,14 @@ int32 = kept keys [lo, hi), keys kept by every row [full_lo, full_hi), per ``blo
 query rows; see block_mask.py).
 """
 
+from typing import Optional
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from flash_attn_cute.user_variants import VariantCompileError, VariantSpec, describe_error, registered_spec
-from flash_attn_cute.variants import AttentionVariant
+from flash_attn_cute.host.user_variants import VariantCompileError, VariantSpec, describe_error, registered_spec
+from flash_attn_cute.device.variants import AttentionVariant, Causal, Compose, Local, Softcap
 
 
 def kernel_variant(user_key: tuple, base_mask, base_mod=None):
@@ -145,3 +148,17 @@ def _block_ranges(mRanges: cute.Tensor, batch: Int32, head: Int32, q_min: Int32,
         f_lo = cutlass.max(f_lo, mRanges[batch, head, qb, 2])
         f_hi = cutlass.min(f_hi, mRanges[batch, head, qb, 3])
     return lo, hi, f_lo, f_hi
+
+
+def make_variant(causal: bool, local: bool, softcap: bool, user_key: Optional[tuple] = None) -> AttentionVariant:
+    """The variant for the public API's flags (local wins over causal: the host folds
+    causal into window_right = 0); ``user_key`` names a registered user variant
+    (``user_variants.VariantSpec.key``), composed with the built-in mask and, when the
+    user gives no ``score_mod``, with the built-in softcap (the host refuses both)."""
+    mask = Local() if local else (Causal() if causal else None)
+    mod = Softcap() if softcap else None
+    if user_key is not None:
+        return kernel_variant(user_key, mask, mod)
+    if mask is not None and mod is not None:
+        return Compose(mod, mask)
+    return mask or mod or AttentionVariant()

@@ -28,9 +28,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import call_cache, checks
-from .constants import INT32_MAX
-from .problems import out_dtype
+from flash_attn_cute.api import call_cache, checks
+from flash_attn_cute.host.constants import INT32_MAX
+from flash_attn_cute.host.problems import out_dtype
 
 
 class _Layout(NamedTuple):
@@ -129,7 +129,7 @@ def append_and_attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
     ``(q_descale, k_descale, v_descale)``). Packed queries (``cu_seqlens_q``) come with
     packed new tokens (``cu_seqlens_k_new``, default ``cu_seqlens_q``: the new tokens are
     the query tokens)."""
-    from .interface import _Call, _execute
+    from flash_attn_cute.interface import _Call, _execute
 
     varlen = cu_seqlens_q is not None
     if varlen and cu_seqlens_k_new is None and k is not None:
@@ -200,7 +200,7 @@ def append_and_attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
                                            batch_idx=cache_batch_idx, leftpad=cache_leftpad)
     opts, variant = checks.user_variant(*variant_args, opts, q.device, batch=batch, nheads=nheads,
                                         max_seqlen_q=seqlen_q, max_seqlen_k=capacity)
-    from . import kv_append
+    from flash_attn_cute.kernels import kv_append
 
     fp8_cache = k_cache.dtype in checks.FP8_DTYPES
     layout = _Layout(rotary=rotary_dim > 0, remap=remap, leftpad_k=paged and cache_leftpad is not None,
@@ -256,9 +256,9 @@ def _prepare(append, layout: _Layout, q, k, v, k_cache, v_cache, cache_seqlens, 
 
 def _replay(hit: _AppendEntry, q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             page_table, cu_seqlens_q, cu_seqlens_k_new, learnable_sink, return_lse, out, variant_args, descale_args):
-    from . import user_variants
-    from .backend_kit import NO_VARIANT
-    from .interface import _aux_of, _launch
+    from flash_attn_cute.host import user_variants
+    from flash_attn_cute.seam.backend_kit import NO_VARIANT
+    from flash_attn_cute.interface import _aux_of, _launch
 
     entry, layout = hit.attention, hit.layout
     batch = entry.problem.batch

@@ -1,7 +1,7 @@
 """What every forward kernel class shares: its runtime argument list, its common static
 configuration and its compilation from a compile key.
 
-The launcher (``fwd.bind_launcher``) calls a compiled kernel with the tensors and scalars
+The launcher (``seam.bind_launcher``) calls a compiled kernel with the tensors and scalars
 of ``FwdArgs``, in that order, then the backend's extra scalars; ``cute_utils.compile_fwd``
 compiles it on fakes of the same list. A kernel class binds ``__call__ = fwd_call`` and
 implements ``launch(args, *extra_scalars, stream)``: the list is written once, here, and
@@ -16,14 +16,16 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from flash_attn_cute.block_info import BlockInfo
-from flash_attn_cute.constants import padded_head_dims
-from flash_attn_cute.cute_utils import CUTE_DTYPE_BY_NAME, compile_fwd, kernel_out_dtype
-from flash_attn_cute.keys import parse_key
-from flash_attn_cute.pack_gqa import packed_lse_rows, packed_rows, query_and_head_of_row
-from flash_attn_cute.seqlen_info import SeqlenInfo
-from flash_attn_cute.tile_scheduler import SingleTileScheduler, TileDivisors, VarlenScheduler, WorkTile, tile_divisors
-from flash_attn_cute.variants import AttentionVariant, AttnCtx, VariantParams, make_variant
+from flash_attn_cute.device.block_info import BlockInfo
+from flash_attn_cute.host.constants import padded_head_dims
+from flash_attn_cute.device.cute_utils import CUTE_DTYPE_BY_NAME, compile_fwd, kernel_out_dtype
+from flash_attn_cute.host.keys import parse_key
+from flash_attn_cute.device.pack_gqa import packed_lse_rows, packed_rows, query_and_head_of_row
+from flash_attn_cute.device.seqlen_info import SeqlenInfo
+from flash_attn_cute.device.tile_scheduler import (SingleTileScheduler, TileDivisors, VarlenScheduler, WorkTile,
+                                                   tile_divisors)
+from flash_attn_cute.device.user_variant_kernel import make_variant
+from flash_attn_cute.device.variants import AttentionVariant, AttnCtx, VariantParams
 
 
 class FwdArgs(NamedTuple):
@@ -154,7 +156,7 @@ def fwd_call(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.T
 
 
 def compile_from_key(key: tuple, tile_len: int, make_kernel: Callable, extra_scalars: tuple = ()):
-    """Compiles a forward kernel for a compile key (``fwd.make_key``) on fake tensors (no GPU
+    """Compiles a forward kernel for a compile key (``seam.make_key``) on fake tensors (no GPU
     needed): ``make_kernel(dtype, d, d_v, tile, variant, qhead_per_kvhead_packed, is_split,
     split_blocks, *key_extra, q_class=)`` builds the kernel object; ``extra_scalars`` are placeholders
     of its extra runtime scalars."""
