@@ -77,16 +77,19 @@ def chosen_num_splits(backend, problem, pack_gqa):
 
 
 def launch_only(backend, problem, q, k_cache, v_cache, cache_seqlens, page_table, num_splits, pack_gqa):
-    """The seam's launch path without the public API's argument validation: what the
-    kernels (and the output allocation) cost."""
-    import torch
-
+    """The seam's launch path without the public API's argument validation (``seam.resolve``
+    once, then ``seam.run_resolved`` of the kernels' tensor list): what the kernels (and the
+    output allocation) cost."""
     from flash_attn_cute import seam
+    from flash_attn_cute.api.call_args import FwdTensors
+    from flash_attn_cute.host import tuning
+
+    resolved = seam.resolve(problem, backend, num_splits, pack_gqa, q.device, tuning.from_env())
 
     def fn():
         out = q.new_empty(*q.shape[:-1], v_cache.shape[-1])
-        seam.run_fwd(problem, q, k_cache, v_cache, out, None, seqused_k=cache_seqlens, page_table=page_table,
-                    requested=backend, num_splits=num_splits, pack_gqa=pack_gqa)
+        seam.run_resolved(resolved, problem, FwdTensors(q, k_cache, v_cache, out, seqused_k=cache_seqlens,
+                                                        page_table=page_table))
         return out
 
     return fn

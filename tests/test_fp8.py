@@ -57,7 +57,7 @@ def launches(fake_device):
         real = {"sm80": sm80, "sm90": sm90}.get(name, sm80)
 
         def launcher(problem, plan, device=None):
-            return lambda *tensors: calls.append(SimpleNamespace(problem=problem, plan=plan, tensors=tensors))
+            return lambda tensors: calls.append(SimpleNamespace(problem=problem, plan=plan, tensors=tensors))
 
         return SimpleNamespace(AUTO=name in ("sm80", "sm90"), runs_on=real.runs_on, check=real.check,
                                plan=real.plan, launcher=launcher)

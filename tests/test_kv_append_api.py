@@ -14,7 +14,6 @@ from flash_attn_cute import seam, sm100, sm80, sm90
 from flash_attn_cute.api import checks
 from flash_attn_cute.host import keys
 from flash_attn_cute.kernels import kv_append
-from flash_attn_cute.seam.backend_kit import NO_VARIANT
 from flash_attn_cute.interface import flash_attn_with_kvcache
 from flash_attn_cute.host.problems import FwdProblem
 
@@ -43,8 +42,8 @@ def events(fake_device, monkeypatch):
         return fn
 
     def launcher(problem, plan, device=None):
-        return lambda *tensors: log.append(("attention", SimpleNamespace(problem=problem, plan=plan,
-                                                                          tensors=tensors)))
+        return lambda tensors: log.append(("attention", SimpleNamespace(problem=problem, plan=plan,
+                                                                         tensors=tensors)))
 
     monkeypatch.setattr(kv_append, "append_launcher", append_launcher)
     fake = SimpleNamespace(AUTO=True, runs_on=sm80.runs_on, check=lambda p: state.check(p), plan=sm80.plan,
@@ -94,7 +93,7 @@ def test_fp8_append_quantizes_in_the_append_kernel_then_attends_with_the_descale
     assert att.problem.kv_dtype == E4M3 and not att.problem.leftpad_k
     # launch(q, k, v, out, lse, cu_q, cu_k, seqused_k, page_table, seqused_q, sink, k_descale, v_descale)
     assert att.tensors[0] is t[11] and att.tensors[1] is a["k_cache"] and att.tensors[7] is t[12]
-    assert att.tensors[11] is kd and att.tensors[12].shape == (2, 2) and len(att.tensors) == 13
+    assert att.tensors.k_descale is kd and att.tensors.v_descale.shape == (2, 2) and att.tensors.leftpad_k is None
     # The repeated call (the per-call cache) does the same with the new descale values.
     events.clear()
     flash_attn_with_kvcache(**a)
@@ -197,11 +196,10 @@ def test_paged_leftpad_reaches_the_attention_as_key_starts(events):
     assert app.tensors[8] is leftpad and app.tensors[13] is None  # no k_offsets: the cache is not flattened
     p = att.problem
     assert p.leftpad_k and p.paged and p.has_seqused_k and not p.varlen_k
-    # launch(..., k_descale, v_descale, variant_tensors, leftpad_k): the pages themselves, the key counts
-    # from the append, each sequence's start
+    # the pages themselves, the key counts from the append, each sequence's start
     t = att.tensors
-    assert t[1] is a["k_cache"] and t[8] is a["page_table"] and t[7] is app.tensors[12]
-    assert t[13] == NO_VARIANT and t[14] is leftpad and len(t) == 15
+    assert t.k is a["k_cache"] and t.page_table is a["page_table"] and t.seqused_k is app.tensors[12]
+    assert t.leftpad_k is leftpad and t.aux0 is None and t.block_ranges is None
     # The key: the paged field says so; the same call without leftpad keeps the plain key.
     key = sm80.compile_key(p, att.plan, "sm_80")
     plain = sm80.compile_key(p._replace(leftpad_k=False), att.plan, "sm_80")
@@ -212,11 +210,11 @@ def test_paged_leftpad_reaches_the_attention_as_key_starts(events):
     events.clear()
     flash_attn_with_kvcache(**{**a, "k": None, "v": None, "rotary_cos": None, "rotary_sin": None})
     assert _kinds(events) == ["append", "attention"] and events[0][1].static[7] is False
-    assert events[1][1].tensors[14] is leftpad
+    assert events[1][1].tensors.leftpad_k is leftpad
     # A repeated call hits the per-call cache and passes the starts again.
     events.clear()
     flash_attn_with_kvcache(**a)
-    assert events[1][1].tensors[14] is leftpad
+    assert events[1][1].tensors.leftpad_k is leftpad
     # Packed queries over pages with leftpad: both launches of a mixed plan get the starts.
     events.clear()
     g = torch.Generator().manual_seed(3)
@@ -225,7 +223,7 @@ def test_paged_leftpad_reaches_the_attention_as_key_starts(events):
                             page_table=a["page_table"], cache_leftpad=leftpad,
                             cu_seqlens_q=torch.tensor([0, 1, 130], dtype=I32), max_seqlen_q=129, causal=True)
     atts = [r for k, r in events if k == "attention"]
-    assert len(atts) == 2 and all(r.tensors[14] is leftpad and r.problem.leftpad_k for r in atts)
+    assert len(atts) == 2 and all(r.tensors.leftpad_k is leftpad and r.problem.leftpad_k for r in atts)
 
 
 def test_paged_leftpad_refusals(events):

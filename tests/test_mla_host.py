@@ -1,13 +1,16 @@
 """CPU tests of ``flash_mla_decode``'s host side: validation (every error names its
 argument, before any launch), the MLA seam's planning and backend registry. No GPU."""
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+
 import flash_attn_cute
 from flash_attn_cute import mla, seam
+from flash_attn_cute.api import mla_call
 from flash_attn_cute.mla import MlaProblem, flash_mla_decode
 from flash_attn_cute.host.tuning import Tuning
 
@@ -173,11 +176,11 @@ def test_kv_descale_views():
     # What the kernels read: fp32 (batch,), from one element (broadcast, stride 0), (batch,)
     # or (batch, 1); None for a 16-bit cache; 1.0 when not given.
     p8 = _problem(batch=3)._replace(kv_dtype=torch.float8_e4m3fn)
-    one = mla._kv_descale_view(p8, torch.tensor([2.0]), "cpu")
+    one = mla_call.kv_descale_view(p8, torch.tensor([2.0]), "cpu")
     assert one.shape == (3,) and one.stride() == (0,) and one.tolist() == [2.0] * 3
-    assert mla._kv_descale_view(p8, torch.tensor([[1.0], [2.0], [3.0]]), "cpu").tolist() == [1.0, 2.0, 3.0]
-    assert mla._kv_descale_view(p8, None, "cpu").tolist() == [1.0] * 3
-    assert mla._kv_descale_view(_problem(batch=3), torch.tensor([2.0]), "cpu") is None
+    assert mla_call.kv_descale_view(p8, torch.tensor([[1.0], [2.0], [3.0]]), "cpu").tolist() == [1.0, 2.0, 3.0]
+    assert mla_call.kv_descale_view(p8, None, "cpu").tolist() == [1.0] * 3
+    assert mla_call.kv_descale_view(_problem(batch=3), torch.tensor([2.0]), "cpu") is None
 
 
 def test_warp_roles_fit_the_register_file():
@@ -253,11 +256,11 @@ def test_repeated_call_skips_validation_and_planning(fake_device, monkeypatch):
     launched, validated = [], []
     fake = SimpleNamespace(AUTO=True, runs_on=lambda cap: True, check=lambda p: None,
                            plan=seam.backend_module("sm80", "mla").plan,
-                           launcher=lambda problem, plan, device=None: (lambda *t: launched.append(t)))
+                           launcher=lambda problem, plan, device=None: (lambda t: launched.append(t)))
     fake_device(lambda name, kind="fwd": fake)
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
-    real_validate = mla._validate
-    monkeypatch.setattr(mla, "_validate", lambda *a: validated.append(1) or real_validate(*a))
+    real = mla_call.MLA
+    monkeypatch.setattr(mla_call, "MLA", replace(real, validate=lambda a: validated.append(1) or real.validate(a)))
     args = inputs()
     for _ in range(3):
         out = flash_mla_decode(**args, num_splits=1)
@@ -347,13 +350,13 @@ def test_kv_heads_grid_and_splits():
 def test_kv_descale_views_with_kv_heads():
     p8 = _problem(batch=3, h=8, hkv=2)._replace(kv_dtype=torch.float8_e4m3fn)
     full = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
-    assert mla._kv_descale_view(p8, full, "cpu").tolist() == full.tolist()
-    per_seq = mla._kv_descale_view(p8, torch.tensor([1.0, 2.0, 3.0]), "cpu")
+    assert mla_call.kv_descale_view(p8, full, "cpu").tolist() == full.tolist()
+    per_seq = mla_call.kv_descale_view(p8, torch.tensor([1.0, 2.0, 3.0]), "cpu")
     assert per_seq.shape == (3, 2) and per_seq.tolist() == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
-    assert mla._kv_descale_view(p8, torch.tensor([[1.0], [2.0], [3.0]]), "cpu").tolist() == per_seq.tolist()
-    one = mla._kv_descale_view(p8, torch.tensor([2.0]), "cpu")
+    assert mla_call.kv_descale_view(p8, torch.tensor([[1.0], [2.0], [3.0]]), "cpu").tolist() == per_seq.tolist()
+    one = mla_call.kv_descale_view(p8, torch.tensor([2.0]), "cpu")
     assert one.shape == (3, 2) and one.stride() == (0, 0)
-    assert mla._kv_descale_view(p8, None, "cpu").tolist() == [[1.0, 1.0]] * 3
+    assert mla_call.kv_descale_view(p8, None, "cpu").tolist() == [[1.0, 1.0]] * 3
 
 
 def _flashmla_inputs(b=2, sq=1, h=16, hkv=1, pages=6, page=4, max_pages=3):
@@ -371,7 +374,7 @@ def test_flashmla_layout_views_reach_the_kernel_uncopied(fake_device, monkeypatc
     launched = []
     fake = SimpleNamespace(AUTO=True, runs_on=lambda cap: True, check=lambda p: None,
                            plan=seam.backend_module("sm80", "mla").plan,
-                           launcher=lambda problem, plan, device=None: (lambda *t: launched.append((problem, t))))
+                           launcher=lambda problem, plan, device=None: (lambda t: launched.append((problem, t))))
     fake_device(lambda name, kind="fwd": fake)
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     q, k_cache, lens, table = _flashmla_inputs(h=8, hkv=hkv)

@@ -142,7 +142,7 @@ def test_a_knob_changed_between_calls_is_a_new_plan(fake_device, monkeypatch):
     launched = []
 
     def launcher(problem, plan, device=None):
-        return lambda *tensors: launched.append(plan.config)
+        return lambda tensors: launched.append(plan.config)
 
     fake = SimpleNamespace(AUTO=True, runs_on=sm80.runs_on, check=sm80.check, plan=sm80.plan, launcher=launcher)
     fake_device(lambda name, kind="fwd": fake)
@@ -159,7 +159,7 @@ def test_a_knob_changed_between_calls_is_a_new_plan(fake_device, monkeypatch):
 
 
 def test_one_clear_for_every_cache(fake_device, monkeypatch):
-    launcher = lambda problem, plan, device=None: (lambda *tensors: None)
+    launcher = lambda problem, plan, device=None: (lambda tensors: None)
     fakes = {kind: SimpleNamespace(AUTO=True, runs_on=lambda cap: True, check=lambda p: None,
                                    plan=seam.backend_module("sm80", kind).plan, launcher=launcher)
              for kind in ("fwd", "mla")}

@@ -173,7 +173,7 @@ def test_bench_calls_pass_the_api_as_written(bench_step, fake_device):
     launches = []
 
     def launcher(problem, plan, device=None):
-        return lambda *tensors: launches.append((problem, tensors))
+        return lambda tensors: launches.append((problem, tensors))
 
     fake_device(lambda name, kind="fwd": SimpleNamespace(AUTO=True, runs_on=sm80.runs_on, check=lambda p: None,
                                                           plan=sm80.plan, launcher=launcher))

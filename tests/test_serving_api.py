@@ -23,7 +23,7 @@ def launches(fake_device):
     calls = []
 
     def launcher(problem, plan, device=None):
-        return lambda *tensors: calls.append(SimpleNamespace(problem=problem, plan=plan, tensors=tensors))
+        return lambda tensors: calls.append(SimpleNamespace(problem=problem, plan=plan, tensors=tensors))
 
     fake = SimpleNamespace(AUTO=True, runs_on=sm80.runs_on, check=lambda p: None, plan=sm80.plan, launcher=launcher)
     fake_device(lambda name, kind="fwd": fake)
@@ -228,21 +228,20 @@ def test_features_a_kernel_lacks_are_refused_by_name(fake_device):
 
 
 def test_sink_and_seqused_q_reach_the_kernel(launches):
-    # launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q,
-    # learnable_sink, k_descale, v_descale): always passed (None when absent), the sink as fp32.
+    # launch(FwdTensors): every slot always there (None when absent), the sink as fp32.
     a = mixed_step()
     sink = torch.randn(8).to(BF16)
     used = torch.tensor([1, 1, 3, 0, 200], dtype=torch.int32)
     flash_attn_varlen_func(**a, seqused_q=used, s_aux=sink, causal=True)
     call = launches[-1]
-    assert call.problem.has_sink and call.problem.has_seqused_q and len(call.tensors) == 13
+    assert call.problem.has_sink and call.problem.has_seqused_q and len(call.tensors) == 19
     assert call.tensors[9] is used
     assert call.tensors[10].dtype == torch.float32 and torch.equal(call.tensors[10], sink.float())
     fp32_sink = torch.randn(8)
     flash_attn_varlen_func(**a, learnable_sink=fp32_sink)
     assert launches[-1].tensors[9] is None and launches[-1].tensors[10] is fp32_sink  # no copy
     flash_attn_varlen_func(**a)
-    assert launches[-1].tensors[9:] == (None,) * 4 and not launches[-1].problem.has_sink
+    assert launches[-1].tensors[9:] == (None,) * 10 and not launches[-1].problem.has_sink
 
 
 def test_batch_invariant_is_always_split_with_the_sink_in_the_combine(launches, monkeypatch):

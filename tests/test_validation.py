@@ -141,12 +141,13 @@ def _fake_backend(kernel):
     the seam's launch contract translated to the keyword form fake_kernel asserts."""
 
     def launcher(problem, plan, device=None):
-        def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q, learnable_sink,
-                   k_descale, v_descale):
+        def launch(t):
             # none of this file's calls has them
-            assert seqused_q is None and learnable_sink is None and k_descale is None and v_descale is None
-            kernel(q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
-                   page_table=page_table, max_seqlen_q=problem.max_seqlen_q, softmax_scale=problem.softmax_scale,
+            assert t.seqused_q is None and t.learnable_sink is None and t.k_descale is None and t.v_descale is None
+            assert t.leftpad_k is None and t.aux0 is None and t.block_ranges is None
+            kernel(t.q, t.k, t.v, t.out, t.lse, cu_seqlens_q=t.cu_seqlens_q, cu_seqlens_k=t.cu_seqlens_k,
+                   seqused_k=t.seqused_k, page_table=t.page_table, max_seqlen_q=problem.max_seqlen_q,
+                   softmax_scale=problem.softmax_scale,
                    causal=problem.causal, window_left=problem.window_left, window_right=problem.window_right,
                    softcap=problem.softcap, num_splits=plan.num_splits, pack_gqa=plan.pack_gqa)
 

@@ -218,8 +218,8 @@ def fake_variant_gpu(fake_device):
     calls = []
 
     def launcher(problem, plan, device=None):
-        def launch(*args):
-            calls.append(SimpleNamespace(problem=problem, plan=plan, args=args))
+        def launch(tensors):
+            calls.append(SimpleNamespace(problem=problem, plan=plan, args=tensors))
 
         return launch
 
@@ -239,7 +239,8 @@ def test_launch_contract_with_and_without_a_variant(fake_variant_gpu):
 
     q, k, v = _qkv()
     flash_attn_func(q, k, v)
-    assert len(fake_variant_gpu[-1].args) == 13  # a plain call keeps the thirteen-argument launch
+    plain = fake_variant_gpu[-1].args  # the kernels' tensor list (api.call_args.FwdTensors)
+    assert plain.aux0 is None and plain.block_ranges is None
     slopes = mods.alibi_slopes(4, device="cpu")
     docs = (torch.arange(40) // 9).view(1, 40).expand(2, 40).to(torch.int32)
     bm = create_block_mask(mods.document_mask(1), None, None, 40, 40, aux_tensors=[slopes, docs], device="cpu",
@@ -248,10 +249,9 @@ def test_launch_contract_with_and_without_a_variant(fake_variant_gpu):
         new_slopes = slopes + 1
         flash_attn_func(q, k, v, causal=True, score_mod=mods.alibi(0), aux_tensors=[new_slopes, docs], block_mask=bm)
         call = fake_variant_gpu[-1]
-        *_, variant_tensors = call.args
-        assert len(call.args) == 14 and len(variant_tensors) == 5
-        assert variant_tensors[0] is new_slopes and variant_tensors[1] is docs and variant_tensors[2:4] == (None, None)
-        assert tuple(variant_tensors[4].shape) == (2, 4, 3, 4) and variant_tensors[4].stride(0) == 0
+        t = call.args
+        assert t.aux0 is new_slopes and t.aux1 is docs and (t.aux2, t.aux3) == (None, None)
+        assert tuple(t.block_ranges.shape) == (2, 4, 3, 4) and t.block_ranges.stride(0) == 0
         assert call.problem.variant.block_q == 16 and not call.plan.pack_gqa
     assert fake_variant_gpu[-1].problem.variant == fake_variant_gpu[-2].problem.variant
 

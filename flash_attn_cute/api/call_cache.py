@@ -24,12 +24,15 @@ _calls: dict = {}
 
 
 class Entry(NamedTuple):
-    problem: object  # a problem of any kind (problems.py)
+    """What a replay launches from: the problem, its resolved plan (backend, bound
+    launcher, combine), the outputs' shapes, and what else the entry point's spec needs
+    (``extra``: ``forward.FwdExtra`` for the forward ones)."""
+
+    problem: object  # a problem of any kind (host.problems)
     resolved: seam.Resolved
     out_shape: tuple
     lse_shape: tuple
-    seqlens_fill: Optional[int] = None  # flash_attn_with_kvcache with an int cache_seqlens
-    block_ranges: Optional[torch.Tensor] = None  # a block mask's ranges, broadcast to the call
+    extra: object = None
 
 
 def _tensor_sig(t):

@@ -342,37 +342,6 @@ def descale(name: str, t, shapes: tuple, form: str) -> None:
         raise ValueError(f"{name} must have {form}, got {tuple(t.shape)}")
 
 
-_ONES: dict = {}
-
-
-def descale_view(t, batch: int, nheads_kv: int, device):
-    """A checked descale (``descales``) as the kernels read it: fp32 ``(batch, nheads_kv)``,
-    a broadcast view for one element or None (1.0). Cheap: the per-call replay runs it."""
-    if t is None:
-        t = _ONES.get(device)
-        if t is None:
-            t = torch.ones(1, dtype=torch.float32, device=device)
-            # Made during a CUDA-graph capture, its fill runs only when the graph replays (and
-            # it lives in the graph's pool): not one to keep for eager calls.
-            if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
-                _ONES[device] = t
-    if t.numel() == 1:
-        return t.reshape(1, 1).expand(batch, nheads_kv)
-    return t
-
-
-def kernel_descales(problem, k_descale, v_descale, device, q_descale=None) -> tuple:
-    """(k_descale, v_descale) as ``problem``'s kernel reads them: ``descale_view`` of each for
-    FP8 K/V; for FP8 queries the first is ``q_descale * k_descale`` (both scale the scores
-    alike: one factor per (batch, KV head)); else (None, None) (16-bit K/V ignore them)."""
-    if not (problem.kv_fp8 or problem.qkv_fp8):
-        return None, None
-    k_view = descale_view(k_descale, problem.batch, problem.nheads_kv, device)
-    if problem.qkv_fp8 and q_descale is not None:
-        k_view = descale_view(q_descale, problem.batch, problem.nheads_kv, device) * k_view
-    return k_view, descale_view(v_descale, problem.batch, problem.nheads_kv, device)
-
-
 def user_variant(score_mod, mask_mod, aux_tensors, block_mask, opts: Options, device, *, batch: int, nheads: int,
                  max_seqlen_q: int, max_seqlen_k: int):
     """Validates a user variant; returns (opts, None) without one, else (opts with pack_gqa

@@ -18,8 +18,9 @@ runs (a call no kernel takes leaves the cache untouched):
 
 FP8 caches take the attention's descales (``k_descale`` / ``v_descale``), with which the
 append quantizes the new tokens; FP8 attention (e4m3 q) also rotates q with ``q_descale``.
-A repeated call (same shapes, strides, dtypes and arguments: a decode loop) skips
-validation and planning here too (``call_cache``).
+``APPEND`` is the entry point's spec of the run path (``entry.run``): its validation
+plans the attention (``forward.checked``) and its launch runs the append first
+(``_tensors``), so a repeated call (a decode loop) skips validation and planning here too.
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from flash_attn_cute.api import call_cache, checks
+from flash_attn_cute.api import checks
+from flash_attn_cute.api.call_args import descale_view
+from flash_attn_cute.api.entry import Checked, Spec
+from flash_attn_cute.api.forward import (OPTION_ARGS, VARIANT_ARGS, Dims, checked, empty_result, launch_tensors,
+                                         options_of, traced, user_variant_of)
 from flash_attn_cute.host.constants import INT32_MAX
 from flash_attn_cute.host.problems import out_dtype
 
@@ -44,11 +49,11 @@ class _Layout(NamedTuple):
     kv_scaled: bool  # new tokens into an FP8 cache, with k_descale / v_descale
 
 
-class _AppendEntry(NamedTuple):
-    append: object  # the compiled kv_append launcher
-    attention: call_cache.Entry
+class _Append(NamedTuple):
+    """The append step of an entry (``forward.FwdExtra.append``)."""
+
+    launch: object  # the compiled kv_append launcher
     layout: _Layout
-    seqlens_fill: Optional[int]
 
 
 def _check_new_kv(k, v, rows: tuple, nheads_kv: int, d: int, d_v: int, varlen: bool, dtypes: tuple, what: str):
@@ -119,40 +124,22 @@ def _check_rotary(cos, sin, dtype, what: str, d: int, capacity: int) -> int:
     return rotary_dim
 
 
-def append_and_attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                      cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, learnable_sink,
-                      rotary_interleaved: bool, return_lse: bool, out, check_cache_bounds: bool, option_args: tuple,
-                      variant_args: tuple, descale_args: tuple = (None, None, None)):
-    """``flash_attn_with_kvcache`` with ``k``/``v``, rotary, ``cache_batch_idx`` or
-    ``cache_leftpad`` (arguments as there; ``option_args`` / ``variant_args`` are the shared
-    keyword arguments of ``checks.options`` and ``checks.user_variant``, ``descale_args``
-    ``(q_descale, k_descale, v_descale)``). Packed queries (``cu_seqlens_q``) come with
-    packed new tokens (``cu_seqlens_k_new``, default ``cu_seqlens_q``: the new tokens are
-    the query tokens)."""
-    from flash_attn_cute.interface import _Call, _execute
-
+def _validate(args: dict) -> Checked:
+    """``flash_attn_with_kvcache`` with new tokens, rotary, ``cache_batch_idx`` or
+    ``cache_leftpad``. Packed queries (``cu_seqlens_q``) come with packed new tokens
+    (``cu_seqlens_k_new``, default ``cu_seqlens_q``: the new tokens are the query tokens)."""
+    q, k_cache, v_cache, k, v = args["q"], args["k_cache"], args["v_cache"], args.get("k_new"), args.get("v_new")
+    rotary_cos, rotary_sin = args.get("rotary_cos"), args.get("rotary_sin")
+    cache_batch_idx, cache_leftpad = args.get("cache_batch_idx"), args.get("cache_leftpad")
+    page_table, cu_seqlens_q = args.get("page_table"), args.get("cu_seqlens_q")
     varlen = cu_seqlens_q is not None
-    if varlen and cu_seqlens_k_new is None and k is not None:
-        cu_seqlens_k_new = cu_seqlens_q
-    q_descale, k_descale, v_descale = descale_args
-    key = None
-    if not check_cache_bounds:
-        int_seqlens = cache_seqlens if not isinstance(cache_seqlens, torch.Tensor) else None
-        scalars = (int_seqlens, max_seqlen_q, rotary_interleaved, return_lse, *option_args[:2], *option_args[3:],
-                   *variant_args[:2], variant_args[3])
-        hit, key = call_cache.lookup(call_cache.key(
-            "kvcache_append", (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
-                               None if int_seqlens is not None else cache_seqlens, cache_batch_idx, cache_leftpad,
-                               page_table, cu_seqlens_q, cu_seqlens_k_new, learnable_sink, out, q_descale, k_descale,
-                               v_descale, *(variant_args[2] or ())), scalars, option_args[2]))
-        if hit is not None:
-            return _replay(hit, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                           cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new, learnable_sink, return_lse,
-                           out, variant_args, descale_args)
-    inputs = (q, k_cache, v_cache, k, v, out)
+    if varlen and args.get("cu_seqlens_k_new") is None and k is not None:
+        args = dict(args, cu_seqlens_k_new=cu_seqlens_q)
+    cu_seqlens_k_new = args.get("cu_seqlens_k_new")
+    q_descale, k_descale, v_descale = args.get("q_descale"), args.get("k_descale"), args.get("v_descale")
     paged = page_table is not None
     nheads, nheads_kv, d, d_v, q, k_cache, v_cache, batch, seqlen_q = checks.queries_and_cache(
-        q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, page_table, "batch_cache")
+        q, k_cache, v_cache, cu_seqlens_q, args.get("max_seqlen_q"), page_table, "batch_cache")
     if paged and cache_batch_idx is not None:
         raise ValueError("cache_batch_idx applies to a contiguous cache; with a page_table, point each sequence's "
                          "page_table row at its pages instead (as in FA2)")
@@ -170,11 +157,12 @@ def append_and_attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
     for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
         if t is not None:
             checks.int32_vector(name, t, batch, "(batch,)")
-    cache_seqlens, seqlens_fill = checks.cache_lengths(cache_seqlens, batch, capacity, new_per_seq, q.device)
-    checks.learnable_sink(learnable_sink, nheads)
+    seqlens = args.get("cache_seqlens")
+    cache_seqlens, seqlens_fill = checks.cache_lengths(
+        seqlens if seqlens is not None else args.get("cache_seqlens_int"), batch, capacity, new_per_seq, q.device)
+    checks.learnable_sink(args.get("learnable_sink"), nheads)
     checks.descales(k_cache, q_descale, k_descale, v_descale, batch, nheads_kv)
-    opts = checks.options(d, *option_args)
-    out = checks.check_out(out, (*q.shape[:-1], d_v), out_dtype(q.dtype),
+    out = checks.check_out(args.get("out"), (*q.shape[:-1], d_v), out_dtype(q.dtype),
                            "(total_q, nheads, headdim_v)" if varlen else "(batch, seqlen_q, nheads, headdim_v)")
     if remap and not _flattenable(k_cache, v_cache):
         raise ValueError("cache_batch_idx / cache_leftpad need caches whose (batch_cache, max_seqlen_k) dims can be "
@@ -189,40 +177,34 @@ def append_and_attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
     if chunks >= 1 << 31:
         raise ValueError(f"q, k and v of one append call must hold fewer than 2**31 16-byte chunks (32 GiB), "
                          f"got {chunks}")
-    checks.check_device({"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "rotary_cos": rotary_cos,
-                         "rotary_sin": rotary_sin, "cache_seqlens": cache_seqlens, "cache_batch_idx": cache_batch_idx,
-                         "cache_leftpad": cache_leftpad, "page_table": page_table, "cu_seqlens_q": cu_seqlens_q,
-                         "cu_seqlens_k_new": cu_seqlens_k_new, "learnable_sink": learnable_sink,
-                         "q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale, "out": out})
+    args = dict(args, q=q, k_cache=k_cache, v_cache=v_cache, k_new=k, v_new=v, out=out, cache_seqlens=cache_seqlens)
+    checks.check_device({n: args.get(n) for n in (
+        "q", "k_cache", "v_cache", "k_new", "v_new", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx",
+        "cache_leftpad", "page_table", "cu_seqlens_q", "cu_seqlens_k_new", "learnable_sink", "q_descale",
+        "k_descale", "v_descale", "out")})
     max_seqlen_k = capacity
-    if check_cache_bounds:
+    if args.get("check_cache_bounds"):
         max_seqlen_k = checks.cache_bounds(cache_seqlens, capacity, page_table, k_cache.shape, new_per_seq,
                                            batch_idx=cache_batch_idx, leftpad=cache_leftpad)
-    opts, variant = checks.user_variant(*variant_args, opts, q.device, batch=batch, nheads=nheads,
-                                        max_seqlen_q=seqlen_q, max_seqlen_k=capacity)
+    opts = options_of(args, d)
+    dims = Dims(batch, seqlen_q, max_seqlen_k, nheads, nheads_kv, d, d_v)
+    opts, variant = user_variant_of(args, opts, dims, capacity)
     from flash_attn_cute.kernels import kv_append
 
     fp8_cache = k_cache.dtype in checks.FP8_DTYPES
     layout = _Layout(rotary=rotary_dim > 0, remap=remap, leftpad_k=paged and cache_leftpad is not None,
                      q_scaled=rotary_dim > 0 and q.dtype in checks.FP8_DTYPES,
                      kv_scaled=k is not None and fp8_cache)
-    append = kv_append.append_launcher(
-        dtype, d, d_v, rotary_dim, rotary_interleaved, opts.causal or opts.window_left >= 0 or opts.window_right >= 0,
-        layout.rotary, k is not None, paged, cache_batch_idx is not None, cache_leftpad is not None, varlen,
+    launch = kv_append.append_launcher(
+        dtype, d, d_v, rotary_dim, bool(args.get("rotary_interleaved", True)),
+        opts.causal or opts.window_left >= 0 or opts.window_right >= 0, layout.rotary, k is not None, paged,
+        cache_batch_idx is not None, cache_leftpad is not None, varlen,
         q_dtype=q.dtype if layout.q_scaled else None, new_dtype=k.dtype if k is not None and k.dtype != dtype else None,
         cache_dtype=k_cache.dtype if fp8_cache else None, device=q.device)
-    q_att, seqused, k_offsets, run_append = _prepare(
-        append, layout, q, k, v, k_cache, v_cache, cache_seqlens, page_table, cache_batch_idx, cache_leftpad,
-        rotary_cos, rotary_sin, cu_seqlens_q, cu_seqlens_k_new, batch, nheads_kv, descale_args)
-    k_att, v_att = (_flat(k_cache), _flat(v_cache)) if remap else (k_cache, v_cache)
-    call = _Call(q_att, k_att, v_att, out, opts, batch, seqlen_q, max_seqlen_k, nheads, nheads_kv, d_v, return_lse,
-                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=k_offsets, seqused_k=seqused, page_table=page_table,
-                 learnable_sink=learnable_sink, variant=variant, k_descale=k_descale, v_descale=v_descale,
-                 q_descale=q_descale, leftpad_k=cache_leftpad if layout.leftpad_k else None)
-    result, entry = _execute(call, prologue=run_append)
-    if entry is not None and all(a is b for a, b in zip(inputs, (q, k_cache, v_cache, k, v, out))):
-        call_cache.store(key, _AppendEntry(append, entry, layout, seqlens_fill))
-    return result
+    # The attention reads the append's outputs: key counts always, offsets into the flattened
+    # cache for a remap, each sequence's first key for a paged cache with cache_leftpad.
+    flags = dict(has_seqused_k=True, varlen_k=remap, leftpad_k=layout.leftpad_k)
+    return checked(args, dims, opts, variant, seqlens_fill, _Append(launch, layout), flags)
 
 
 def _flattenable(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -234,49 +216,51 @@ def _flat(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(cache.shape[0] * cache.shape[1], *cache.shape[2:])
 
 
-def _prepare(append, layout: _Layout, q, k, v, k_cache, v_cache, cache_seqlens, page_table, cache_batch_idx,
-             cache_leftpad, cos, sin, cu_seqlens_q, cu_seqlens_k_new, batch: int, nheads_kv: int, descale_args: tuple):
-    """(the queries to attend with, key counts, key offsets or None, ``run``): the append
-    kernel's outputs allocated and its descales viewed as it reads them (fp32 ``(batch,
-    nheads_kv)``); ``run()`` launches it, once the attention is planned."""
+def _run_append(append: _Append, args: dict, batch: int, nheads_kv: int) -> tuple:
+    """Runs the append kernel; returns (the queries to attend with, key counts, key offsets
+    or None). Its outputs are allocated per call and its descales viewed as it reads them
+    (fp32 ``(batch, nheads_kv)``)."""
+    layout, q, k = append.layout, args["q"], args.get("k_new")
     q_rot = torch.empty_like(q) if layout.rotary else None
     seqused = torch.empty((batch,), dtype=torch.int32, device=q.device)
     k_offsets = torch.empty((batch + 1,), dtype=torch.int32, device=q.device) if layout.remap else None
-    view = lambda t: checks.descale_view(t, batch, nheads_kv, q.device)
-    q_descale = view(descale_args[0]) if layout.q_scaled else None
-    k_descale, v_descale = (view(descale_args[1]), view(descale_args[2])) if layout.kv_scaled else (None, None)
+    view = lambda t: descale_view(t, batch, nheads_kv, q.device)
+    q_descale = view(args.get("q_descale")) if layout.q_scaled else None
+    k_descale, v_descale = ((view(args.get("k_descale")), view(args.get("v_descale"))) if layout.kv_scaled
+                            else (None, None))
+    seqlens = args.get("cache_seqlens")
+    if seqlens is None:  # an int cache_seqlens replayed
+        seqlens = torch.full((batch,), args["cache_seqlens_int"], dtype=torch.int32, device=q.device)
+    append.launch(q if layout.rotary else None, k, args.get("v_new"), args["k_cache"], args["v_cache"], seqlens,
+                  args.get("page_table"), args.get("cache_batch_idx"), args.get("cache_leftpad"),
+                  args.get("rotary_cos"), args.get("rotary_sin"), q_rot, seqused, k_offsets,
+                  args.get("cu_seqlens_q") if layout.rotary else None,
+                  args.get("cu_seqlens_k_new") if k is not None else None, q_descale, k_descale, v_descale)
+    return (q_rot if layout.rotary else q), seqused, k_offsets
 
-    def run():
-        append(q if layout.rotary else None, k, v, k_cache, v_cache, cache_seqlens, page_table, cache_batch_idx,
-               cache_leftpad, cos, sin, q_rot, seqused, k_offsets, cu_seqlens_q if layout.rotary else None,
-               cu_seqlens_k_new if k is not None else None, q_descale, k_descale, v_descale)
 
-    return (q_rot if layout.rotary else q), seqused, k_offsets, run
+def _tensors(entry, args: dict, out, lse):
+    """The append, then the attention's tensors over the grown cache (see the module
+    docstring): the append runs once the attention is planned."""
+    append, problem = entry.extra.append, entry.problem
+    q_att, seqused, k_offsets = _run_append(append, args, problem.batch, problem.nheads_kv)
+    layout = append.layout
+    k_att, v_att = (_flat(args["k_cache"]), _flat(args["v_cache"])) if layout.remap else (args["k_cache"],
+                                                                                          args["v_cache"])
+    return launch_tensors(entry, args, out, lse, q=q_att, k=k_att, v=v_att, seqused_k=seqused, cu_seqlens_k=k_offsets,
+                          leftpad_k=args.get("cache_leftpad") if layout.leftpad_k else None)
 
 
-def _replay(hit: _AppendEntry, q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-            page_table, cu_seqlens_q, cu_seqlens_k_new, learnable_sink, return_lse, out, variant_args, descale_args):
-    from flash_attn_cute.host import user_variants
-    from flash_attn_cute.seam.backend_kit import NO_VARIANT
-    from flash_attn_cute.interface import _aux_of, _launch
+def _empty(c: Checked):
+    """No key to attend (an empty batch or query set): the append still runs."""
+    _run_append(c.extra.append, c.args, c.args["cache_seqlens"].shape[0], c.args["k_cache"].shape[2])
+    return empty_result(c)
 
-    entry, layout = hit.attention, hit.layout
-    batch = entry.problem.batch
-    if hit.seqlens_fill is not None:
-        cache_seqlens = torch.full((batch,), hit.seqlens_fill, dtype=torch.int32, device=q.device)
-    q_att, seqused, k_offsets, run_append = _prepare(
-        hit.append, layout, q, k, v, k_cache, v_cache, cache_seqlens, page_table, cache_batch_idx, cache_leftpad,
-        cos, sin, cu_seqlens_q, cu_seqlens_k_new, batch, entry.problem.nheads_kv, descale_args)
-    if out is None:
-        out = q.new_empty(entry.out_shape, dtype=entry.problem.out_dtype)
-    lse = q.new_empty(entry.lse_shape, dtype=torch.float32) if return_lse else None
-    k_att, v_att = (_flat(k_cache), _flat(v_cache)) if layout.remap else (k_cache, v_cache)
-    variant_tensors = NO_VARIANT
-    if entry.problem.variant is not None:
-        aux = _aux_of(variant_args[2], variant_args[3])
-        variant_tensors = user_variants.kernel_aux(aux or ()) + (entry.block_ranges,)
-    run_append()
-    q_descale, k_descale, v_descale = descale_args
-    _launch(entry, q_att, k_att, v_att, out, lse, cu_seqlens_q, k_offsets, None, seqused, page_table, learnable_sink,
-            variant_tensors, k_descale, v_descale, q_descale, cache_leftpad if layout.leftpad_k else None)
-    return (out, lse) if return_lse else out
+
+APPEND = Spec("kvcache_append", ("q", "k_cache", "v_cache", "k_new", "v_new", "rotary_cos", "rotary_sin",
+                                 "cache_seqlens", "cache_batch_idx", "cache_leftpad", "page_table", "cu_seqlens_q",
+                                 "cu_seqlens_k_new", "learnable_sink", "out", *VARIANT_ARGS, "cache_seqlens_int",
+                                 "max_seqlen_q", "rotary_interleaved", *OPTION_ARGS),
+              _validate, _tensors, _empty, lambda args: out_dtype(args["q"].dtype),
+              cacheable=lambda args: not args.get("check_cache_bounds"), traced=traced("kvcache"),
+              inputs=("q", "k_cache", "v_cache", "k_new", "v_new", "out"))

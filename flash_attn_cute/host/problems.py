@@ -107,10 +107,18 @@ class FwdProblem(NamedTuple):
         """(O partials, LSE partials): a leading split mode on out and lse, fp32."""
         return _partials(num_splits, out_shape, self.lse_shape(out_shape))
 
-    def combine_views(self, out_partial, lse_partial, out, lse, sink=None) -> tuple:
-        """The partials, outputs and sink (``(nheads,)`` fp32 or None: the split kernels
+    @property
+    def rows_unwritten(self) -> bool:
+        """Whether the kernels leave some output rows out (``seqused_q``): their split-KV LSE
+        partials then start at -inf (``seam.run_resolved``)."""
+        return self.has_seqused_q
+
+    def combine_views(self, out_partial, lse_partial, tensors) -> tuple:
+        """The partials, the outputs and the sink of the call's kernel tensors
+        (``api.call_args.FwdTensors``: the sink ``(nheads,)`` fp32 or None; the split kernels
         leave it out, the combine adds it once) in the combine kernel's batched contract:
         packed query rows are one sequence of batch 1."""
+        out, lse, sink = tensors.out, tensors.lse, tensors.learnable_sink
         if not self.varlen_q:
             return out_partial, lse_partial, out, lse, sink
         return (out_partial.unsqueeze(1), lse_partial.unsqueeze(1), out.unsqueeze(0),
@@ -169,8 +177,10 @@ class MlaProblem(NamedTuple):
     def partial_shapes(self, num_splits: int, out_shape: tuple) -> tuple:
         return _partials(num_splits, out_shape, self.lse_shape(out_shape))
 
-    def combine_views(self, out_partial, lse_partial, out, lse, sink=None) -> tuple:
-        return out_partial, lse_partial, out, lse, None  # MLA has no sink
+    rows_unwritten = False  # every query row is computed
+
+    def combine_views(self, out_partial, lse_partial, tensors) -> tuple:
+        return out_partial, lse_partial, tensors.out, tensors.lse, None  # MLA has no sink
 
 
 class FwdPlan(NamedTuple):

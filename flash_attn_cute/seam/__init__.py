@@ -1,6 +1,6 @@
 """The dispatch seam of every kernel family: problem -> plan -> launch (-> combine).
 
-The public API validates a call and describes it once as a problem (``problems.py``: no
+The public API validates a call and describes it once as a problem (``host.problems``: no
 tensors, hashable). Each problem kind has its registry of backend modules:
 
 - ``"fwd"`` (``FwdProblem``, ``BACKENDS``): ``flash_attn_func``, ``flash_attn_varlen_func``,
@@ -15,14 +15,12 @@ A backend module owns everything architecture-specific about its kind:
 - ``plan(problem, num_splits, pack_gqa, num_sms, tuning=NO_TUNING, arch=None) -> FwdPlan``:
   its config (its own named tuple), GQA packing and KV splits (0 = its heuristic on
   ``num_sms`` SMs); ``tuning`` holds explicit overrides (``tuning.py``), never the
-  environment; ``arch`` (default ``keys.target_arch()``) for a config that depends on it;
+  environment; ``arch`` (the call's, ``resolve``) for a config that depends on it;
 - ``compile_key(problem, plan, arch=None)`` and ``compile(key)``: the binary, a pure
   function of a short key that reads only the problem and the plan;
-- ``launcher(problem, plan, device=None)``: a callable taking the kind's tensors (forward:
-  ``q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q,
-  learnable_sink[, k_descale, v_descale, variant tensors, leftpad_k]``; MLA: ``q_nope, q_pe, ckv, kpe,
-  out, lse, cache_seqlens, page_table, kv_descale``) with the compiled kernel and every runtime scalar bound
-  (``backend_kit`` builds these three).
+- ``launcher(problem, plan, device=None)``: a callable taking the kind's kernel tensor list
+  (``api.call_args.FwdTensors``, ``MlaTensors``: one named tuple) with the compiled
+  kernel and every runtime scalar bound (``backend_kit`` builds these three).
 
 ``resolve`` selects, plans and binds once per distinct problem and keeps the result in a
 cache, so a repeated call (a decode loop) costs one dict lookup before the launch;
@@ -48,7 +46,7 @@ from flash_attn_cute.host.problems import FwdPlan, FwdProblem, MlaProblem
 from flash_attn_cute.host.tuning import NO_TUNING, Tuning
 
 __all__ = ["FwdProblem", "MlaProblem", "FwdPlan", "BACKENDS", "MLA_BACKENDS", "REGISTRIES", "backend_module",
-           "candidates", "select_backend", "resolve", "run_resolved", "run_fwd", "clear_plan_cache", "MAX_SPLITS"]
+           "candidates", "select_backend", "resolve", "run_resolved", "clear_plan_cache", "MAX_SPLITS"]
 
 _KIND_LABEL = {"fwd": "", "mla": "MLA "}  # in messages
 _PLAN_CACHE_SIZE = 4096  # distinct problems remembered; a serving loop repeats a handful
@@ -206,16 +204,18 @@ def resolve(problem, requested: Optional[str], num_splits: int, pack_gqa: Option
     return hit
 
 
-def run_resolved(resolved: Resolved, problem, inputs: tuple, out, lse, rest: tuple, sink=None,
-                 rows_unwritten: bool = False) -> None:
-    """Launch ``resolved`` as ``launch(*inputs, out, lse, *rest)``; split (``plan.is_split``),
-    into fp32 partials of the shapes the problem states, then the combine into ``out`` /
-    ``lse``, which adds ``sink`` (fp32 ``(nheads,)``, or None). ``rows_unwritten``: the
-    kernel leaves some rows out (``seqused_q``): their LSE partials start at -inf, so the
+def run_resolved(resolved: Resolved, problem, tensors) -> None:
+    """Launch ``resolved`` as ``launch(tensors)`` (the kind's kernel tensor list, a named
+    tuple with ``out`` and ``lse`` fields: ``api.call_args.FwdTensors`` / ``MlaTensors``);
+    split (``plan.is_split``), into fp32 partials of the shapes the problem states, then the
+    combine into ``out`` / ``lse`` (``problem.combine_views``: it adds a forward call's
+    learnable sink, which split kernels leave out). Where the kernels leave rows out
+    (``problem.rows_unwritten``: seqused_q), their LSE partials start at -inf, so the
     combine writes them as rows that saw no key instead of merging uninitialised memory.
     A mixed plan (``resolved.then``): unsplit, its two launches run on two streams and
     join; split, the second part follows the first one's combine (which wrote the second
     part's rows as empty) and overwrites its rows."""
+    out = tensors.out
     if resolved.then is not None and not resolved.plan.is_split and out.is_cuda:
         # Two streams: the long sequences' compute-bound tiles fill the SMs the short
         # ones' memory-bound tail leaves idle (H200, the serving step of ``mixed_short_q``
@@ -225,13 +225,13 @@ def run_resolved(resolved: Resolved, problem, inputs: tuple, out, lse, rest: tup
         side = _side_stream(out.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            resolved.launch(*inputs, out, lse, *rest)
-        resolved.then.launch(*inputs, out, lse, *rest)
+            resolved.launch(tensors)
+        resolved.then.launch(tensors)
         main.wait_stream(side)
         return
-    _run_one(resolved, problem, inputs, out, lse, rest, sink, rows_unwritten or resolved.then is not None)
+    _run_one(resolved, problem, tensors, problem.rows_unwritten or resolved.then is not None)
     if resolved.then is not None:
-        resolved.then.launch(*inputs, out, lse, *rest)
+        resolved.then.launch(tensors)
 
 
 _side_streams: dict = {}
@@ -245,39 +245,17 @@ def _side_stream(device) -> torch.cuda.Stream:
     return stream
 
 
-def _run_one(resolved: Resolved, problem, inputs: tuple, out, lse, rest: tuple, sink, rows_unwritten: bool) -> None:
+def _run_one(resolved: Resolved, problem, tensors, rows_unwritten: bool) -> None:
     if not resolved.plan.is_split:
-        resolved.launch(*inputs, out, lse, *rest)
+        resolved.launch(tensors)
         return
-    o_shape, lse_shape = problem.partial_shapes(resolved.plan.num_splits, tuple(out.shape))
+    o_shape, lse_shape = problem.partial_shapes(resolved.plan.num_splits, tuple(tensors.out.shape))
     # One allocation for both partials (host time: one allocator call less per call).
     o_numel = math.prod(o_shape)
-    partials = out.new_empty((o_numel + math.prod(lse_shape),), dtype=torch.float32)
+    partials = tensors.out.new_empty((o_numel + math.prod(lse_shape),), dtype=torch.float32)
     out_partial = partials[:o_numel].view(o_shape)
     lse_partial = partials[o_numel:].view(lse_shape)
     if rows_unwritten:
         lse_partial.fill_(-math.inf)
-    resolved.launch(*inputs, out_partial, lse_partial, *rest)
-    resolved.combine(*problem.combine_views(out_partial, lse_partial, out, lse, sink))
-
-
-def run_fwd(problem: FwdProblem, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None,
-            page_table=None, seqused_q=None, learnable_sink=None, k_descale=None, v_descale=None,
-            requested: Optional[str] = None,
-            num_splits: int = 1, pack_gqa: Optional[bool] = None, variant_tensors: Optional[tuple] = None,
-            tuning: Tuning = NO_TUNING, leftpad_k=None) -> None:
-    """Plan, launch and (for split-KV) combine a forward problem into ``out`` / ``lse``
-    (allocated by the caller); ``learnable_sink`` fp32; the descales as the public API takes
-    them (``checks.kernel_descales``); ``leftpad_k`` (batch,) int32 for a
-    ``problem.leftpad_k`` paged cache (each sequence's first cache position)."""
-    from flash_attn_cute.seam.backend_kit import NO_VARIANT
-    from flash_attn_cute.api.checks import kernel_descales
-
-    k_descale, v_descale = kernel_descales(problem, k_descale, v_descale, q.device)
-    rest = (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q, learnable_sink, k_descale, v_descale)
-    if problem.variant is not None or problem.leftpad_k:
-        rest += (variant_tensors if variant_tensors is not None else NO_VARIANT,)
-    if problem.leftpad_k:
-        rest += (leftpad_k,)
-    run_resolved(resolve(problem, requested, num_splits, pack_gqa, q.device, tuning), problem, (q, k, v), out, lse,
-                 rest, learnable_sink, problem.has_seqused_q)
+    resolved.launch(tensors._replace(out=out_partial, lse=lse_partial))
+    resolved.combine(*problem.combine_views(out_partial, lse_partial, tensors))

@@ -115,12 +115,13 @@ def fwd_key(name: str, problem: FwdProblem, plan: FwdPlan, arch: str, tile: tupl
                     problem.has_sink, plan.config.split_blocks, problem.q_class, extra, leftpad_k=problem.leftpad_k)
 
 
-def entry_points(key: Callable, kernel_module: str, compile_fn: str, scalars: Callable, bind: Callable = None):
+def entry_points(key: Callable, kernel_module: str, compile_fn: str, scalars: Callable):
     """A backend's ``compile_key``, ``compile`` and ``launcher``: ``key(problem, plan, arch)``
     builds the key (its first field names the JIT cache entry), ``compile_fn`` of
     ``kernel_module`` compiles it, ``scalars(problem, plan, device)`` are the runtime
-    scalars the kernel takes after its tensors, and ``bind(fn, scalars)`` makes the launch
-    callable (default: ``launch(*tensors)`` = ``fn(*tensors, *scalars)``)."""
+    scalars the kernel takes after its tensors; the launcher is ``launch(tensors)`` =
+    ``fn(*tensors, *scalars)``, ``tensors`` the kind's kernel tensor list in the kernel's
+    argument order (``api.call_args.FwdTensors`` / ``MlaTensors``)."""
 
     def compile_key(problem, plan: FwdPlan, arch: Optional[str] = None) -> tuple:
         return key(problem, plan, arch or target_arch())
@@ -132,20 +133,9 @@ def entry_points(key: Callable, kernel_module: str, compile_fn: str, scalars: Ca
         k = compile_key(problem, plan, target_arch(device))
         fn = jit_cache.get_or_compile(k[0], k, lambda: compile(k))
         bound = tuple(scalars(problem, plan, device))
-        if bind is not None:
-            return bind(fn, bound)
-        return lambda *tensors: fn(*tensors, *bound)
+        return lambda tensors: fn(*tensors, *bound)
 
     return compile_key, compile, launcher
-
-
-def _bind_fwd(fn, scalars: tuple) -> Callable:
-    def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q, learnable_sink,
-               k_descale=None, v_descale=None, variant_tensors=NO_VARIANT, leftpad_k=None):
-        fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q, learnable_sink,
-           k_descale, v_descale, leftpad_k, *variant_tensors, *scalars)
-
-    return launch
 
 
 def fwd_entry_points(name: str, kernel_module: str, compile_fn: str, key_tile: Callable,
@@ -154,13 +144,9 @@ def fwd_entry_points(name: str, kernel_module: str, compile_fn: str, key_tile: C
     common fields (the config's ``split_blocks`` among them) then ``key_extra(plan.config)``;
     the launcher binds softmax_scale,
     window_left, window_right, softcap, num_splits, max_seqlen_q, batch, then
-    ``extra_scalars(problem, plan, device)``, and takes ``launch(q, k, v, out, lse,
-    cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, seqused_q, learnable_sink[,
-    k_descale, v_descale, variant_tensors, leftpad_k])`` (split kernels get fp32 partials as
-    out/lse and leave the sink to the combine; the sink is fp32; the descales fp32 ``(batch,
-    nheads_kv)`` for FP8 K/V, else None; a user variant's tensors are its aux slots and
-    block ranges; ``leftpad_k`` (batch,) int32 for a ``FwdProblem.leftpad_k`` paged cache:
-    each sequence's first cache position, ``seqused_k`` then counting the keys from it)."""
+    ``extra_scalars(problem, plan, device)``, and takes ``launch(tensors)``, an
+    ``api.call_args.FwdTensors`` (split kernels get fp32 partials as out/lse and leave the
+    sink to the combine)."""
 
     def key(problem: FwdProblem, plan: FwdPlan, arch: str) -> tuple:
         return fwd_key(name, problem, plan, arch, key_tile(plan.config), key_extra(plan.config))
@@ -170,15 +156,14 @@ def fwd_entry_points(name: str, kernel_module: str, compile_fn: str, key_tile: C
                 float(problem.softcap), int(plan.num_splits), int(problem.max_seqlen_q), int(problem.batch),
                 *extra_scalars(problem, plan, device))
 
-    return entry_points(key, kernel_module, compile_fn, scalars, _bind_fwd)
+    return entry_points(key, kernel_module, compile_fn, scalars)
 
 
 def mla_entry_points(name: str, kernel_module: str, compile_fn: str, key_config: Callable):
     """An MLA backend's entry points: the key (``keys.mla_key``) ends with
     ``key_config(plan.config)`` (its fields but ``split_blocks``, a common one); the launcher
-    binds softmax_scale, num_splits, max_seqlen_q and batch after ``launch(q_nope, q_pe, ckv,
-    kpe, out, lse, cache_seqlens, page_table, kv_descale)`` (kv_descale: fp32 ``(batch,)``
-    for an FP8 cache, ``(batch, nheads_kv)`` with a KV-head mode, else None)."""
+    binds softmax_scale, num_splits, max_seqlen_q and batch after the tensors of
+    ``launch(tensors)``, an ``api.call_args.MlaTensors``."""
 
     def key(problem: MlaProblem, plan: FwdPlan, arch: str) -> tuple:
         return mla_key(name, arch, dtype_key(problem.dtype, problem.kv_dtype),

@@ -1,0 +1,214 @@
+"""Every public argument, described once: its aliases, its part in the per-call cache key,
+the kernel tensor it becomes and the problem flag its presence sets.
+
+The entry points (``interface.py``, ``mla.py``) keep their explicit signatures and hand
+their arguments, as a dict, to the generic run path (``entry.run``). What that path does
+with an argument depends only on its row here (``ARGS``):
+
+- ``kind``: ``"tensor"`` (the cache key holds its signature: class, shape, strides, dtype,
+  device, alignment; a non-tensor value makes the call uncacheable and validation
+  decides), ``"tensors"`` (a list of tensors: ``aux_tensors``), ``"value"`` (the key holds
+  the value and its type: flags, scalars, functions, block masks) or ``"window"`` (a
+  ``(left, right)`` pair, compared element-wise with its types);
+- ``aliases``: other names of the same argument (vLLM's ``block_table``, ``s_aux``,
+  SGLang's ``sinks``, FA2's ``return_softmax_lse``); ``either``: an alias that may be
+  given beside the name (a flag: either one set sets it), else giving both is an error;
+- ``slot``: the field of the forward kernels' tensor list (``FwdTensors``) it fills;
+- ``flag``: the ``FwdProblem`` field its presence sets (a compile-key input).
+
+The forward kernels' tensor list (``FwdTensors``) is in the order of ``device.fwd_kernel.
+FwdArgs``'s tensor fields; a test keeps the two equal. MLA's is ``MlaTensors``
+(``device.mla_kernel.MlaArgs``). Adding a keyword: its row here (and its slot / flag if
+kernels read it), its validation in the entry point's ``validate``, its kernel code, its
+tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+
+from flash_attn_cute.api import call_cache
+
+
+@dataclass(frozen=True)
+class Arg:
+    name: str
+    kind: str = "value"  # "tensor", "tensors", "value" or "window" (see the module docstring)
+    aliases: tuple = ()
+    either: bool = False  # an alias may be given beside the name (flags)
+    slot: Optional[str] = None  # the FwdTensors field it fills
+    flag: Optional[str] = None  # the FwdProblem field its presence sets
+
+
+ARGS = {a.name: a for a in (
+    # queries, keys, values, output
+    Arg("q", "tensor", slot="q"), Arg("k", "tensor", slot="k"), Arg("v", "tensor", slot="v"),
+    Arg("k_cache", "tensor", slot="k"), Arg("v_cache", "tensor", slot="v"), Arg("out", "tensor", slot="out"),
+    # lengths, layouts
+    Arg("cu_seqlens_q", "tensor", slot="cu_seqlens_q", flag="varlen_q"),
+    Arg("cu_seqlens_k", "tensor", slot="cu_seqlens_k", flag="varlen_k"),
+    Arg("seqused_q", "tensor", slot="seqused_q", flag="has_seqused_q"),
+    Arg("seqused_k", "tensor", slot="seqused_k", flag="has_seqused_k"),
+    Arg("cache_seqlens", "tensor", slot="seqused_k", flag="has_seqused_k"),
+    Arg("cache_seqlens_int"),  # an int cache_seqlens (``forward.prepare_kvcache``): the same for every sequence
+    Arg("page_table", "tensor", aliases=("block_table",), slot="page_table"),
+    Arg("max_seqlen_q"), Arg("max_seqlen_k"),
+    # the KV-cache append (flash_attn_with_kvcache)
+    Arg("k_new", "tensor"), Arg("v_new", "tensor"), Arg("rotary_cos", "tensor"), Arg("rotary_sin", "tensor"),
+    Arg("cache_batch_idx", "tensor"), Arg("cache_leftpad", "tensor"), Arg("cu_seqlens_k_new", "tensor"),
+    Arg("rotary_interleaved"), Arg("check_cache_bounds"),
+    # the softmax
+    Arg("softmax_scale"), Arg("causal"), Arg("window_size", "window"), Arg("softcap"),
+    Arg("learnable_sink", "tensor", aliases=("s_aux", "sinks"), slot="learnable_sink", flag="has_sink"),
+    # FP8 (FA3's descales); MLA's one latent descale
+    Arg("q_descale", "tensor"), Arg("k_descale", "tensor", slot="k_descale"),
+    Arg("v_descale", "tensor", slot="v_descale"), Arg("kv_descale", "tensor"),
+    # user variants
+    Arg("score_mod"), Arg("mask_mod"), Arg("aux_tensors", "tensors"), Arg("block_mask"),
+    # planning and outputs
+    Arg("num_splits"), Arg("pack_gqa"), Arg("backend"), Arg("batch_invariant"),
+    Arg("return_lse", aliases=("return_softmax_lse",), either=True),
+    # MLA (flash_mla_decode)
+    Arg("q_nope", "tensor"), Arg("q_pe", "tensor"), Arg("ckv_cache", "tensor"), Arg("kpe_cache", "tensor"),
+)}
+ALIAS_OF = {alias: arg.name for arg in ARGS.values() for alias in arg.aliases}
+
+
+def fold_aliases(args: dict) -> dict:
+    """``args`` (an entry point's locals) with every alias folded into its argument: a
+    flag alias ORed in, any other one taking the argument's place (giving both is an
+    error naming them)."""
+    for alias, name in ALIAS_OF.items():
+        if alias not in args:
+            continue
+        value = args.pop(alias)
+        if ARGS[name].either:
+            args[name] = bool(args.get(name) or value)
+        elif value is not None:
+            if args.get(name) is not None:
+                raise ValueError(f"{name} and {alias} name the same argument: give one of them")
+            args[name] = value
+    return args
+
+
+def cache_key(kind: str, names: tuple, args: dict):
+    """The per-call cache key of a call of entry point ``kind`` over the arguments ``names``
+    (``call_cache.key``: tensors by signature, values with their types, the window apart),
+    or None when the call cannot use the cache (the full path then decides)."""
+    tensors, values, window = [], [], ()
+    for name in names:
+        arg, value = ARGS[name], args.get(name)
+        if arg.kind == "tensor":
+            tensors.append(value)
+        elif arg.kind == "tensors":
+            tensors.extend(_as_list(value))
+        elif arg.kind == "window":
+            window = value
+        else:
+            values.append(value)
+    return call_cache.key(kind, tuple(tensors), tuple(values), window)
+
+
+def _as_list(value) -> tuple:
+    """A tensor list as extra key tensors (any other value makes the key fail to hash or
+    compare, and the full path then validates it)."""
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+class FwdTensors(NamedTuple):
+    """The forward kernels' tensor arguments, in their launch order (``FwdArgs``): None
+    where a feature is off. ``lse`` None: no LSE; split plans replace ``out`` / ``lse`` by
+    their fp32 partials (``seam.run_resolved``)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    lse: Optional[torch.Tensor] = None
+    cu_seqlens_q: Optional[torch.Tensor] = None
+    cu_seqlens_k: Optional[torch.Tensor] = None
+    seqused_k: Optional[torch.Tensor] = None
+    page_table: Optional[torch.Tensor] = None
+    seqused_q: Optional[torch.Tensor] = None
+    learnable_sink: Optional[torch.Tensor] = None  # fp32 (the kernels' and the combine's)
+    k_descale: Optional[torch.Tensor] = None  # fp32 (batch, nheads_kv) views (``kernel_descales``)
+    v_descale: Optional[torch.Tensor] = None
+    leftpad_k: Optional[torch.Tensor] = None  # a paged cache's per-sequence first key (cache_leftpad)
+    aux0: Optional[torch.Tensor] = None  # a user variant's aux tensors (``user_variants.kernel_aux``)
+    aux1: Optional[torch.Tensor] = None
+    aux2: Optional[torch.Tensor] = None
+    aux3: Optional[torch.Tensor] = None
+    block_ranges: Optional[torch.Tensor] = None  # a block mask's key ranges
+
+
+class MlaTensors(NamedTuple):
+    """The MLA kernels' tensor arguments, in their launch order (``MlaArgs``)."""
+
+    q_nope: torch.Tensor
+    q_pe: torch.Tensor
+    ckv: torch.Tensor
+    kpe: torch.Tensor
+    out: torch.Tensor
+    lse: Optional[torch.Tensor]
+    cache_seqlens: torch.Tensor
+    page_table: torch.Tensor
+    kv_descale: Optional[torch.Tensor]  # fp32 (batch,) / (batch, nheads_kv) for an FP8 cache
+
+
+SLOTS = {arg.name: arg.slot for arg in ARGS.values() if arg.slot}
+FLAGS = {arg.slot: arg.flag for arg in ARGS.values() if arg.flag}
+
+
+def fwd_tensors(args: dict, **given) -> FwdTensors:
+    """The kernels' tensors of a forward call from its (validated, or cached-signature)
+    arguments by their slots, then ``given`` (launch-time values: out, lse, the fp32 sink,
+    the descale views, a variant's tensors)."""
+    slots = {}
+    for name, value in args.items():
+        slot = SLOTS.get(name)
+        if slot is not None and isinstance(value, torch.Tensor):
+            slots[slot] = value
+    slots.update(given)
+    return FwdTensors(**slots)
+
+
+def problem_flags(tensors: FwdTensors) -> dict:
+    """The ``FwdProblem`` flags a call's tensors set by being there (``Arg.flag``)."""
+    return {flag: getattr(tensors, slot) is not None for slot, flag in FLAGS.items()}
+
+
+_ONES: dict = {}
+
+
+def descale_view(t, batch: int, nheads_kv: int, device):
+    """A checked descale (``checks.descales``) as the kernels read it: fp32 ``(batch,
+    nheads_kv)``, a broadcast view for one element or None (1.0). Cheap: the per-call
+    replay runs it."""
+    if t is None:
+        t = _ONES.get(device)
+        if t is None:
+            t = torch.ones(1, dtype=torch.float32, device=device)
+            # Made during a CUDA-graph capture, its fill runs only when the graph replays (and
+            # it lives in the graph's pool): not one to keep for eager calls.
+            if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+                _ONES[device] = t
+    if t.numel() == 1:
+        return t.reshape(1, 1).expand(batch, nheads_kv)
+    return t
+
+
+def kernel_descales(problem, k_descale, v_descale, device, q_descale=None) -> tuple:
+    """(k_descale, v_descale) as ``problem``'s kernel reads them: ``descale_view`` of each for
+    FP8 K/V; for FP8 queries the first is ``q_descale * k_descale`` (both scale the scores
+    alike: one factor per (batch, KV head)); else (None, None) (16-bit K/V ignore them)."""
+    if not (problem.kv_fp8 or problem.qkv_fp8):
+        return None, None
+    k_view = descale_view(k_descale, problem.batch, problem.nheads_kv, device)
+    if problem.qkv_fp8 and q_descale is not None:
+        k_view = descale_view(q_descale, problem.batch, problem.nheads_kv, device) * k_view
+    return k_view, descale_view(v_descale, problem.batch, problem.nheads_kv, device)
