@@ -26,6 +26,7 @@ tests.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import NamedTuple, Optional
 
 import torch
@@ -98,18 +99,21 @@ def cache_key(kind: str, names: tuple, args: dict):
     """The per-call cache key of a call of entry point ``kind`` over the arguments ``names``
     (``call_cache.key``: tensors by signature, values with their types, the window apart),
     or None when the call cannot use the cache (the full path then decides)."""
-    tensors, values, window = [], [], ()
-    for name in names:
-        arg, value = ARGS[name], args.get(name)
-        if arg.kind == "tensor":
-            tensors.append(value)
-        elif arg.kind == "tensors":
-            tensors.extend(_as_list(value))
-        elif arg.kind == "window":
-            window = value
-        else:
-            values.append(value)
-    return call_cache.key(kind, tuple(tensors), tuple(values), window)
+    tensor_names, list_names, value_names, window_name = _key_layout(names)
+    tensors = [args.get(n) for n in tensor_names]
+    for n in list_names:
+        tensors.extend(_as_list(args.get(n)))
+    window = args.get(window_name, ()) if window_name else ()
+    return call_cache.key(kind, tuple(tensors), tuple(args.get(n) for n in value_names), window)
+
+
+@lru_cache(maxsize=None)
+def _key_layout(names: tuple) -> tuple:
+    """``names`` split by their part in a cache key (a repeated call pays only the lookups)."""
+    kinds = [ARGS[n].kind for n in names]
+    pick = lambda k: tuple(n for n, kind in zip(names, kinds) if kind == k)
+    windows = pick("window")
+    return pick("tensor"), pick("tensors"), pick("value"), windows[0] if windows else None
 
 
 def _as_list(value) -> tuple:
@@ -160,21 +164,28 @@ class MlaTensors(NamedTuple):
     kv_descale: Optional[torch.Tensor]  # fp32 (batch,) / (batch, nheads_kv) for an FP8 cache
 
 
-SLOTS = {arg.name: arg.slot for arg in ARGS.values() if arg.slot}
 FLAGS = {arg.slot: arg.flag for arg in ARGS.values() if arg.flag}
+# Each FwdTensors field with the arguments that fill it (one per entry point's naming).
+_SOURCES = tuple((f, tuple(a.name for a in ARGS.values() if a.slot == f)) for f in FwdTensors._fields)
 
 
 def fwd_tensors(args: dict, **given) -> FwdTensors:
     """The kernels' tensors of a forward call from its (validated, or cached-signature)
     arguments by their slots, then ``given`` (launch-time values: out, lse, the fp32 sink,
-    the descale views, a variant's tensors)."""
-    slots = {}
-    for name, value in args.items():
-        slot = SLOTS.get(name)
-        if slot is not None and isinstance(value, torch.Tensor):
-            slots[slot] = value
-    slots.update(given)
-    return FwdTensors(**slots)
+    the descale views, a variant's tensors, a pre-step's outputs)."""
+    values = []
+    for field, sources in _SOURCES:
+        if field in given:
+            values.append(given[field])
+            continue
+        value = None
+        for name in sources:
+            x = args.get(name)
+            if isinstance(x, torch.Tensor):
+                value = x
+                break
+        values.append(value)
+    return FwdTensors._make(values)
 
 
 def problem_flags(tensors: FwdTensors) -> dict:

@@ -70,7 +70,7 @@ class Spec:
 
 def run(spec: Spec, args: dict):
     """A call of ``spec``'s entry point with ``args`` (its arguments by name)."""
-    args = spec.prepare(fold_aliases(dict(args)))
+    args = spec.prepare(fold_aliases(args))  # (an entry point's locals(): its own dict)
     if spec.traced is not None and torch.compiler.is_compiling():
         return spec.traced(args)
     key = None
