@@ -108,6 +108,7 @@ def _tree(folder: Path) -> dict:
 # ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cli_builds_the_jit_layout(built):
     out, stderr = built
     assert "2 entries for sm_80: 1 combine, 1 fwd_sm80" in stderr
@@ -124,6 +125,7 @@ def test_cli_builds_the_jit_layout(built):
     assert not [p for p in out.rglob("*") if ".tmp" in p.name or p.suffix == ".lock"]
 
 
+@pytest.mark.slow
 def test_fresh_process_loads_every_entry(frozen, built):
     out, _ = built
     r = _load(frozen, out, CUTE_DSL_ARCH="sm_80", FLASH_ATTN_CUTE_CACHE_DIR=out)
@@ -132,6 +134,7 @@ def test_fresh_process_loads_every_entry(frozen, built):
     assert r["stats"]["prebuilt_loads"] == 0
 
 
+@pytest.mark.slow
 def test_prebuilt_folder_serves_a_server_without_arch_env(frozen, built, tmp_path):
     out, _ = built
     prebuilt, cache = tmp_path / "prebuilt", tmp_path / "cache"
@@ -151,6 +154,7 @@ def test_prebuilt_folder_serves_a_server_without_arch_env(frozen, built, tmp_pat
         p.chmod(0o755 if p.is_dir() else 0o644)
 
 
+@pytest.mark.slow
 def test_prebuilt_folder_is_read_with_the_cache_off(frozen, built, jit_cache_dir, monkeypatch):
     # In this process, posing as the frozen package (its fingerprint): the entries load.
     out, _ = built
@@ -166,6 +170,7 @@ def test_prebuilt_folder_is_read_with_the_cache_off(frozen, built, jit_cache_dir
     assert not jit_cache_dir.exists()
 
 
+@pytest.mark.slow
 def test_corrupted_entry_is_recompiled_and_replaced(frozen, built, tmp_path):
     out, _ = built
     cache = tmp_path / "cache"

@@ -5,12 +5,10 @@ it keeps (PTX, cubin and, when nvdisasm is installed, SASS) are then checked her
 instructions the design relies on.
 """
 
-import concurrent.futures
-import os
 import re
 
 import pytest
-from compile_harness import compile_entries
+from compile_harness import compile_archs
 
 # sm_80: the lowest supported arch (cp.async needs it); sm_90a: the main target. Each arch is
 # a separate compile target with its own SASS, so each is checked on its own.
@@ -42,22 +40,15 @@ def entries(arch):
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory):
-    """{arch: (artifact dir, {config: compile seconds})}. The archs compile concurrently
-    when there are cores for it (on 2 cores, one after the other is faster)."""
-    root = tmp_path_factory.mktemp("combine_artifacts")
-    workers = len(ARCHS) if (os.cpu_count() or 1) >= 4 else 1
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        futures = {arch: pool.submit(compile_entries, arch, entries(arch), root) for arch in ARCHS}
-        result = {arch: f.result() for arch, f in futures.items()}
-    for arch, (_, times) in result.items():
-        print(f"\n{arch} compile seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in times.items()))
-    return result
+    """{arch: (artifact dir, {entry: compile seconds})} (``compile_harness.compile_archs``)."""
+    return compile_archs(ARCHS, entries, tmp_path_factory.mktemp("combine_artifacts"))
 
 
 def config_dir(artifacts, arch, dtype, head_dim_v, with_lse, with_sink=False):
     return artifacts[arch][0] / config_name(dtype, head_dim_v, with_lse, with_sink)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("with_sink", WITH_SINK)
 @pytest.mark.parametrize("with_lse", WITH_LSE)
 @pytest.mark.parametrize("head_dim_v", HEAD_DIMS_V)
@@ -75,6 +66,7 @@ def test_cubin_and_ptx(artifacts, arch, dtype, head_dim_v, with_lse, with_sink):
     assert re.search(r"cp\.async\.ca\.shared\.global(\.\w+)*\s+\[[^]]+\],\s*\[[^]]+\],\s*4", ptx)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("with_sink", WITH_SINK)
 @pytest.mark.parametrize("with_lse", WITH_LSE)
 @pytest.mark.parametrize("head_dim_v", HEAD_DIMS_V)

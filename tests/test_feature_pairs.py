@@ -51,6 +51,7 @@ def _covering_pairs(backend):
     return chosen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_pair_kernels_compile(backend, tmp_path):
     arch = PAIR_ARCHS[backend]

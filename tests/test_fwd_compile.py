@@ -193,6 +193,7 @@ def artifacts(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,arch", CASES)
 def test_forward_compiles(artifacts, backend, arch):
     keys, out_dir, seconds = artifacts(backend, arch)
@@ -203,6 +204,7 @@ def test_forward_compiles(artifacts, backend, arch):
         assert len(cubins) == 1 and cubins[0].read_bytes()[:4] == b"\x7fELF", key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,arch", CASES)
 def test_forward_sass(artifacts, backend, arch):
     keys, out_dir, _ = artifacts(backend, arch)
@@ -244,6 +246,7 @@ def loop_local_memory(sass: str) -> int:
     return sum(any(lo <= i <= hi for lo, hi in loops) for i in spills)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,arch", CASES)
 def test_sink_sass(artifacts, backend, arch):
     # The sink enters once: a split kernel (batch invariant: split_blocks > 0) compiles to
@@ -265,6 +268,7 @@ def test_sink_sass(artifacts, backend, arch):
     assert in_loops[0] <= in_loops[1], ("the sink adds local memory to the KV loops", in_loops)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,arch", [("sm80", "sm_90a"), ("sm90", "sm_90a"), ("sm100", "sm_100a")])
 def test_fp8_sass(artifacts, backend, arch):
     # FP8 K/V: the fp8 blocks land by 16-byte cp.async (SM80) or TMA / row gathers (SM90,
@@ -286,6 +290,7 @@ def test_fp8_sass(artifacts, backend, arch):
         assert bound is None or len(re.findall(r"\b(LDL|STL)\b", sass)) <= bound, ("local memory", key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,arch", [("sm90", "sm_90a"), ("sm100", "sm_100a")])
 def test_fp8_attention_sass(artifacts, backend, arch):
     # FP8 Q, K, V: both GEMMs on fp8 operands (SM90: QGMMA e4m3 x e4m3, V transposed by
@@ -380,6 +385,7 @@ def leftpad_artifacts(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,arch", LEFTPAD_CASES)
 def test_leftpad_compiles_and_sass(leftpad_artifacts, backend, arch):
     keys, out_dir, _ = leftpad_artifacts(backend, arch)

@@ -7,15 +7,13 @@ shared memory. The fp32 references of flash_attn_cute.testing (which the GPU tes
 are checked here against independent formulations.
 """
 
-import concurrent.futures
 import itertools
 import math
-import os
 import re
 
 import pytest
 import torch
-from compile_harness import compile_entries, covering_subset
+from compile_harness import compile_archs, compile_entries, covering_subset
 
 from flash_attn_cute.testing import (apply_rotary_ref, attention_kvcache_ref, gather_paged_kv, kv_append_ref,
                                      quantize_ref, varlen_rows_ref)
@@ -95,21 +93,15 @@ def test_covering_subset_spans_every_value():
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory):
-    """{arch: (artifact dir, {entry: compile seconds})}; archs in parallel given the cores."""
-    root = tmp_path_factory.mktemp("kv_append_artifacts")
-    workers = len(ARCHS) if (os.cpu_count() or 1) >= 6 else 1
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        futures = {arch: pool.submit(compile_entries, arch, entries(arch), root) for arch in ARCHS}
-        result = {arch: f.result() for arch, f in futures.items()}
-    for arch, (_, times) in result.items():
-        print(f"\n{arch} compile seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in times.items()))
-    return result
+    """{arch: (artifact dir, {entry: compile seconds})} (``compile_harness.compile_archs``)."""
+    return compile_archs(ARCHS, entries, tmp_path_factory.mktemp("kv_append_artifacts"))
 
 
 def all_entries():
     return [(arch, name, key) for arch in ARCHS for name, _, key in entries(arch)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,name,key", all_entries(), ids=[f"{a}-{n}" for a, n, _ in all_entries()])
 def test_cubin_ptx_and_sass(artifacts, arch, name, key):
     d = artifacts[arch][0] / name
@@ -219,6 +211,7 @@ def fp8_parts(key):
 
 @pytest.mark.parametrize("arch,key", [(a, k) for a in FP8_ARCHS for k in fp8_keys(a)],
                          ids=[f"{a}-{entry_name(k)}" for a in FP8_ARCHS for k in fp8_keys(a)])
+@pytest.mark.slow
 def test_fp8_cubin_and_sass(fp8_artifacts, arch, key):
     d = fp8_artifacts[arch][0] / entry_name(key)
     cubins = list(d.glob(f"*.{arch}.cubin"))
@@ -257,6 +250,7 @@ def test_fp8_cubin_and_sass(fp8_artifacts, arch, key):
     assert not re.search(r"\bCALL\b", sass) or quantize_kv or quantize_q
 
 
+@pytest.mark.slow
 def test_compile_times_recorded(artifacts):
     for arch, (_, times) in artifacts.items():
         assert times and all(t < 120 for t in times.values()), (arch, times)

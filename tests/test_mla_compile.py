@@ -65,6 +65,7 @@ def check_artifacts(out_dir, keys_, arch, expect, spill_bound):
         assert spills <= spill_bound, ("local-memory spill", spills, key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_mla_compiles_and_sass(artifacts, arch):
     out_dir, seconds = artifacts(arch)
@@ -86,6 +87,7 @@ SM90_MODES = [(32, 4, "seesaw"), (32, 3, "split"), (32, 4, "one")]
 SM90_SASS_EXPECT = ["HGMMA.64x32x16.F32", "HGMMA.64x256x16.F32", "LDGSTS", "MUFU.EX2", "SYNCS", "USETMAXREG"]
 
 
+@pytest.mark.slow
 def test_mla_sm90_compiles_and_sass(tmp_path):
     # Every Q K^T mode of the consumers ("seesaw": the warpgroups take turns computing S;
     # "one": warpgroup 0 computes S and shares P via smem; "split": halves summed via smem).
@@ -125,6 +127,7 @@ FP8_SASS_EXPECT = ["LDGSTS", "LDS.128", "STS.128", "F2FP.F16.E"]
 FP8_SPILL_BOUND = 40
 
 
+@pytest.mark.slow
 def test_mla_fp8_compiles_and_sass(tmp_path):
     keys8 = [mla_key("sm80", "sm_90a", *c, (mla_stages_for("sm_90a", fp8=True), MLA_FP8_STAGING)) for c in FP8_CONFIGS]
     keys8 += [mla_key("sm90", "sm_90a", *c, (((32, 2, "split", 2) if i % 2 else (32, 3, "seesaw", 2)),))
@@ -156,6 +159,7 @@ HEADS_SM90 = [(("bf16", 100, True, False, True, 0), (32, 4, "seesaw")),
               (("bf16/e4m3", "2/hkv", True, False, True, 0), (32, 3, "seesaw", 2))]
 
 
+@pytest.mark.slow
 def test_mla_head_counts_and_kv_heads_compile(tmp_path):
     keys80 = [mla_key("sm80", "sm_80", *c, (mla_stages_for("sm_80"),)) for c in HEADS_SM80]
     out80, sec80 = compile_entries("sm_80", [(f"k{i}", "flash_attn_cute.sm80.mla:compile", k)

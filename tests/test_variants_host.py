@@ -173,6 +173,7 @@ def variant_artifacts(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_variant_path_compiles(variant_artifacts, arch):
     out_dir, seconds = variant_artifacts(arch)
