@@ -51,6 +51,8 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 240 python benchmarks/bench_serving_step.py --sinks --csv "$OUT/serving_step.csv" 2>&1 | tail -14
   timeout 240 python benchmarks/bench_serving_costs.py --csv "$OUT/serving_costs.csv" 2>&1 | tail -12
   timeout 120 python examples/serve_paged.py --steps 64 2>&1 | tail -6
+  timeout 200 python benchmarks/bench_cp_decode.py --csv "$OUT/cp_decode.csv" 2>&1 | tail -12
+  timeout 120 torchrun --nproc-per-node 1 examples/cp_decode.py 2>&1 | tail -3
   python benchmarks/plot_splits.py "$OUT"/decode_splits*.csv --out "$OUT/decode_splits.png" 2>&1 | tail -2
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
 fi

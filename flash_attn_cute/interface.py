@@ -52,7 +52,8 @@ def clear_call_cache() -> None:
 def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), learnable_sink=None,
                     s_aux=None, sinks=None, softcap=0.0, num_splits=1, pack_gqa=None, return_lse=False, out=None,
                     backend=None, batch_invariant=False, score_mod=None, mask_mod=None, aux_tensors=None,
-                    block_mask=None, q_descale=None, k_descale=None, v_descale=None):
+                    block_mask=None, q_descale=None, k_descale=None, v_descale=None, cp_world_size=1, cp_rank=0,
+                    cp_tot_seqused_k=None, cp_kv_interleave=1):
     """Attention over a dense batch.
 
     q ``(batch, seqlen_q, nheads, d)``, k ``(batch, seqlen_k, nheads_kv, d)``, v
@@ -69,7 +70,8 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     keeps a score where True (ANDed with causal / window_size), ``aux_tensors`` (<= 4
     tensors) is their ``aux``, ``block_mask`` (``create_block_mask``) lets the kernel skip
     empty blocks and the predicate on full ones. ``s_aux`` (vLLM) and ``sinks`` (SGLang)
-    are aliases of ``learnable_sink``."""
+    are aliases of ``learnable_sink``. Context parallelism (``cp_*``): as in
+    ``flash_attn_varlen_func``."""
     return run(forward.FUNC, locals())
 
 
@@ -79,7 +81,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
                            softcap=0.0,
                            num_splits=1, pack_gqa=None, return_lse=False, out=None, backend=None,
                            batch_invariant=False, score_mod=None, mask_mod=None, aux_tensors=None, block_mask=None,
-                           q_descale=None, k_descale=None, v_descale=None):
+                           q_descale=None, k_descale=None, v_descale=None, cp_world_size=1, cp_rank=0,
+                           cp_tot_seqused_k=None, cp_kv_interleave=1):
     """Attention over variable-length sequences: the general call (FA3/FA4 names and semantics).
 
     Queries: packed ``(total_q, nheads, d)`` with ``cu_seqlens_q`` ``(batch + 1,)`` int32
@@ -121,7 +124,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     FP8 attention (Hopper, the SM90 kernel; SM100 compiled): q, k and v all ``float8_e4m3fn`` with
     ``q_descale`` / ``k_descale`` / ``v_descale`` (fp32 ``(batch, nheads_kv)`` or one
     element, default 1.0); the output is bf16. Both GEMMs run in fp8 (P rounded to e4m3);
-    paged keys need pages of a multiple of 64 tokens."""
+    paged keys need pages of a multiple of 64 tokens.
+
+    Context parallelism (the FA3 fork's keywords, vLLM's decode context parallelism;
+    ``flash_attn_cute.distributed`` merges the ranks): the keys are rank ``cp_rank``'s
+    shard of each sequence, the cache holding every ``cp_world_size``-th block of
+    ``cp_kv_interleave`` tokens (1: round-robin by token, local key ``j`` being global
+    position ``j * cp_world_size + cp_rank``); ``cp_tot_seqused_k`` ``(batch,)`` int32 is
+    each sequence's key count over every rank, required with causal or a window (their
+    limits are taken on global positions, the queries being the last of the global keys).
+    A rank that holds no key of a sequence returns out 0 and lse -inf. Not with user
+    variants, ``learnable_sink`` (the merge adds it once) or a KV-cache append."""
     return run(forward.VARLEN, locals())
 
 
@@ -134,7 +147,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             num_splits=0, pack_gqa=None, return_lse=False, return_softmax_lse=False, out=None,
                             backend=None, check_cache_bounds=False, batch_invariant=False, score_mod=None,
                             mask_mod=None, aux_tensors=None, block_mask=None, q_descale=None, k_descale=None,
-                            v_descale=None):
+                            v_descale=None, cp_world_size=1, cp_rank=0, cp_tot_seqused_k=None, cp_kv_interleave=1):
     """Attention of new queries against a KV cache (decode, speculative decode, chunked
     prefill), FA2/FA3's call: optionally appends new keys and values to the cache and
     applies rotary embedding, then attends.
@@ -192,7 +205,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     FP8 attention: as in ``flash_attn_varlen_func``;
     ``return_softmax_lse`` is FA2/FA3's name for ``return_lse``. User variants as in
     ``flash_attn_func``: ``q_idx`` counts the new queries from 0 and ``kv_idx`` the cache
-    positions."""
+    positions. Context parallelism (``cp_world_size``, ``cp_rank``, ``cp_tot_seqused_k``,
+    ``cp_kv_interleave``): as in ``flash_attn_varlen_func``, without an append."""
     args = forward.prepare_kvcache(fold_aliases(locals()))
     return run(kv_cache_ops.APPEND if forward.appends(args) else forward.KVCACHE, args)
 

@@ -26,7 +26,7 @@ __all__ = ["flash_mla_decode", "MlaProblem", "MLA_BACKENDS", "MLA_NHEADS", "MLA_
 
 def flash_mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, *, softmax_scale=None,
                      causal=False, num_splits=0, return_lse=False, out=None, backend=None, batch_invariant=False,
-                     kv_descale=None):
+                     kv_descale=None, cp_world_size=1, cp_rank=0, cp_tot_seqused_k=None, cp_kv_interleave=1):
     """MLA decode against a paged latent cache.
 
     q_nope ``(batch, seqlen_q, nheads, 512)``, q_pe ``(batch, seqlen_q, nheads, 64)``;
@@ -59,5 +59,11 @@ def flash_mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_tab
 
     No device synchronisation: lengths beyond the table's capacity and page ids outside
     the pool are clamped in the kernel (wrong results, never an illegal read). A
-    repeated call (same shapes, strides, dtypes, arguments) skips validation and planning."""
+    repeated call (same shapes, strides, dtypes, arguments) skips validation and planning.
+
+    Context parallelism (``cp_world_size``, ``cp_rank``, ``cp_tot_seqused_k``,
+    ``cp_kv_interleave``; FlashInfer's ``enable_dcp`` / ``cp_world`` / ``cp_rank``): the
+    cache is rank ``cp_rank``'s shard, as in ``flash_attn_varlen_func``; ``causal`` then
+    needs ``cp_tot_seqused_k``, the global lengths. ``flash_attn_cute.distributed.
+    cp_mla_decode`` runs the shard and merges the ranks."""
     return run(mla_call.MLA, locals())

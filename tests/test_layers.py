@@ -14,7 +14,7 @@ Layers, lowest first (``layer_of``; the folders are the layers):
 5. ``seam/``: the dispatch (it imports backends by name, through the registry);
 6. ``api/``: the call kit under the public entry points;
 7. the public API: ``interface.py``, ``mla.py``, ``mods.py``, ``__init__.py``;
-8. tools: ``aot.py``, ``testing.py``.
+8. tools: ``aot.py``, ``testing.py``, ``distributed.py``.
 """
 
 import ast
@@ -42,7 +42,7 @@ def layer_of(rel: Path) -> int:
         return 5
     if parts[0] == "api":
         return 6
-    if rel.name in ("aot.py", "testing.py"):
+    if rel.name in ("aot.py", "testing.py", "distributed.py"):
         return 8
     return 7
 
@@ -130,7 +130,7 @@ def test_host_tensor_lists_are_the_kernels_argument_lists(kernel_args, path, hos
 
     snake = {"mQ": "q", "mK": "k", "mV": "v", "mO": "out", "mLSE": "lse", "mSeqUsedK": "seqused_k",
              "mSeqUsedQ": "seqused_q", "mQn": "q_nope", "mQp": "q_pe", "mCkv": "ckv", "mKpe": "kpe",
-             "mSeqlens": "cache_seqlens", "mKvDescale": "kv_descale"}
+             "mSeqlens": "cache_seqlens", "mKvDescale": "kv_descale", "mCpTotSeqlenK": "cp_tot_seqused_k"}
 
     def name(field):
         if field in snake:

@@ -13,6 +13,7 @@ import torch
 from flash_attn_cute import seam, sm80
 from flash_attn_cute.seam.backend_kit import FEATURES, feature_refusal
 from flash_attn_cute.interface import flash_attn_varlen_func, flash_attn_with_kvcache
+from flash_attn_cute.api.call_args import FwdTensors
 
 BF16 = torch.bfloat16
 
@@ -234,14 +235,14 @@ def test_sink_and_seqused_q_reach_the_kernel(launches):
     used = torch.tensor([1, 1, 3, 0, 200], dtype=torch.int32)
     flash_attn_varlen_func(**a, seqused_q=used, s_aux=sink, causal=True)
     call = launches[-1]
-    assert call.problem.has_sink and call.problem.has_seqused_q and len(call.tensors) == 19
+    assert call.problem.has_sink and call.problem.has_seqused_q and len(call.tensors) == len(FwdTensors._fields)
     assert call.tensors[9] is used
     assert call.tensors[10].dtype == torch.float32 and torch.equal(call.tensors[10], sink.float())
     fp32_sink = torch.randn(8)
     flash_attn_varlen_func(**a, learnable_sink=fp32_sink)
     assert launches[-1].tensors[9] is None and launches[-1].tensors[10] is fp32_sink  # no copy
     flash_attn_varlen_func(**a)
-    assert launches[-1].tensors[9:] == (None,) * 10 and not launches[-1].problem.has_sink
+    assert launches[-1].tensors[9:] == (None,) * (len(FwdTensors._fields) - 9) and not launches[-1].problem.has_sink
 
 
 def test_batch_invariant_is_always_split_with_the_sink_in_the_combine(launches, monkeypatch):

@@ -72,6 +72,9 @@ ARGS = {a.name: a for a in (
     # planning and outputs
     Arg("num_splits"), Arg("pack_gqa"), Arg("backend"), Arg("batch_invariant"),
     Arg("return_lse", aliases=("return_softmax_lse",), either=True),
+    # context parallelism (the FA3 fork's keywords; ``checks.context_parallel``): the kernels get
+    # the global lengths and a rank tensor where their masks need them (``cp_tensors``)
+    Arg("cp_world_size"), Arg("cp_rank"), Arg("cp_tot_seqused_k", "tensor"), Arg("cp_kv_interleave"),
     # MLA (flash_mla_decode)
     Arg("q_nope", "tensor"), Arg("q_pe", "tensor"), Arg("ckv_cache", "tensor"), Arg("kpe_cache", "tensor"),
 )}
@@ -148,6 +151,8 @@ class FwdTensors(NamedTuple):
     aux2: Optional[torch.Tensor] = None
     aux3: Optional[torch.Tensor] = None
     block_ranges: Optional[torch.Tensor] = None  # a block mask's key ranges
+    cp_tot_seqused_k: Optional[torch.Tensor] = None  # context parallelism (``cp_tensors``)
+    cp_info: Optional[torch.Tensor] = None
 
 
 class MlaTensors(NamedTuple):
@@ -162,6 +167,8 @@ class MlaTensors(NamedTuple):
     cache_seqlens: torch.Tensor
     page_table: torch.Tensor
     kv_descale: Optional[torch.Tensor]  # fp32 (batch,) / (batch, nheads_kv) for an FP8 cache
+    cp_tot_seqused_k: Optional[torch.Tensor] = None  # context parallelism (``cp_tensors``)
+    cp_info: Optional[torch.Tensor] = None
 
 
 FLAGS = {arg.slot: arg.flag for arg in ARGS.values() if arg.flag}
@@ -223,3 +230,32 @@ def kernel_descales(problem, k_descale, v_descale, device, q_descale=None) -> tu
     if problem.qkv_fp8 and q_descale is not None:
         k_view = descale_view(q_descale, problem.batch, problem.nheads_kv, device) * k_view
     return k_view, descale_view(v_descale, problem.batch, problem.nheads_kv, device)
+
+
+_CP_INFOS: dict = {}
+
+
+def cp_tensors(problem, args: dict, device) -> dict:
+    """The kernels' context-parallel tensors of a call whose problem maps keys to global
+    positions (``problem.cp``): the caller's ``cp_tot_seqused_k`` and (rank, world,
+    interleave) as a (3,) int32 device tensor (one per device and values, kept; made per
+    call while a CUDA graph is being captured, where a kept one would hold nothing until
+    the graph runs); none otherwise."""
+    if problem.cp is None:
+        return {}
+    values = (int(args.get("cp_rank", 0)), int(args["cp_world_size"]), int(args.get("cp_kv_interleave", 1)))
+    key = (device, values)
+    t = _CP_INFOS.get(key)
+    if t is None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        t = _filled(values, device)
+    elif t is None:
+        t = _CP_INFOS[key] = torch.tensor(values, dtype=torch.int32, device=device)
+    return dict(cp_tot_seqused_k=args["cp_tot_seqused_k"], cp_info=t)
+
+
+def _filled(values: tuple, device) -> torch.Tensor:
+    """A small int32 device tensor of ``values`` made with fills (capturable in a CUDA graph)."""
+    t = torch.empty((len(values),), dtype=torch.int32, device=device)
+    for i, v in enumerate(values):
+        t[i:i + 1].fill_(v)
+    return t

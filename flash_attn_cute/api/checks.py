@@ -433,3 +433,37 @@ def cache_bounds(cache_seqlens: torch.Tensor, capacity: int, table, kv_shape, ne
             raise ValueError(f"cache_batch_idx entries must lie in [0, batch_cache = {kv_shape[0]}) "
                              f"(k_cache.shape[0]), got {bad} (entries in [{idx_lo}, {idx_hi}])")
     return hi
+
+
+CP_ARGS = ("cp_world_size", "cp_rank", "cp_tot_seqused_k", "cp_kv_interleave")
+
+
+def context_parallel(args: dict, batch: int, masked: bool, device, why_not: Optional[str] = None) -> Optional[str]:
+    """The context-parallel keywords (the FA3 fork's ``cp_world_size``, ``cp_rank``,
+    ``cp_tot_seqused_k``; ``cp_kv_interleave``, vLLM's ``cp_kv_cache_interleave_size``):
+    this call's keys are rank ``cp_rank``'s shard of each sequence, every ``world``-th
+    block of ``interleave`` tokens. Returns the problem's ``cp`` field: ``"cp"`` when the
+    kernels must map keys to global positions (``masked``: causal or a window, whose limits
+    are global), None otherwise (without a mask a shard's
+    attention is plain attention over its keys). ``why_not``: the call's feature that
+    context parallelism does not combine with (refused when world > 1)."""
+    world = int_arg("cp_world_size", args.get("cp_world_size", 1), 1, 1 << 16)
+    rank = int_arg("cp_rank", args.get("cp_rank", 0), 0, world - 1)
+    interleave = int_arg("cp_kv_interleave", args.get("cp_kv_interleave", 1), 1, INT32_MAX)
+    tot = args.get("cp_tot_seqused_k")
+    if tot is not None:
+        int32_vector("cp_tot_seqused_k", tot, batch, "(batch,)")
+        if tot.device != device:
+            raise ValueError(f"cp_tot_seqused_k is on {tot.device} but q is on {device}; all tensors must be on "
+                             "the same device")
+    if world == 1:
+        return None
+    if why_not is not None:
+        raise NotImplementedError(f"context parallelism (cp_world_size = {world}) does not combine with {why_not}")
+    if not masked:
+        return None
+    if tot is None:
+        raise ValueError(f"cp_tot_seqused_k (batch,) int32 is required with cp_world_size = {world} and a causal "
+                         "mask or a window: the masks are taken on global key positions, and it is each "
+                         "sequence's key count over every rank")
+    return "cp"

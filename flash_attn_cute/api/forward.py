@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from flash_attn_cute.api import checks
-from flash_attn_cute.api.call_args import fwd_tensors, kernel_descales, problem_flags
+from flash_attn_cute.api.call_args import cp_tensors, fwd_tensors, kernel_descales, problem_flags
 from flash_attn_cute.api.entry import Checked, Spec
 from flash_attn_cute.host import user_variants
 from flash_attn_cute.host.constants import INT32_MAX
@@ -27,7 +27,7 @@ Q3 = "(total_q, nheads, headdim)"
 
 # Cache-key arguments shared by the forward entry points (beyond their tensors).
 OPTION_ARGS = ("softmax_scale", "causal", "softcap", "num_splits", "pack_gqa", "return_lse", "backend",
-            "batch_invariant", "score_mod", "mask_mod", "block_mask", "window_size")
+            "batch_invariant", "score_mod", "mask_mod", "block_mask", "window_size", *checks.CP_ARGS)
 VARIANT_ARGS = ("q_descale", "k_descale", "v_descale", "aux_tensors")
 
 
@@ -51,10 +51,11 @@ class Dims(NamedTuple):
     d_v: int
 
 
-def fwd_problem(args: dict, dims: Dims, opts: checks.Options, variant, flags: Optional[dict] = None) -> FwdProblem:
+def fwd_problem(args: dict, dims: Dims, opts: checks.Options, variant, flags: Optional[dict] = None,
+                cp: Optional[tuple] = None) -> FwdProblem:
     """The ``FwdProblem`` of validated arguments: sizes, options and the user variant,
     and the flags its tensors set by being there (``call_args.problem_flags``; ``flags``:
-    those of tensors a pre-step makes, the append's)."""
+    those of tensors a pre-step makes, the append's); ``cp``: ``checks.context_parallel``'s."""
     q, k = args["q"], args["k"] if "k" in args else args["k_cache"]
     flags = {**problem_flags(fwd_tensors(args, out=q)), **(flags or {})}
     return FwdProblem(
@@ -63,20 +64,27 @@ def fwd_problem(args: dict, dims: Dims, opts: checks.Options, variant, flags: Op
         causal=opts.causal, window_left=opts.window_left, window_right=opts.window_right, softcap=opts.softcap,
         page_size=k.shape[1] if args.get("page_table") is not None else 0, has_lse=bool(args.get("return_lse")),
         variant=None if variant is None else variant[0], batch_invariant=opts.batch_invariant,
-        kv_dtype=k.dtype if k.dtype in checks.FP8_DTYPES and q.dtype not in checks.FP8_DTYPES else None, **flags)
+        kv_dtype=k.dtype if k.dtype in checks.FP8_DTYPES and q.dtype not in checks.FP8_DTYPES else None, cp=cp,
+        **flags)
 
 
 def checked(args: dict, dims: Dims, opts: checks.Options, variant, seqlens_fill=None, append=None,
             flags: Optional[dict] = None) -> Checked:
     """The ``Checked`` call of validated forward arguments; no problem (an empty result)
-    when every query sees no key (``max_seqlen_k == 0``) or there is no query."""
+    when every query sees no key (``max_seqlen_k == 0``: also a context-parallel rank
+    holding no key yet) or there is no query."""
     q, out = args["q"], args.get("out")
+    why_not = ("score_mod / mask_mod / block_mask" if variant is not None else
+               "learnable_sink (add it once, in the merge: distributed.cp_merge(learnable_sink=))"
+               if args.get("learnable_sink") is not None else None)
+    cp = checks.context_parallel(args, dims.batch, opts.causal or opts.window_left >= 0 or opts.window_right >= 0,
+                                 q.device, why_not)
     out_shape = (*q.shape[:-1], dims.d_v)
     lse_shape = (dims.nheads, q.shape[0]) if args.get("cu_seqlens_q") is not None else (dims.batch, dims.nheads,
                                                                                          q.shape[1])
     empty = ((out is not None and out.numel() == 0) or math.prod(out_shape) == 0 or dims.batch == 0
              or dims.max_seqlen_q == 0 or dims.max_seqlen_k == 0)
-    problem = None if empty else fwd_problem(args, dims, opts, variant, flags)
+    problem = None if empty else fwd_problem(args, dims, opts, variant, flags, cp)
     block_ranges = None if variant is None else variant[2]
     return Checked(args, problem, out_shape, lse_shape, opts.backend, opts.num_splits, opts.pack_gqa,
                    FwdExtra(seqlens_fill, block_ranges, append))
@@ -102,7 +110,8 @@ def launch_tensors(entry, args: dict, out, lse, **given):
         given.setdefault("seqused_k", torch.full((problem.batch,), entry.extra.seqlens_fill, dtype=torch.int32,
                                                  device=args["q"].device))
     return fwd_tensors(args, out=out, lse=lse, learnable_sink=None if sink is None else sink.float(),
-                       k_descale=k_descale, v_descale=v_descale, **variant, **given)
+                       k_descale=k_descale, v_descale=v_descale, **variant, **cp_tensors(problem, args, args["q"].device),
+                       **given)
 
 
 def empty_result(c: Checked):
@@ -164,6 +173,9 @@ def refuse_untraceable(args: dict) -> None:
     if k.dtype in checks.FP8_DTYPES or any(args.get(n) is not None for n in ("q_descale", "k_descale", "v_descale")):
         raise NotImplementedError("FP8 K/V and q_descale / k_descale / v_descale are not traceable by torch.compile "
                                   "yet: call flash_attn_cute outside the compiled region")
+    if args.get("cp_world_size", 1) != 1:
+        raise NotImplementedError("cp_world_size > 1 is not traceable by torch.compile yet: call flash_attn_cute "
+                                  "outside the compiled region")
     if any(args.get(n) is not None for n in ("k_new", "v_new", "rotary_cos", "rotary_sin", "cache_batch_idx",
                                              "cache_leftpad")):
         raise NotImplementedError("flash_attn_with_kvcache with k/v, rotary, cache_batch_idx or cache_leftpad "

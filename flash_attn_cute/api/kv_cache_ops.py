@@ -128,6 +128,11 @@ def _validate(args: dict) -> Checked:
     """``flash_attn_with_kvcache`` with new tokens, rotary, ``cache_batch_idx`` or
     ``cache_leftpad``. Packed queries (``cu_seqlens_q``) come with packed new tokens
     (``cu_seqlens_k_new``, default ``cu_seqlens_q``: the new tokens are the query tokens)."""
+    if args.get("cp_world_size", 1) != 1:
+        raise NotImplementedError(
+            f"context parallelism (cp_world_size = {args['cp_world_size']}) does not combine with the KV-cache append "
+            "(k / v, rotary, cache_batch_idx, cache_leftpad): append each new token to the shard that owns it, then "
+            "attend")
     q, k_cache, v_cache, k, v = args["q"], args["k_cache"], args["v_cache"], args.get("k_new"), args.get("v_new")
     rotary_cos, rotary_sin = args.get("rotary_cos"), args.get("rotary_sin")
     cache_batch_idx, cache_leftpad = args.get("cache_batch_idx"), args.get("cache_leftpad")

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from flash_attn_cute.api import checks
-from flash_attn_cute.api.call_args import MlaTensors, descale_view
+from flash_attn_cute.api.call_args import MlaTensors, cp_tensors, descale_view
 from flash_attn_cute.api.entry import Checked, Spec
 from flash_attn_cute.host.constants import D_CKV, D_KPE, MAX_SPLITS, MLA_MAX_NHEADS
 from flash_attn_cute.host.problems import MlaProblem
@@ -127,6 +127,7 @@ def _validate(args: dict) -> Checked:
     batch, seqlen_q, nheads, _ = q_nope.shape
     out_shape, lse_shape = (batch, seqlen_q, nheads, D_CKV), (batch, nheads, seqlen_q)
     capacity = args["page_table"].shape[1] * ckv_cache.shape[1]
+    cp = checks.context_parallel(args, batch, bool(args.get("causal")), q_nope.device)
     problem = None
     if batch and capacity and ckv_cache.shape[0]:
         problem = MlaProblem(
@@ -134,15 +135,16 @@ def _validate(args: dict) -> Checked:
             page_size=ckv_cache.shape[1], softmax_scale=scale, causal=bool(args.get("causal")),
             has_lse=bool(args.get("return_lse")), batch_invariant=bool(args.get("batch_invariant")),
             kv_dtype=ckv_cache.dtype if ckv_cache.dtype in checks.FP8_DTYPES else None,
-            nheads_kv=ckv_cache.shape[2] if ckv_cache.dim() == 4 else 1)
+            nheads_kv=ckv_cache.shape[2] if ckv_cache.dim() == 4 else 1, cp=cp)
     return Checked(args, problem, out_shape, lse_shape, name, num_splits, None)
 
 
 def _tensors(entry, args: dict, out, lse) -> MlaTensors:
     problem = entry.problem
     ckv, kpe = _kernel_caches(problem, args["ckv_cache"], args["kpe_cache"])
+    device = args["q_nope"].device
     return MlaTensors(args["q_nope"], args["q_pe"], ckv, kpe, out, lse, args["cache_seqlens"], args["page_table"],
-                      kv_descale_view(problem, args.get("kv_descale"), args["q_nope"].device))
+                      kv_descale_view(problem, args.get("kv_descale"), device), **cp_tensors(problem, args, device))
 
 
 def _empty(c: Checked):
@@ -158,6 +160,7 @@ def _empty(c: Checked):
 
 
 MLA = Spec("mla", ("q_nope", "q_pe", "ckv_cache", "kpe_cache", "cache_seqlens", "page_table", "out", "kv_descale",
-                   "softmax_scale", "causal", "num_splits", "return_lse", "backend", "batch_invariant"),
+                   "softmax_scale", "causal", "num_splits", "return_lse", "backend", "batch_invariant",
+                   *checks.CP_ARGS),
            _validate, _tensors, _empty, lambda args: args["q_nope"].dtype, device_arg="q_nope",
            inputs=("q_nope", "q_pe", "ckv_cache", "kpe_cache", "out"))

@@ -72,10 +72,12 @@ def fake_fwd_tensors(dtype, d: int, dv: int, *, is_split: bool, has_lse: bool, v
     )
 
 
-def fake_variant_tensors(user_key: Optional[tuple]) -> tuple:
+def fake_variant_tensors(user_key: Optional[tuple], cp: bool = False) -> tuple:
     """A user variant's kernel tensors as fakes (``user_variants.VariantSpec.key``): the
     aux slots (strides all symbolic: broadcast views are fine), then the block mask's
-    key ranges; None where absent."""
+    key ranges, then context parallelism's global lengths (b,) and rank / world /
+    interleave (3,) (``cp``);
+    None where absent."""
     from flash_attn_cute.host.user_variants import MAX_AUX
 
     aux, ranges = [], None
@@ -87,13 +89,15 @@ def fake_variant_tensors(user_key: Optional[tuple]) -> tuple:
         if block_q:
             cols = 6 if row_bounds else 4  # BlockMask.kernel_ranges
             ranges = fake_tensor(cutlass.Int32, 4, align=4, shape=(None, None, None, cols), contiguous_last=False)
-    return tuple(aux) + (None,) * (MAX_AUX - len(aux)) + (ranges,)
+    cp_tensors = (fake_tensor(cutlass.Int32, 1, align=4), fake_tensor(cutlass.Int32, 1, align=4)) if cp else \
+        (None, None)
+    return tuple(aux) + (None,) * (MAX_AUX - len(aux)) + (ranges,) + cp_tensors
 
 
 def compile_fwd(kernel, dtype, d: int, dv: int, arch: str, *, is_split: bool, has_lse: bool, varlen_q: bool,
                 varlen_k: bool, has_seqused_k: bool, paged: bool, has_seqused_q: bool, has_sink: bool,
                 extra_scalars: tuple = (), user_key: Optional[tuple] = None, kv_dtype=None,
-                leftpad_k: bool = False):
+                leftpad_k: bool = False, cp: bool = False):
     """``cute.compile`` of a forward kernel on its fake arguments: the tensors of
     ``fake_fwd_tensors`` and ``fake_variant_tensors``, then softmax_scale, window_left,
     window_right, softcap, num_splits, max_seqlen_q, batch (runtime values; placeholders
@@ -102,14 +106,14 @@ def compile_fwd(kernel, dtype, d: int, dv: int, arch: str, *, is_split: bool, ha
                                varlen_k=varlen_k, has_seqused_k=has_seqused_k, paged=paged,
                                has_seqused_q=has_seqused_q, has_sink=has_sink, kv_dtype=kv_dtype,
                                leftpad_k=leftpad_k)
-    tensors = tensors + fake_variant_tensors(user_key)
+    tensors = tensors + fake_variant_tensors(user_key, cp)
     F32, I32 = cutlass.Float32, cutlass.Int32
     scalars = (F32(1.0), I32(-1), I32(-1), F32(0.0), I32(1), I32(1), I32(1)) + tuple(extra_scalars)
     return cute.compile(kernel, *tensors, *scalars, fake_stream(), options=compile_options(arch))
 
 
 def fake_mla_tensors(dtype, nheads: int, *, is_split: bool, has_lse: bool, kv_dtype=None,
-                     kv_heads: bool = False) -> tuple:
+                     kv_heads: bool = False, cp: bool = False) -> tuple:
     """The MLA kernels' tensor arguments as fake tensors, in their order (``mla_kernel.MlaArgs``):
     q_nope, q_pe, ckv, kpe, O, LSE (None when absent), cache lengths, page table, the
     cache's descale (``kv_dtype`` fp8: fp32 (batch,) of any stride, a broadcast scalar has
@@ -117,7 +121,8 @@ def fake_mla_tensors(dtype, nheads: int, *, is_split: bool, has_lse: bool, kv_dt
     partials with a leading split mode and always an LSE. ``kv_heads``: caches with a
     KV-head mode (num_pages, page_size, nheads_kv, d), ``nheads`` then the query heads per KV
     head (the query head count, nheads_kv times it, symbolic like nheads_kv) and the descale
-    (batch, nheads_kv)."""
+    (batch, nheads_kv). ``cp``: context parallelism's global lengths (b,) and rank (1,),
+    int32 (else None)."""
     kv_dtype = kv_dtype or dtype
     split_mode = (None,) if is_split else ()
     out_dtype = cutlass.Float32 if is_split else dtype
@@ -135,16 +140,18 @@ def fake_mla_tensors(dtype, nheads: int, *, is_split: bool, has_lse: bool, kv_dt
         fake_tensor(cutlass.Int32, 2, align=4),
         fake_tensor(cutlass.Float32, 2 if kv_heads else 1, align=4, contiguous_last=False)
         if kv_dtype.width == 8 else None,
+        fake_tensor(cutlass.Int32, 1, align=4) if cp else None,
+        fake_tensor(cutlass.Int32, 1, align=4) if cp else None,
     )
 
 
 def compile_mla(kernel, dtype, nheads: int, arch: str, *, is_split: bool, has_lse: bool, kv_dtype=None,
-                kv_heads: bool = False):
+                kv_heads: bool = False, cp: bool = False):
     """``cute.compile`` of an MLA kernel on its fake arguments: the tensors of
     ``fake_mla_tensors``, then softmax_scale, num_splits, max_seqlen_q, batch (runtime
     values; placeholders here), then the stream."""
     tensors = fake_mla_tensors(dtype, nheads, is_split=is_split, has_lse=has_lse, kv_dtype=kv_dtype,
-                               kv_heads=kv_heads)
+                               kv_heads=kv_heads, cp=cp)
     F32, I32 = cutlass.Float32, cutlass.Int32
     return cute.compile(kernel, *tensors, F32(1.0), I32(1), I32(1), I32(1), fake_stream(), options=compile_options(arch))
 

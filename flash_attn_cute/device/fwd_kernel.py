@@ -25,7 +25,7 @@ from flash_attn_cute.device.seqlen_info import SeqlenInfo
 from flash_attn_cute.device.tile_scheduler import (SingleTileScheduler, TileDivisors, VarlenScheduler, WorkTile,
                                                    tile_divisors)
 from flash_attn_cute.device.user_variant_kernel import make_variant
-from flash_attn_cute.device.variants import AttentionVariant, AttnCtx, VariantParams
+from flash_attn_cute.device.variants import AttentionVariant, AttnCtx, VariantParams, cp_ctx
 
 
 class FwdArgs(NamedTuple):
@@ -53,6 +53,11 @@ class FwdArgs(NamedTuple):
     mAux2: Optional[cute.Tensor]
     mAux3: Optional[cute.Tensor]
     mBlockRanges: Optional[cute.Tensor]  # a block mask's key ranges (b, h, q blocks, 4) int32
+    # Context parallelism (``variants.ContextParallel``; both None otherwise): (b,) int32, each
+    # sequence's key count over every rank (cp_tot_seqused_k), and (3,) int32: this rank, the
+    # ranks, the tokens per round-robin block.
+    mCpTotSeqlenK: Optional[cute.Tensor]
+    mCpInfo: Optional[cute.Tensor]
     softmax_scale: Float32
     window_left: Int32
     window_right: Int32
@@ -94,7 +99,7 @@ class FwdArgs(NamedTuple):
             cap_inv = cute.arch.rcp_approx(self.softcap)
         return AttnCtx(batch, head, seqlen_q, seqlen_k,
                        VariantParams(self.window_left, self.window_right, self.softcap, cap_inv),
-                       self.aux, self.mBlockRanges)
+                       self.aux, self.mBlockRanges, cp_ctx(self.mCpInfo, self.mCpTotSeqlenK, batch))
 
     def heads(self) -> tuple:
         """(query heads, KV heads), from the tensors' head modes."""
@@ -141,7 +146,7 @@ def fwd_call(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.T
              mVDescale: Optional[cute.Tensor], mLeftpadK: Optional[cute.Tensor], mAux0: Optional[cute.Tensor],
              mAux1: Optional[cute.Tensor],
              mAux2: Optional[cute.Tensor], mAux3: Optional[cute.Tensor], mBlockRanges: Optional[cute.Tensor],
-             softmax_scale: Float32, window_left: Int32,
+             mCpTotSeqlenK: Optional[cute.Tensor], mCpInfo: Optional[cute.Tensor], softmax_scale: Float32, window_left: Int32,
              window_right: Int32, softcap: Float32, num_splits: Int32, max_seqlen_q: Int32, batch_size: Int32,
              *extra_scalars_and_stream):
     """The compiled entry point of every forward kernel class (``__call__ = fwd_call``, not a
@@ -150,7 +155,7 @@ def fwd_call(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.T
     the stream, handed to the class's ``launch(args, *extra_scalars, stream)``."""
     self.launch(FwdArgs(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, mSeqUsedQ,
                         mLearnableSink, mKDescale, mVDescale, mLeftpadK, mAux0, mAux1, mAux2, mAux3, mBlockRanges,
-                        softmax_scale, window_left,
+                        mCpTotSeqlenK, mCpInfo, softmax_scale, window_left,
                         window_right, softcap, num_splits, max_seqlen_q, batch_size),
                 *extra_scalars_and_stream)
 
@@ -171,7 +176,7 @@ def compile_from_key(key: tuple, tile_len: int, make_kernel: Callable, extra_sca
                        varlen_q=f.varlen_q, varlen_k=f.varlen_k, has_seqused_k=f.has_seqused_k, paged=f.paged,
                        has_seqused_q=f.has_seqused_q, has_sink=f.has_sink, leftpad_k=f.leftpad_k,
                        extra_scalars=extra_scalars,
-                       user_key=f.flags[3] if len(f.flags) > 3 else None)
+                       user_key=f.flags[3] if len(f.flags) > 3 else None, cp=len(f.flags) > 4)
 
 
 @cute.jit

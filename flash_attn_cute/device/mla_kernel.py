@@ -44,7 +44,7 @@ from flash_attn_cute.device.paged_kv import page_lookups
 from flash_attn_cute.device.seqlen_info import SeqlenInfo
 from flash_attn_cute.device.tile_scheduler import SingleTileScheduler, TileDivisors
 from flash_attn_cute.device.user_variant_kernel import make_variant
-from flash_attn_cute.device.variants import AttnCtx, VariantParams
+from flash_attn_cute.device.variants import AttnCtx, VariantParams, cp_ctx
 
 
 class MlaArgs(NamedTuple):
@@ -62,6 +62,10 @@ class MlaArgs(NamedTuple):
     mPageTable: cute.Tensor  # (b, max_pages) int32
     # an FP8 cache: fp32 (b,) [(b, h_kv) with a KV-head mode], the stored values' factor; else None
     mKvDescale: Optional[cute.Tensor]
+    # context parallelism (as the forward's ``FwdArgs``): the global lengths (b,), and rank,
+    # world and interleave (3,)
+    mCpTotSeqlenK: Optional[cute.Tensor]
+    mCpInfo: Optional[cute.Tensor]
     softmax_scale: Float32
     num_splits: Int32
     max_seqlen_q: Int32
@@ -92,13 +96,14 @@ class MlaArgs(NamedTuple):
                              mKvDescale=descale)
 
 
-def set_mla_config(kernel, dtype, qhead_per_kvhead: int, causal: bool, is_split: bool, split_blocks: int) -> None:
+def set_mla_config(kernel, dtype, qhead_per_kvhead: int, causal, is_split: bool, split_blocks: int) -> None:
     """The static configuration both MLA kernel classes hold, set on ``kernel``
-    (``split_blocks``: as the forward kernels', ``fwd_kernel.set_fwd_config``)."""
+    (``split_blocks``: as the forward kernels', ``fwd_kernel.set_fwd_config``; ``causal``:
+    a bool, or ``"cp"``: causal over a context-parallel shard)."""
     kernel.dtype = dtype
     kernel.out_dtype = Float32 if is_split else dtype  # split partials are fp32
     kernel.qhead_per_kvhead_packed = qhead_per_kvhead  # the query heads of a KV head ride its rows
-    kernel.variant = make_variant(causal, False, False)
+    kernel.variant = make_variant(bool(causal), False, False, None, "cp" if causal == "cp" else None)
     kernel.is_split = is_split
     kernel.split_blocks = split_blocks
 
@@ -106,12 +111,12 @@ def set_mla_config(kernel, dtype, qhead_per_kvhead: int, causal: bool, is_split:
 @cute.jit
 def mla_call(self, mQn: cute.Tensor, mQp: cute.Tensor, mCkv: cute.Tensor, mKpe: cute.Tensor, mO: cute.Tensor,
              mLSE: Optional[cute.Tensor], mSeqlens: cute.Tensor, mPageTable: cute.Tensor,
-             mKvDescale: Optional[cute.Tensor], softmax_scale: Float32, num_splits: Int32, max_seqlen_q: Int32,
-             batch_size: Int32, stream):
+             mKvDescale: Optional[cute.Tensor], mCpTotSeqlenK: Optional[cute.Tensor], mCpInfo: Optional[cute.Tensor],
+             softmax_scale: Float32, num_splits: Int32, max_seqlen_q: Int32, batch_size: Int32, stream):
     """The compiled entry point of both MLA kernel classes (``__call__ = mla_call``):
     ``MlaArgs`` in order, then the stream, handed to the class's ``launch(args, stream)``."""
-    self.launch(MlaArgs(mQn, mQp, mCkv, mKpe, mO, mLSE, mSeqlens, mPageTable, mKvDescale, softmax_scale,
-                        num_splits, max_seqlen_q, batch_size), stream)
+    self.launch(MlaArgs(mQn, mQp, mCkv, mKpe, mO, mLSE, mSeqlens, mPageTable, mKvDescale, mCpTotSeqlenK, mCpInfo,
+                        softmax_scale, num_splits, max_seqlen_q, batch_size), stream)
 
 
 def compile_mla_from_key(key: tuple, make_kernel: Callable):
@@ -125,7 +130,8 @@ def compile_mla_from_key(key: tuple, make_kernel: Callable):
     dtype = CUTE_DTYPE_BY_NAME[q_name]
     kernel = make_kernel(dtype, f.qhead_per_kvhead, f.causal, f.is_split, f.split_blocks, *f.config)
     return compile_mla(kernel, dtype, f.qhead_per_kvhead, f.arch, is_split=f.is_split, has_lse=f.has_lse,
-                       kv_dtype=CUTE_DTYPE_BY_NAME[kv_name or q_name], kv_heads=f.kv_heads)
+                       kv_dtype=CUTE_DTYPE_BY_NAME[kv_name or q_name], kv_heads=f.kv_heads,
+                       cp=f.causal == "cp")
 
 
 @dataclass(frozen=True)
@@ -154,7 +160,8 @@ class MlaTile(FwdTile):
         seqlen = SeqlenInfo.create(work.batch, args.mQn.shape[1], capacity, None, None, args.mSeqlens, capacity)
         no_window = VariantParams(Int32(-1), Int32(0), Float32(0.0), Float32(0.0))
         head_kv = work.head if cutlass.const_expr(args.kv_heads) else Int32(0)
-        ctx = AttnCtx(work.batch, head_kv, seqlen.seqlen_q, seqlen.seqlen_k, no_window)
+        ctx = AttnCtx(work.batch, head_kv, seqlen.seqlen_q, seqlen.seqlen_k, no_window,
+                      cp=cp_ctx(args.mCpInfo, args.mCpTotSeqlenK, work.batch))
         tile = FwdTile.of_work(work, ctx, seqlen, head_kv, args.softmax_scale, args.num_splits, block_info, is_split)
         n_mid_hi, n_mid_lo = tile.n_block_runs(block_info)
         return MlaTile(*(getattr(tile, f.name) for f in fields(FwdTile)),

@@ -19,7 +19,7 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 from flash_attn_cute.host.user_variants import VariantCompileError, VariantSpec, describe_error, registered_spec
-from flash_attn_cute.device.variants import AttentionVariant, Causal, Compose, Local, Softcap
+from flash_attn_cute.device.variants import AttentionVariant, Causal, Compose, ContextParallel, Local, Softcap
 
 
 def kernel_variant(user_key: tuple, base_mask, base_mod=None):
@@ -150,15 +150,21 @@ def _block_ranges(mRanges: cute.Tensor, batch: Int32, head: Int32, q_min: Int32,
     return lo, hi, f_lo, f_hi
 
 
-def make_variant(causal: bool, local: bool, softcap: bool, user_key: Optional[tuple] = None) -> AttentionVariant:
+def make_variant(causal: bool, local: bool, softcap: bool, user_key: Optional[tuple] = None,
+                 cp: Optional[str] = None) -> AttentionVariant:
     """The variant for the public API's flags (local wins over causal: the host folds
     causal into window_right = 0); ``user_key`` names a registered user variant
     (``user_variants.VariantSpec.key``), composed with the built-in mask and, when the
-    user gives no ``score_mod``, with the built-in softcap (the host refuses both)."""
+    user gives no ``score_mod``, with the built-in softcap (the host refuses both); ``cp``
+    (``"cp"``, ``FwdProblem.cp``): the keys are a context-parallel shard, the masks taken
+    on global positions (``ContextParallel``; no user variant)."""
     mask = Local() if local else (Causal() if causal else None)
     mod = Softcap() if softcap else None
     if user_key is not None:
         return kernel_variant(user_key, mask, mod)
+    variant = mask or mod or AttentionVariant()
     if mask is not None and mod is not None:
-        return Compose(mod, mask)
-    return mask or mod or AttentionVariant()
+        variant = Compose(mod, mask)
+    if cp is not None:
+        variant = ContextParallel(variant)
+    return variant

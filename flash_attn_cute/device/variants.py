@@ -15,7 +15,7 @@ windows are aligned to the bottom-right corner, so query i sees key j when
 ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right``.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import cutlass
@@ -37,6 +37,27 @@ class VariantParams:
 
 
 @dataclass(frozen=True)
+class CpCtx:
+    """A context-parallel shard's runtime facts (``ContextParallel``): this rank, the
+    ranks, the tokens per block of the round-robin, and the sequence's key count over
+    every rank (``cp_tot_seqused_k``). Runtime values: one compiled kernel serves every
+    rank and group size."""
+
+    rank: Int32
+    world: Int32
+    interleave: Int32
+    tot_seqlen_k: Int32
+
+
+def cp_ctx(info: Optional[cute.Tensor], tot_seqlen_k: Optional[cute.Tensor], batch) -> Optional[CpCtx]:
+    """The ``CpCtx`` of sequence ``batch`` from a kernel's context-parallel tensors (``info``
+    (3,) int32: rank, world, interleave; the global lengths (b,)); None without them."""
+    if info is None:
+        return None
+    return CpCtx(info[0], info[1], info[2], tot_seqlen_k[batch])
+
+
+@dataclass(frozen=True)
 class AttnCtx:
     """Per-CTA context handed to variant functions."""
 
@@ -47,6 +68,7 @@ class AttnCtx:
     params: VariantParams
     aux: tuple = ()  # the user variant's auxiliary gmem tensors (user_variant_kernel.UserVariant)
     block_ranges: Optional[cute.Tensor] = None  # a block mask's key ranges (block_mask.py)
+    cp: Optional[CpCtx] = None  # a context-parallel shard (``ContextParallel``); None otherwise
 
 
 class AttentionVariant:
@@ -253,3 +275,68 @@ def row_bounds_rel(variant: cutlass.Constexpr, q_idx, head, ctx: AttnCtx, col0):
     if cutlass.const_expr(lo is not None):
         lo_rel = lo - col0
     return lo_rel, hi_rel
+
+
+class ContextParallel(AttentionVariant):
+    """A shard of the keys under context parallelism (vLLM's DCP, the FA3 fork's
+    ``cp_world_size`` / ``cp_rank`` / ``cp_tot_seqused_k``): the cache holds every
+    ``world``-th block of ``interleave`` tokens of the sequence, this rank's local key j
+    being global key ``((j // I) * world + rank) * I + j % I`` (I = 1: ``j * world +
+    rank``). Masks are the base variant's on global positions (the queries are the last
+    ``seqlen_q`` of the ``tot_seqlen_k`` global keys, bottom-right as ever); key ranges come
+    back as local ones, exactly (the map is increasing), so block skipping and the
+    two-bound row masks work unchanged and the per-key map runs only where a mask is not
+    a key interval. Rank, world and interleave are runtime values (``CpCtx``): the divisions
+    by them run once per row bound, not per score."""
+
+    def __init__(self, base: AttentionVariant):
+        assert base.has_mask
+        self.base = base
+        self.has_score_mod = base.has_score_mod
+        self.has_mask = True
+        self.mask_is_key_interval = base.mask_is_key_interval
+
+    def key(self):
+        return self.base.key() + ("cp",)
+
+    def _global_ctx(self, ctx: AttnCtx) -> AttnCtx:
+        return replace(ctx, seqlen_k=ctx.cp.tot_seqlen_k)
+
+    def global_key(self, k_idx, ctx: AttnCtx):
+        """The global position of local key ``k_idx``."""
+        i = ctx.cp.interleave
+        return ((k_idx // i) * ctx.cp.world + ctx.cp.rank) * i + k_idx % i
+
+    @cute.jit
+    def local_count(self, x, ctx: AttnCtx):
+        """Local keys whose global position is below ``x``: the first local index at or
+        past global position ``x``."""
+        i, w = ctx.cp.interleave, ctx.cp.world
+        x = cutlass.max(x, 0)
+        block = x // i  # x's global block of ``interleave`` tokens
+        ahead = block - ctx.cp.rank  # global blocks before x's from this rank's first
+        count = Int32(0)
+        if ahead > 0:
+            count = ((ahead + w - 1) // w) * i  # this rank's whole blocks before x's block
+        if ahead >= 0:  # (nested: ahead % w of a negative ahead truncates toward zero)
+            if ahead % w == 0:
+                count = count + (x - block * i)  # x's block is this rank's: its tokens before x
+        return count
+
+    def _local(self, lo, hi, ctx: AttnCtx):
+        return (None if lo is None else self.local_count(lo, ctx)), (None if hi is None else self.local_count(hi, ctx))
+
+    def score_mod(self, s, q_idx, k_idx, head, ctx: AttnCtx):
+        return self.base.score_mod(s, q_idx, self.global_key(k_idx, ctx), head, self._global_ctx(ctx))
+
+    def mask(self, q_idx, k_idx, head, ctx: AttnCtx):
+        return self.base.mask(q_idx, self.global_key(k_idx, ctx), head, self._global_ctx(ctx))
+
+    def key_range(self, q_min, q_max, ctx: AttnCtx):
+        return self._local(*self.base.key_range(q_min, q_max, self._global_ctx(ctx)), ctx)
+
+    def row_interval(self, q_idx, head, ctx: AttnCtx):
+        return self._local(*self.base.row_interval(q_idx, head, self._global_ctx(ctx)), ctx)
+
+    def unmasked_key_range(self, q_min, q_max, ctx: AttnCtx):
+        return self._local(*self.base.unmasked_key_range(q_min, q_max, self._global_ctx(ctx)), ctx)

@@ -106,7 +106,7 @@ class KeyFields(NamedTuple):
     d: int
     d_v: int
     tile: tuple
-    flags: tuple  # (causal, local, softcap[, user variant key])
+    flags: tuple  # (causal, local, softcap[, user variant key][, None, "cp"])
     qhead_per_kvhead_packed: int
     is_split: bool
     has_lse: bool
@@ -154,13 +154,15 @@ def parse_mla_heads(field) -> tuple:
     return int(field), False
 
 
-def mla_key(name: str, arch: str, dtype_name: str, heads, causal: bool, is_split: bool, has_lse: bool,
+def mla_key(name: str, arch: str, dtype_name: str, heads, causal, is_split: bool, has_lse: bool,
             split_blocks: int, config: tuple) -> tuple:
     """An MLA compile key: ``("mla_<name>", arch, dtype, heads, causal, is_split, has_lse,
     split_blocks, *config)``, ``heads`` a ``mla_heads_key`` (or an int: nheads over one
-    latent head), ``config`` in the backend's key form."""
+    latent head), ``config`` in the backend's key form; ``causal`` a bool, or ``"cp"``
+    (``MlaProblem.cp``): causal over a context-parallel shard."""
     heads = mla_heads_key(*parse_mla_heads(heads))
-    return (f"mla_{name}", arch, dtype_name, heads, bool(causal), bool(is_split), bool(has_lse),
+    causal = causal if causal == "cp" else bool(causal)
+    return (f"mla_{name}", arch, dtype_name, heads, causal, bool(is_split), bool(has_lse),
             int(split_blocks), *config)
 
 
@@ -169,7 +171,7 @@ class MlaKeyFields(NamedTuple):
     dtype_name: str
     qhead_per_kvhead: int  # query heads packed per KV head (nheads, with one latent head)
     kv_heads: bool  # the caches have a KV-head mode (nheads_kv > 1)
-    causal: bool
+    causal: object  # a bool, or "cp": causal over a context-parallel shard
     is_split: bool
     has_lse: bool
     split_blocks: int
