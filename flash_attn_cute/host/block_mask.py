@@ -20,7 +20,7 @@ checked on every row), ``row_bounds`` holds each row's [lo, hi) and the kernels 
 blocks with two compares per score instead of calling the ``mask_mod`` (a document mask
 calls it with two aux loads per score). H200, b4 s8192 h16 d128 causal, documents of 1000
 tokens (``bench_variants.py``): 293.9 TFLOP/s against 273 by the predicate
-(``benchmarks/RESULTS.md``, section "Issue 17, sixth session").
+(``benchmarks/RESULTS.md``, section "User variants", its limits line).
 """
 
 from __future__ import annotations

@@ -139,7 +139,7 @@ def fp8_qkv_tile(d: int, dv: int, tile: tuple, page_size: int = 0, causal: bool 
 
     ``measured`` (no tuning override, a prefill tile): the tile measured best instead of
     the 16-bit one. H200, b4 s8192, TFLOP/s non-causal / causal (``bench_tiles.py
-    --sm90-fp8``, results/tiles_sm90_fp8_*2026-12-01.csv): d64 (192, 160) 643 / 514, (192,
+    --sm90-fp8``, results/tiles_sm90_fp8_*2026-12-01_s0.csv): d64 (192, 160) 643 / 514, (192,
     128) 613 / 567, (192, 192) 535 / 458; d128 (192, 96) 897 / 801 (three consumer
     warpgroups: the exponentials of two overlap the third's GEMMs), (128, 192) 822 / 763,
     (128, 128) 767 / 731, (128, 224) 811 / 736, (192, 128) 715 / 655 (spills at 160

@@ -18,7 +18,7 @@ g = 4 kb + 2 l + i // 2) (``p_to_fp8``: a register reorder, folded into the
 conversions). V^T position 4 c + i + 16 l then holds key sigma(...): each b16 unit u of a
 16-key V^T segment holds keys a(u), a(u) + 1 with a(u) = 2 (u // 2) + 8 (u % 2).
 
-H200, d128 b4 s8192 (results/tiles_sm90_fp8_*2026-12-01.csv): V transposed 4 bytes at a
+H200, d128 b4 s8192 (results/tiles_sm90_fp8_*2026-12-01_s0.csv): V transposed 4 bytes at a
 time (4 x 4 units, 110 then 75 instructions each) ran the kernel at 447 and 531 TFLOP/s;
 with ldmatrix / stmatrix.trans, 767 (same tile).
 """

@@ -119,13 +119,13 @@ read 2.843 against 3.010. The L2 runs at 85% of its throughput at 72% DRAM (seve
 session's ncu).
 
 2026-12-02, FlashInfer fa3 under ncu beside this kernel at 768 x 2048
-(``results/ncu/ncu_mla_{fi-fa3,sm90}_768x2048_2026-12-02_s10.txt``): 505 against 559 us, DRAM
+(``results/ncu/ncu_mla_{fi_fa3,sm90}_768x2048_2026-12-02_s10.txt``): 505 against 559 us, DRAM
 79.1 against 71.4%, L2 88.4 against 84.6%; its grid is 132 persistent CTAs of two warpgroups
 (256 threads, 227 registers) that both load and compute, ours 768 CTAs (5.82 waves) of three;
 it issues 97.8 M instructions to our 186.7 M. A persistent schedule (no fill or drain per
 sequence, no partial last wave) is what that profile pointed to. Tried the same day: one
 CTA per SM over this kernel's tile order, the KV and P pipeline states carried from tile to
-tile (``results/mla_sm90_persistent_2026-12-02_s11.patch``; its GPU tests passed): 768 x 2048
+tile (commit 55c08bd, reverted in 46bb4c5; its GPU tests passed): 768 x 2048
 595.4 / 595.6 us one CTA per tile against 597.5 / 592.5 persistent, 128 heads 128 x 2048
 page 64 180.0 / 181.3 against 177.6 / 177.8, every other row within 0.6%
 (``results/mla_persistent_ab_*_2026-12-02_s11.csv``). The fill, drain and last wave are not
