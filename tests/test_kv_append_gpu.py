@@ -50,7 +50,7 @@ def launch(q, k_new, v_new, k_cache, v_cache, seqlens, page_table, batch_idx, le
                          q is not None, k_new is not None, page_table is not None, batch_idx is not None,
                          leftpad is not None, varlen=cu_q is not None or cu_k is not None)
     fn(q, k_new, v_new, k_cache, v_cache, seqlens, page_table, batch_idx, leftpad, cos, sin, q_out, seqused,
-       k_offsets, cu_q, cu_k)
+       k_offsets, cu_q, cu_k, None, None, None)  # no descales: a 16-bit cache
 
 
 def guarded(shape, dtype, gen, fill=None):
@@ -637,7 +637,7 @@ def descales(c: Fp8Case, gen, batch):
 
 def kernel_view(t, batch, h_kv):
     """A descale as the kernel reads it: fp32 (batch, h_kv), a broadcast view for one element."""
-    from flash_attn_cute.api.checks import descale_view
+    from flash_attn_cute.api.call_args import descale_view
 
     return descale_view(t, batch, h_kv, torch.device(DEVICE))
 
