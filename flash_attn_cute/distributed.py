@@ -97,17 +97,26 @@ def _weights(lse_all: torch.Tensor, sink: Optional[torch.Tensor]) -> tuple:
     return weights, lse
 
 
-def _ag_rs_send(out: torch.Tensor, lse_all: torch.Tensor, rank: int, world: int,
-                sink: Optional[torch.Tensor]) -> torch.Tensor:
-    """ag_rs: this rank's output rescaled by its weight, fp32, arranged by the rank that
-    keeps each head slice (the reduce-scatter's input). ``sink`` covers every head here."""
-    weights, _ = _weights(lse_all, sink)
+def _ag_rs_send(out: torch.Tensor, weights: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """ag_rs: this rank's output rescaled by its weight (``_weights`` of the all-gathered
+    LSEs, without a sink), fp32, arranged by the rank that keeps each head slice (the
+    reduce-scatter's input)."""
     return _by_rank(out.float() * weights[rank].unsqueeze(-1), world)
 
 
-def _ag_rs_lse(lse_all: torch.Tensor, rank: int, world: int, sink: Optional[torch.Tensor]) -> torch.Tensor:
-    """ag_rs: the merged LSE of this rank's heads (tokens, heads / world)."""
-    return _by_rank(_weights(lse_all, sink)[1], world)[rank]
+def _ag_rs_finish(recv: torch.Tensor, lse: torch.Tensor, rank: int, world: int, sink: Optional[torch.Tensor],
+                  out_dtype, return_lse: bool) -> tuple:
+    """ag_rs after the reduce-scatter: this rank's heads (``recv`` (tokens, heads', d) fp32,
+    ``lse`` the merged LSE of every head), a learnable sink of those heads folded in
+    (``O * exp(lse - logaddexp(lse, sink))``: the sink is one more term of the softmax
+    with a zero value, so only this rank's own heads need it), cast: (out, lse or None)."""
+    tokens, heads = lse.shape
+    mine = lse.view(tokens, world, heads // world)[:, rank]
+    if sink is not None:
+        with_sink = torch.logaddexp(mine, sink)
+        recv = recv * torch.exp(mine - with_sink).unsqueeze(-1)  # 0 where no rank saw a key
+        mine = with_sink
+    return recv.to(out_dtype), (mine if return_lse else None)
 
 
 def _a2a_finish(recv_out: torch.Tensor, recv_lse: torch.Tensor, sink: Optional[torch.Tensor], out_dtype,
@@ -169,13 +178,12 @@ def cp_merge(out: torch.Tensor, lse: torch.Tensor, group=None, *, op: str = "ag_
             recv_out, recv_lse = send_out, send_lse
         merged, merged_lse = _a2a_finish(recv_out, recv_lse, sink, out.dtype, return_lse)
         return _result(merged, merged_lse, lse_layout, return_lse)
-    lse_all = _gather(lse_th.float(), world, group)
-    full_sink = _gathered_sink(sink, world, group)
-    send = _ag_rs_send(out, lse_all, rank, world, full_sink)
+    weights, merged_lse = _weights(_gather(lse_th.float(), world, group), None)
+    send = _ag_rs_send(out, weights, rank, world)
     recv = torch.empty(send.shape[1:], dtype=torch.float32, device=out.device)
     _reduce_scatter(recv, send.view(world * tokens, *send.shape[2:]), group=group)
-    merged_lse = _ag_rs_lse(lse_all, rank, world, full_sink) if return_lse else None
-    return _result(recv.to(out.dtype), merged_lse, lse_layout, return_lse)
+    return _result(*_ag_rs_finish(recv, merged_lse, rank, world, sink, out.dtype, return_lse), lse_layout,
+                   return_lse)
 
 
 def _check_sink(sink, heads: int):
@@ -184,13 +192,6 @@ def _check_sink(sink, heads: int):
     if not isinstance(sink, torch.Tensor) or tuple(sink.shape) != (heads,):
         raise ValueError(f"learnable_sink must have shape ({heads},): the sink logits of the heads this rank keeps")
     return sink.float()
-
-
-def _gathered_sink(sink, world: int, group):
-    """Every head's sink (the ag_rs rescale reads all of them): all-gathered, or None."""
-    if sink is None or world == 1:
-        return sink
-    return _gather(sink, world, group).view(-1)
 
 
 def merge_local(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor], *, op: str = "ag_rs",
@@ -216,12 +217,12 @@ def merge_local(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor], *, o
             merged, merged_lse = _a2a_finish(recv_out, recv_lse, sinks[j], outs[0].dtype, return_lse)
             results.append(_result(merged, merged_lse, lse_layout, return_lse))
         return results
-    lse_all = torch.stack([l.float() for l in lse_ths])
-    sends = [_ag_rs_send(o, lse_all, r, world, full_sink) for r, o in enumerate(outs)]
+    weights, merged_lse = _weights(torch.stack([l.float() for l in lse_ths]), None)  # what every rank computes
+    sends = [_ag_rs_send(o, weights, r, world) for r, o in enumerate(outs)]
     for j in range(world):
         recv = sum(s[j] for s in sends)
-        merged_lse = _ag_rs_lse(lse_all, j, world, full_sink) if return_lse else None
-        results.append(_result(recv.to(outs[0].dtype), merged_lse, lse_layout, return_lse))
+        results.append(_result(*_ag_rs_finish(recv, merged_lse, j, world, sinks[j], outs[0].dtype, return_lse),
+                               lse_layout, return_lse))
     return results
 
 

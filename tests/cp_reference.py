@@ -6,8 +6,6 @@ import math
 
 import torch
 
-from flash_attn_cute.distributed import shard_length, shard_positions
-
 
 def shard_attention_ref(q, k, v, q_pos, k_pos, *, causal=False, window=(-1, -1), scale=None):
     """fp64 attention of q ``(sq, h, d)`` over k / v ``(sk, h_kv, d*)`` whose keys sit at
@@ -39,11 +37,6 @@ def query_positions(seqlen_k: int, seqlen_q: int) -> torch.Tensor:
     return torch.arange(seqlen_k - seqlen_q, seqlen_k)
 
 
-def shard_rows(seqlen: int, world: int, rank: int, interleave: int) -> torch.Tensor:
-    """The whole sequence's rows that rank ``rank`` holds, in its cache order."""
-    return shard_positions(seqlen, world, rank, interleave)
-
-
 def compile_cp_calls(case: list) -> None:
     """The compile harness's target for ``[backend, kind]`` on CUTE_DSL_ARCH: the kernels of
     a causal and a windowed context-parallel shard call (``kind`` "fwd"), or a causal MLA
@@ -71,4 +64,4 @@ def compile_cp_calls(case: list) -> None:
                                  cp_tot_seqused_k=lens * 2, backend=backend)
 
 
-__all__ = ["shard_attention_ref", "query_positions", "shard_rows", "shard_length", "compile_cp_calls"]
+__all__ = ["shard_attention_ref", "query_positions", "compile_cp_calls"]

@@ -172,6 +172,13 @@ def _worker(rank, world, port, results):
             report[f"merge_{op}"] = (float((o - local[rank][0]).abs().max()),
                                      float((l.t() - local[rank][1]).nan_to_num(0).abs().max()),
                                      float((o.double() - _by_rank_heads(ref_out, world, rank)).abs().max()))
+        # with a sink: each rank adds its heads' (ag_rs after the reduce-scatter, a2a in the combine)
+        sink = torch.randn(heads, generator=torch.Generator().manual_seed(5))
+        for op in distributed.OPS:
+            want = merge_local(outs, lses, op=op, return_lse=True, learnable_sink=sink)[rank]
+            o, l = distributed.cp_merge(outs[rank], lses[rank], op=op, return_lse=True,
+                                        learnable_sink=sink[rank * 4:(rank + 1) * 4])
+            report[f"sink_{op}"] = (float((o - want[0]).abs().max()), float((l - want[1]).nan_to_num(0).abs().max()))
         # cp_decode: gather this rank's heads, attend the shard, merge
         cap = 32
         shard_k = torch.zeros(2, cap, 2, d)
@@ -207,6 +214,7 @@ def test_gloo_cp_merge_and_cp_decode(world):
         for op in distributed.OPS:
             d_local, d_lse, d_ref = report[f"merge_{op}"]
             assert d_local <= 1e-5 and d_lse <= 1e-5 and d_ref <= 5e-5, (rank, op, report)
+            assert max(report[f"sink_{op}"]) <= 1e-5, (rank, op, report)
             shape, d_out, d_l = report[f"decode_{op}"]
             assert shape == (2, 3, 4, 16) and d_out <= 5e-5 and d_l <= 5e-5, (rank, op, report)
 
