@@ -241,7 +241,7 @@ def cp_tensors(problem, args: dict, device) -> dict:
     interleave) as a (3,) int32 device tensor (one per device and values, kept; made per
     call while a CUDA graph is being captured, where a kept one would hold nothing until
     the graph runs); none otherwise."""
-    if problem.cp is None:
+    if not problem.cp:
         return {}
     values = (int(args.get("cp_rank", 0)), int(args["cp_world_size"]), int(args.get("cp_kv_interleave", 1)))
     key = (device, values)

@@ -438,14 +438,14 @@ def cache_bounds(cache_seqlens: torch.Tensor, capacity: int, table, kv_shape, ne
 CP_ARGS = ("cp_world_size", "cp_rank", "cp_tot_seqused_k", "cp_kv_interleave")
 
 
-def context_parallel(args: dict, batch: int, masked: bool, device, why_not: Optional[str] = None) -> Optional[str]:
+def context_parallel(args: dict, batch: int, masked: bool, device, why_not: Optional[str] = None) -> bool:
     """The context-parallel keywords (the FA3 fork's ``cp_world_size``, ``cp_rank``,
     ``cp_tot_seqused_k``; ``cp_kv_interleave``, vLLM's ``cp_kv_cache_interleave_size``):
     this call's keys are rank ``cp_rank``'s shard of each sequence, every ``world``-th
-    block of ``interleave`` tokens. Returns the problem's ``cp`` field: ``"cp"`` when the
-    kernels must map keys to global positions (``masked``: causal or a window, whose limits
-    are global), None otherwise (without a mask a shard's
-    attention is plain attention over its keys). ``why_not``: the call's feature that
+    block of ``interleave`` tokens. Returns the problem's ``cp`` field: whether the kernels
+    must map keys to global positions (``masked``: causal or a window, whose limits are
+    global); False otherwise (without a mask a shard's attention is plain attention over
+    its keys). ``why_not``: the call's feature that
     context parallelism does not combine with (refused when world > 1)."""
     world = int_arg("cp_world_size", args.get("cp_world_size", 1), 1, 1 << 16)
     rank = int_arg("cp_rank", args.get("cp_rank", 0), 0, world - 1)
@@ -457,13 +457,13 @@ def context_parallel(args: dict, batch: int, masked: bool, device, why_not: Opti
             raise ValueError(f"cp_tot_seqused_k is on {tot.device} but q is on {device}; all tensors must be on "
                              "the same device")
     if world == 1:
-        return None
+        return False
     if why_not is not None:
         raise NotImplementedError(f"context parallelism (cp_world_size = {world}) does not combine with {why_not}")
     if not masked:
-        return None
+        return False
     if tot is None:
         raise ValueError(f"cp_tot_seqused_k (batch,) int32 is required with cp_world_size = {world} and a causal "
                          "mask or a window: the masks are taken on global key positions, and it is each "
                          "sequence's key count over every rank")
-    return "cp"
+    return True

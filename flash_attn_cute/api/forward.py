@@ -52,7 +52,7 @@ class Dims(NamedTuple):
 
 
 def fwd_problem(args: dict, dims: Dims, opts: checks.Options, variant, flags: Optional[dict] = None,
-                cp: Optional[tuple] = None) -> FwdProblem:
+                cp: bool = False) -> FwdProblem:
     """The ``FwdProblem`` of validated arguments: sizes, options and the user variant,
     and the flags its tensors set by being there (``call_args.problem_flags``; ``flags``:
     those of tensors a pre-step makes, the append's); ``cp``: ``checks.context_parallel``'s."""

@@ -62,9 +62,9 @@ class FwdProblem(NamedTuple):
     # FwdArgs.mLeftpadK): key j of sequence b is cache position leftpad[b] + j.
     leftpad_k: bool = False
     # Context parallelism where it changes the kernel (a causal or windowed call over a key
-    # shard, cp_world_size > 1): "cp", the kernels' ``ContextParallel`` variant reading the
-    # rank, the group size, the interleave and the global lengths at run time; None otherwise.
-    cp: Optional[str] = None
+    # shard, cp_world_size > 1): the kernels' ``ContextParallel`` variant, reading the rank,
+    # the group size, the interleave and the global lengths at run time.
+    cp: bool = False
 
     @property
     def kv_fp8(self) -> bool:
@@ -100,8 +100,8 @@ class FwdProblem(NamedTuple):
         causal), then the user variant's key when there is one, or None and the context
         parallelism (``cp``; never with a user variant)."""
         flags = (self.causal and not self.local, self.local, self.softcap > 0)
-        if self.cp is not None:
-            return flags + (None, self.cp)
+        if self.cp:
+            return flags + (None, "cp")
         return flags if self.variant is None else flags + (self.variant.key,)
 
     def lse_shape(self, out_shape: tuple) -> tuple:
@@ -153,7 +153,7 @@ class MlaProblem(NamedTuple):
     batch_invariant: bool = False  # fixed keys per split: bitwise the same in any batch
     kv_dtype: Optional[torch.dtype] = None  # an FP8 latent cache (with kv_descale); None: q's dtype
     nheads_kv: int = 1  # KV heads of the caches (nheads a multiple of it)
-    cp: Optional[str] = None  # causal over a context-parallel shard: as ``FwdProblem.cp``
+    cp: bool = False  # causal over a context-parallel shard: as ``FwdProblem.cp``
 
     @property
     def kv_fp8(self) -> bool:
@@ -165,8 +165,8 @@ class MlaProblem(NamedTuple):
 
     @property
     def causal_key(self):
-        """The compile key's causal field (``keys.mla_key``): ``cp`` when set, else the bool."""
-        return self.cp if self.cp is not None else self.causal
+        """The compile key's causal field (``keys.mla_key``): ``"cp"`` under ``cp``, else the bool."""
+        return "cp" if self.cp else self.causal
 
     @property
     def qhead_per_kvhead(self) -> int:
