@@ -138,6 +138,24 @@ def rope_tables(seqlen_ro, rotary_dim, dtype):
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def cache_layout(c, capacity: int, gen):
+    """(page_table, batch_idx, the caches' leading dims) of a case (any of ``Case``,
+    ``VarlenCase``, ``Fp8Case``): with pages, every sequence's ``capacity / page_size`` pages
+    drawn from a pool of 5 more; without, ``cache_batch_idx`` a permutation into a cache of 2
+    more rows when the case has one."""
+    page_table = batch_idx = None
+    if c.page_size:
+        max_pages = capacity // c.page_size
+        num_pages = c.batch * max_pages + 5
+        page_table = torch.randperm(num_pages, device=DEVICE, generator=gen)[:c.batch * max_pages]
+        page_table = page_table.view(c.batch, max_pages).int()
+        return page_table, batch_idx, (num_pages, c.page_size)
+    b_cache = c.batch + 2 if c.batch_idx else c.batch
+    if c.batch_idx:
+        batch_idx = torch.randperm(b_cache, device=DEVICE, generator=gen)[:c.batch].int()
+    return page_table, batch_idx, (b_cache, capacity)
+
+
 def build(c: Case, seed=0):
     """Inputs of a case: (tensors dict for ``launch`` and the reference, guarded buffers)."""
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
@@ -162,17 +180,7 @@ def build(c: Case, seed=0):
     seqlens = rint(capacity - c.s_new + 1, (c.batch,))
     seqlens[-1] = capacity - c.s_new
     leftpad = (torch.rand(c.batch, device=DEVICE, generator=gen) * (seqlens + 1)).long() if c.leftpad else None
-    page_table = batch_idx = None
-    if c.page_size:
-        num_pages = c.batch * max_pages + 5
-        page_table = torch.randperm(num_pages, device=DEVICE, generator=gen)[:c.batch * max_pages]
-        page_table = page_table.view(c.batch, max_pages).int()
-        cache_rows = (num_pages, c.page_size)
-    else:
-        b_cache = c.batch + 2 if c.batch_idx else c.batch
-        if c.batch_idx:
-            batch_idx = torch.randperm(b_cache, device=DEVICE, generator=gen)[:c.batch].int()
-        cache_rows = (b_cache, capacity)
+    page_table, batch_idx, cache_rows = cache_layout(c, capacity, gen)
     bufs = {}
     bufs["k_cache"], k_cache = guarded(cache_rows + (c.h_kv, c.d), c.dtype, gen)
     bufs["v_cache"], v_cache = guarded(cache_rows + (c.h_kv, c.d_v), c.dtype, gen)
@@ -482,17 +490,7 @@ def build_varlen(c: VarlenCase, seed=0):
     seqlens = (torch.rand(c.batch, device=DEVICE, generator=gen) * (capacity - n_new + 1)).long()
     seqlens[-1] = capacity - n_new[-1]
     leftpad = (torch.rand(c.batch, device=DEVICE, generator=gen) * (seqlens + 1)).int() if c.leftpad else None
-    page_table = batch_idx = None
-    if c.page_size:
-        num_pages = c.batch * max_pages + 5
-        page_table = torch.randperm(num_pages, device=DEVICE, generator=gen)[:c.batch * max_pages]
-        page_table = page_table.view(c.batch, max_pages).int()
-        cache_rows = (num_pages, c.page_size)
-    else:
-        b_cache = c.batch + 2 if c.batch_idx else c.batch
-        if c.batch_idx:
-            batch_idx = torch.randperm(b_cache, device=DEVICE, generator=gen)[:c.batch].int()
-        cache_rows = (b_cache, capacity)
+    page_table, batch_idx, cache_rows = cache_layout(c, capacity, gen)
     bufs = {}
     bufs["k_cache"], k_cache = guarded(cache_rows + (c.h_kv, c.d), c.dtype, gen)
     bufs["v_cache"], v_cache = guarded(cache_rows + (c.h_kv, c.d_v), c.dtype, gen)
@@ -669,17 +667,7 @@ def build_fp8(c: Fp8Case, seed=0):
     seqlens = (torch.rand(c.batch, device=DEVICE, generator=gen) * (capacity - n_new + 1)).long()
     seqlens[-1] = capacity - n_new[-1]
     leftpad = (torch.rand(c.batch, device=DEVICE, generator=gen) * (seqlens + 1)).int() if c.leftpad else None
-    page_table = batch_idx = None
-    if c.page_size:
-        num_pages = c.batch * max_pages + 5
-        page_table = torch.randperm(num_pages, device=DEVICE, generator=gen)[:c.batch * max_pages]
-        page_table = page_table.view(c.batch, max_pages).int()
-        cache_rows = (num_pages, c.page_size)
-    else:
-        b_cache = c.batch + 2 if c.batch_idx else c.batch
-        if c.batch_idx:
-            batch_idx = torch.randperm(b_cache, device=DEVICE, generator=gen)[:c.batch].int()
-        cache_rows = (b_cache, capacity)
+    page_table, batch_idx, cache_rows = cache_layout(c, capacity, gen)
     bufs = {}
     bufs["k_cache"], k_cache = guarded(cache_rows + (c.h_kv, c.d), c.cache, gen)
     bufs["v_cache"], v_cache = guarded(cache_rows + (c.h_kv, c.d_v), c.cache, gen)
