@@ -103,7 +103,7 @@ def set_mla_config(kernel, dtype, qhead_per_kvhead: int, causal, is_split: bool,
     kernel.dtype = dtype
     kernel.out_dtype = Float32 if is_split else dtype  # split partials are fp32
     kernel.qhead_per_kvhead_packed = qhead_per_kvhead  # the query heads of a KV head ride its rows
-    kernel.variant = make_variant(bool(causal), False, False, None, causal == "cp")
+    kernel.variant = make_variant(bool(causal), False, False, None, "cp" if causal == "cp" else None)
     kernel.is_split = is_split
     kernel.split_blocks = split_blocks
 

@@ -151,12 +151,12 @@ def _block_ranges(mRanges: cute.Tensor, batch: Int32, head: Int32, q_min: Int32,
 
 
 def make_variant(causal: bool, local: bool, softcap: bool, user_key: Optional[tuple] = None,
-                 cp: bool = False) -> AttentionVariant:
+                 cp: Optional[str] = None) -> AttentionVariant:
     """The variant for the public API's flags (local wins over causal: the host folds
     causal into window_right = 0); ``user_key`` names a registered user variant
     (``user_variants.VariantSpec.key``), composed with the built-in mask and, when the
     user gives no ``score_mod``, with the built-in softcap (the host refuses both); ``cp``
-    (``FwdProblem.cp``; the key's ``"cp"`` flag): the keys are a context-parallel shard, the masks taken
+    (``"cp"``, ``FwdProblem.cp``): the keys are a context-parallel shard, the masks taken
     on global positions (``ContextParallel``; no user variant)."""
     mask = Local() if local else (Causal() if causal else None)
     mod = Softcap() if softcap else None
@@ -165,6 +165,6 @@ def make_variant(causal: bool, local: bool, softcap: bool, user_key: Optional[tu
     variant = mask or mod or AttentionVariant()
     if mask is not None and mod is not None:
         variant = Compose(mod, mask)
-    if cp:
+    if cp is not None:
         variant = ContextParallel(variant)
     return variant
