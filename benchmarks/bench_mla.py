@@ -1,20 +1,27 @@
-"""MLA decode bandwidth (``flash_mla_decode``) beside FlashInfer 0.7.2's MLA kernels, timed
-in the same process.
+"""MLA decode bandwidth (``flash_mla_decode``) beside FlashMLA (DeepSeek's SM90 dense decode)
+and FlashInfer 0.7.2's MLA kernels, timed in the same process.
 
-Rows are issue 17's table: batch x cached length, page size, heads (one latent KV head),
-one query, bf16, gaussian inputs (never zeros), random page tables, ``num_splits=0``.
+Rows are issue 32's table: batch x cached length, page size, heads (one latent KV head),
+one query, bf16, gaussian inputs (never zeros), random page tables, ``num_splits=0``;
+pages of 64 (FlashMLA's, and vLLM's and SGLang's FlashMLA backends'), then three rows at
+pages of 1 and 16 (the gathering SM90 kernel; FlashMLA takes pages of 64 only).
 TB/s = (ckv + kpe bytes read once + q + out bytes) / median time of a CUDA-graph replay
 of the call (triton do_bench, L2 flushed): device time, as a decode loop under CUDA
 graphs runs it (eager timing let host time leak into the small rows: 128 x 1024 measured
 1.45 and 2.63 TB/s in two runs of the same code, 2026-11-29). TFLOP/s counts Q K^T (576)
 and P V (512) per head and key.
 
-FlashInfer (``flashinfer.mla.BatchMLAPagedAttentionWrapper``, backends "fa3" and "fa2")
-runs each row on the same tensors, planned once, timed the same way; where it does not
-import, its columns stay empty (on the GPU machine: ``../shared/gpu/README.md``).
+FlashMLA (``sgl_kernel.flash_mla``, the sglang-kernel build of FlashMLA's SM90 dense
+decode: q (b, 1, h, 576) and one (pages, 64, 1, 576) cache, the same values as ours
+concatenated; its metadata computed once per row, outside the timing, as a serving step
+computes it once for every layer) and FlashInfer (``flashinfer.mla.BatchMLAPagedAttentionWrapper``,
+backends "fa3" and "fa2") run each row on the same values, planned once, timed the same
+way; where they do not import, their columns stay empty (on the GPU machine:
+``../shared/gpu/README.md``). FP8 rows (``--fp8``): FlashMLA's FP8 mode (e4m3 q and cache,
+per-tensor descales) beside our FP8 cache (16-bit q).
 
     python benchmarks/bench_mla.py [--backends sm80] [--dtype bf16] [--rows 0,5] [--fp8]
-                                   [--heads 8,16] [--peers fa3,fa2 | --no-peers] [--csv out.csv] [--no-md]
+                                   [--heads 8,16] [--peers flashmla,fa3,fa2 | --no-peers] [--csv out.csv] [--no-md]
 
 ``--heads`` runs each picked row at these head counts instead of its own: a count the
 kernels pad (8, 24, 100: the last 64-row tile partly empty) beside the next multiple of
@@ -35,20 +42,25 @@ from common import append_results_md, bench, check_correct, error_text, print_ta
 
 # (batch, seqlen, page_size, nheads)
 ROWS = [
-    (64, 1024, 1, 64),
-    (128, 1024, 1, 64),
-    (768, 1024, 1, 64),
-    (64, 2048, 1, 64),
-    (128, 2048, 1, 64),
-    (768, 2048, 1, 64),
+    (64, 1024, 64, 64),
+    (128, 1024, 64, 64),
+    (768, 1024, 64, 64),
+    (64, 2048, 64, 64),
+    (128, 2048, 64, 64),
+    (768, 2048, 64, 64),
     (128, 2048, 64, 128),
     (32, 8192, 64, 128),
+    (128, 4096, 64, 128),
     (256, 4096, 64, 16),
-    (1, 32768, 1, 64),
+    (1, 32768, 64, 64),
+    (128, 2048, 1, 64),
+    (768, 2048, 1, 64),
+    (128, 2048, 16, 64),
 ]
-PEERS = ("fa3", "fa2")
-COLUMNS = ["impl", "batch", "seqlen", "page", "heads", "time_us", "tbps", "tflops", "fi_fa3", "fi_fa2", "x_fa3",
-           "x_fa2", "target", "vs_16bit", "correct", "fi_correct", "note"]
+PEERS = ("fa3", "fa2")  # FlashInfer backends
+ALL_PEERS = ("flashmla",) + PEERS
+COLUMNS = ["impl", "batch", "seqlen", "page", "heads", "time_us", "tbps", "tflops", "flashmla", "fi_fa3", "fi_fa2",
+           "x_flashmla", "x_fa3", "x_fa2", "target", "vs_16bit", "correct", "fi_correct", "note"]
 # The fp32 reference materialises K and V per head: rows up to this many (batch x seqlen x
 # heads) are checked, ours and FlashInfer's outputs alike.
 REF_LIMIT = 128 * 2048 * 64
@@ -61,8 +73,8 @@ def parse_args(argv=None):
     p.add_argument("--rows", default="all", help="indices into the table (comma list)")
     p.add_argument("--fp8", action="store_true", help="also an FP8 (e4m3) cache row after each row")
     p.add_argument("--heads", default=None, help="head counts (comma list) to run each row at, instead of its own")
-    p.add_argument("--peers", default=",".join(PEERS), help="FlashInfer backends to run (comma list)")
-    p.add_argument("--no-peers", action="store_true", help="do not run FlashInfer")
+    p.add_argument("--peers", default=",".join(ALL_PEERS), help="peers to run (comma list): flashmla, fa3, fa2")
+    p.add_argument("--no-peers", action="store_true", help="run no peer")
     p.add_argument("--no-md", action="store_true")
     p.add_argument("--csv", default=None)
     return p.parse_args(argv)
@@ -140,6 +152,52 @@ def flashinfer_times(inputs, page, heads, peers=PEERS, refs=None):
     return times, correct
 
 
+def flashmla_call(inputs, heads, kv_descale=None):
+    """FlashMLA's dense decode on the row's values (``sgl_kernel.flash_mla``): q and the
+    cache concatenated into its 576-wide layout, its tile-scheduler metadata computed once.
+    ``kv_descale``: its FP8 mode, e4m3 q (quantized per tensor here) and cache, both
+    descales (1,). Raises where it does not import or take the row (pages of 64 only)."""
+    import torch
+    from sgl_kernel import flash_mla as fm
+
+    q_nope, q_pe, ckv, kpe, seqlens, table = inputs
+    q = torch.cat([q_nope, q_pe], -1).contiguous()
+    kv = torch.cat([ckv.view(torch.uint8) if kv_descale is not None else ckv,
+                    kpe.view(torch.uint8) if kv_descale is not None else kpe], -1).unsqueeze(2).contiguous()
+    kw = {}
+    if kv_descale is not None:
+        amax = q.float().abs().amax().clamp(min=1e-12)
+        q_scale = 448.0 / amax
+        q = (q.float() * q_scale).to(torch.float8_e4m3fn)
+        kv = kv.view(torch.float8_e4m3fn)
+        kw = dict(descale_q=(1.0 / q_scale).reshape(1).float(), descale_k=kv_descale.reshape(-1)[:1].float(),
+                  is_fp8_kvcache=True)
+    meta, splits = fm.get_mla_metadata(seqlens, q.shape[1] * heads, 1, is_fp8_kvcache=kv_descale is not None)
+    return lambda: fm.flash_mla_with_kvcache(q, kv, table, seqlens, 512, meta, splits, softmax_scale=576 ** -0.5,
+                                             causal=False, **kw)[0]
+
+
+def flashmla_time(inputs, page, heads, refs=None, kv_descale=None):
+    """(ms, correct) of ``flashmla_call`` as a CUDA-graph replay; (None, None) where it does
+    not run (its error printed)."""
+    if page != 64:
+        return None, None
+    try:
+        fn = flashmla_call(inputs, heads, kv_descale)
+        ms = bench(fn, graph=True)
+    except Exception as e:
+        print(f"[flashmla] {error_text(e)}", file=sys.stderr)
+        return None, None
+    correct = None
+    if refs is not None:
+        try:
+            correct = check_correct(fn().reshape(refs[0].shape), *refs)
+        except Exception as e:
+            print(f"[flashmla check] {error_text(e)}", file=sys.stderr)
+            correct = False
+    return ms, correct
+
+
 def references(inputs, **kw):
     """(fp32 reference, PyTorch's own low-precision result) of a row (``kw``: an FP8 cache's
     ``kv_descale``), or None past ``REF_LIMIT``: computed once a row, for every
@@ -150,6 +208,16 @@ def references(inputs, **kw):
     from flash_attn_cute.testing import mla_decode_ref
 
     return mla_decode_ref(*inputs, **kw)[0], mla_decode_ref(*inputs, upcast=False, **kw)[0]
+
+
+def fp8_peer_inputs(fa, inputs):
+    """(the row quantized as ``one_row`` quantizes it for us, its kv_descale): FlashMLA's
+    FP8 row reads the same cache bytes."""
+    import torch
+
+    q_nope, q_pe, ckv, kpe, seqlens, table = inputs
+    both, descale = fa.quantize_fp8(torch.cat([ckv, kpe], -1).unsqueeze(2), granularity="tensor")
+    return (q_nope, q_pe, both[..., 0, :512].contiguous(), both[..., 0, 512:].contiguous(), seqlens, table), descale
 
 
 def one_row(fa, backend, inputs, page, heads, refs, fp8=False):
@@ -183,21 +251,19 @@ def one_row(fa, backend, inputs, page, heads, refs, fp8=False):
 
 
 def targets_met(backend, row) -> str:
-    """Issue 17: SM90 >= 1.1x FlashInfer fa3 on every row, >= 3.9 TB/s at 768 x 2048, >= 560
-    TFLOP/s with 128 heads, >= 2.0 TB/s at 1 x 32768; SM80 >= 1.1x fa2."""
-    peer = "fa2" if backend == "sm80" else "fa3"
+    """Issue 32: SM90 >= 1.0x FlashMLA on every row it runs (pages of 64), FP8 cache >= 1.3x
+    our 16-bit row (64+ heads) and >= 1.0x FlashMLA's FP8; SM80 >= 1.1x FlashInfer fa2."""
     missed = []
-    if row.get(f"x_{peer}") is None:
-        missed.append(f"no {peer}")  # not measured: the ratio target is not judged
-    elif row[f"x_{peer}"] < 1.1:
-        missed.append(f"<1.1x {peer}")
-    if backend == "sm90":
-        if (row["batch"], row["seqlen"]) == (768, 2048) and row["tbps"] < 3.9:
-            missed.append("<3.9 TB/s")
-        if row["heads"] == 128 and row["tflops"] < 560:
-            missed.append("<560 TFLOP/s")
-        if row["batch"] == 1 and row["tbps"] < 2.0:
-            missed.append("<2.0 TB/s")
+    if backend == "sm80":
+        if row.get("x_fa2") is None:
+            missed.append("no fa2")  # not measured: the ratio target is not judged
+        elif row["x_fa2"] < 1.1:
+            missed.append("<1.1x fa2")
+        return "; ".join(missed) or "met"
+    if row.get("x_flashmla") is not None and row["x_flashmla"] < 1.0:
+        missed.append("<1.0x flashmla")
+    if row.get("vs_16bit") is not None and row["heads"] >= 64 and row["vs_16bit"] < 1.3:
+        missed.append("<1.3x 16-bit")
     return "; ".join(missed) or "met"
 
 
@@ -218,13 +284,15 @@ def main(argv=None):
     if args.heads:
         picked = [(b, s, p, int(h)) for b, s, p, _ in picked for h in args.heads.split(",")]
     rows = []
+    peers = [] if args.no_peers else args.peers.split(",")
     for batch, seqlen, page, heads in picked:
         inputs = make_inputs(batch, seqlen, page, heads, dtype)
         nbytes, _ = row_bytes_flops(batch, seqlen, heads)
         refs = references(inputs)
-        peer_ms, peer_ok = ({}, {}) if args.no_peers else flashinfer_times(
-            inputs, page, heads, args.peers.split(","), refs)
+        fi_peers = [p for p in peers if p in PEERS]
+        peer_ms, peer_ok = flashinfer_times(inputs, page, heads, fi_peers, refs) if fi_peers else ({}, {})
         peer_tbps = {p: nbytes / (ms * 1e-3) / 1e12 for p, ms in peer_ms.items()}
+        mla_ms = {False: flashmla_time(inputs, page, heads, refs) if "flashmla" in peers else (None, None)}
         for backend, fp8 in ((b, f) for b in backends for f in (False, True)[:1 + args.fp8]):
             mode = os.environ.get("FLASH_ATTN_CUTE_MLA_SM90_QK") if backend == "sm90" else None
             row = dict(impl=f"flash_attn_cute {backend}" + (f" qk={mode}" if mode else "") + (" fp8" if fp8 else ""),
@@ -234,6 +302,15 @@ def main(argv=None):
             try:
                 ms, tbps, tflops, correct, note = one_row(fa, backend, inputs, page, heads, refs, fp8)
                 row.update(time_us=ms * 1e3, tbps=tbps, tflops=tflops, correct=correct, note=note)
+                if fp8 and "flashmla" in peers and fp8 not in mla_ms:
+                    fp8_inputs, descale = fp8_peer_inputs(fa, inputs)
+                    mla_ms[fp8] = flashmla_time(fp8_inputs, page, heads, kv_descale=descale)
+                peer_time, peer_correct = mla_ms.get(fp8, (None, None))
+                if peer_time:
+                    row["flashmla"] = row_bytes_flops(batch, seqlen, heads, 1 if fp8 else 2)[0] / (peer_time * 1e-3) / 1e12
+                    row["x_flashmla"] = peer_time / ms
+                    if peer_correct is not None:
+                        row["fi_correct"] = "/".join(x for x in (row["fi_correct"], f"flashmla {peer_correct}") if x)
                 if fp8:  # FP8 TB/s count the cache at a byte a value: no ratio to 16-bit peers
                     if rows and rows[-1].get("time_us"):  # the 16-bit row just before, same shape
                         row["vs_16bit"] = rows[-1]["time_us"] / row["time_us"]
@@ -241,7 +318,7 @@ def main(argv=None):
                     for p in PEERS:
                         if row[f"fi_{p}"]:
                             row[f"x_{p}"] = tbps / row[f"fi_{p}"]
-                    row["target"] = targets_met(backend, row)
+                row["target"] = targets_met(backend, row)
             except Exception as e:  # keep the table going; the row says why
                 row.update(note=error_text(e))
             rows.append(row)
@@ -255,10 +332,11 @@ def main(argv=None):
         append_results_md(
             f"MLA decode ({args.dtype}, 1 query, num_splits=0)", rows, COLUMNS,
             notes="TB/s = (ckv + kpe read once + q + out) / median time of a CUDA-graph replay; TFLOP/s: Q K^T and "
-                  "P V. fi_fa3 / fi_fa2: FlashInfer 0.7.2 BatchMLAPagedAttentionWrapper on the same tensors, same "
-                  "process, same timing; x_*: our TB/s over theirs; correct / fi_correct: ours / FlashInfer's output "
-                  "against the same fp32 reference (rows up to REF_LIMIT). Targets (issue 17): SM90 >= 1.1x fa3, >= 3.9 "
-                  "TB/s at 768 x 2048, >= 560 TFLOP/s with 128 heads, >= 2.0 TB/s at 1 x 32768; SM80 >= 1.1x fa2.")
+                  "P V. flashmla: FlashMLA's SM90 dense decode (sglang-kernel 0.4.4; FP8 rows: its FP8 mode), "
+                  "fi_fa3 / fi_fa2: FlashInfer 0.7.2 BatchMLAPagedAttentionWrapper, on the same values, same process, "
+                  "same timing; x_*: their time over ours; correct / fi_correct: ours / the peers' output against the "
+                  "same fp32 reference (rows up to REF_LIMIT). Targets (issue 32): SM90 >= 1.0x FlashMLA, FP8 cache "
+                  ">= 1.3x our 16-bit row (64+ heads) and >= 1.0x FlashMLA's FP8; SM80 >= 1.1x fa2.")
 
 
 if __name__ == "__main__":

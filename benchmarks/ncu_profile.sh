@@ -11,6 +11,8 @@
 #   IMPLS="sm90:MlaDecodeSm90 sm90-fp8:MlaDecodeSm90" bash benchmarks/ncu_profile.sh mla 768x1024  # FP8 cache too
 #   IMPLS="fi-fa3:BatchMLAPageAttentionHopperKernel sm90:MlaDecodeSm90" bash benchmarks/ncu_profile.sh mla 768x2048
 #     # FlashInfer's fa3 kernel beside ours (with FlashInfer importable: ../shared/gpu/README.md)
+#   IMPLS="flashmla:flash_fwd_splitkv_mla sm90:MlaDecodeSm90Tma" PAGE=64 bash benchmarks/ncu_profile.sh mla 768x2048
+#     # FlashMLA's dense decode beside our TMA kernel (pages of 64; with .peers: ../shared/gpu/README.md)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 cd "$(dirname "$0")"
@@ -26,7 +28,7 @@ for cfg in ${2:-128}; do
     extra="--variant $cfg"
     impls="ours:FlashAttnFwdSm90"
   else
-    extra="--batch ${cfg%x*} --seqlen ${cfg#*x}"
+    extra="--batch ${cfg%x*} --seqlen ${cfg#*x} --page ${PAGE:-1}"
     impls=${IMPLS:-"sm80:MlaDecodeSm80 sm90:MlaDecodeSm90"}
   fi
   for pair in $impls; do

@@ -174,3 +174,26 @@ def test_mla_head_counts_and_kv_heads_compile(tmp_path):
     for i, key in enumerate(keys90):
         sass = next((out90 / f"k{i}").glob("*.sass")).read_text()
         assert sass.count("WARPGROUP.DEPBAR") <= 16, ("wgmma serialised", key)
+
+
+# The SM90 TMA kernel (sm90/mla_decode_tma.py, pages of a multiple of 64, 16-bit caches):
+# 64 x 64 S and 64 x 256 P V wgmma, bulk-tensor loads (UTMALDG) arriving on mbarriers
+# (SYNCS), no local memory (O 128 + S 32 + P 16 of 255 registers; 207 at the time of
+# writing), and the wgmma waits of its schedule (17: three or fewer per step and
+# instantiation, never one per HGMMA).
+TMA_CONFIGS = [("bf16", 64, False, False, False, 0), ("fp16", 128, True, True, True, 0),
+               ("bf16", "2/hkv", True, True, True, 128), ("bf16", 100, "cp", False, True, 0)]
+TMA_SASS_EXPECT = ["HGMMA.64x64x16.F32", "HGMMA.64x256x16.F32", "UTMALDG", "MUFU.EX2", "SYNCS", "STSM"]
+
+
+@pytest.mark.slow
+def test_mla_sm90_tma_compiles_and_sass(tmp_path):
+    keys_tma = [mla_key("sm90", "sm_90a", *c, ((64, 2, "tma"),)) for c in TMA_CONFIGS]
+    entries = [(f"k{i}", "flash_attn_cute.sm90.mla:compile", k) for i, k in enumerate(keys_tma)]
+    out_dir, seconds = compile_entries("sm_90a", entries, tmp_path)
+    print("\nmla sm90 tma sm_90a: " + ", ".join(f"{v:.1f}s" for v in seconds.values()))
+    check_artifacts(out_dir, keys_tma, "sm_90a", TMA_SASS_EXPECT, 0)
+    for i, key in enumerate(keys_tma):
+        sass = next((out_dir / f"k{i}").glob("*.sass")).read_text()
+        assert sass.count("WARPGROUP.DEPBAR") <= 20, ("wgmma serialised", key)
+        assert "USETMAXREG" not in sass, key  # two warpgroups of equal roles: no register trade

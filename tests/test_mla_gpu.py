@@ -369,3 +369,78 @@ def test_mla_fp8_flashmla_layout_views(backend, nheads_kv):
     assert views[1].data_ptr() == k_cache.data_ptr() + 512
     run_and_check_fp8(backend, (q_nope, q_pe, *views, lens, table), descale, causal=True, num_splits=0,
                       return_lse=True)
+
+
+# ---------------------------------------------------------------------------------------
+# The SM90 TMA kernel (sm90/mla_decode_tma.py: pages of a multiple of 64 keys, 16-bit
+# caches). Its schedule has a full step per pair of 64-key tiles and tails for the last
+# one to three tiles of either warpgroup: lengths of 1 to 9 tiles (each split's share with
+# num_splits 3), a tile cut by the sequence end (rows past it NaN in the page), pages of
+# 64, 128 and 256 (a tile is one of a page's 64-key sub-blocks). The same cases run the
+# gathering kernel at page 64 (FLASH_ATTN_CUTE_MLA_SM90_QK=seesaw), and both are checked
+# against the reference; on SM80 they run the SM80 kernel.
+# ---------------------------------------------------------------------------------------
+
+TILE_SEQLENS = (1, 64, 65, 128, 190, 256, 257, 385, 449, 576)  # 1 to 9 tiles of 64 keys
+
+
+@pytest.mark.parametrize("page_size", [64, 128, 256])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("knob", [None, "seesaw"])
+def test_mla_tma_tile_counts(backend, page_size, num_splits, knob, monkeypatch):
+    if knob:
+        monkeypatch.setenv("FLASH_ATTN_CUTE_MLA_SM90_QK", knob)
+    run_and_check(backend, make_inputs(TILE_SEQLENS, 64, page_size, seed=90 + page_size), num_splits=num_splits,
+                  return_lse=True)
+
+
+@pytest.mark.parametrize("nheads,seqlen_q,page_size", [(16, 2, 64), (128, 2, 128), (100, 1, 64), (8, 2, 256)])
+def test_mla_tma_causal_heads(backend, nheads, seqlen_q, page_size):
+    run_and_check(backend, make_inputs(TILE_SEQLENS, nheads, page_size, seqlen_q=seqlen_q, seed=95 + nheads),
+                  causal=True, num_splits=0, return_lse=True)
+
+
+@pytest.mark.parametrize("page_size", [64, 128])
+@pytest.mark.parametrize("nheads_kv", [None, 2])
+def test_mla_tma_nan_past_the_end(backend, page_size, nheads_kv):
+    # Rows past each sequence's end (the rest of its last tile and page, and its spare
+    # page) hold NaN: tile 0's tail is read by TMA whole and must be zeroed before P V.
+    import flash_attn_cute
+
+    inputs = make_inputs((5, 70, 33, 129, 64), 32, page_size, seed=97, nheads_kv=nheads_kv)
+    q_nope, q_pe, ckv, kpe, seqlens, table = inputs
+    out_ref, _ = mla_decode_ref(*inputs)
+    out_pt, _ = mla_decode_ref(*inputs, upcast=False)
+    ckv_bad, kpe_bad = ckv.clone(), kpe.clone()
+    for b, n in enumerate(seqlens.tolist()):
+        for t in range(n, table.shape[1] * page_size):
+            ckv_bad[table[b, t // page_size], t % page_size] = float("nan")
+            kpe_bad[table[b, t // page_size], t % page_size] = float("nan")
+    for splits in (1, 2):
+        out = flash_attn_cute.flash_mla_decode(q_nope, q_pe, ckv_bad, kpe_bad, seqlens, table, backend=backend,
+                                               num_splits=splits)
+        check_close(out, out_ref, out_pt)
+
+
+def test_mla_tma_batch_invariant_bitwise(backend):
+    # test_mla_batch_invariant_any_heads_bitwise over pages of 64 (the TMA kernel on SM90).
+    import flash_attn_cute
+
+    g = torch.Generator(device="cuda").manual_seed(98)
+    randn = lambda *s: torch.randn(*s, generator=g, device="cuda").to(torch.bfloat16)
+    pages_per_seq, page = 80, 64
+    x = (randn(1, 1, 64, 512), randn(1, 1, 64, 64), randn(pages_per_seq, page, 512), randn(pages_per_seq, page, 64))
+    outs = []
+    for batch in (1, 5):
+        q_nope, q_pe = randn(batch, 1, 64, 512), randn(batch, 1, 64, 64)
+        ckv, kpe = randn(batch * pages_per_seq, page, 512), randn(batch * pages_per_seq, page, 64)
+        q_nope[:1], q_pe[:1], ckv[:pages_per_seq], kpe[:pages_per_seq] = x
+        table = torch.arange(batch * pages_per_seq, device="cuda", dtype=torch.int32).view(batch, pages_per_seq)
+        lens = torch.tensor([4500] + [(977 * i) % 5120 + 1 for i in range(1, batch)], dtype=torch.int32,
+                            device="cuda")
+        inputs = (q_nope, q_pe, ckv, kpe, lens, table)
+        out, lse = flash_attn_cute.flash_mla_decode(*inputs, return_lse=True, batch_invariant=True, backend=backend)
+        if batch == 5:
+            check_close(out, mla_decode_ref(*inputs)[0], mla_decode_ref(*inputs, upcast=False)[0])
+        outs.append((out[0].clone(), lse[0].clone()))
+    assert torch.equal(outs[1][0], outs[0][0]) and torch.equal(outs[1][1], outs[0][1])

@@ -389,3 +389,26 @@ def test_flashmla_layout_views_reach_the_kernel_uncopied(fake_device, monkeypatc
         assert ckv.data_ptr() == k_cache.data_ptr() and kpe.data_ptr() == k_cache.data_ptr() + 512 * 2
         assert ckv.dim() == (4 if hkv > 1 else 3) and ckv.stride(-1) == 1 and ckv.stride(1) == hkv * 576
     assert len(launched) == 2
+
+
+def test_sm90_tma_kernel_selection():
+    # Pages of a multiple of 64 over a 16-bit cache: the TMA kernel (64-key tiles, config
+    # (64, 2, "tma")); other page sizes and FP8 caches: the gathering kernel; a mode of the
+    # gathering kernel named by FLASH_ATTN_CUTE_MLA_SM90_QK replaces it (A/B runs), "tma"
+    # names the default.
+    sm90 = seam.backend_module("sm90", "mla")
+    for page in (64, 128, 256):
+        p = _problem(h=64)._replace(page_size=page, max_seqlen_k=4096)
+        plan = sm90.plan(p, 0, None, 132)
+        assert plan.config[:3] == (64, 2, "tma") and sm90.compile_key(p, plan, "sm_90a")[8] == (64, 2, "tma")
+        assert sm90.plan(p, 0, None, 132, tuning=Tuning(mla_sm90_qk="tma")) == plan
+        assert sm90.plan(p, 0, None, 132, tuning=Tuning(mla_sm90_qk="seesaw")).config[:3] == (32, 4, "seesaw")
+        p8 = p._replace(kv_dtype=torch.float8_e4m3fn)
+        assert sm90.plan(p8, 0, None, 132).config[:3] == (32, 3, "seesaw")
+    for page in (1, 16, 32, 96):
+        p = _problem(h=64)._replace(page_size=page, max_seqlen_k=4096)
+        assert sm90.plan(p, 0, None, 132).config[:3] == (32, 4, "seesaw")
+        assert sm90.plan(p, 0, None, 132, tuning=Tuning(mla_sm90_qk="tma")).config[:3] == (32, 4, "seesaw")
+    # The split heuristic counts 64-key tiles: one sequence of 32768 keys fills the SMs.
+    long = _problem(h=64)._replace(page_size=64, batch=1, max_seqlen_k=32768)
+    assert sm90.plan(long, 0, None, 132).num_splits > 64

@@ -35,7 +35,7 @@ from cutlass import Float32, Int32
 
 from flash_attn_cute.device.block_info import BlockInfo
 from flash_attn_cute.host.constants import D_CKV, D_KPE
-from flash_attn_cute.device.copy_utils import copy_row, gmem_tiled_copy, swizzle_atom_cols, widen_fp8
+from flash_attn_cute.device.copy_utils import copy_row, copy_rows, gmem_tiled_copy, swizzle_atom_cols, widen_fp8
 from flash_attn_cute.device.cute_utils import CUTE_DTYPE_BY_NAME, compile_mla
 from flash_attn_cute.device.fwd_kernel import FwdTile
 from flash_attn_cute.device.layout_utils import row_major_smem_layout
@@ -179,6 +179,23 @@ class MlaTile(FwdTile):
         """An FP8 cache: O (registers) times ``kv_descale[b]`` (V is the stored values times it)."""
         if cutlass.const_expr(args.mKvDescale is not None):
             acc_O.store(acc_O.load() * args.mKvDescale[self.ctx.batch])
+
+
+@cute.jit
+def load_q_rows(tile: "MlaTile", sQn: cute.Tensor, sQp: cute.Tensor, args: MlaArgs, dtype,
+                qhead_per_kvhead: cutlass.Constexpr[int], tile_m: cutlass.Constexpr[int],
+                num_threads: cutlass.Constexpr[int], tidx):
+    """The tile's Q rows (q_nope into ``sQn``, q_pe into ``sQp``) by cp.async of
+    ``num_threads`` threads: packed rows form no TMA box. Rows past the tile's last query
+    are zero-filled (finite scores for rows never stored). The caller commits, waits and
+    fences the copies (wgmma reads them through the async proxy) and meets its threads."""
+    row0 = tile.m_block * tile_m
+    for mQ, sQ, cols in ((args.mQn, sQn, D_CKV), (args.mQp, sQp, D_KPE)):
+        copy_Q = gmem_tiled_copy(dtype, cols, num_threads)
+        thr_Q = copy_Q.get_slice(tidx)
+        tQsQ, tQcQ = thr_Q.partition_D(sQ), thr_Q.partition_S(cute.make_identity_tensor((tile_m, cols)))
+        q_rows = tile.q_rows(mQ, qhead_per_kvhead, False)
+        copy_rows(copy_Q, tQsQ, tQcQ, lambda row, m: q_rows[row0 + row, None], tile.rows_valid)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,18 @@ class Sm90MlaBarrier(enum.IntEnum):
     STATS = 3  # the final 1 / row sum (qk="one") or both warpgroups' row sums (qk="seesaw") written
 
 
+class Sm90MlaTmaBarrier(enum.IntEnum):
+    """``sm90/mla_decode_tma.py``, over both warpgroups (its module docstring draws the
+    seesaw: who arrives, who syncs, once per pair of tiles)."""
+
+    Q = 1  # Q landed and the row max initialised
+    SCALE0 = 2  # warpgroup 0 wrote the max and correction of its tile (S_a)
+    SCALE1 = 3  # warpgroup 1 wrote those of S_b (1 where there is no tile b)
+    P0 = 4  # warpgroup 0 wrote P_a (at the pair's max) to sP0
+    O1_ISSUED = 5  # warpgroup 1 wrote sP1 and issued its P V of sP0
+    SUMS = 6  # both warpgroups' row sums written
+
+
 class Sm80MlaBarrier(enum.IntEnum):
     """``sm80/mla_decode.py`` (its module docstring says who arrives and who syncs; a KV
     stage's FULL is an mbarrier)."""

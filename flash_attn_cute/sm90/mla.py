@@ -1,7 +1,9 @@
-"""SM90 MLA decode backend (1 producer + 2 consumer warpgroups, wgmma, cp.async gathers):
-the seam's check / plan / compile_key / compile / launcher for the ``"mla"`` kind (see
-``seam/__init__.py``). The kernel is ``sm90/mla_decode.py``; the DSL is imported only when a kernel
-is compiled."""
+"""SM90 MLA decode backend: the seam's check / plan / compile_key / compile / launcher for
+the ``"mla"`` kind (see ``seam/__init__.py``). Two kernels: pages that hold whole 64-key
+tiles (page size a multiple of 64) with a 16-bit cache take ``sm90/mla_decode_tma.py``
+(two warpgroups, TMA, FlashMLA's seesaw over 64-key tiles); other page sizes and FP8
+caches ``sm90/mla_decode.py`` (1 producer + 2 consumer warpgroups, cp.async row gathers).
+The DSL is imported only when a kernel is compiled."""
 
 from __future__ import annotations
 
@@ -32,10 +34,15 @@ _SPLIT_TOLERANCE = 0.9
 DEFAULT_QK_MODE = "seesaw"
 
 
+# The TMA kernel's config: 64-key tiles in two buffers.
+TMA_CONFIG = (64, 2, "tma")
+TMA_PAGE = 64  # page sizes it reads: multiples of this (a tile is one box row range of one page)
+
+
 class MlaSm90Config(NamedTuple):
     tile_n: int  # keys per stage
     stages: int
-    qk: str  # how the consumer warpgroups share Q K^T (``config.MlaRoles.qk``)
+    qk: str  # how the consumer warpgroups share Q K^T (``config.MlaRoles.qk``), or "tma" (mla_decode_tma)
     split_blocks: int = 0  # batch invariant: KV blocks per split (backend_kit.invariant_splits)
     fp8_stages: int = 0  # an FP8 cache's staging depth (``config.MlaRoles.fp8_stages``); 0: 16 bits
 
@@ -48,6 +55,13 @@ def check(problem: MlaProblem) -> Optional[str]:
     return mla_refusal(problem, FEATURES)
 
 
+def uses_tma(problem: MlaProblem, qk: Optional[str] = None) -> bool:
+    """The TMA kernel: a 16-bit cache in pages of a multiple of 64 keys, unless
+    FLASH_ATTN_CUTE_MLA_SM90_QK (``qk``) names a mode of the gathering kernel ("tma" or
+    unset: the TMA kernel where it applies, the gathering "seesaw" elsewhere)."""
+    return problem.page_size % TMA_PAGE == 0 and not problem.kv_fp8 and qk in (None, "tma")
+
+
 def roles(qk: Optional[str] = None, fp8: bool = False, fp8_stages: Optional[str] = None) -> MlaRoles:
     """The kernel's static roles for a Q K^T mode: "seesaw" (the warpgroups take turns
     computing S, tile by tile; 4 stages of 32 keys), "one" (warpgroup 0 computes S and
@@ -55,9 +69,9 @@ def roles(qk: Optional[str] = None, fp8: bool = False, fp8_stages: Optional[str]
     summed through smem; 3 stages). None: ``DEFAULT_QK_MODE``. An FP8 cache
     (``fp8``) takes two fp8 staging tiles (36 KB) from the 16-bit stages: 3, resp. 2
     (``fp8_stages`` "s,s8", ``tuning.mla_fp8_stages``, overrides both depths)."""
-    mode = qk or DEFAULT_QK_MODE
+    mode = DEFAULT_QK_MODE if qk in (None, "tma") else qk
     if mode not in QK_MODES:
-        raise ValueError(f"FLASH_ATTN_CUTE_MLA_SM90_QK={mode}: one of {QK_MODES}")
+        raise ValueError(f"FLASH_ATTN_CUTE_MLA_SM90_QK={mode}: one of {QK_MODES + ('tma',)}")
     if not fp8:
         return MlaRoles(qk=mode) if mode != "split" else MlaRoles(stages=3, qk="split")
     stages, staging = fp8_stages_override(fp8_stages) or ((3, 2) if mode != "split" else (2, 2))
@@ -80,13 +94,18 @@ def plan(problem: MlaProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     (``mla_kernel.MlaTile``: a partial last tile is predicated); 65 to 128 heads take two
     CTAs per query position (two 64-row tiles, the cache read through L2 twice). ``num_splits`` 0 = the
     package's wave-efficiency heuristic on this grid (shapes only; batch invariant: fixed
-    keys per split). ``tuning.mla_sm90_qk`` overrides the Q K^T mode (tuning, and the GPU
-    tests of both)."""
-    r = roles(tuning.mla_sm90_qk, problem.kv_fp8, tuning.mla_fp8_stages)
+    keys per split). Pages of a multiple of 64 keys over a 16-bit cache: the TMA kernel
+    (``uses_tma``; 64-key tiles). ``tuning.mla_sm90_qk`` overrides the Q K^T mode of the
+    gathering kernel, and a mode of it also replaces the TMA kernel (A/B runs, and the
+    GPU tests of each)."""
     rows = problem.max_seqlen_q * problem.qhead_per_kvhead  # packed rows of one KV head
+    r = roles(tuning.mla_sm90_qk, problem.kv_fp8, tuning.mla_fp8_stages)
+    tile_n, stages, qk, fp8_stages = r.tile_n, r.stages, r.qk, r.fp8_stages
+    if uses_tma(problem, tuning.mla_sm90_qk):
+        (tile_n, stages, qk), fp8_stages = TMA_CONFIG, 0
     num_splits, split_blocks = plan_splits(problem, num_splits, num_sms, problem.nheads_kv, rows, tile_m=r.tile_m,
-                                           tile_n=r.tile_n, ctas_per_sm=_CTAS_PER_SM, tolerance=_SPLIT_TOLERANCE)
-    return FwdPlan(NAME, MlaSm90Config(r.tile_n, r.stages, r.qk, split_blocks, r.fp8_stages), True, num_splits)
+                                           tile_n=tile_n, ctas_per_sm=_CTAS_PER_SM, tolerance=_SPLIT_TOLERANCE)
+    return FwdPlan(NAME, MlaSm90Config(tile_n, stages, qk, split_blocks, fp8_stages), True, num_splits)
 
 
 # compile_key, compile, launcher: the seam's MLA entry points; the key ends with the config

@@ -144,14 +144,14 @@ from cutlass.cute.nvgpu import warpgroup
 
 from flash_attn_cute.device.block_info import BlockInfo
 from flash_attn_cute.host.constants import D_CKV, D_KPE
-from flash_attn_cute.device.copy_utils import copy_rows, gmem_tiled_copy
 from flash_attn_cute.device.cute_utils import launch_ctas
 from flash_attn_cute.device.epilogue import store_lse, store_o
 from flash_attn_cute.device.layout_utils import acc_mn_view, acc_to_operand_a, row_major_smem_layout, transpose_view
 from flash_attn_cute.device.mla_kernel import (MlaArgs, MlaFp8Staging, MlaGather, MlaTile, compile_mla_from_key,
-                                               mla_call, set_mla_config)
+                                               load_q_rows, mla_call, set_mla_config)
 from flash_attn_cute.device.named_barrier import Sm90MlaBarrier
 from flash_attn_cute.sm90.config import MlaRoles, mla_roles
+from flash_attn_cute.sm90.mla_decode_tma import MlaDecodeSm90Tma
 from flash_attn_cute.sm90.wgmma_utils import convert_pairs, kv_release, kv_wait, wgmma_gemm
 from flash_attn_cute.device.softmax import LOG2_E, OnlineSoftmax
 from flash_attn_cute.device.tile_scheduler import SingleTileScheduler, TileDivisors, tile_divisors
@@ -338,17 +338,11 @@ class MlaDecodeSm90:
 
     @cute.jit
     def load_q(self, tile, smem, args: MlaArgs, cidx):
-        """Q rows gathered by the consumers themselves (packed rows: no TMA box), zero past
-        the last query; the cp.async and zero stores are made visible to wgmma (async
-        proxy) before either warpgroup issues."""
+        """Q rows gathered by the consumers themselves (``mla_kernel.load_q_rows``), made
+        visible to wgmma (async proxy) before either warpgroup issues."""
         r = self.roles
-        row0 = tile.m_block * r.tile_m
-        for mQ, sQ, cols in ((args.mQn, smem.sQn, D_CKV), (args.mQp, smem.sQp, D_KPE)):
-            copy_Q = gmem_tiled_copy(self.dtype, cols, r.consumer_threads)
-            thr_Q = copy_Q.get_slice(cidx)
-            tQsQ, tQcQ = thr_Q.partition_D(sQ), thr_Q.partition_S(cute.make_identity_tensor((r.tile_m, cols)))
-            q_rows = tile.q_rows(mQ, self.qhead_per_kvhead_packed, False)
-            copy_rows(copy_Q, tQsQ, tQcQ, lambda row, m: q_rows[row0 + row, None], tile.rows_valid)
+        load_q_rows(tile, smem.sQn, smem.sQp, args, self.dtype, self.qhead_per_kvhead_packed, r.tile_m,
+                    r.consumer_threads, cidx)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_view_async_shared()
@@ -787,7 +781,12 @@ class _Sm90Ops:
 
 def compile_mla_sm90(key: tuple):
     """Compiles the kernel for ``key`` (``keys.mla_key``; config ``((tile_n, stages, qk[,
-    fp8_stages]),)``) on fake tensors: no GPU needed."""
-    return compile_mla_from_key(key, lambda dtype, heads, causal, is_split, split_blocks, config: MlaDecodeSm90(
-        dtype, heads, causal, is_split, split_blocks,
-        mla_roles(*config)))
+    fp8_stages]),)``, qk "tma": ``mla_decode_tma.MlaDecodeSm90Tma``) on fake tensors: no GPU
+    needed."""
+
+    def make(dtype, heads, causal, is_split, split_blocks, config):
+        if config[2] == "tma":
+            return MlaDecodeSm90Tma(dtype, heads, causal, is_split, split_blocks)
+        return MlaDecodeSm90(dtype, heads, causal, is_split, split_blocks, mla_roles(*config))
+
+    return compile_mla_from_key(key, make)

@@ -1,0 +1,599 @@
+"""MLA decode for SM90 over pages that hold whole 64-key tiles (page size a multiple of 64,
+the MLA page of vLLM's and SGLang's FlashMLA backends): two warpgroups that both load and
+compute, bulk-tensor (TMA) loads of 64-key tiles, FlashMLA's seesaw schedule (its SM90
+dense decode, ``csrc/sm90/decode/dense/``, read for this module; written for this package).
+
+One CTA computes ``TILE_M`` = 64 packed rows (query position x head of one KV head, as in
+``mla_kernel``) of one sequence [and one KV split]. Per KV tile of ``TILE_N`` = 64 keys:
+
+    bytes from HBM     64 x (512 + 64) x 2                 = 73.7 KB
+    S = Q K^T          64 x 64 x 576 x 2                   = 4.72 MFLOP
+    O += P V           64 x 64 x 512 x 2                   = 4.19 MFLOP
+
+Why not the gathering kernel (``mla_decode.py``) at these page sizes. Its consumers read Q
+from shared memory for every 32 keys (a 64 x 32 x 16 wgmma reads 2 KB of A and 1 KB of B
+in the 16 cycles it computes: 192 bytes a cycle against the 128 shared memory serves), and
+its producer warpgroup writes every row with 18 cp.async per thread and tile; the H200
+profile (``results/ncu/ncu_mla_sm90_768x2048_2026-12-02_s10.txt``) shows 59% of the L1
+bandwidth and twice FlashInfer's instruction count for the same bytes. Here a 64-key tile
+halves the reads of Q per key (64 x 64 x 16: 4 KB in 32 cycles, at the 128-byte limit), a
+tile's nine 64 x 64 chunks arrive by nine TMA instructions of one thread, and no warpgroup
+is spent on loading.
+
+Buffers and chunks. Q (72 KB) stays in shared memory; K tiles alternate between two
+buffers (``sC`` 64 x 512 and ``sKp`` 64 x 64 each), tile i in buffer i % 2. A tile is nine
+64 x 64 chunks, one TMA box and one mbarrier each (the waiter starts S on chunk 0 while
+chunks 1-8 land): 0-3 are V's left half (O columns 0-255), 4-7 its right half, 8 the
+rotary keys. Warpgroup w computes S and the softmax of the tiles in buffer w and O's
+columns [256 w, 256 w + 256) of every tile.
+
+The seesaw, per pair of tiles (a = i in buffer 0, b = i + 1 in buffer 1), the running row
+max shared through ``sM``:
+
+    WG0                                        WG1
+    softmax S_a (max m_a), O *= corr_a          .
+      -> SCALE0                                 SCALE0 -> softmax S_b (max m_b), O *= corr_a corr_b
+    O += P_a V_a[:, left] (P from registers)    -> SCALE1
+    SCALE1 ->                                   P_b -> sP1; O += P_b V_b[:, right] (registers)
+    TMA tile i + 2, chunks 0-3 (V_a left done)  .
+    P_a *= corr_b -> sP0 -> P0                  P0 -> O += sP0 V_a[:, right] -> O1_ISSUED
+    O1_ISSUED -> O *= corr_b,                   TMA tile i + 3, chunks 4-8 (V_b right done)
+      O += sP1 V_b[:, left]                     TMA tile i + 2, chunks 4-8 (V_a right done)
+    S_{i+2} chunks 0-3; TMA tile i + 3,         S_{i+3}, chunks 0-8
+      chunks 0-3 (V_b left done); chunks 4-8
+
+(named barriers ``Sm90MlaTmaBarrier``; "X ->" waits, "-> X" arrives). Every chunk is
+reloaded by the warpgroup that last read it, after its own wgmma wait; the only chunks the
+other warpgroup reads (the other half of V, P) are released by the barrier order above.
+sP0 lives over buffer 0's rotary chunk (free once S_a landed, reloaded only after WG1's
+P V of it), sP1 in its own 8 KB. Each step ends with no wgmma in flight: the tails (the
+last one to three tiles) are separate instantiations of the same step (static flags), so
+no wgmma is ever issued under a branch ptxas cannot prove uniform (it would serialise
+every wgmma of the kernel).
+
+Masks. Tiles go from the sequence's last block down (``MlaTile``): only tile 0 can hold
+keys past the sequence end. Its rows past the end hold what the page holds (NaN, maybe):
+scores masked to -inf, and WG0 zeroes those V rows once S_0 landed, before either
+warpgroup's P V reads them. Causal (and context-parallel) masks on the tiles outside the
+unmasked run, as every kernel (``BlockInfo``).
+
+Shared memory: Q 72 KB, two 72 KB buffers, sP1 8 KB, the row statistics and 18
+mbarriers: 225.4 KB of the 227. 256 threads, 1 CTA per SM, no setmaxnreg (255 registers
+each: O 128 + S 32 + P 16).
+"""
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from flash_attn_cute.device.block_info import BlockInfo
+from flash_attn_cute.device.cute_utils import launch_ctas
+from flash_attn_cute.device.epilogue import store_lse, store_o
+from flash_attn_cute.device.fwd_kernel import zero_rows_from
+from flash_attn_cute.device.layout_utils import acc_mn_view, acc_to_operand_a, row_major_smem_layout, select, \
+    transpose_view
+from flash_attn_cute.device.mla_kernel import MlaArgs, MlaTile, load_q_rows, mla_call, set_mla_config
+from flash_attn_cute.device.named_barrier import Sm90MlaTmaBarrier
+from flash_attn_cute.device.paged_kv import page_and_row
+from flash_attn_cute.device.softmax import LN_2, LOG2_E
+from flash_attn_cute.device.tile_scheduler import SingleTileScheduler, TileDivisors, tile_divisors
+from flash_attn_cute.device.variants import apply_to_scores
+from flash_attn_cute.host.constants import D_CKV, D_KPE
+from flash_attn_cute.sm90.wgmma_utils import convert_pairs, wgmma_gemm
+
+TILE_M = 64  # packed rows: one wgmma M
+TILE_N = 64  # keys per tile: one TMA box row count, a page's sub-block
+CHUNK = 64  # columns per TMA box and mbarrier (128 bytes of 16-bit values: the swizzle atom's row)
+C_CHUNKS = D_CKV // CHUNK  # 8 chunks of ckv, then one of kpe
+CHUNKS = C_CHUNKS + 1
+HALF = C_CHUNKS // 2  # a warpgroup's half of V: chunks [HALF * w, HALF * (w + 1))
+THREADS = 256
+WG_THREADS = 128
+
+
+class MlaDecodeSm90Tma:
+    __call__ = mla_call  # the MLA kernels' shared entry point: MlaArgs -> launch
+
+    def __init__(self, dtype, qhead_per_kvhead: int, causal, is_split: bool, split_blocks: int):
+        set_mla_config(self, dtype, qhead_per_kvhead, causal, is_split, split_blocks)
+
+    @cute.jit
+    def launch(self, args: MlaArgs, stream):
+        assert args.mCkv.element_type.width == 16, "a 16-bit latent cache (FP8 caches: mla_decode.py)"
+        chunk_layout = row_major_smem_layout(self.dtype, TILE_N, CHUNK)
+        layouts = (
+            row_major_smem_layout(self.dtype, TILE_M, D_CKV), row_major_smem_layout(self.dtype, TILE_M, D_KPE),
+            row_major_smem_layout(self.dtype, TILE_N, D_CKV, 2), row_major_smem_layout(self.dtype, TILE_N, D_KPE, 2),
+            row_major_smem_layout(self.dtype, TILE_M, TILE_N),  # P (sP0 over buffer 0's kpe, sP1)
+        )
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, 2 * CHUNKS]
+            sM: cute.struct.MemRange[Float32, TILE_M]  # the running row max (log2 units, scaled)
+            sCorr: cute.struct.MemRange[Float32, 2 * TILE_M]  # the corrections of S_a, S_b
+            sSums: cute.struct.MemRange[Float32, 2 * TILE_M]  # the warpgroups' row sums
+            sQn: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts[0])], 1024]
+            sQp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts[1])], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts[2])], 1024]
+            sKp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts[3])], 1024]
+            sP1: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts[4])], 1024]
+
+        # TMA views (page_size, d, [h_kv,] num_pages): a tile is (64, 64) boxes of one page.
+        modes = [1, 3, 2, 0] if args.kv_heads else [1, 2, 0]
+        tma_op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_C, tma_C = cpasync.make_tiled_tma_atom(tma_op, select(args.mCkv, modes), chunk_layout,
+                                                        (TILE_N, CHUNK))
+        tma_atom_Kp, tma_Kp = cpasync.make_tiled_tma_atom(tma_op, select(args.mKpe, modes), chunk_layout,
+                                                          (TILE_N, CHUNK))
+
+        k_major, mn_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, k_major, k_major, Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(TILE_M, TILE_N))
+        # O: the two warpgroups side by side along N, 64 x 256 each; P from registers (its own
+        # tile) or from shared memory (the other's).
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, k_major, mn_major, Float32, atom_layout_mnk=(1, 2, 1),
+            tiler_mn=(TILE_M, D_CKV // 2), a_source=warpgroup.OperandSource.RMEM)
+        tiled_mma_pv_ss = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, k_major, mn_major, Float32, atom_layout_mnk=(1, 2, 1),
+            tiler_mn=(TILE_M, D_CKV // 2))
+        num_m_blocks = args.num_m_blocks(TILE_M, self.qhead_per_kvhead_packed)
+        launch_ctas(self.kernel(args, tile_divisors(num_m_blocks, args.num_splits), (tma_atom_C, tma_atom_Kp),
+                                (tma_C, tma_Kp), layouts, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_ss,
+                                SharedStorage),
+                    SingleTileScheduler.grid(num_m_blocks, args.num_kv_heads(), args.num_splits, args.batch_size),
+                    THREADS, SharedStorage, stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        args: MlaArgs,
+        divisors: TileDivisors,  # the grid's M blocks and splits (tile_scheduler.tile_divisors)
+        tma_atoms: tuple,  # ckv, kpe
+        tma_views: tuple,  # ckv, kpe: (page_size, d, [h_kv,] num_pages) coordinate tensors
+        smem_layouts: tuple,  # Qn, Qp, ckv, kpe, P
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        tiled_mma_pv_ss: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        sQn_layout, sQp_layout, sC_layout, sKp_layout, sP_layout = smem_layouts
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp_idx == 0:
+            for atom in tma_atoms:
+                cpasync.prefetch_descriptor(atom)
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        mbar = storage.mbar.data_ptr()
+        if tidx == 0:
+            for i in cutlass.range_constexpr(2 * CHUNKS):
+                cute.arch.mbarrier_init(mbar + i, 1)  # one arrive (with the TMA bytes) per load
+            cute.arch.mbarrier_init_fence()
+        sC = storage.sC.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)
+        sKp = storage.sKp.get_tensor(sKp_layout.outer, swizzle=sKp_layout.inner)
+        smem = _Smem(
+            storage.sQn.get_tensor(sQn_layout.outer, swizzle=sQn_layout.inner),
+            storage.sQp.get_tensor(sQp_layout.outer, swizzle=sQp_layout.inner),
+            sC, sKp,
+            # sP0 over buffer 0's kpe chunk (see the module docstring), sP1 its own.
+            storage.sKp.get_tensor(sP_layout.outer, swizzle=sP_layout.inner),
+            storage.sP1.get_tensor(sP_layout.outer, swizzle=sP_layout.inner),
+            storage.sM.get_tensor(cute.make_layout(TILE_M)),
+            storage.sCorr.get_tensor(cute.make_layout((TILE_M, 2))),
+            storage.sSums.get_tensor(cute.make_layout((TILE_M, 2))),
+            mbar,
+        )
+        tile = MlaTile.create(
+            args, BlockInfo(TILE_M, TILE_N, self.qhead_per_kvhead_packed, self.variant, self.split_blocks),
+            self.is_split, divisors)
+        n_tiles = cute.arch.make_warp_uniform(tile.n_tiles)
+        cute.arch.sync_threads()  # the mbarriers are initialised
+        if tile.rows_valid > 0:
+            loader = _TileLoader.create(args, tile, tma_atoms, tma_views, smem)
+            if tidx == 0:
+                if n_tiles > 0:
+                    loader.load(0, 0, 0, CHUNKS)
+                if n_tiles > 1:
+                    loader.load(1, 1, 0, CHUNKS)
+            self.mma(tile, n_tiles, smem, loader, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_ss, args, tidx)
+
+    @cute.jit
+    def mma(self, tile, n_tiles, smem, loader, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_ss, args: MlaArgs, tidx):
+        """Both warpgroups: Q, the row max, their operands, the seesaw (``wg0`` / ``wg1``), the
+        row sums and the epilogue."""
+        wg_idx = cute.arch.make_warp_uniform(tidx // WG_THREADS)
+        t = tidx % WG_THREADS
+        load_q_rows(tile, smem.sQn, smem.sQp, args, self.dtype, self.qhead_per_kvhead_packed, TILE_M, THREADS, tidx)
+        if tidx < TILE_M:
+            smem.sM[tidx] = -Float32.inf
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.fence_view_async_shared()  # Q's cp.async and zero rows, read by wgmma
+        cute.arch.barrier(barrier_id=int(Sm90MlaTmaBarrier.Q), number_of_threads=THREADS)
+        # wgmma operands are warpgroup-wide descriptors: partition by the first thread.
+        wg_qk = tiled_mma_qk.get_slice(0)
+        wg_pv = tiled_mma_pv.get_slice(wg_idx * WG_THREADS)
+        wg_pv_ss = tiled_mma_pv_ss.get_slice(wg_idx * WG_THREADS)
+        stsm = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        thr_stsm = cute.make_tiled_copy_C(stsm, tiled_mma_qk).get_slice(t)
+        ops = _Ops(
+            tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_ss,
+            wg_qk.make_fragment_A(wg_qk.partition_A(smem.sQn)), wg_qk.make_fragment_A(wg_qk.partition_A(smem.sQp)),
+            wg_qk.make_fragment_B(wg_qk.partition_B(smem.sC)), wg_qk.make_fragment_B(wg_qk.partition_B(smem.sKp)),
+            wg_pv.make_fragment_B(wg_pv.partition_B(transpose_view(smem.sC))),
+            wg_pv_ss.make_fragment_A(wg_pv_ss.partition_A(smem.sP0)),
+            wg_pv_ss.make_fragment_A(wg_pv_ss.partition_A(smem.sP1)),
+            thr_stsm, thr_stsm.partition_D(smem.sP0), thr_stsm.partition_D(smem.sP1),
+            acc_mn_view(tiled_mma_qk.get_slice(t).partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))),
+            Float32(tile.softmax_scale * LOG2_E),
+        )
+        acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((TILE_M, D_CKV)), Float32)
+        acc_O.fill(0.0)
+        row_sum = cute.make_rmem_tensor((cute.size(ops.tScS_mn, mode=[0]),), Float32)
+        row_sum.fill(0.0)
+        if n_tiles > 0:
+            if wg_idx == 0:
+                self.wg0(tile, n_tiles, smem, ops, loader, acc_O, row_sum, t)
+            else:
+                self.wg1(tile, n_tiles, smem, ops, loader, acc_O, row_sum, t)
+        self.epilogue(tile, smem, ops, acc_O, row_sum, args, tidx, wg_idx)
+
+    # ------------------------------------------------------------------ the seesaw
+
+    @cute.jit
+    def wg0(self, tile, n_tiles, smem, ops, loader, acc_O, row_sum, t):
+        """Warpgroup 0: S of the even tiles, O's columns 0-255. Full steps while a tile i + 2
+        follows, then one tail step."""
+        acc_S = cute.make_rmem_tensor(ops.mma_qk.partition_shape_C((TILE_M, TILE_N)), Float32)
+        self.issue_s(ops, smem, acc_S, 0, 0, 0, CHUNKS)
+        warpgroup.wait_group(0)
+        # Tile 0 may end past the sequence: zero those V rows before any P V reads them (the
+        # other warpgroup's half too: it reads them only after SCALE0 / P0).
+        rows_in_tile0 = tile.ctx.seqlen_k - (tile.n_block_max - 1) * TILE_N
+        if rows_in_tile0 < TILE_N:
+            zero_rows_from(smem.sC[None, None, 0], rows_in_tile0, t, WG_THREADS)
+            cute.arch.fence_view_async_shared()
+        for p in cutlass.range((n_tiles - 1) // 2, unroll=1):
+            self.wg0_step(tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum, 2 * p, True, True, t)
+        last = ((n_tiles - 1) // 2) * 2
+        if n_tiles - last == 2:
+            self.wg0_step(tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum, last, True, False, t)
+        else:
+            self.wg0_step(tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum, last, False, False, t)
+
+    @cute.jit
+    def wg1(self, tile, n_tiles, smem, ops, loader, acc_O, row_sum, t):
+        """Warpgroup 1: S of the odd tiles, O's columns 256-511. Full steps while a tile i + 3
+        follows, then the last one to three tiles."""
+        acc_S = cute.make_rmem_tensor(ops.mma_qk.partition_shape_C((TILE_M, TILE_N)), Float32)
+        if n_tiles > 1:
+            self.issue_s(ops, smem, acc_S, 1, 0, 0, CHUNKS)
+            warpgroup.wait_group(0)
+        full = cutlass.max(n_tiles - 2, 0) // 2
+        for p in cutlass.range(full, unroll=1):
+            self.wg1_step(tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum, 2 * p, True, True, True, t)
+        i = 2 * full
+        left = n_tiles - i
+        if left == 3:
+            self.wg1_step(tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum, i, True, True, False, t)
+            self.wg1_step(tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum, i + 2, False, False, False, t)
+        elif left == 2:
+            self.wg1_step(tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum, i, True, False, False, t)
+        else:
+            self.wg1_step(tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum, i, False, False, False, t)
+
+    @cute.jit
+    def wg0_step(self, tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum, i, has_b: cutlass.Constexpr[bool],
+                 has_next: cutlass.Constexpr[bool], t):
+        """Warpgroup 0, the pair (i, i + 1): ``has_b`` tile i + 1 exists, ``has_next`` tile
+        i + 2 (whose S this step computes). On entry S_i is in ``acc_S``; on exit S_{i+2}."""
+        corr_a = self.softmax(tile, ops, smem, acc_S, row_sum, tile.n_block_max - 1 - i, 0)
+        self.rescale(acc_O, ops, corr_a)
+        tOrP = self.p_operand(ops, acc_S)
+        cute.arch.barrier_arrive(barrier_id=int(Sm90MlaTmaBarrier.SCALE0), number_of_threads=THREADS)
+        wgmma_gemm(ops.mma_pv, acc_O, tOrP, ops.tOrVt[None, None, None, 0], False, 0)
+        cute.arch.barrier(barrier_id=int(Sm90MlaTmaBarrier.SCALE1), number_of_threads=THREADS)
+        if cutlass.const_expr(has_next):
+            if t == 0:  # V_a's left half was read by this warpgroup alone, and that P V landed
+                loader.load(i + 2, 0, 0, HALF)
+        # P_a at the pair's max, for warpgroup 1's half of V.
+        corr_b = self.read_rows(ops, smem.sCorr, 1)
+        self.rescale(acc_S, ops, corr_b)
+        self.store_p(ops, acc_S, ops.tPsP0)
+        cute.arch.barrier_arrive(barrier_id=int(Sm90MlaTmaBarrier.P0), number_of_threads=THREADS)
+        if cutlass.const_expr(has_b):
+            cute.arch.barrier(barrier_id=int(Sm90MlaTmaBarrier.O1_ISSUED), number_of_threads=THREADS)
+            self.rescale(acc_O, ops, corr_b)
+            for r in cutlass.range_constexpr(cute.size(row_sum)):
+                row_sum[r] = row_sum[r] * corr_b[r]
+            wgmma_gemm(ops.mma_pv_ss, acc_O, ops.tOsP1, ops.tOrVt[None, None, None, 1], False, -1)
+        if cutlass.const_expr(has_next):
+            phase = ((i + 2) // 2) % 2
+            self.issue_s(ops, smem, acc_S, 0, phase, 0, HALF)
+            warpgroup.wait_group(HALF)  # sP1 V_b landed: V_b's left half is free
+            if i + 3 < n_tiles:
+                if t == 0:
+                    loader.load(i + 3, 1, 0, HALF)
+            self.issue_s(ops, smem, acc_S, 0, phase, HALF, CHUNKS)
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def wg1_step(self, tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum, i, has_b: cutlass.Constexpr[bool],
+                 has_next: cutlass.Constexpr[bool], has_next_b: cutlass.Constexpr[bool], t):
+        """Warpgroup 1, the pair (i, i + 1): ``has_b`` tile i + 1 exists (its S is in
+        ``acc_S``), ``has_next`` tile i + 2, ``has_next_b`` tile i + 3 (whose S this step
+        computes)."""
+        cute.arch.barrier(barrier_id=int(Sm90MlaTmaBarrier.SCALE0), number_of_threads=THREADS)
+        corr_a = self.read_rows(ops, smem.sCorr, 0)
+        corr = corr_a
+        tOrP = None
+        if cutlass.const_expr(has_b):
+            corr_b = self.softmax(tile, ops, smem, acc_S, row_sum, tile.n_block_max - 2 - i, 1, corr_a)
+            for r in cutlass.range_constexpr(cute.size(corr)):
+                corr[r] = corr_a[r] * corr_b[r]
+            tOrP = self.p_operand(ops, acc_S)
+        else:
+            self.write_rows(ops, smem.sCorr, 1, None)
+            for r in cutlass.range_constexpr(cute.size(row_sum)):
+                row_sum[r] = row_sum[r] * corr_a[r]
+        self.rescale(acc_O, ops, corr)
+        cute.arch.barrier_arrive(barrier_id=int(Sm90MlaTmaBarrier.SCALE1), number_of_threads=THREADS)
+        if cutlass.const_expr(has_b):
+            self.store_p(ops, acc_S, ops.tPsP1)
+            wgmma_gemm(ops.mma_pv, acc_O, tOrP, ops.tOrVt[None, None, None, 1], False, -1)
+        cute.arch.barrier(barrier_id=int(Sm90MlaTmaBarrier.P0), number_of_threads=THREADS)
+        wgmma_gemm(ops.mma_pv_ss, acc_O, ops.tOsP0, ops.tOrVt[None, None, None, 0], False, -1)
+        if cutlass.const_expr(has_b):
+            cute.arch.barrier_arrive(barrier_id=int(Sm90MlaTmaBarrier.O1_ISSUED), number_of_threads=THREADS)
+        if cutlass.const_expr(has_next_b):
+            warpgroup.wait_group(1)  # P_b V_b landed: V_b's right half and kpe are free
+            if t == 0:
+                loader.load(i + 3, 1, HALF, CHUNKS)
+        if cutlass.const_expr(has_next):
+            warpgroup.wait_group(0)  # sP0 V_a landed: V_a's right half and sP0 (kpe) are free
+            if t == 0:
+                loader.load(i + 2, 0, HALF, CHUNKS)
+        if cutlass.const_expr(has_next_b):
+            self.issue_s(ops, smem, acc_S, 1, ((i + 3) // 2) % 2, 0, CHUNKS)
+        warpgroup.wait_group(0)
+
+    # ------------------------------------------------------------------ pieces
+
+    @cute.jit
+    def issue_s(self, ops, smem, acc_S, buf: cutlass.Constexpr[int], phase, lo: cutlass.Constexpr[int],
+                hi: cutlass.Constexpr[int]):
+        """S (+)= Q K^T over chunks [lo, hi) of buffer ``buf``, each after its TMA landed (its
+        mbarrier's phase ``phase``), one wgmma group per chunk (not waited). Chunk 0 starts
+        the accumulation."""
+        slices = CHUNK // 16
+        for c in cutlass.range_constexpr(lo, hi):
+            cute.arch.mbarrier_wait(smem.mbar + buf * CHUNKS + c, phase)
+            warpgroup.fence()
+            atom = cute.make_mma_atom(ops.mma_qk.op)  # fresh: its ACCUMULATE field is rewritten
+            atom.set(warpgroup.Field.ACCUMULATE, c > 0)
+            for k in cutlass.range_constexpr(slices):
+                if cutlass.const_expr(c < C_CHUNKS):
+                    cute.gemm(atom, acc_S, ops.tSrQn[None, None, c * slices + k],
+                              ops.tSrC[None, None, c * slices + k, buf], acc_S)
+                else:
+                    cute.gemm(atom, acc_S, ops.tSrQp[None, None, k], ops.tSrKp[None, None, k, buf], acc_S)
+                atom.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
+
+    @cute.jit
+    def softmax(self, tile, ops, smem, acc_S, row_sum, n_block, col: cutlass.Constexpr[int], corr_before=None):
+        """Block ``n_block``'s scores in ``acc_S`` (masked where it needs it) against the
+        shared running max ``sM``: the new max goes to ``sM``, the correction of what came
+        before to ``sCorr[:, col]``; acc_S becomes P (fp32) and the row sums take it
+        (``corr_before``: the other warpgroup's correction of this step, which this
+        warpgroup's sums have not taken yet). Returns the correction."""
+        if n_block >= tile.n_mid_hi or n_block < tile.n_mid_lo:
+            apply_to_scores(self.variant, acc_mn_view(acc_S), ops.tScS_mn, tile.ctx, tile.m_block * TILE_M,
+                            n_block * TILE_N, self.qhead_per_kvhead_packed, tile.softmax_scale, True)
+        s_mn = acc_mn_view(acc_S)
+        rows = cute.size(s_mn, mode=[0])
+        corr = cute.make_rmem_tensor((rows,), Float32)
+        m_new = cute.make_rmem_tensor((rows,), Float32)
+        for r in cutlass.range_constexpr(rows):
+            row = ops.tScS_mn[r, 0][0]
+            m_old = smem.sM[row]
+            m_blk = _row_max(s_mn[r, None]) * ops.scale_log2
+            m_new[r] = cute.arch.fmax(m_old, m_blk)
+            # A row with nothing visible yet keeps max -inf: subtract 0 instead (never inf - inf).
+            m_use = m_new[r]
+            if m_use == -Float32.inf:
+                m_use = Float32(0.0)
+            corr[r] = cute.math.exp2(m_old - m_use, fastmath=True)
+            s_mn[r, None].store(cute.math.exp2(s_mn[r, None].load() * ops.scale_log2 - m_use, fastmath=True))
+            before = corr[r]
+            if cutlass.const_expr(corr_before is not None):
+                before = before * corr_before[r]
+            row_sum[r] = row_sum[r] * before + _row_sum(s_mn[r, None])
+        cute.arch.sync_warp()  # every lane of a row read sM before one writes it
+        if ops.tScS_mn[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(rows):
+                row = ops.tScS_mn[r, 0][0]
+                smem.sM[row] = m_new[r]
+                smem.sCorr[row, col] = corr[r]
+        return corr
+
+    @cute.jit
+    def read_rows(self, ops, sX, col: cutlass.Constexpr[int]):
+        """This thread's rows of column ``col`` of a (TILE_M, 2) exchange."""
+        vals = cute.make_rmem_tensor((cute.size(ops.tScS_mn, mode=[0]),), Float32)
+        for r in cutlass.range_constexpr(cute.size(vals)):
+            vals[r] = sX[ops.tScS_mn[r, 0][0], col]
+        return vals
+
+    @cute.jit
+    def write_rows(self, ops, sX, col: cutlass.Constexpr[int], vals):
+        """This thread's rows of column ``col`` (``vals``; None: 1), by the lane at column 0."""
+        if ops.tScS_mn[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(ops.tScS_mn, mode=[0])):
+                v = Float32(1.0) if cutlass.const_expr(vals is None) else vals[r]
+                sX[ops.tScS_mn[r, 0][0], col] = v
+
+    @cute.jit
+    def rescale(self, acc, ops, corr):
+        """Rows of an accumulator (S's rows: O's are the same) times ``corr``."""
+        a_mn = acc_mn_view(acc)
+        for r in cutlass.range_constexpr(cute.size(a_mn, mode=[0])):
+            a_mn[r, None].store(a_mn[r, None].load() * corr[r])
+
+    def p_operand(self, ops, acc_S):
+        """P in 16 bits laid out like S (pairwise conversion), as the A operand of P V."""
+        tOrP = acc_to_operand_a(cute.make_rmem_tensor(ops.mma_qk.partition_shape_C((TILE_M, TILE_N)), self.dtype))
+        convert_pairs(acc_S, cute.make_tensor(tOrP.iterator, acc_S.layout))
+        return tOrP
+
+    @cute.jit
+    def store_p(self, ops, acc_S, tPsP):
+        """P (16-bit) to a shared P tile by stmatrix, fenced for the other warpgroup's wgmma."""
+        rP = cute.make_fragment_like(acc_S, self.dtype)
+        convert_pairs(acc_S, rP)
+        cute.copy(ops.thr_stsm, ops.thr_stsm.retile(rP), tPsP)
+        cute.arch.fence_view_async_shared()
+
+    @cute.jit
+    def epilogue(self, tile, smem, ops, acc_O, row_sum, args: MlaArgs, tidx, wg_idx):
+        """Row sums of both warpgroups added (each summed its own tiles' P at the final max),
+        O normalised, O and the LSE (natural log) stored from registers."""
+        rows = cute.size(row_sum)
+        for r in cutlass.range_constexpr(rows):
+            row_sum[r] = _quad_sum(row_sum[r])
+        if ops.tScS_mn[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(rows):
+                smem.sSums[ops.tScS_mn[r, 0][0], wg_idx] = row_sum[r]
+        cute.arch.barrier(barrier_id=int(Sm90MlaTmaBarrier.SUMS), number_of_threads=THREADS)
+        lse = cute.make_rmem_tensor((rows,), Float32)
+        inv = cute.make_rmem_tensor((rows,), Float32)
+        for r in cutlass.range_constexpr(rows):
+            row = ops.tScS_mn[r, 0][0]
+            total = smem.sSums[row, 0] + smem.sSums[row, 1]
+            inv[r] = cute.arch.rcp_approx(total)
+            lse[r] = (smem.sM[row] + cute.math.log2(total, fastmath=True)) * LN_2
+            if total == 0.0 or total != total:  # no key seen: O 0, LSE -inf
+                inv[r] = Float32(0.0)
+                lse[r] = -Float32.inf
+        self.rescale(acc_O, ops, inv)
+        packed = self.qhead_per_kvhead_packed
+        row0 = tile.m_block * TILE_M
+        o_rows = tile.out_rows(args.mO, packed, self.is_split, False)
+        tOcO_mn = acc_mn_view(ops.mma_pv.get_slice(tidx).partition_C(cute.make_identity_tensor((TILE_M, D_CKV))))
+        store_o(acc_O, self.out_dtype, tOcO_mn, o_rows, row0, tile.rows_valid, cols_from_first=True)
+        if cutlass.const_expr(args.mLSE is not None):
+            store_lse(lse, ops.tScS_mn, tile.lse_rows(args.mLSE, packed, self.is_split, False), row0,
+                      tile.rows_valid, group_writes=wg_idx == 0)
+
+
+def _row_max(row: cute.Tensor) -> Float32:
+    """Max over one row of S across the four lanes that hold it."""
+    m = row[0]
+    for c in range(1, cute.size(row)):
+        m = cute.arch.fmax(m, row[c])
+    for offset in (2, 1):
+        m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=offset))
+    return m
+
+
+def _row_sum(row: cute.Tensor) -> Float32:
+    """This thread's part of a row sum, in two chains."""
+    n = cute.size(row)
+    acc = [row[0], row[1]]
+    for c in range(2, n):
+        acc[c % 2] = acc[c % 2] + row[c]
+    return acc[0] + acc[1]
+
+
+def _quad_sum(v: Float32) -> Float32:
+    for offset in (2, 1):
+        v = v + cute.arch.shuffle_sync_bfly(v, offset=offset)
+    return v
+
+
+@dataclass(frozen=True)
+class _Smem:
+    sQn: cute.Tensor  # (64, 512)
+    sQp: cute.Tensor  # (64, 64)
+    sC: cute.Tensor  # (64, 512, 2): K's first 512 columns and V, two buffers
+    sKp: cute.Tensor  # (64, 64, 2)
+    sP0: cute.Tensor  # (64, 64): P_a over buffer 0's kpe chunk
+    sP1: cute.Tensor  # (64, 64): P_b
+    sM: cute.Tensor  # (64,) the running row max
+    sCorr: cute.Tensor  # (64, 2) the corrections of S_a, S_b
+    sSums: cute.Tensor  # (64, 2) the warpgroups' row sums
+    mbar: cute.Pointer  # 2 x 9 chunk mbarriers
+
+
+@dataclass(frozen=True)
+class _Ops:
+    """The warpgroups' MMAs, wgmma operand fragments (descriptors), P stores and S coordinates."""
+
+    mma_qk: cute.TiledMma
+    mma_pv: cute.TiledMma
+    mma_pv_ss: cute.TiledMma
+    tSrQn: cute.Tensor
+    tSrQp: cute.Tensor
+    tSrC: cute.Tensor  # (.., 2 buffers)
+    tSrKp: cute.Tensor
+    tOrVt: cute.Tensor  # this warpgroup's 256 columns of V^T, (.., 2 buffers)
+    tOsP0: cute.Tensor
+    tOsP1: cute.Tensor
+    thr_stsm: cute.ThrCopy
+    tPsP0: cute.Tensor
+    tPsP1: cute.Tensor
+    tScS_mn: cute.Tensor
+    scale_log2: Float32
+
+
+@dataclass(frozen=True)
+class _TileLoader:
+    """TMA of a tile's chunks into a buffer, by one thread: tile i is KV block n_block_max -
+    1 - i, sub-block ``n % (page_size / 64)`` of page ``page_table[b, n // (page_size /
+    64)]`` (page ids clamped into the pool, ``paged_kv.page_and_row``)."""
+
+    tma_atom_C: cute.CopyAtom
+    tma_atom_Kp: cute.CopyAtom
+    tCgC: cute.Tensor  # (TMA, sub-blocks, chunks, pages)
+    tCsC: cute.Tensor  # (TMA, 1, chunks, buffers)
+    tKgKp: cute.Tensor
+    tKsKp: cute.Tensor
+    mPageTable: cute.Tensor
+    batch: Int32
+    n_block_max: Int32
+    mbar: cute.Pointer
+
+    @staticmethod
+    def create(args: MlaArgs, tile, tma_atoms, tma_views, smem: _Smem) -> "_TileLoader":
+        tma_C, tma_Kp = tma_views
+        if cutlass.const_expr(args.kv_heads):
+            tma_C, tma_Kp = tma_C[None, None, tile.head_kv, None], tma_Kp[None, None, tile.head_kv, None]
+        parts = []
+        for atom, view, s in zip(tma_atoms, (tma_C, tma_Kp), (smem.sC, smem.sKp)):
+            g = cute.flat_divide(view, (TILE_N, CHUNK))  # (64, 64, sub-blocks, chunks, pages)
+            s_chunks = cute.flat_divide(s, (TILE_N, CHUNK))  # (64, 64, 1, chunks, buffers)
+            ts, tg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_chunks, 0, 2),
+                                           cute.group_modes(g, 0, 2))
+            parts += [tg, ts]
+        return _TileLoader(*tma_atoms, *parts, args.mPageTable, tile.ctx.batch, tile.n_block_max, smem.mbar)
+
+    @cute.jit
+    def load(self, i, buf: cutlass.Constexpr[int], lo: cutlass.Constexpr[int], hi: cutlass.Constexpr[int]):
+        """Chunks [lo, hi) of tile ``i`` into buffer ``buf``, each arriving on its mbarrier
+        with its bytes."""
+        page, sub = page_and_row(self.mPageTable, self.batch, self.n_block_max - 1 - i, self.tCgC.shape[1],
+                                 self.tCgC.shape[3])
+        for c in cutlass.range_constexpr(lo, hi):
+            bar = self.mbar + buf * CHUNKS + c
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, TILE_N * CHUNK * 2)
+            if cutlass.const_expr(c < C_CHUNKS):
+                cute.copy(self.tma_atom_C, self.tCgC[None, sub, c, page], self.tCsC[None, 0, c, buf], tma_bar_ptr=bar)
+            else:
+                cute.copy(self.tma_atom_Kp, self.tKgKp[None, sub, 0, page], self.tKsKp[None, 0, 0, buf],
+                          tma_bar_ptr=bar)
+
