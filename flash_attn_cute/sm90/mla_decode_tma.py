@@ -195,7 +195,7 @@ class MlaDecodeSm90Tma:
         cute.arch.sync_threads()  # the mbarriers are initialised
         if tile.rows_valid > 0:
             loader = _TileLoader.create(args, tile, tma_atoms, tma_views, smem)
-            if tidx == 0:
+            if warp_idx == 0:
                 if n_tiles > 0:
                     loader.load(0, 0, 0, CHUNKS)
                 if n_tiles > 1:
@@ -299,7 +299,7 @@ class MlaDecodeSm90Tma:
         wgmma_gemm(ops.mma_pv, acc_O, tOrP, ops.tOrVt[None, None, None, 0], False, 0)
         cute.arch.barrier(barrier_id=int(Sm90MlaTmaBarrier.SCALE1), number_of_threads=THREADS)
         if cutlass.const_expr(has_next):
-            if t == 0:  # V_a's left half was read by this warpgroup alone, and that P V landed
+            if t < 32:  # V_a's left half was read by this warpgroup alone, and that P V landed
                 loader.load(i + 2, 0, 0, HALF)
         # P_a at the pair's max, for warpgroup 1's half of V.
         corr_b = self.read_rows(ops, smem.sCorr, 1)
@@ -317,7 +317,7 @@ class MlaDecodeSm90Tma:
             self.issue_s(ops, smem, acc_S, 0, phase, 0, HALF)
             warpgroup.wait_group(HALF)  # sP1 V_b landed: V_b's left half is free
             if i + 3 < n_tiles:
-                if t == 0:
+                if t < 32:
                     loader.load(i + 3, 1, 0, HALF)
             self.issue_s(ops, smem, acc_S, 0, phase, HALF, CHUNKS)
         warpgroup.wait_group(0)
@@ -352,11 +352,11 @@ class MlaDecodeSm90Tma:
             cute.arch.barrier_arrive(barrier_id=int(Sm90MlaTmaBarrier.O1_ISSUED), number_of_threads=THREADS)
         if cutlass.const_expr(has_next_b):
             warpgroup.wait_group(1)  # P_b V_b landed: V_b's right half and kpe are free
-            if t == 0:
+            if t < 32:
                 loader.load(i + 3, 1, HALF, CHUNKS)
         if cutlass.const_expr(has_next):
             warpgroup.wait_group(0)  # sP0 V_a landed: V_a's right half and sP0 (kpe) are free
-            if t == 0:
+            if t < 32:
                 loader.load(i + 2, 0, HALF, CHUNKS)
         if cutlass.const_expr(has_next_b):
             self.issue_s(ops, smem, acc_S, 1, ((i + 3) // 2) % 2, 0, CHUNKS)
@@ -553,9 +553,11 @@ class _Ops:
 
 @dataclass(frozen=True)
 class _TileLoader:
-    """TMA of a tile's chunks into a buffer, by one thread: tile i is KV block n_block_max -
-    1 - i, sub-block ``n % (page_size / 64)`` of page ``page_table[b, n // (page_size /
-    64)]`` (page ids clamped into the pool, ``paged_kv.page_and_row``)."""
+    """TMA of a tile's chunks into a buffer, by one warp: the copy elects its issuing lane
+    with ``elect.sync`` over the whole warp (called from one lane alone, it hung the H200,
+    2026-12-05). Tile i is KV block n_block_max - 1 - i, sub-block ``n % (page_size /
+    64)`` of page ``page_table[b, n // (page_size / 64)]`` (page ids clamped into the pool,
+    ``paged_kv.page_and_row``)."""
 
     tma_atom_C: cute.CopyAtom
     tma_atom_Kp: cute.CopyAtom
@@ -585,12 +587,13 @@ class _TileLoader:
     @cute.jit
     def load(self, i, buf: cutlass.Constexpr[int], lo: cutlass.Constexpr[int], hi: cutlass.Constexpr[int]):
         """Chunks [lo, hi) of tile ``i`` into buffer ``buf``, each arriving on its mbarrier
-        with its bytes."""
+        with its bytes (one lane arrives; the whole warp calls)."""
         page, sub = page_and_row(self.mPageTable, self.batch, self.n_block_max - 1 - i, self.tCgC.shape[1],
                                  self.tCgC.shape[3])
         for c in cutlass.range_constexpr(lo, hi):
             bar = self.mbar + buf * CHUNKS + c
-            cute.arch.mbarrier_arrive_and_expect_tx(bar, TILE_N * CHUNK * 2)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, TILE_N * CHUNK * 2)
             if cutlass.const_expr(c < C_CHUNKS):
                 cute.copy(self.tma_atom_C, self.tCgC[None, sub, c, page], self.tCsC[None, 0, c, buf], tma_bar_ptr=bar)
             else:
