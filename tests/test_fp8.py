@@ -44,8 +44,10 @@ from types import SimpleNamespace  # noqa: E402
 from flash_attn_cute import (flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, seam, sm80,  # noqa: E402
                              sm90, sm100)
 from flash_attn_cute.host.problems import FwdProblem  # noqa: E402
+from flash_attn_cute.host.tuning import Tuning  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
+WIDEN = Tuning(sm90_fp8_kv="widen")  # SM90: an FP8 cache widened to 16 bits (not the default)
 
 
 @pytest.fixture
@@ -149,12 +151,13 @@ def test_fp8_tiles_fit_the_shared_memory_of_the_arch():
     # An 8-warp tile over rows of 96 fp8 values would copy 128 rows a pass into 64-row blocks.
     assert "not supported" in sm80.check(decode._replace(d=96, d_v=256))
     assert sm80.check(decode._replace(d=96, d_v=96)) is None
-    # SM90: one consumer warpgroup, the stages that fit next to the widened K and V blocks
-    # (decode rows of d <= 128: a tile that fits twice, two CTAs per SM)
+    # SM90's widening kernel (FLASH_ATTN_CUTE_SM90_FP8_KV=widen; the default quantizes q:
+    # test_fp8_cache_quantizes_q_on_sm90): one consumer warpgroup, the stages that fit next to
+    # the widened K and V blocks (decode rows of d <= 128: a tile that fits twice, two CTAs per SM)
     for d, rows, tile, ctas in ((128, 1, (64, 64, 3), 2), (64, 4, (64, 64, 3), 2), (128, 2048, (64, 128, 4), 1),
                                 (64, 2048, (64, 128, 4), 1), (256, 1, (64, 64, 4), 1), (256, 2048, (64, 64, 4), 1)):
         p = decode._replace(d=d, d_v=d, max_seqlen_q=rows)
-        config = sm90.plan(p, 1, False, 132).config
+        config = sm90.plan(p, 1, False, 132, tuning=WIDEN).config
         assert config[:3] == tile and config.ctas_per_sm == ctas and not config.persistent, (d, rows, config)
         assert sm90.config.fp8_smem_bytes(d, d, *tile) <= (sm90.config.TWO_CTAS_SMEM if ctas == 2 else
                                                             sm90.config.SMEM_LIMIT)
@@ -164,7 +167,7 @@ def test_fp8_tiles_fit_the_shared_memory_of_the_arch():
     assert sm90.plan(decode._replace(batch_invariant=True), 1, False, 132).config[:2] == (64, 128)
     # a two-CTA key names it last (fp8 decode, and 16-bit decode: config.decode_two_ctas); a
     # one-CTA key keeps its form
-    assert sm90.compile_key(decode, sm90.plan(decode, 1, False, 132), "sm_90a")[-1] == 2
+    assert sm90.compile_key(decode, sm90.plan(decode, 1, False, 132, tuning=WIDEN), "sm_90a")[-1] == 2
     plain = decode._replace(kv_dtype=None, max_seqlen_q=2048)
     assert sm90.compile_key(plain, sm90.plan(plain, 1, False, 132), "sm_90a")[-2:] == (False, False)
 
