@@ -126,8 +126,10 @@ def fp8_tile(d: int, dv: int, tile: tuple, max_stages: int = 4, decode: bool = F
 
 def fp8_qkv_smem_bytes(d: int, dv: int, tile_m: int, tile_n: int, stages: int) -> int:
     """Shared memory of an FP8 Q, K, V tile: Q, the K, V and V^T stages (one byte a value),
-    4 KB for the mbarriers and the 1 KB alignment of the buffers (d = 256, (128, 128, 2):
-    233,472 bytes allocated, 4 KB over the buffers)."""
+    4 KB for the mbarriers (and, where the kernel quantizes 16-bit Q, its amax words: below
+    sQ's 1 KB alignment, no byte more) and the 1 KB alignment of the buffers (d = 256, (128,
+    128, 2): 233,472 bytes allocated, 4 KB over the buffers). 16-bit Q is quantized from
+    registers (``q_quant``): no 16-bit staging buffer."""
     return tile_m * d + stages * tile_n * (d + 2 * dv) + 4096
 
 
