@@ -222,7 +222,7 @@ def quantize_q_ref(q):
     (1 <= m < 2) of each row (query and head, the last dim) and 2^e >= 2^-64. The kernel
     takes one scale per Q tile; a power of two gives every element the same value either
     way (rounded to 4 significant bits) but those below 2^-13 of the tile's amax (e4m3
-    subnormals), which move by at most 2^-17 of it: far below the FP8 errors tests bound."""
+    subnormals), which move by at most 2^-16 of it: far below the FP8 errors tests bound."""
     x = q.float()
     amax = x.abs().amax(dim=-1, keepdim=True)
     e = (torch.frexp(amax).exponent - 1 - 7).clamp(min=-64)  # frexp: amax = f 2^x, 0.5 <= f < 1

@@ -106,7 +106,8 @@ class FlashAttnFwdSm90:
         self.ctas_per_sm = ctas_per_sm
         # FP8 Q, K and V: both GEMMs in fp8 wgmma. Its B operand is K-major, so producer
         # warps 1-3 transpose each V block (``transposes``, ``fp8_operands``); P is rounded
-        # to e4m3 with its row max at 2^8 (``FP8_P_OFFSET``), O leaves in bf16.
+        # to e4m3 with its row max at 2^8 (``FP8_P_OFFSET``), O leaves in bf16 (quantize_q:
+        # in q's dtype).
         self.fp8_qkv = self.dtype.width == 8
         self.roles = WarpRoles.for_consumers(tile_m // 64, gather_kv, ctas_per_sm, transpose_v=self.fp8_qkv)
         # Ping-pong pays when the softmax of one warpgroup can hide the other's MMAs;

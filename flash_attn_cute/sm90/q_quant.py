@@ -19,16 +19,18 @@ largest finite 448 (no saturation).
 - A power of two makes Q / 2^e exact: every e4m3 value times 2^e is the element rounded
   to e4m3's 4 significant bits, the same value any power-of-two scale gives (per row or
   per tile) for every element of magnitude at least amax 2^-13 (scaled: e4m3's smallest
-  normal, 2^-6). Smaller elements keep fewer bits (e4m3 subnormals), and those below
-  amax 2^-17 round to 0: only these depend on the tile's other rows. A per-row scale would
-  buy that range for rows 2^13 below the tile's largest, at the price of a per-row softmax
-  scale (``OnlineSoftmax``, ``variants.apply_to_scores`` with softcap or a score modifier,
-  shared by every kernel, take one scalar); per tile it is one multiply of the scalar
-  softmax scale, and the fold is exact (2^e changes the exponent only).
+  normal, 2^-6). Smaller elements keep fewer bits (e4m3 subnormals: an error of at most
+  amax 2^-17), and those below amax 2^-18 round to 0: only these depend on the tile's
+  other rows. A per-row scale would buy that range for rows 2^13 below the tile's
+  largest, at the price of a per-row softmax scale (``OnlineSoftmax``,
+  ``variants.apply_to_scores`` with softcap or a score modifier, shared by every kernel,
+  take one scalar); per tile it is one multiply of the scalar softmax scale, and the fold
+  is exact (2^e changes the exponent only).
 - e comes from the amax's exponent bits (``pow2_scales``): no division; an amax of 0 (a
   tile of zero queries) or below 2^-57 takes the clamp 2^-e = 2^64 (zeros stay zeros; the
   softmax scale times 2^-64 stays a normal fp32). The amax is a max.f32 chain, which
-  ignores NaN: a NaN query spoils its own rows only, as in the 16-bit kernel.
+  ignores NaN: a NaN query spoils its own rows only, as in the 16-bit kernel (an infinite
+  one, whose rows are NaN anyway, flushes its tile-mates to 0).
 
 Because the small elements depend on the tile (its rows, hence tile_m and GQA packing),
 the kernel is not bitwise batch invariant: ``batch_invariant`` calls keep the widening
