@@ -6,10 +6,15 @@ d128, ``flash_attn_with_kvcache`` with default arguments (num_splits=0), timed a
 CUDA-graph replays. ``cache_tbps``: bytes of K and V as stored (fp8: 1 byte per value)
 per second; ``keys_vs_bf16``: keys per second against our best bf16 kernel on the same
 row (>= 1.8 is the target). FP8 rows for each of our kernels that runs here (SM80, SM90),
-and ``ours_sm90 fp8 q``: FP8 attention, the queries quantized too (one descale per batch
-and KV head, FA3's fp8 decode), which reads K by fp8 wgmma with no widening (pages of 64
-and more; its correctness against PyTorch's own FP8 algorithm on the dequantized values,
-within 3x).
+with the call's default arguments: on SM90 the kernel quantizes the 16-bit queries to e4m3
+itself and runs both GEMMs in fp8 wgmma (``sm90/q_quant.py``); ``ours_sm90 fp8 widen``:
+the same call on the SM90 kernel that widens the cache to 16 bits instead
+(FLASH_ATTN_CUTE_SM90_FP8_KV=widen, the A/B of the two in one run); ``ours_sm90 fp8 q``:
+FP8 attention, the caller quantizing the queries (one descale per batch and KV head,
+FA3's fp8 decode). ``correctness`` of a row whose kernel quantizes q: against the fp32
+reference on the queries quantized as the kernel quantizes them
+(``testing.quantize_q_ref``; for ``fp8 q``, the caller's) within 3x PyTorch's own FP8
+algorithm (P in e4m3) on them; the other rows within 2x PyTorch's error in q's dtype.
 
     python benchmarks/bench_fp8_decode.py [--csv out.csv] [--no-md] [--sm90-tiles "64,64,3@32;..."]
 
@@ -51,7 +56,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("bench_fp8_decode.py needs a CUDA GPU")
     import flash_attn_cute as fa
-    from flash_attn_cute.testing import attention_kvcache_ref, dequantize_kv, is_close
+    from flash_attn_cute.testing import attention_kvcache_ref, dequantize_kv, is_close, quantize_q_ref
 
     fa4, fa4_why = load_fa4()
     H, hkv, D = args.H, args.hkv, args.D
@@ -81,6 +86,9 @@ def main(argv=None):
             k8p, v8p, kqp, vqp = k8, v8, kq, vq
         ref, _ = attention_kvcache_ref(q, kq.float(), vq.float(), seqlens)
         pt_out, _ = attention_kvcache_ref(q, kq, vq, seqlens, upcast=False)
+        qq = quantize_q_ref(q)  # the queries the SM90 kernel attends with over the e4m3 cache
+        refs_qq = (attention_kvcache_ref(qq, kq.float(), vq.float(), seqlens)[0],
+                   attention_kvcache_ref(qq, kq.float(), vq.float(), seqlens, p_fp8=True)[0])
         group = []
 
         def record(impl, fn, elem_bytes, note="", refs=None):
@@ -101,10 +109,14 @@ def main(argv=None):
         for b in our_backends("all"):
             record(f"ours_{b} {args.q_dtype}", lambda b=b: fa.flash_attn_with_kvcache(q, kqp, vqp, seqlens, page_table=table,
                                                                             backend=b), 2)
+        fp8_call = lambda b: lambda: fa.flash_attn_with_kvcache(q, k8p, v8p, seqlens, page_table=table, k_descale=kd,
+                                                                v_descale=vd, backend=b)
         for b in our_backends("all"):
-            record(f"ours_{b} fp8", lambda b=b: fa.flash_attn_with_kvcache(q, k8p, v8p, seqlens, page_table=table,
-                                                                            k_descale=kd, v_descale=vd, backend=b), 1)
+            record(f"ours_{b} fp8", fp8_call(b), 1, refs=refs_qq if b == "sm90" else None)
         if "sm90" in our_backends("all"):
+            os.environ["FLASH_ATTN_CUTE_SM90_FP8_KV"] = "widen"
+            record("ours_sm90 fp8 widen", fp8_call("sm90"), 1)
+            os.environ.pop("FLASH_ATTN_CUTE_SM90_FP8_KV")
             q8, qd = fa.quantize_fp8(q.view(B, 1, hkv, -1))
             q8 = q8.view(B, 1, H, D)
             q_deq = dequantize_kv(q8.view(B, 1, hkv, -1), qd).view(B, 1, H, D)
@@ -117,7 +129,8 @@ def main(argv=None):
             tile, _, splits = spec.partition("@")
             os.environ["FLASH_ATTN_CUTE_SM90_TILE"] = tile
             record(f"ours_sm90 fp8 [{spec}]", lambda s=int(splits or 0) if B == 1 else 0: fa.flash_attn_with_kvcache(
-                q, k8p, v8p, seqlens, page_table=table, k_descale=kd, v_descale=vd, backend="sm90", num_splits=s), 1)
+                q, k8p, v8p, seqlens, page_table=table, k_descale=kd, v_descale=vd, backend="sm90", num_splits=s), 1,
+                   refs=refs_qq)
             os.environ.pop("FLASH_ATTN_CUTE_SM90_TILE")
         if fa4 is not None:
             def fa4_fn():

@@ -216,6 +216,21 @@ def dequantize_kv(x8, descale):
     return x8.float() * scale
 
 
+def quantize_q_ref(q):
+    """The queries the SM90 kernel attends with over an e4m3 cache (``sm90/q_quant.py``), as
+    fp32: q / 2^e rounded to e4m3, times 2^e, with 2^e = 2^(E - 7) for the amax = m 2^E
+    (1 <= m < 2) of each row (query and head, the last dim) and 2^e >= 2^-64. The kernel
+    takes one scale per Q tile; a power of two gives every element the same value either
+    way (rounded to 4 significant bits) but those below 2^-13 of the tile's amax (e4m3
+    subnormals), which move by at most 2^-16 of it: far below the FP8 errors tests bound."""
+    x = q.float()
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    e = (torch.frexp(amax).exponent - 1 - 7).clamp(min=-64)  # frexp: amax = f 2^x, 0.5 <= f < 1
+    e = torch.where(amax > 0, e, torch.full_like(e, -64))
+    scale = torch.exp2(e.float())
+    return (x / scale).to(torch.float8_e4m3fn).float() * scale
+
+
 def attention_kvcache_ref(q, k_cache, v_cache, cache_seqlens, page_table=None, cache_leftpad=None, **kwargs):
     """Decode/append attention over the first cache_seqlens[b] keys of each cache row,
     causal/windows aligned to the bottom-right of (seqlen_q, cache_seqlens[b]).

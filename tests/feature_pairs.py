@@ -13,7 +13,9 @@ from a set of features on top of a base of bf16, batch 2, 4 query heads over 2 K
   ALiBi-like slope), mask_mod (head h drops keys kv % (h + 3) == 1), block_mask (a
   document mask with row bounds; with mask_mod: the block mask of that mask_mod),
   learnable_sink, split (3 splits), pack_gqa (True), fp8 (e4m3 K/V with per-tensor
-  descales, bf16 queries);
+  descales, bf16 queries; the SM90 kernel quantizes those queries to e4m3 itself,
+  ``quantizes_q``: its reference takes them quantized, and PyTorch's error is that of its
+  FP8 algorithm, ``PairCall.mult`` 3 as in test_fp8_attention_gpu);
 - paged (pages of 16 keys, vLLM's block size, in a shuffled pool) runs
   ``flash_attn_with_kvcache`` over 300 and 180 cached keys; varlen runs
   ``flash_attn_varlen_func`` over packed sequences of (70, 33) queries and (300, 180) keys;
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -68,6 +71,7 @@ class PairCall:
     kwargs: dict
     reference: Callable
     refusal: Optional[tuple]
+    mult: float = 2.0  # the kernel's error bound in multiples of PyTorch's (check_close)
 
 
 def _doc_ids(batch: int, seqlen: int, device) -> torch.Tensor:
@@ -81,6 +85,14 @@ def _fp8(x: torch.Tensor):
     return (x.float() / scale).to(torch.float8_e4m3fn), scale
 
 
+def quantizes_q(features, backend: Optional[str]) -> bool:
+    """Whether the call's kernel quantizes its bf16 queries to e4m3: the SM90 kernel over an
+    e4m3 cache (``sm90.quantizes_q``; the pairs are never batch invariant), unless
+    FLASH_ATTN_CUTE_SM90_FP8_KV=widen keeps the widening kernel."""
+    return ("fp8" in features and backend == "sm90"
+            and os.environ.get("FLASH_ATTN_CUTE_SM90_FP8_KV", "quantize_q") == "quantize_q")
+
+
 def _cu(lens, device) -> torch.Tensor:
     return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
 
@@ -90,7 +102,7 @@ def make_pair_call(features, backend: Optional[str], device, seed: int = 0) -> P
     ``device`` (never zeros), ``backend=backend``."""
     from flash_attn_cute import (create_block_mask, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache,
                                  mods)
-    from flash_attn_cute.testing import attention_serving_ref
+    from flash_attn_cute.testing import attention_serving_ref, quantize_q_ref
 
     f = frozenset(features)
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -157,14 +169,26 @@ def make_pair_call(features, backend: Optional[str], device, seed: int = 0) -> P
     else:
         fn, args = flash_attn_func, (q, k, v)
 
-    def reference(dtype):
+    def attend(q_in, dtype, **extra):
         ref_kwargs = dict(opts, score_mod=user.get("score_mod"), mask_mod=mask_mod, aux_tensors=aux or None,
                           learnable_sink=None if sink is None else sink.to(dtype))
-        return attention_serving_ref(q.to(dtype), k_real.to(dtype), v_real.to(dtype), cu_seqlens_q=cu_q,
+        return attention_serving_ref(q_in.to(dtype), k_real.to(dtype), v_real.to(dtype), cu_seqlens_q=cu_q,
                                      cu_seqlens_k=cu_k, seqused_k=seqused_k, page_table=page_table, upcast=False,
-                                     **ref_kwargs)
+                                     **ref_kwargs, **extra)
 
-    return PairCall("-".join(sorted(f)), fn, args, kwargs, reference, REFUSED.get(f))
+    quantized_q = quantizes_q(f, backend)
+
+    def reference(dtype):
+        if not quantized_q:
+            return attend(q, dtype)
+        qq = quantize_q_ref(q)  # the queries the kernel attends with
+        if dtype == torch.float64:
+            return attend(qq, dtype)
+        # PyTorch's own error on them: O by its FP8 algorithm (fp32 scores, P in e4m3 at 2^8
+        # of its row max), the LSE in bf16.
+        return attend(qq, torch.float32, p_fp8=True)[0], attend(qq, dtype)[1]
+
+    return PairCall("-".join(sorted(f)), fn, args, kwargs, reference, REFUSED.get(f), 3.0 if quantized_q else 2.0)
 
 
 # The arch each backend's kernels are compiled for in the CPU sweep: the one the GPU sweep

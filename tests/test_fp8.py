@@ -44,8 +44,10 @@ from types import SimpleNamespace  # noqa: E402
 from flash_attn_cute import (flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, seam, sm80,  # noqa: E402
                              sm90, sm100)
 from flash_attn_cute.host.problems import FwdProblem  # noqa: E402
+from flash_attn_cute.host.tuning import Tuning  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
+WIDEN = Tuning(sm90_fp8_kv="widen")  # SM90: an FP8 cache widened to 16 bits (not the default)
 
 
 @pytest.fixture
@@ -149,12 +151,13 @@ def test_fp8_tiles_fit_the_shared_memory_of_the_arch():
     # An 8-warp tile over rows of 96 fp8 values would copy 128 rows a pass into 64-row blocks.
     assert "not supported" in sm80.check(decode._replace(d=96, d_v=256))
     assert sm80.check(decode._replace(d=96, d_v=96)) is None
-    # SM90: one consumer warpgroup, the stages that fit next to the widened K and V blocks
-    # (decode rows of d <= 128: a tile that fits twice, two CTAs per SM)
+    # SM90's widening kernel (FLASH_ATTN_CUTE_SM90_FP8_KV=widen; the default quantizes q:
+    # test_fp8_cache_quantizes_q_on_sm90): one consumer warpgroup, the stages that fit next to
+    # the widened K and V blocks (decode rows of d <= 128: a tile that fits twice, two CTAs per SM)
     for d, rows, tile, ctas in ((128, 1, (64, 64, 3), 2), (64, 4, (64, 64, 3), 2), (128, 2048, (64, 128, 4), 1),
                                 (64, 2048, (64, 128, 4), 1), (256, 1, (64, 64, 4), 1), (256, 2048, (64, 64, 4), 1)):
         p = decode._replace(d=d, d_v=d, max_seqlen_q=rows)
-        config = sm90.plan(p, 1, False, 132).config
+        config = sm90.plan(p, 1, False, 132, tuning=WIDEN).config
         assert config[:3] == tile and config.ctas_per_sm == ctas and not config.persistent, (d, rows, config)
         assert sm90.config.fp8_smem_bytes(d, d, *tile) <= (sm90.config.TWO_CTAS_SMEM if ctas == 2 else
                                                             sm90.config.SMEM_LIMIT)
@@ -164,7 +167,7 @@ def test_fp8_tiles_fit_the_shared_memory_of_the_arch():
     assert sm90.plan(decode._replace(batch_invariant=True), 1, False, 132).config[:2] == (64, 128)
     # a two-CTA key names it last (fp8 decode, and 16-bit decode: config.decode_two_ctas); a
     # one-CTA key keeps its form
-    assert sm90.compile_key(decode, sm90.plan(decode, 1, False, 132), "sm_90a")[-1] == 2
+    assert sm90.compile_key(decode, sm90.plan(decode, 1, False, 132, tuning=WIDEN), "sm_90a")[-1] == 2
     plain = decode._replace(kv_dtype=None, max_seqlen_q=2048)
     assert sm90.compile_key(plain, sm90.plan(plain, 1, False, 132), "sm_90a")[-2:] == (False, False)
 
@@ -256,3 +259,73 @@ def test_fp8_attention_tiles(d, d_v, page_size):
         for causal, tile in zip((False, True), want):
             p = _fp8_problem(d=d, d_v=d_v, causal=causal, window_right=0 if causal else -1)
             assert sm90.plan(p, 1, None, 132).config[:2] == tile
+
+
+# ---------------------------------------------------------------------------------------
+# An e4m3 cache under 16-bit queries on SM90: the queries quantized in the kernel (the
+# default, ``sm90.quantizes_q``), the widening kernel by FLASH_ATTN_CUTE_SM90_FP8_KV=widen
+# ---------------------------------------------------------------------------------------
+
+
+def test_fp8_cache_quantizes_q_on_sm90():
+    from flash_attn_cute.host.keys import QUANTIZE_Q
+
+    decode = _fp8_problem(dtype=torch.bfloat16, kv_dtype=E4M3, batch=2, max_seqlen_q=1, max_seqlen_k=4096,
+                          nheads=32, nheads_kv=8, has_seqused_k=True)
+    plan = sm90.plan(decode, 1, True, 132)
+    config = plan.config
+    # The FP8 Q, K, V kernel's decode tile (one consumer warpgroup, one CTA per SM), not the
+    # widening kernel's (64, 64, 3) two per SM
+    assert config.quantize_q and config[:3] == (64, 128, 3) and config.ctas_per_sm == 1 and not config.persistent
+    key = sm90.compile_key(decode, plan, "sm_90a")
+    assert key[2] == "bf16/e4m3" and key[-1] == QUANTIZE_Q and key[-3:-1] == (False, False)
+    assert sm90.config.parse_key_extra(key[-1:]) == dict(ctas_per_sm=1, quantize_q=True)
+    # the knob keeps the widening kernel, its own key
+    widen = sm90.plan(decode, 1, True, 132, tuning=WIDEN)
+    assert not widen.config.quantize_q and widen.config[:3] == (64, 64, 3) and widen.config.ctas_per_sm == 2
+    assert sm90.compile_key(decode, widen, "sm_90a")[-1] == 2
+    assert sm90.config.parse_key_extra((2,)) == dict(ctas_per_sm=2, quantize_q=False)
+    with pytest.raises(ValueError, match="FLASH_ATTN_CUTE_SM90_FP8_KV='bf16'"):
+        sm90.plan(decode, 1, True, 132, tuning=Tuning(sm90_fp8_kv="bf16"))
+    # fp16 queries too; the tiles are FP8 attention's (a prefill chunk: the measured (192, 96))
+    assert sm90.plan(decode._replace(dtype=torch.float16), 1, True, 132).config.quantize_q
+    prefill = decode._replace(max_seqlen_q=2048, causal=True, window_right=0)
+    assert sm90.plan(prefill, 1, None, 132).config[:3] == (192, 96, 2)
+    assert sm90.plan(prefill, 1, None, 132).config[:3] == sm90.plan(prefill._replace(dtype=E4M3, kv_dtype=None), 1,
+                                                                    None, 132).config[:3]
+    # every page size: row gathers on one consumer warpgroup (1, 16; cache_leftpad), one TMA per block
+    for page, gather, tile_n in ((1, True, 128), (16, True, 128), (64, False, 64), (128, False, 128),
+                                 (256, False, 128)):
+        for rows in (1, 2048):
+            c = sm90.plan(decode._replace(page_size=page, max_seqlen_q=rows), 1, None, 132).config
+            assert c.quantize_q and c.gather_kv == gather and (c.tile_m == 64 or not gather), (page, rows, c)
+            assert rows > 1 or c.tile_n == tile_n, (page, c)
+    lp = sm90.plan(decode._replace(page_size=64, leftpad_k=True), 1, True, 132).config
+    assert lp.quantize_q and lp.gather_kv and lp.tile_m == 64
+    # the widening kernel stays where q may not be quantized: e5m2 caches, batch_invariant
+    assert not sm90.plan(decode._replace(kv_dtype=torch.float8_e5m2), 1, True, 132).config.quantize_q
+    inv = sm90.plan(decode._replace(batch_invariant=True), 1, True, 132)
+    assert not inv.config.quantize_q and inv.config.split_blocks > 0
+    # split plans: the heuristic on the FP8 tile; the SM80 kernel widens (no such choice)
+    assert sm90.plan(decode._replace(batch=1, max_seqlen_k=131072), 0, True, 132).num_splits > 1
+    assert not hasattr(sm80.plan(decode, 1, True, 132).config, "quantize_q")
+
+
+def test_fp8_cache_knob_through_the_api(launches, monkeypatch):
+    # flash_attn_with_kvcache reads the knob once per call; it enters the per-call cache key,
+    # so the same call planned with and without it gets each its kernel. Out keeps q's dtype.
+    q = torch.randn(2, 1, 8, 64).to(torch.float16)
+    k8, v8 = _kv()
+    lens = torch.tensor([64, 3], dtype=torch.int32)
+    out = flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens)
+    assert out.dtype == torch.float16 and launches[-1].plan.config.quantize_q
+    monkeypatch.setenv("FLASH_ATTN_CUTE_SM90_FP8_KV", "widen")
+    flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens)
+    assert not launches[-1].plan.config.quantize_q and launches[-1].plan.config.ctas_per_sm == 2
+    monkeypatch.delenv("FLASH_ATTN_CUTE_SM90_FP8_KV")
+    flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens)
+    assert launches[-1].plan.config.quantize_q
+    # the descales reach the kernel as for the widening kernel (q_descale is for e4m3 q only)
+    kd = torch.rand(2, 2) + 0.5
+    flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens, k_descale=kd, q_descale=torch.ones(1))
+    assert launches[-1].tensors[11] is kd

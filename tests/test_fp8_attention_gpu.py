@@ -1,6 +1,9 @@
 """GPU tests of FP8 attention (q, k and v in e4m3 with FA3's ``q_descale`` / ``k_descale`` /
 ``v_descale``, output bf16) on the SM90 kernel: both GEMMs in fp8 wgmma, V transposed in
-shared memory, P rounded to e4m3.
+shared memory, P rounded to e4m3. Then the same kernel under 16-bit queries over an e4m3
+cache, the default on Hopper: the kernel quantizes the queries itself (``sm90/q_quant.py``;
+output in q's dtype), checked against the queries quantized as it quantizes them and
+against the unquantized ones; and the calls that keep the widening kernel.
 
 The reference is fp32 attention on the dequantized values (``testing.dequantize_kv``).
 PyTorch's own error on the same quantized inputs bounds the kernel's (``check_close``): for
@@ -15,8 +18,8 @@ import pytest
 import torch
 
 from flash_attn_cute import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, quantize_fp8
-from flash_attn_cute.testing import (attention_kvcache_ref, attention_ref, attention_varlen_ref, check_close, check_lse,
-                                     dequantize_kv)
+from flash_attn_cute.testing import (attention_kvcache_ref, attention_ref, attention_serving_ref, attention_varlen_ref,
+                                     check_close, check_lse, dequantize_kv, quantize_q_ref)
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HOPPER, reason="FP8 attention runs on Hopper (SM90)")]
@@ -173,3 +176,212 @@ def test_fp8_attention_refusals():
         flash_attn_func(q8.float().to(torch.float8_e5m2), k8, v8)
     with pytest.raises(ValueError, match=r"head dimension must be a multiple of 16 in \[16, 256\] \(FP8"):
         flash_attn_func(*(x.view(torch.uint8)[..., :40].contiguous().view(E4M3) for x in (q8, k8, v8)))
+
+
+# ---------------------------------------------------------------------------------------
+# 16-bit queries over an e4m3 cache: the SM90 kernel quantizes the queries itself
+# (``sm90/q_quant.py``, one power-of-two scale per Q tile) and runs the FP8 kernel above
+# ---------------------------------------------------------------------------------------
+
+WIDEN_KNOB = "FLASH_ATTN_CUTE_SM90_FP8_KV"
+
+
+def _cache8(batch, seqlen, hkv, d, scale=1.0, fp8=E4M3):
+    """(fp8 cache, descale (batch, hkv)): random values of a few magnitudes per KV head."""
+    x = torch.randn(batch, seqlen, hkv, d, device=DEVICE) * scale
+    x = x * torch.linspace(0.5, 2.0, hkv, device=DEVICE).view(1, 1, hkv, 1)
+    return quantize_fp8(x, dtype=fp8)
+
+
+def _poisoned(x8, lens):
+    """A copy of a (batch, capacity, hkv, d) fp8 cache with NaN bytes past each length."""
+    raw = x8.view(torch.uint8).clone()
+    for b, n in enumerate(lens.tolist()):
+        raw[b, n:] = 0x7F  # NaN in e4m3 and in e5m2
+    return raw.view(x8.dtype)
+
+
+def _pool(x8, table, page_size, num_pages):
+    """(num_pages, page_size, hkv, d) pages holding x8 (batch, pages x page_size, hkv, d) at
+    ``table``; the other pages NaN bytes."""
+    batch, pages_per_seq = table.shape
+    pool = torch.full((num_pages, page_size, *x8.shape[2:]), 0x7F, device=DEVICE, dtype=torch.uint8)
+    pool[table.long()] = x8.view(torch.uint8).view(batch, pages_per_seq, page_size, *x8.shape[2:])
+    return pool.view(x8.dtype)
+
+
+def _check_quantized_q(out, lse, q, ref_fn, k, v, **kw):
+    """The kernel against fp32 references on the dequantized cache. With q quantized as the
+    kernel quantizes it (``testing.quantize_q_ref``): O within MULT x PyTorch's FP8
+    algorithm on those queries, the LSE within 2x PyTorch's bf16 one (the kernel's own
+    error). With the unquantized q: within MULT x the distance of that same algorithm from
+    it, the LSE within 2x (the error that quantizing q costs, as PyTorch measures it)."""
+    qq = quantize_q_ref(q)
+    out_ref_q, lse_ref_q = ref_fn(qq, k, v, **kw)
+    out_torch, lse_torch = _torch(ref_fn, qq, k, v, **kw)
+    check_close(out, out_ref_q, out_torch, mult=MULT)
+    out_ref, lse_ref = ref_fn(q.float(), k, v, **kw)
+    check_close(out, out_ref, out_torch, mult=MULT, name="out (unquantized q)")
+    if lse is not None:
+        check_lse(lse, lse_ref_q, lse_torch)
+        check_lse(lse, lse_ref, lse_torch, name="lse (unquantized q)")
+
+
+# (page_size, seqlen_q, nheads, nheads_kv, causal, num_splits, q dtype): decode (GQA packed),
+# speculative decode, a prefill chunk; every page size (None: contiguous; 1 and 16: row
+# gathers; 64, 128, 256: one TMA per block), heuristic and explicit splits.
+QQ_PAGED = [
+    (None, 1, 32, 8, False, 0, torch.bfloat16),
+    (1, 1, 16, 2, True, 3, torch.bfloat16),
+    (16, 4, 8, 8, True, 0, torch.float16),
+    (64, 1, 32, 8, True, 5, torch.bfloat16),
+    (128, 200, 8, 2, True, 1, torch.bfloat16),
+    (256, 7, 12, 4, False, 2, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("page_size,seqlen_q,h,hkv,causal,num_splits,qdtype", QQ_PAGED,
+                         ids=[f"page{c[0]}-sq{c[1]}-h{c[2]}/{c[3]}-causal{int(c[4])}-splits{c[5]}" for c in QQ_PAGED])
+def test_quantized_q_over_fp8_cache(page_size, seqlen_q, h, hkv, causal, num_splits, qdtype):
+    """flash_attn_with_kvcache(bf16 / fp16 q, e4m3 cache): the default call. Lengths not a
+    multiple of any tile, NaN bytes past each length, output poisoned with NaN; sequence 1's
+    queries all zero (zero amax: its tiles' scale takes the clamp, no division) and one head
+    of sequence 0 zero (a zero row in a tile with others)."""
+    torch.manual_seed(20)
+    batch, capacity, d = 3, 1024, 128
+    q = torch.randn(batch, seqlen_q, h, d, device=DEVICE).to(qdtype)
+    q[1] = 0
+    q[0, :, 1] = 0
+    k8, kd = _cache8(batch, capacity, hkv, d)
+    v8, vd = _cache8(batch, capacity, hkv, d, scale=3.0)
+    lens = _i32([1000, seqlen_q + 37, 513])
+    k8p, v8p, table = _poisoned(k8, lens), _poisoned(v8, lens), None
+    if page_size is not None:
+        pages_per_seq = capacity // page_size
+        num_pages = batch * pages_per_seq + 3
+        table = torch.randperm(num_pages, device=DEVICE)[:batch * pages_per_seq].view(batch, pages_per_seq).int()
+        k8p, v8p = _pool(k8p, table, page_size, num_pages), _pool(v8p, table, page_size, num_pages)
+    out = torch.full(q.shape, float("nan"), device=DEVICE, dtype=qdtype)
+    res = flash_attn_with_kvcache(q, k8p, v8p, cache_seqlens=lens, page_table=table, k_descale=kd, v_descale=vd,
+                                  causal=causal, num_splits=num_splits, return_lse=True, out=out)
+    assert res[0] is out and out.dtype == qdtype
+    _check_quantized_q(out, res[1], q, lambda *a, **kw: attention_kvcache_ref(*a, lens, **kw),
+                       dequantize_kv(k8, kd), dequantize_kv(v8, vd), causal=causal)
+
+
+@pytest.mark.parametrize("d,causal,kw", [(64, True, {}), (256, False, {}),
+                                         (80, True, dict(window_size=(100, 0), softcap=20.0))],
+                         ids=["d64-causal", "d256", "d80-local-softcap"])
+def test_quantized_q_prefill(d, causal, kw):
+    """flash_attn_func(bf16 q, e4m3 k and v): the prefill tiles (d 64: three consumer
+    warpgroups; d 80: padded to the 96 tile, its columns past 80 zero), 777 queries over
+    1001 keys (no multiple of a tile)."""
+    torch.manual_seed(21)
+    q = torch.randn(2, 777, 8, d, device=DEVICE).to(torch.bfloat16)
+    k8, kd = _cache8(2, 1001, 2, d)
+    v8, vd = _cache8(2, 1001, 2, d, scale=3.0)
+    out = torch.full(q.shape, float("nan"), device=DEVICE, dtype=torch.bfloat16)
+    res = flash_attn_func(q, k8, v8, causal=causal, k_descale=kd, v_descale=vd, return_lse=True, out=out, **kw)
+    assert res[0] is out
+    _check_quantized_q(out, res[1], q, attention_ref, dequantize_kv(k8, kd), dequantize_kv(v8, vd), causal=causal,
+                       **kw)
+
+
+def test_quantized_q_varlen_sink_split():
+    """flash_attn_varlen_func over packed e4m3 keys: an empty and a one-query sequence, one
+    of 5 queries over 3 keys (causal: its first two see none, the sink alone), three splits
+    (the combine adds the learnable sink), per-tensor descales."""
+    torch.manual_seed(22)
+    lens_q, lens_k = [300, 0, 1, 129, 5], [500, 17, 64, 129, 3]
+    cu_q = _i32([0] + torch.tensor(lens_q).cumsum(0).tolist())
+    cu_k = _i32([0] + torch.tensor(lens_k).cumsum(0).tolist())
+    q = torch.randn(sum(lens_q), 8, 128, device=DEVICE).to(torch.bfloat16)
+    k8, kd = quantize_fp8(torch.randn(sum(lens_k), 4, 128, device=DEVICE), granularity="tensor")
+    v8, vd = quantize_fp8(torch.randn(sum(lens_k), 4, 128, device=DEVICE) * 2, granularity="tensor")
+    sink = torch.randn(8, device=DEVICE)
+    out = torch.full(q.shape, float("nan"), device=DEVICE, dtype=torch.bfloat16)
+    _, lse = flash_attn_varlen_func(q, k8, v8, cu_q, cu_k, max(lens_q), max(lens_k), causal=True, num_splits=3,
+                                    k_descale=kd, v_descale=vd, learnable_sink=sink, return_lse=True, out=out)
+    _check_quantized_q(out, lse, q, lambda *a, **kw: attention_varlen_ref(*a, cu_q, cu_k, **kw),
+                       k8.float() * kd, v8.float() * vd, causal=True, learnable_sink=sink)
+
+
+def test_quantized_q_serving_step():
+    """A serving step over an e4m3 paged pool (pages of 16): decode rows, a speculative row,
+    an empty row and a prefill chunk in one varlen call (a mixed plan: two launches of
+    quantizing kernels), a learnable sink, split-KV by the heuristic."""
+    torch.manual_seed(23)
+    page_size, h, hkv, d = 16, 8, 2, 128
+    lens_q, lens_k = [1, 1, 5, 0, 300], [40, 900, 100, 9, 600]
+    batch, pages_per_seq = len(lens_q), 64
+    q = torch.randn(sum(lens_q), h, d, device=DEVICE).to(torch.bfloat16)
+    k8, kd = _cache8(batch, pages_per_seq * page_size, hkv, d)
+    v8, vd = _cache8(batch, pages_per_seq * page_size, hkv, d, scale=2.0)
+    table = torch.randperm(batch * pages_per_seq, device=DEVICE).view(batch, pages_per_seq).int()
+    seqused = _i32(lens_k)
+    k8p = _pool(_poisoned(k8, seqused), table, page_size, batch * pages_per_seq)
+    v8p = _pool(_poisoned(v8, seqused), table, page_size, batch * pages_per_seq)
+    cu_q = _i32([0] + torch.tensor(lens_q).cumsum(0).tolist())
+    sink = torch.randn(h, device=DEVICE)
+    out = torch.full(q.shape, float("nan"), device=DEVICE, dtype=torch.bfloat16)
+    out, lse = flash_attn_varlen_func(q, k8p, v8p, cu_seqlens_q=cu_q, max_seqlen_q=max(lens_q), seqused_k=seqused,
+                                      page_table=table, causal=True, learnable_sink=sink, k_descale=kd, v_descale=vd,
+                                      return_lse=True, out=out, num_splits=0)
+    _check_quantized_q(out, lse, q, lambda *a, **kw: attention_serving_ref(*a, **kw), dequantize_kv(k8, kd),
+                       dequantize_kv(v8, vd), cu_seqlens_q=cu_q, seqused_k=seqused, causal=True, learnable_sink=sink)
+
+
+def test_quantized_q_paged_leftpad():
+    """cache_leftpad over an e4m3 paged cache (pages of 64, read by row gathers since the
+    sequences start inside pages): three queries a sequence, causal."""
+    torch.manual_seed(24)
+    batch, pages_per_seq, page_size, h, hkv, d = 3, 12, 64, 8, 2, 128
+    q = torch.randn(batch, 3, h, d, device=DEVICE).to(torch.bfloat16)
+    k8, kd = _cache8(batch, pages_per_seq * page_size, hkv, d)
+    v8, vd = _cache8(batch, pages_per_seq * page_size, hkv, d, scale=2.0)
+    lens, leftpad = _i32([700, 131, 768]), _i32([0, 70, 64 + 5])
+    table = torch.randperm(batch * pages_per_seq, device=DEVICE).view(batch, pages_per_seq).int()
+    k8p = _pool(_poisoned(k8, lens), table, page_size, batch * pages_per_seq)
+    v8p = _pool(_poisoned(v8, lens), table, page_size, batch * pages_per_seq)
+    out = torch.full(q.shape, float("nan"), device=DEVICE, dtype=torch.bfloat16)
+    res = flash_attn_with_kvcache(q, k8p, v8p, cache_seqlens=lens, cache_leftpad=leftpad, page_table=table,
+                                  k_descale=kd, v_descale=vd, causal=True, return_lse=True, out=out)
+    _check_quantized_q(out, res[1], q,
+                       lambda *a, **kw: attention_kvcache_ref(*a, lens, cache_leftpad=leftpad, **kw),
+                       dequantize_kv(k8, kd), dequantize_kv(v8, vd), causal=True)
+
+
+def _widening_inputs(fp8=E4M3, qdtype=torch.bfloat16, seed=25):
+    torch.manual_seed(seed)
+    q = torch.randn(2, 2, 16, 128, device=DEVICE).to(qdtype)
+    k8, kd = _cache8(2, 700, 4, 128, fp8=fp8)
+    v8, vd = _cache8(2, 700, 4, 128, scale=2.0, fp8=fp8)
+    return q, k8, v8, kd, vd, _i32([700, 333])
+
+
+def _check_widened(out, lse, q, k8, v8, kd, vd, lens):
+    """The widening kernel's bound: within 2x PyTorch's own error on the dequantized cache
+    in q's dtype. Quantized queries (e4m3: 3 mantissa bits) could not meet it."""
+    k, v = dequantize_kv(k8, kd), dequantize_kv(v8, vd)
+    out_ref, lse_ref = attention_kvcache_ref(q, k, v, lens, causal=True)
+    out_pt, lse_pt = attention_kvcache_ref(q, k.to(q.dtype), v.to(q.dtype), lens, causal=True, upcast=False)
+    check_close(out, out_ref, out_pt)
+    check_lse(lse, lse_ref, lse_pt)
+
+
+@pytest.mark.parametrize("case", ["e5m2", "batch_invariant", "knob"])
+def test_fp8_cache_widening_kernel_where_q_stays(case, monkeypatch):
+    """Where the queries are not quantized, the SM90 kernel widens the cache (bf16 wgmma on
+    the exact values): an e5m2 cache (fp16 q), batch_invariant (a per-tile scale would make
+    a row depend on its tile-mates), and FLASH_ATTN_CUTE_SM90_FP8_KV=widen (the A/B knob),
+    which gives other bits than the default call."""
+    fp8, qdtype = (torch.float8_e5m2, torch.float16) if case == "e5m2" else (E4M3, torch.bfloat16)
+    q, k8, v8, kd, vd, lens = _widening_inputs(fp8, qdtype)
+    kw = dict(cache_seqlens=lens, k_descale=kd, v_descale=vd, causal=True, return_lse=True, backend="sm90")
+    if case == "knob":
+        default = flash_attn_with_kvcache(q, k8, v8, **kw)[0]
+        monkeypatch.setenv(WIDEN_KNOB, "widen")
+    out, lse = flash_attn_with_kvcache(q, k8, v8, batch_invariant=case == "batch_invariant", **kw)
+    _check_widened(out, lse, q, k8, v8, kd, vd, lens)
+    if case == "knob":
+        assert not torch.equal(out, default)

@@ -7,6 +7,11 @@ The kernel widens the stored fp8 values exactly and applies ``k_descale`` to the
 (``check_close``). Outputs are poisoned with NaN, and so are the cache rows past each
 sequence's end (a TMA block reads them). FP8 K/V runs on the SM80 kernel (compute
 capability >= 8.9) and on the SM90 kernel (Hopper: automatic selection takes it).
+
+These are the widening kernels: on SM90 an e4m3 cache under 16-bit queries quantizes the
+queries by default (the FP8 kernel, ``test_fp8_attention_gpu.py``), so this module sets
+FLASH_ATTN_CUTE_SM90_FP8_KV=widen (``widening_kernel``), and its bound (2x PyTorch's error
+in q's dtype) stays the widening kernel's.
 """
 
 import pytest
@@ -26,6 +31,12 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 # None: automatic selection; each kernel by name where this GPU runs it.
 BACKENDS = [None, "sm80"] + (["sm90"] if HOPPER else [])
+
+
+@pytest.fixture(autouse=True)
+def widening_kernel(monkeypatch):
+    """SM90: the FP8 cache widened to 16 bits (its queries are not quantized)."""
+    monkeypatch.setenv("FLASH_ATTN_CUTE_SM90_FP8_KV", "widen")
 
 
 def _i32(values):

@@ -19,7 +19,8 @@ from compile_harness import compile_entries, covering_subset
 from sass_sweep import sass_histogram
 
 from flash_attn_cute import seam
-from flash_attn_cute.host.keys import parse_key
+from flash_attn_cute.host.keys import QUANTIZE_Q, parse_key
+from flash_attn_cute.host.tuning import NO_TUNING, Tuning
 
 BF16 = torch.bfloat16
 
@@ -108,8 +109,10 @@ def sm100_extra_keys(arch):
 
 
 def fp8_keys(arch, backend="sm80"):
-    """FP8 K/V on the SM80 kernel (for sm_90a: sm_80 has no fp8 conversion instructions and
-    the API refuses FP8 below compute capability 8.9), the SM90 and the SM100 kernel: a
+    """FP8 K/V widened to 16 bits on the SM80 kernel (for sm_90a: sm_80 has no fp8
+    conversion instructions and the API refuses FP8 below compute capability 8.9), the SM90
+    kernel (FLASH_ATTN_CUTE_SM90_FP8_KV=widen: its default quantizes q, ``quantized_q_keys``)
+    and the SM100 kernel: a
     decode step over a contiguous cache split, and over pages of 16 (SM100: 128, its one
     page size) with a window and softcap, e4m3 with bf16 queries; e5m2 with fp16 queries;
     SM90 and SM100 also a prefill chunk over pages of 64 (SM90: one CTA per SM, the decode
@@ -129,7 +132,46 @@ def fp8_keys(arch, backend="sm80"):
                                        page_size={"sm90": 64, "sm100": 128}[backend]), 1))
     if backend == "sm100":
         problems.append((base._replace(d=192), 1))
-    return [module.compile_key(p, module.plan(p, ns, True, 132), arch) for p, ns in problems]
+    tuning = WIDEN if backend == "sm90" else NO_TUNING
+    return [module.compile_key(p, module.plan(p, ns, True, 132, tuning=tuning), arch) for p, ns in problems]
+
+
+WIDEN = Tuning(sm90_fp8_kv="widen")  # SM90: an e4m3 cache under 16-bit queries widened (not the default)
+
+
+def quantized_q_problems():
+    """(name, problem, num_splits, pack_gqa): an e4m3 cache under 16-bit queries on the SM90
+    kernel, whose default quantizes the queries (``sm90.quantizes_q``): decode steps (one
+    query, 32 query heads packed over 8 KV heads: at most 64 rows) over a contiguous cache
+    split by the heuristic and over pages of 1, 16 (row gathers) and 64 (TMA), fp16 queries
+    among them; a prefill chunk (causal, 2048 queries: three consumer warpgroups); d 256
+    varlen split with an LSE; d 192 / 128 with a sink, window and softcap; paged
+    cache_leftpad (gathered)."""
+    decode = seam.FwdProblem(dtype=BF16, batch=2, max_seqlen_q=1, max_seqlen_k=4096, nheads=32, nheads_kv=8, d=128,
+                            d_v=128, softmax_scale=128 ** -0.5, causal=False, window_left=-1, window_right=-1,
+                            softcap=0.0, varlen_q=False, varlen_k=False, has_seqused_k=True, page_size=0,
+                            has_lse=True, kv_dtype=torch.float8_e4m3fn)
+    causal = dict(causal=True, window_right=0)
+    prefill = decode._replace(max_seqlen_q=2048, has_seqused_k=False, has_lse=False, **causal)
+    return [("decode", decode, 0, True),
+            ("decode_page1", decode._replace(page_size=1, **causal), 3, True),
+            ("decode_page16_fp16", decode._replace(dtype=torch.float16, page_size=16, **causal), 0, True),
+            ("decode_page64", decode._replace(page_size=64, **causal), 0, True),
+            ("prefill", prefill, 1, None),
+            ("prefill_d256_varlen_split", prefill._replace(d=256, d_v=256, varlen_q=True, varlen_k=True,
+                                                           has_lse=True), 3, None),
+            ("prefill_d192_sink_local_softcap", prefill._replace(d=192, has_sink=True, window_left=200,
+                                                                 softcap=20.0), 1, None),
+            ("chunk_paged_leftpad", decode._replace(max_seqlen_q=128, page_size=64, leftpad_k=True, **causal), 1,
+             None)]
+
+
+def quantized_q_keys(arch):
+    """The SM90 keys of ``quantized_q_problems`` (sm_90a only)."""
+    if arch != "sm_90a":
+        return []
+    module = seam.backend_module("sm90")
+    return [module.compile_key(p, module.plan(p, ns, pack, 132), arch) for _, p, ns, pack in quantized_q_problems()]
 
 
 def fp8_attention_keys(arch, backend="sm90"):
@@ -165,7 +207,7 @@ def sm80_extra_keys(arch):
 
 
 EXTRA_KEYS = {"sm100": sm100_extra_keys, "sm80": sm80_extra_keys,
-              "sm90": lambda arch: fp8_keys(arch, "sm90") + fp8_attention_keys(arch)}
+              "sm90": lambda arch: fp8_keys(arch, "sm90") + fp8_attention_keys(arch) + quantized_q_keys(arch)}
 
 
 def sm100_cache_tail_zeroed(key) -> bool:
@@ -213,7 +255,8 @@ def test_forward_sass(artifacts, backend, arch):
         if not sass_files:
             pytest.skip("no usable nvdisasm (pip install nvidia-cuda-nvdisasm): no SASS to check")
         sass = sass_files[0].read_text()
-        fp8_qkv = fields(backend, key).dtype_name == "e4m3"  # fp8 MMAs (test_fp8_attention_sass)
+        # fp8 MMAs (test_fp8_attention_sass, test_quantized_q_sass)
+        fp8_qkv = fields(backend, key).dtype_name == "e4m3" or QUANTIZE_Q in key
         for op in SASS_EXPECT[backend]:
             assert op in sass or (fp8_qkv and op in ("HGMMA", "UTCHMMA")), (op, key)
         for pattern in SASS_FORBID.get(backend, []):
@@ -318,15 +361,39 @@ def test_fp8_attention_sass(artifacts, backend, arch):
 def sm90_loads(key):
     """The SM90 kernel's load instructions for a key: TMA for Q (unpacked) and for KV
     (unless paged rows are gathered); cp.async for packed-GQA Q rows and for gathered KV
-    rows, whose stages complete through cp.async mbarrier arrives."""
+    rows, whose stages complete through cp.async mbarrier arrives; 16-byte loads into
+    registers for the Q the kernel quantizes (``keys.QUANTIZE_Q``)."""
     f = fields("sm90", key)
     pack, gather_kv = f.qhead_per_kvhead_packed, f.extra[0]
-    ops = ["LDGSTS"] if pack > 1 or gather_kv else []
-    if pack == 1 or not gather_kv:
-        ops.append("UTMALDG")
-    if gather_kv:
-        ops.append("ARRIVES.LDGSTSBAR")
+    ops = ["LDG.E.128" if QUANTIZE_Q in f.extra else "LDGSTS" if pack > 1 else "UTMALDG"]
+    ops += ["LDGSTS", "ARRIVES.LDGSTSBAR"] if gather_kv else ["UTMALDG"]
     return ops
+
+
+@pytest.mark.slow
+def test_quantized_q_sass(artifacts):
+    # 16-bit Q over an e4m3 cache, quantized in the kernel: both GEMMs on fp8 operands
+    # (QGMMA e4m3 x e4m3, no HGMMA), Q loaded into registers by 16-byte loads, converted in
+    # pairs (F2FP.SATFINITE.E4M3: Q and P) and stored 8 bytes a chunk into sQ, V transposed
+    # by ldmatrix / stmatrix.trans; O out in q's dtype (16-bit pairs) unless split; no local
+    # memory at all.
+    keys, out_dir, _ = artifacts("sm90", "sm_90a")
+    qkeys = quantized_q_keys("sm_90a")
+    assert len(qkeys) == len(set(qkeys)) == len(quantized_q_problems())
+    for key in qkeys:
+        f = fields("sm90", key)
+        assert f.extra[-1] == QUANTIZE_Q and "/e4m3" in f.dtype_name, key
+        sass_files = list((out_dir / f"k{keys.index(key)}").glob("*.sass"))
+        if not sass_files:
+            pytest.skip("no usable nvdisasm (pip install nvidia-cuda-nvdisasm): no SASS to check")
+        sass = sass_files[0].read_text()
+        out_pack = "F2FP.F16.F32.PACK_AB" if f.dtype_name.startswith("fp16") else "F2FP.BF16.F32.PACK_AB"
+        for op in ("QGMMA.64x", ".E4M3.E4M3", "F2FP.SATFINITE.E4M3.F32.PACK_AB", "STS.64", "LDSM.16.M88.4",
+                   "STSM.16.MT88.4", *sm90_loads(key)):
+            assert op in sass, (op, key)
+        assert not re.search(r"\bHGMMA\b", sass), key
+        assert (out_pack in sass) != f.is_split, key
+        assert len(re.findall(r"\b(LDL|STL)\b", sass)) == 0, ("local memory", key)
 
 
 def test_plan_is_what_the_launcher_compiles():
@@ -365,9 +432,11 @@ def leftpad_problems(arch):
 
 
 def leftpad_key_pairs(backend, arch):
-    """[(key with leftpad_k, the same problem's key without)]."""
+    """[(key with leftpad_k, the same problem's key without)]; FP8 K/V on SM90 by the widening
+    kernel (the quantizing one: ``quantized_q_keys``)."""
     module = seam.backend_module(backend)
-    key = lambda p, ns: module.compile_key(p, module.plan(p, ns, True, 132), arch)
+    tuning = WIDEN if backend == "sm90" else NO_TUNING
+    key = lambda p, ns: module.compile_key(p, module.plan(p, ns, True, 132, tuning=tuning), arch)
     return [(key(p, ns), key(p._replace(leftpad_k=False), ns)) for p, ns in leftpad_problems(arch)]
 
 

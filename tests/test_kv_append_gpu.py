@@ -25,6 +25,7 @@ fails by orders of magnitude.
 """
 
 import math
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -922,6 +923,13 @@ E2E_FP8 = [
 ]
 
 
+def quantizes_q(backend, c) -> bool:
+    """Whether the attention quantizes 16-bit queries to e4m3: the SM90 kernel over an e4m3
+    cache (``sm90.quantizes_q``), unless FLASH_ATTN_CUTE_SM90_FP8_KV=widen."""
+    return (backend == "sm90" and c.cache == E4M3 and not c.q_fp8
+            and os.environ.get("FLASH_ATTN_CUTE_SM90_FP8_KV", "quantize_q") == "quantize_q")
+
+
 def e2e_id(cfg):
     return "-".join(f"{k}={str(v).replace('torch.', '')}" for k, v in cfg.items())
 
@@ -932,8 +940,9 @@ def e2e_id(cfg):
 def test_fp8_append_then_attend(backend, cfg):
     """The stored bytes as the kernel-level tests require them (``verify_fp8``: exact but
     next to rounding midpoints of rotated values), then the attention over what was stored:
-    within 2x PyTorch's own error on the dequantized cache (FP8 attention: 3x that of the
-    same FP8 algorithm in PyTorch, as in test_fp8_attention_gpu)."""
+    within 2x PyTorch's own error on the dequantized cache (FP8 attention, and 16-bit
+    queries the SM90 kernel quantizes over an e4m3 cache: 3x that of the same FP8 algorithm
+    in PyTorch on the same quantized queries, as in test_fp8_attention_gpu)."""
     causal, num_splits = cfg["causal"], cfg["num_splits"]
     c = Fp8Case(**{k: v for k, v in cfg.items() if k not in ("causal", "num_splits")}, per_query=causal, h=8,
                 slack=300)
@@ -973,6 +982,15 @@ def test_fp8_append_then_attend(backend, cfg):
         out_pt, _ = attend_ref(q32, k, v, ends, t["leftpad"], cu, p_fp8=True, **kw)
         bf = lambda x: x.to(torch.bfloat16)
         _, lse_pt = attend_ref(bf(q32), bf(k), bf(v), ends, t["leftpad"], cu, upcast=False, **kw)
+        mult = 3.0
+    elif quantizes_q(backend, c):
+        from flash_attn_cute.testing import quantize_q_ref
+
+        qq = quantize_q_ref(q_att)  # the queries the kernel attends with
+        out_ref, lse_ref = attend_ref(qq, k, v, ends, t["leftpad"], cu, **kw)
+        out_pt, _ = attend_ref(qq, k, v, ends, t["leftpad"], cu, p_fp8=True, **kw)
+        bf = lambda x: x.to(torch.bfloat16)
+        _, lse_pt = attend_ref(bf(qq), bf(k), bf(v), ends, t["leftpad"], cu, upcast=False, **kw)
         mult = 3.0
     else:
         out_ref, lse_ref = attend_ref(q_att.float(), k, v, ends, t["leftpad"], cu, **kw)

@@ -79,6 +79,10 @@ def target_arch_or_none(device=None):
 
 # The ``paged`` field of a forward key over a paged cache with per-sequence key starts.
 PAGED_LEFTPAD = "paged+leftpad_k"
+# The SM90 forward key's last field where its kernel quantizes 16-bit queries to e4m3
+# (an e4m3 cache run by the FP8 Q, K, V kernel, ``sm90.quantizes_q``); absent otherwise, so
+# that every other key stays what it was.
+QUANTIZE_Q = "quantize_q"
 
 
 def make_key(name: str, arch: str, dtype_name: str, d: int, d_v: int, tile: tuple, flags, qhead_per_kvhead_packed,

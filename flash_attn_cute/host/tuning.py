@@ -24,14 +24,17 @@ class Tuning(NamedTuple):
     mla_stages: Optional[str] = None  # SM80 MLA pipeline depth: "2" / "3"
     mla_sm90_qk: Optional[str] = None  # SM90 MLA: "tma" (default) / the gathering kernel "seesaw" / "one" / "split"
     mla_fp8_stages: Optional[str] = None  # MLA over an FP8 cache: "stages,staging stages"
+    # SM90, an e4m3 cache under 16-bit queries: "quantize_q" (the queries quantized in the
+    # kernel, FP8 Q, K, V wgmma: the default) / "widen" (the cache widened to 16 bits)
+    sm90_fp8_kv: Optional[str] = None
 
 
 NO_TUNING = Tuning()
 
 _ENV = ("FLASH_ATTN_CUTE_BACKEND", "FLASH_ATTN_CUTE_SM80_TILE", "FLASH_ATTN_CUTE_SM90_TILE",
         "FLASH_ATTN_CUTE_SM90_PERSISTENT", "FLASH_ATTN_CUTE_MLA_STAGES", "FLASH_ATTN_CUTE_MLA_SM90_QK",
-        "FLASH_ATTN_CUTE_MLA_FP8_STAGES")
-# os.environ.get encodes its key on every call: 10 us for these seven on the CI machine.
+        "FLASH_ATTN_CUTE_MLA_FP8_STAGES", "FLASH_ATTN_CUTE_SM90_FP8_KV")
+# os.environ.get encodes its key on every call: 10 us for seven of these on the CI machine.
 # CPython's POSIX environ keeps a dict of bytes, read here with pre-encoded keys (0.5 us).
 _ENV_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None
 _ENV_BYTES = tuple(os.environ.encodekey(k) for k in _ENV) if _ENV_DATA is not None else None

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
+import torch
+
 from flash_attn_cute.host import heuristics
 from flash_attn_cute.seam.backend_kit import (feature_refusal, fwd_entry_points, head_dim_refusal, head_groups,
                                               plan_rows, plan_splits, tile_head_dims)
@@ -44,6 +46,7 @@ class Sm90Config(NamedTuple):
     persistent: bool  # one CTA per SM looping over the tiles
     split_blocks: int = 0  # batch invariant: KV blocks per split (backend_kit.invariant_splits)
     ctas_per_sm: int = 1  # 2: a tile that fits twice (config.fp8_ctas_per_sm, config.decode_two_ctas)
+    quantize_q: bool = False  # an e4m3 cache under 16-bit queries: Q quantized in the kernel (quantizes_q)
 
 
 def runs_on(capability: tuple) -> bool:
@@ -67,6 +70,8 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     pack_gqa, rows = plan_rows(problem, pack_gqa)
     d, d_v = tile_head_dims(problem, HEAD_DIM_PAIRS)  # the kernel's tile widths (padded head dims)
     sixteen_bit = not problem.kv_fp8 and not problem.qkv_fp8
+    quantize_q = quantizes_q(problem, tuning)
+    widen = problem.kv_fp8 and not quantize_q
     # Plain 16-bit attention: no mask, no softcap, no user variant (``select_tile``).
     plain = sixteen_bit and not (problem.causal or problem.local or problem.softcap or problem.variant is not None)
     tile = config.select_tile(d, d_v, rows, causal=problem.causal, local=problem.local,
@@ -79,14 +84,14 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     if sixteen_bit and rows <= 64 and not problem.batch_invariant and not tuning.sm90_tile:
         tile, ctas_per_sm = config.decode_two_ctas(d, d_v, tile)
         split_ctas = 1
-    if problem.kv_fp8:
+    if widen:
         decode = rows <= 64 and not problem.batch_invariant and not tuning.sm90_tile
         tile = config.fp8_tile(d, d_v, tile, tile[2] if tuning.sm90_tile else 4, decode)
         # Two CTAs per SM where measured: decode tiles, and tuning sweeps.
         if decode or tuning.sm90_tile:
             ctas_per_sm = config.fp8_ctas_per_sm(d, d_v, tile)
     ctas_per_sm = config.override_ctas(tuning.sm90_tile) or ctas_per_sm
-    if problem.qkv_fp8:
+    if problem.qkv_fp8 or quantize_q:
         tile = config.fp8_qkv_tile(d, d_v, tile, problem.page_size, problem.causal or problem.local,
                                    measured=not tuning.sm90_tile and not problem.batch_invariant,
                                    leftpad_k=problem.leftpad_k)
@@ -99,7 +104,32 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
                                   problem.has_seqused_q)
     fits = fits and not problem.kv_fp8 and not problem.qkv_fp8  # persistent_fits counts 16-bit stages
     return FwdPlan(NAME, Sm90Config(*tile, gather_kv, persistent(problem, fits, tuning.sm90_persistent),
-                                    split_blocks, ctas_per_sm), pack_gqa, num_splits)
+                                    split_blocks, ctas_per_sm, quantize_q), pack_gqa, num_splits)
+
+
+FP8_KV_MODES = ("quantize_q", "widen")  # tuning.sm90_fp8_kv
+
+
+def quantizes_q(problem: FwdProblem, tuning: Tuning = NO_TUNING) -> bool:
+    """Whether an FP8 cache under 16-bit queries runs the FP8 Q, K, V kernel with the queries
+    quantized to e4m3 in the kernel (``q_quant``; fp8 wgmma for both GEMMs, as a call with
+    e4m3 q and q_descale) rather than the kernel that widens every K and V block to 16 bits
+    in shared memory and runs bf16 wgmma. H200, h32/8 d128 decode, keys/s against our bf16
+    kernel (RESULTS.md "FP8 KV-cache decode", 2026-12-01): the widening kernel 1.21x
+    contiguous and at pages of 64, 1.07x at pages of 16; FP8 attention (e4m3 q) 1.64x and
+    1.34x. ``bench_fp8_decode.py`` runs this kernel and the widening one side by side.
+
+    The widening kernel stays where the queries may not be quantized, or cannot be here:
+    ``tuning.sm90_fp8_kv`` "widen" (FLASH_ATTN_CUTE_SM90_FP8_KV, for A/B measurements); an
+    e5m2 cache (the FP8 kernel's MMAs and V transposes are e4m3 x e4m3; e5m2 values would
+    need their own wgmma operand types, not built); ``batch_invariant`` (the queries'
+    scale is one per tile, and the elements e4m3 holds as subnormals round differently
+    under another tile's scale: a row's bits would depend on the rows it shares a tile
+    with, which the batch and GQA packing decide)."""
+    mode = tuning.sm90_fp8_kv or "quantize_q"
+    if mode not in FP8_KV_MODES:
+        raise ValueError(f"FLASH_ATTN_CUTE_SM90_FP8_KV={mode!r}: one of {FP8_KV_MODES}")
+    return (problem.kv_dtype == torch.float8_e4m3fn and mode == "quantize_q" and not problem.batch_invariant)
 
 
 def persistent(problem: FwdProblem, fits: bool, override: Optional[str] = None) -> bool:
@@ -125,8 +155,9 @@ def _extra_scalars(problem: FwdProblem, plan: FwdPlan, device) -> tuple:
 
 
 # compile_key, compile, launcher: the seam's shared entry points. The key holds the tile
-# (m, n, stages, ex2) first and gather_kv, persistent (, ctas_per_sm where it is 2) last.
+# (m, n, stages, ex2) first and gather_kv, persistent (, ctas_per_sm where it is 2)
+# (, keys.QUANTIZE_Q where set) last (``config.key_extra``).
 compile_key, compile, launcher = fwd_entry_points(
     NAME, "flash_attn_cute.sm90.flash_fwd", "compile_fwd_sm90", key_tile=lambda c: tuple(c[:4]),
-    key_extra=lambda c: (c.gather_kv, c.persistent) + ((c.ctas_per_sm,) if c.ctas_per_sm > 1 else ()),
+    key_extra=lambda c: config.key_extra(c.gather_kv, c.persistent, c.ctas_per_sm, c.quantize_q),
     extra_scalars=_extra_scalars)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from flash_attn_cute.host.constants import D_CKV, D_KPE
+from flash_attn_cute.host.keys import QUANTIZE_Q
 
 SMEM_LIMIT = 227 * 1024  # sm_90 opt-in shared memory per block
 
@@ -125,8 +126,10 @@ def fp8_tile(d: int, dv: int, tile: tuple, max_stages: int = 4, decode: bool = F
 
 def fp8_qkv_smem_bytes(d: int, dv: int, tile_m: int, tile_n: int, stages: int) -> int:
     """Shared memory of an FP8 Q, K, V tile: Q, the K, V and V^T stages (one byte a value),
-    4 KB for the mbarriers and the 1 KB alignment of the buffers (d = 256, (128, 128, 2):
-    233,472 bytes allocated, 4 KB over the buffers)."""
+    4 KB for the mbarriers (and, where the kernel quantizes 16-bit Q, its amax words: below
+    sQ's 1 KB alignment, no byte more) and the 1 KB alignment of the buffers (d = 256, (128,
+    128, 2): 233,472 bytes allocated, 4 KB over the buffers). 16-bit Q is quantized from
+    registers (``q_quant``): no 16-bit staging buffer."""
     return tile_m * d + stages * tile_n * (d + 2 * dv) + 4096
 
 
@@ -188,6 +191,22 @@ def persistent_fits(d: int, dv: int, tile: tuple, pack: int, varlen_q: bool, is_
         return False
     uses_tma_o = pack == 1 and not varlen_q and not is_split and not seqused_q
     return smem_bytes(d, dv, m, n, stages) + (2 * m * dv if uses_tma_o else 0) <= SMEM_LIMIT
+
+
+def key_extra(gather_kv: bool, persistent: bool, ctas_per_sm: int, quantize_q: bool) -> tuple:
+    """The forward key's SM90 fields after the common ones: gather_kv, persistent, then
+    ctas_per_sm where it is 2 and ``keys.QUANTIZE_Q`` where the kernel quantizes 16-bit
+    queries (each absent otherwise: the keys from before either existed keep their form)."""
+    return (gather_kv, persistent) + ((ctas_per_sm,) if ctas_per_sm > 1 else ()) + \
+        ((QUANTIZE_Q,) if quantize_q else ())
+
+
+def parse_key_extra(rest: tuple) -> dict:
+    """The kernel's keyword arguments (ctas_per_sm, quantize_q) from the fields ``key_extra``
+    put after gather_kv and persistent."""
+    ctas = [x for x in rest if x != QUANTIZE_Q]
+    assert len(ctas) <= 1 and len(rest) - len(ctas) <= 1, rest
+    return dict(ctas_per_sm=ctas[0] if ctas else 1, quantize_q=QUANTIZE_Q in rest)
 
 
 def unsupported_reason(d: int, dv: int) -> Optional[str]:

@@ -36,10 +36,13 @@ FP8 K/V under 16-bit queries: the stages hold fp8 blocks that the consumer widen
 wgmma reads B K-major only, so producer warps 1-3 turn each V stage into a V^T stage
 (``transposes``, ldmatrix / stmatrix.trans, in the key order that makes P's 8-bit A
 operand the thread's own S registers: ``fp8_operands``), a third ring between them and the
-consumers; the output is bf16, from registers.
+consumers; the output is bf16, from registers. 16-bit Q over an e4m3 cache (``quantize_q``,
+the default for that call): the consumers load the Q tile themselves and quantize it to
+e4m3 into sQ with one power-of-two scale (``q_quant``), then run the FP8 Q, K, V kernel,
+the scale folded into the softmax scale; the output is in q's dtype.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import cutlass
@@ -59,8 +62,9 @@ from flash_attn_cute.device.layout_utils import (acc_mn_view, acc_to_operand_a, 
                                                  transpose_view)
 from flash_attn_cute.device.named_barrier import Sm90FwdBarrier
 from flash_attn_cute.device.paged_kv import page_and_row, page_lookups
-from flash_attn_cute.sm90.config import TWO_CTAS_SMEM, WarpRoles
+from flash_attn_cute.sm90.config import TWO_CTAS_SMEM, WarpRoles, parse_key_extra
 from flash_attn_cute.sm90.fp8_operands import FP8TileGeometry, p_to_fp8, transpose_v_block
+from flash_attn_cute.sm90.q_quant import quantize_q_tile
 from flash_attn_cute.sm90.wgmma_utils import convert_pairs, kv_release, kv_wait, wgmma_gemm
 from flash_attn_cute.device.softmax import FP8_P_OFFSET, LOG2_E, OnlineSoftmax
 from flash_attn_cute.device.tile_scheduler import LptScheduler, PersistentScheduler, SingleTileScheduler, TileDivisors
@@ -73,9 +77,17 @@ class FlashAttnFwdSm90:
     def __init__(self, dtype, head_dim: int, head_dim_v: int, tile_m: int, tile_n: int, num_stages: int,
                  variant: AttentionVariant, qhead_per_kvhead_packed: int = 1, is_split: bool = False,
                  ex2_emulate_every: int = 0, gather_kv: bool = False, persistent: bool = False, split_blocks: int = 0,
-                 q_class: int = 0, ctas_per_sm: int = 1):
+                 q_class: int = 0, ctas_per_sm: int = 1, quantize_q: bool = False):
         set_fwd_config(self, dtype, head_dim, head_dim_v, variant, qhead_per_kvhead_packed, is_split, split_blocks,
                        q_class)
+        # 16-bit Q over an e4m3 cache: Q is quantized to e4m3 in the kernel (``q_quant``) and
+        # everything after runs as for FP8 Q, K and V; q_dtype is what mQ holds, dtype what
+        # the MMAs and sQ take (the output keeps q's dtype: set_fwd_config's out_dtype).
+        self.q_dtype = dtype
+        self.quantize_q = quantize_q
+        if quantize_q:
+            assert dtype.width == 16 and not persistent, "quantize_q: 16-bit queries, one tile per CTA"
+            self.dtype = cutlass.Float8E4M3FN
         head_dim, head_dim_v = self.head_dim, self.head_dim_v  # the tile's widths (padded head dims)
         self.tile_m = tile_m
         self.tile_n = tile_n
@@ -94,14 +106,16 @@ class FlashAttnFwdSm90:
         self.ctas_per_sm = ctas_per_sm
         # FP8 Q, K and V: both GEMMs in fp8 wgmma. Its B operand is K-major, so producer
         # warps 1-3 transpose each V block (``transposes``, ``fp8_operands``); P is rounded
-        # to e4m3 with its row max at 2^8 (``FP8_P_OFFSET``), O leaves in bf16.
-        self.fp8_qkv = dtype.width == 8
+        # to e4m3 with its row max at 2^8 (``FP8_P_OFFSET``), O leaves in bf16 (quantize_q:
+        # in q's dtype).
+        self.fp8_qkv = self.dtype.width == 8
         self.roles = WarpRoles.for_consumers(tile_m // 64, gather_kv, ctas_per_sm, transpose_v=self.fp8_qkv)
         # Ping-pong pays when the softmax of one warpgroup can hide the other's MMAs;
         # at d=256 the MMAs dominate and the turn-taking only adds waits.
         self.use_scheduler_barrier = self.roles.num_consumer_wgs >= 2 and max(head_dim, head_dim_v) <= 128
         # Packed GQA rows do not form a TMA box; those Q tiles are gathered by cp.async.
-        self.use_tma_q = self.qhead_per_kvhead_packed == 1
+        # quantize_q: the consumers load Q themselves (``q_quant``).
+        self.use_tma_q = self.qhead_per_kvhead_packed == 1 and not quantize_q
         # With a large O (d_v >= 128) the rescale of O by the new row max is moved off the
         # critical path: it runs while Q K^T of the next block is in flight, just before
         # the P V that needs it (the correction of block n is carried to iteration n-1).
@@ -163,6 +177,8 @@ class FlashAttnFwdSm90:
             mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_Vt: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages if self.fp8_qkv else 1]
+            # quantize_q: each consumer warp's amax of the Q tile (in the 1 KB below sQ's alignment).
+            sQAmax: cute.struct.MemRange[Float32, self.roles.consumer_threads // 32 if self.quantize_q else 1]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[kv_dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[kv_dtype, cute.cosize(sV_layout)], 1024]
@@ -313,7 +329,7 @@ class FlashAttnFwdSm90:
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         o_storage = storage.sO if cutlass.const_expr(self.separate_o) else storage.sQ
         sO = o_storage.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
-        sKw, sVw, sVt, sV_addr, sVt_addr = None, None, None, None, None
+        sKw, sVw, sVt, sV_addr, sVt_addr, sQAmax = None, None, None, None, None, None
         if cutlass.const_expr(self.fp8):
             sKw = storage.sKw.get_tensor(sKw_layout.outer, swizzle=sKw_layout.inner)
             sVw = storage.sVw.get_tensor(sVw_layout.outer, swizzle=sVw_layout.inner)
@@ -321,8 +337,10 @@ class FlashAttnFwdSm90:
             sVt = storage.sVt.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
             # The transposes' buffer addresses (they compute the swizzled offsets themselves).
             sV_addr, sVt_addr = storage.sV.data_ptr().toint(), storage.sVt.data_ptr().toint()
+        if cutlass.const_expr(self.quantize_q):
+            sQAmax = storage.sQAmax.get_tensor(cute.make_layout(self.roles.consumer_threads // 32))
         io = _Io(*tma_views, *tma_atoms, sQ, sK, sV, sO, pipeline_q, pipeline_k, pipeline_v, gmem_copy_Q, sKw, sVw,
-                 sVt, sV_addr, sVt_addr, pipeline_vt)
+                 sVt, sV_addr, sVt_addr, pipeline_vt, sQAmax)
 
         block_info = BlockInfo(self.tile_m, self.tile_n, self.qhead_per_kvhead_packed, self.variant, self.split_blocks,
                          self.q_class)
@@ -597,6 +615,10 @@ class FlashAttnFwdSm90:
             # fp8 K: k_descale joins the softmax scale (read only for a tile with rows: a CTA
             # of a folded grid past the last sequence has no batch index to read it at).
             tile_k = tile.with_k_descale(args)
+            if cutlass.const_expr(self.quantize_q):
+                # sQ = Q / 2^e in e4m3: 2^e joins the softmax scale (as a q_descale does).
+                tile_k = replace(tile_k, softmax_scale=tile_k.softmax_scale * self.load_q_quantized(args, io, tile,
+                                                                                                     cidx))
             thr_mma_qk = tiled_mma_qk.get_slice(cidx)
             acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((self.tile_m, self.head_dim_v)), Float32)
             acc_O.fill(0.0)
@@ -664,7 +686,7 @@ class FlashAttnFwdSm90:
 
         if cutlass.const_expr(self.use_tma_q):
             io.pipeline_q.consumer_wait(q_state)
-        else:
+        elif cutlass.const_expr(not self.quantize_q):  # quantize_q: sQ written before the loop (mma_tile)
             if cutlass.const_expr(self.persistent):
                 # Every warpgroup finished the last tile's Q K^T before Q is overwritten.
                 self.consumers_sync()
@@ -864,6 +886,15 @@ class FlashAttnFwdSm90:
         cute.arch.fence_view_async_shared()
         self.consumers_sync()
 
+    @cute.jit
+    def load_q_quantized(self, args: FwdArgs, io: "_Io", tile: FwdTile, cidx) -> Float32:
+        """quantize_q: the tile's 16-bit Q rows (packed under GQA) loaded by the consumers into
+        registers, rows past the sequence zero, and stored into sQ in e4m3 as Q / 2^e
+        (``q_quant.quantize_q_tile``: one power-of-two scale per tile); returns 2^e."""
+        q_rows = tile.q_rows(args.mQ, self.qhead_per_kvhead_packed, args.varlen_q)
+        return quantize_q_tile(q_rows, tile.m_block * self.tile_m, io.sQ, io.sQAmax, tile.rows_valid,
+                               self.head_dim_valid, cidx, self.roles.consumer_threads, self.consumers_sync)
+
     # -----------------------------------------------------------------------------------
     # Epilogue
     # -----------------------------------------------------------------------------------
@@ -940,6 +971,7 @@ class _Io:
     sV_addr: Optional[Int32]  # fp8 Q, K, V: shared-window addresses of the V and V^T stages, for the transposes
     sVt_addr: Optional[Int32]
     pipeline_vt: object  # fp8 Q, K, V: the V^T stages (transposing warps -> consumers); else None
+    sQAmax: Optional[cute.Tensor]  # quantize_q: one fp32 word per consumer warp (the Q tile's amax); else None
 
 
 @dataclass(frozen=True)
@@ -993,8 +1025,8 @@ class _Widen:
 def compile_fwd_sm90(key: tuple):
     """Compiles the kernel for ``key`` (``sm90.compile_key``) on fake tensors: no GPU needed."""
     return compile_from_key(
-        key, 4, lambda dtype, d, dv, tile, variant, packed, is_split, split_blocks, gather_kv, persistent, *ctas,
+        key, 4, lambda dtype, d, dv, tile, variant, packed, is_split, split_blocks, gather_kv, persistent, *rest,
         q_class: FlashAttnFwdSm90(dtype, d, dv, *tile[:3], variant, qhead_per_kvhead_packed=packed, is_split=is_split,
                                   ex2_emulate_every=tile[3], gather_kv=gather_kv, persistent=persistent,
-                                  split_blocks=split_blocks, q_class=q_class, ctas_per_sm=ctas[0] if ctas else 1),
+                                  split_blocks=split_blocks, q_class=q_class, **parse_key_extra(rest)),
         extra_scalars=(Int32(1), Int32(1)))  # l2_heads, max_ctas
