@@ -31,9 +31,9 @@ The seesaw, per pair of tiles (a = i in buffer 0, b = i + 1 in buffer 1), the ru
 max shared through ``sM``:
 
     WG0                                        WG1
-    softmax S_a (max m_a), O *= corr_a          .
-      -> SCALE0                                 SCALE0 -> softmax S_b (max m_b), O *= corr_a corr_b
-    O += P_a V_a[:, left] (P from registers)    -> SCALE1
+    row max of S_a (m_a) -> SCALE0              .
+    P_a, O *= corr_a                            SCALE0 -> row max of S_b (m_b) -> SCALE1
+    O += P_a V_a[:, left] (P from registers)    P_b, O *= corr_a corr_b
     SCALE1 ->                                   P_b -> sP1; O += P_b V_b[:, right] (registers)
     TMA tile i + 2, chunks 0-3 (V_a left done)  .
     P_a *= corr_b -> sP0 -> P0                  P0 -> O += sP0 V_a[:, right] -> O1_ISSUED
@@ -42,7 +42,9 @@ max shared through ``sM``:
     S_{i+2} chunks 0-3; TMA tile i + 3,         S_{i+3}, chunks 0-8
       chunks 0-3 (V_b left done); chunks 4-8
 
-(named barriers ``Sm90MlaTmaBarrier``; "X ->" waits, "-> X" arrives). Every chunk is
+(named barriers ``Sm90MlaTmaBarrier``; "X ->" waits, "-> X" arrives). A warpgroup
+publishes its row max before its exponentials (FlashMLA after them), so the other's
+softmax starts while they run. Every chunk is
 reloaded by the warpgroup that last read it, after its own wgmma wait; the only chunks the
 other warpgroup reads (the other half of V, P) are released by the barrier order above.
 sP0 lives over buffer 0's rotary chunk (free once S_a landed, reloaded only after WG1's
@@ -292,10 +294,11 @@ class MlaDecodeSm90Tma:
                  has_next: cutlass.Constexpr[bool], t):
         """Warpgroup 0, the pair (i, i + 1): ``has_b`` tile i + 1 exists, ``has_next`` tile
         i + 2 (whose S this step computes). On entry S_i is in ``acc_S``; on exit S_{i+2}."""
-        corr_a = self.softmax(tile, ops, smem, acc_S, row_sum, tile.n_block_max - 1 - i, 0)
+        corr_a, m_use = self.row_stats(tile, ops, smem, acc_S, tile.n_block_max - 1 - i, 0)
+        cute.arch.barrier_arrive(barrier_id=int(Sm90MlaTmaBarrier.SCALE0), number_of_threads=THREADS)
+        self.exponentiate(ops, acc_S, row_sum, m_use, corr_a)
         self.rescale(acc_O, ops, corr_a)
         tOrP = self.p_operand(ops, acc_S)
-        cute.arch.barrier_arrive(barrier_id=int(Sm90MlaTmaBarrier.SCALE0), number_of_threads=THREADS)
         wgmma_gemm(ops.mma_pv, acc_O, tOrP, ops.tOrVt[None, None, None, 0], False, 0)
         cute.arch.barrier(barrier_id=int(Sm90MlaTmaBarrier.SCALE1), number_of_threads=THREADS)
         if cutlass.const_expr(has_next):
@@ -329,20 +332,21 @@ class MlaDecodeSm90Tma:
         ``acc_S``), ``has_next`` tile i + 2, ``has_next_b`` tile i + 3 (whose S this step
         computes)."""
         cute.arch.barrier(barrier_id=int(Sm90MlaTmaBarrier.SCALE0), number_of_threads=THREADS)
-        corr_a = self.read_rows(ops, smem.sCorr, 0)
-        corr = corr_a
+        corr = self.read_rows(ops, smem.sCorr, 0)  # corr_a, times corr_b where there is a tile b
         tOrP = None
         if cutlass.const_expr(has_b):
-            corr_b = self.softmax(tile, ops, smem, acc_S, row_sum, tile.n_block_max - 2 - i, 1, corr_a)
+            corr_b, m_use = self.row_stats(tile, ops, smem, acc_S, tile.n_block_max - 2 - i, 1)
+            cute.arch.barrier_arrive(barrier_id=int(Sm90MlaTmaBarrier.SCALE1), number_of_threads=THREADS)
             for r in cutlass.range_constexpr(cute.size(corr)):
-                corr[r] = corr_a[r] * corr_b[r]
+                corr[r] = corr[r] * corr_b[r]
+            self.exponentiate(ops, acc_S, row_sum, m_use, corr)
             tOrP = self.p_operand(ops, acc_S)
         else:
             self.write_rows(ops, smem.sCorr, 1, None)
+            cute.arch.barrier_arrive(barrier_id=int(Sm90MlaTmaBarrier.SCALE1), number_of_threads=THREADS)
             for r in cutlass.range_constexpr(cute.size(row_sum)):
-                row_sum[r] = row_sum[r] * corr_a[r]
+                row_sum[r] = row_sum[r] * corr[r]
         self.rescale(acc_O, ops, corr)
-        cute.arch.barrier_arrive(barrier_id=int(Sm90MlaTmaBarrier.SCALE1), number_of_threads=THREADS)
         if cutlass.const_expr(has_b):
             self.store_p(ops, acc_S, ops.tPsP1)
             wgmma_gemm(ops.mma_pv, acc_O, tOrP, ops.tOrVt[None, None, None, 1], False, -1)
@@ -386,12 +390,12 @@ class MlaDecodeSm90Tma:
             warpgroup.commit_group()
 
     @cute.jit
-    def softmax(self, tile, ops, smem, acc_S, row_sum, n_block, col: cutlass.Constexpr[int], corr_before=None):
+    def row_stats(self, tile, ops, smem, acc_S, n_block, col: cutlass.Constexpr[int]):
         """Block ``n_block``'s scores in ``acc_S`` (masked where it needs it) against the
         shared running max ``sM``: the new max goes to ``sM``, the correction of what came
-        before to ``sCorr[:, col]``; acc_S becomes P (fp32) and the row sums take it
-        (``corr_before``: the other warpgroup's correction of this step, which this
-        warpgroup's sums have not taken yet). Returns the correction."""
+        before to ``sCorr[:, col]``. Returns (correction, the max P subtracts). Split from
+        ``exponentiate`` so that the other warpgroup, which needs only these, is released
+        before the exponentials run."""
         if n_block >= tile.n_mid_hi or n_block < tile.n_mid_lo:
             apply_to_scores(self.variant, acc_mn_view(acc_S), ops.tScS_mn, tile.ctx, tile.m_block * TILE_M,
                             n_block * TILE_N, self.qhead_per_kvhead_packed, tile.softmax_scale, True)
@@ -399,28 +403,31 @@ class MlaDecodeSm90Tma:
         rows = cute.size(s_mn, mode=[0])
         corr = cute.make_rmem_tensor((rows,), Float32)
         m_new = cute.make_rmem_tensor((rows,), Float32)
+        m_use = cute.make_rmem_tensor((rows,), Float32)
         for r in cutlass.range_constexpr(rows):
-            row = ops.tScS_mn[r, 0][0]
-            m_old = smem.sM[row]
-            m_blk = _row_max(s_mn[r, None]) * ops.scale_log2
-            m_new[r] = cute.arch.fmax(m_old, m_blk)
+            m_old = smem.sM[ops.tScS_mn[r, 0][0]]
+            m_new[r] = cute.arch.fmax(m_old, _row_max(s_mn[r, None]) * ops.scale_log2)
             # A row with nothing visible yet keeps max -inf: subtract 0 instead (never inf - inf).
-            m_use = m_new[r]
-            if m_use == -Float32.inf:
-                m_use = Float32(0.0)
-            corr[r] = cute.math.exp2(m_old - m_use, fastmath=True)
-            s_mn[r, None].store(cute.math.exp2(s_mn[r, None].load() * ops.scale_log2 - m_use, fastmath=True))
-            before = corr[r]
-            if cutlass.const_expr(corr_before is not None):
-                before = before * corr_before[r]
-            row_sum[r] = row_sum[r] * before + _row_sum(s_mn[r, None])
+            m_use[r] = m_new[r]
+            if m_new[r] == -Float32.inf:
+                m_use[r] = Float32(0.0)
+            corr[r] = cute.math.exp2(m_old - m_use[r], fastmath=True)
         cute.arch.sync_warp()  # every lane of a row read sM before one writes it
         if ops.tScS_mn[0, 0][1] == 0:
             for r in cutlass.range_constexpr(rows):
                 row = ops.tScS_mn[r, 0][0]
                 smem.sM[row] = m_new[r]
                 smem.sCorr[row, col] = corr[r]
-        return corr
+        return corr, m_use
+
+    @cute.jit
+    def exponentiate(self, ops, acc_S, row_sum, m_use, corr):
+        """acc_S becomes P = exp2(S * scale_log2 - max) (fp32), and the row sums take it
+        after their correction ``corr`` (all this step's, for this warpgroup's sums)."""
+        s_mn = acc_mn_view(acc_S)
+        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+            s_mn[r, None].store(cute.math.exp2(s_mn[r, None].load() * ops.scale_log2 - m_use[r], fastmath=True))
+            row_sum[r] = row_sum[r] * corr[r] + _row_sum(s_mn[r, None])
 
     @cute.jit
     def read_rows(self, ops, sX, col: cutlass.Constexpr[int]):
