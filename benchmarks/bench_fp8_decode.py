@@ -1,7 +1,8 @@
-"""FP8 (e4m3) KV-cache decode beside the bf16 path and FA4, in the same run.
+"""FP8 (e4m3) KV-cache decode beside the bf16 path, FA3 and FA4, in the same run.
 
-Rows (issue 16's targets): one sequence of 131,072 keys (contiguous cache), and 64
-sequences of 4,096 keys in pages of 16 and 64; one query, 32 query heads, 8 KV heads,
+Rows (issue 33's): one sequence of 131,072 keys (contiguous cache), and 64 sequences of
+4,096 keys, contiguous and in pages of 1, 16 and 64; one query, 32 query heads, 8 KV heads
+(``--hkv 32``: 32),
 d128, ``flash_attn_with_kvcache`` with default arguments (num_splits=0), timed as
 CUDA-graph replays. ``cache_tbps``: bytes of K and V as stored (fp8: 1 byte per value)
 per second; ``keys_vs_bf16``: keys per second against our best bf16 kernel on the same
@@ -21,7 +22,10 @@ algorithm (P in e4m3) on them; the other rows within 2x PyTorch's error in q's d
 ``--sm90-tiles`` (a tuning aid) adds SM90 fp8 rows on the named tiles
 (FLASH_ATTN_CUTE_SM90_TILE "m,n,stages", ``tuning.py``; the fp8 plan keeps n and fits
 the stages), each with its own ``num_splits`` after "@" on the one-sequence row
-(default, and on the batched rows: 0, the heuristic).
+(default, and on the batched rows: 0, the heuristic). FA3 (the fa3-fwd build of its Hopper
+kernels, where ``fa3_fwd_interface`` imports: ``../shared/gpu/pack_peers.sh``) on the
+contiguous rows, which it runs (no paged KV): its bf16 decode and its FP8 decode with e4m3
+q, k, v (the queries quantized by ``quantize_fp8``, one descale per batch and KV head).
 """
 
 import argparse
@@ -33,7 +37,19 @@ import common
 from common import UNAVAILABLE, bench, check_correct, error_text, load_fa4, our_backends, print_exception, report
 
 COLUMNS = ["impl", "cache", "shape", "us", "cache_tbps", "keys_vs_bf16", "correctness", "note"]
-ROWS = [("contiguous", 1, 131072, 0), ("paged 16", 64, 4096, 16), ("paged 64", 64, 4096, 64)]
+ROWS = [("contiguous", 1, 131072, 0), ("contiguous", 64, 4096, 0), ("paged 1", 64, 4096, 1), ("paged 16", 64, 4096, 16),
+        ("paged 64", 64, 4096, 64)]
+
+
+def load_fa3():
+    """FlashAttention-3's Hopper forward (the fa3-fwd build, ``fa3_fwd_interface``; on the GPU
+    machine: ``../shared/gpu/pack_peers.sh``), or (None, why). No paged KV: contiguous rows only."""
+    try:
+        import fa3_fwd_interface as fa3
+
+        return fa3, ""
+    except Exception as e:  # not installed here
+        return None, error_text(e)
 
 
 def parse_args(argv=None):
@@ -59,6 +75,7 @@ def main(argv=None):
     from flash_attn_cute.testing import attention_kvcache_ref, dequantize_kv, is_close, quantize_q_ref
 
     fa4, fa4_why = load_fa4()
+    fa3, fa3_why = load_fa3()
     H, hkv, D = args.H, args.hkv, args.D
     qdtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.q_dtype]
     rows = []
@@ -132,6 +149,21 @@ def main(argv=None):
                 q, k8p, v8p, seqlens, page_table=table, k_descale=kd, v_descale=vd, backend="sm90", num_splits=s), 1,
                    refs=refs_qq)
             os.environ.pop("FLASH_ATTN_CUTE_SM90_TILE")
+        if fa3 is not None and table is None:
+            # FA3's own FP8 decode: e4m3 q, k, v with (batch, nheads_kv) descales, split-KV.
+            q8_3, qd_3 = fa.quantize_fp8(q.view(B, 1, hkv, -1))
+            q8_3 = q8_3.view(B, 1, H, D)
+            q_deq3 = dequantize_kv(q8_3.view(B, 1, hkv, -1), qd_3).view(B, 1, H, D)
+            refs3 = (attention_kvcache_ref(q_deq3, kq.float(), vq.float(), seqlens)[0],
+                     attention_kvcache_ref(q_deq3, kq.float(), vq.float(), seqlens, p_fp8=True)[0])
+            first = lambda r: r[0] if isinstance(r, tuple) else r
+            record(f"fa3 {args.q_dtype}", lambda: first(fa3.flash_attn_with_kvcache(q, kq, vq, cache_seqlens=seqlens,
+                                                                                     num_splits=0)), 2)
+            record("fa3 fp8 q", lambda: first(fa3.flash_attn_with_kvcache(
+                q8_3, k8, v8, cache_seqlens=seqlens, num_splits=0, q_descale=qd_3, k_descale=kd, v_descale=vd)), 1,
+                refs=refs3)
+        elif fa3 is None:
+            group.append(dict(impl="fa3", cache=name, note=f"{UNAVAILABLE}: {fa3_why}"))
         if fa4 is not None:
             def fa4_fn():
                 with torch.no_grad():
