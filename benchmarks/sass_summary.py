@@ -15,7 +15,7 @@ import re
 import sys
 from collections import Counter
 
-KEY_OPS = ("HGMMA", "WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR", "UTMALDG", "UTMASTG", "UBLKCP", "LDGSTS", "LDSM",
+KEY_OPS = ("HGMMA", "QGMMA", "WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR", "UTMALDG", "UTMASTG", "UBLKCP", "LDGSTS", "LDSM",
            "STSM", "MUFU.EX2", "BAR.SYNC", "BAR.ARV", "SYNCS", "LDS", "STS", "LDG", "STG", "LDL", "STL", "SHFL",
            "FFMA", "FMUL", "FADD", "FMNMX", "F2FP")
 _FUNC = re.compile(r"(?:Function\s*:\s*(\S+))|(?://-+\s*\.text\.(\S+)\s*-+)")
