@@ -293,15 +293,21 @@ def test_fp8_cache_quantizes_q_on_sm90():
     assert sm90.plan(prefill, 1, None, 132).config[:3] == (192, 96, 2)
     assert sm90.plan(prefill, 1, None, 132).config[:3] == sm90.plan(prefill._replace(dtype=E4M3, kv_dtype=None), 1,
                                                                     None, 132).config[:3]
-    # every page size: row gathers on one consumer warpgroup (1, 16; cache_leftpad), one TMA per block
+    # every page size: one TMA per block (64, 128, 256) by default; row gathers on one consumer
+    # warpgroup (1, 16; cache_leftpad) when the knob names the quantizing kernel: by default
+    # those widen (its gathers measured slower than widening, sm90.plan)
+    QUANTIZE = Tuning(sm90_fp8_kv="quantize_q")
     for page, gather, tile_n in ((1, True, 128), (16, True, 128), (64, False, 64), (128, False, 128),
                                  (256, False, 128)):
         for rows in (1, 2048):
-            c = sm90.plan(decode._replace(page_size=page, max_seqlen_q=rows), 1, None, 132).config
+            p = decode._replace(page_size=page, max_seqlen_q=rows)
+            c = sm90.plan(p, 1, None, 132, tuning=QUANTIZE).config
             assert c.quantize_q and c.gather_kv == gather and (c.tile_m == 64 or not gather), (page, rows, c)
             assert rows > 1 or c.tile_n == tile_n, (page, c)
-    lp = sm90.plan(decode._replace(page_size=64, leftpad_k=True), 1, True, 132).config
+            assert sm90.plan(p, 1, None, 132).config.quantize_q == (not gather), (page, rows)
+    lp = sm90.plan(decode._replace(page_size=64, leftpad_k=True), 1, True, 132, tuning=QUANTIZE).config
     assert lp.quantize_q and lp.gather_kv and lp.tile_m == 64
+    assert not sm90.plan(decode._replace(page_size=64, leftpad_k=True), 1, True, 132).config.quantize_q
     # the widening kernel stays where q may not be quantized: e5m2 caches, batch_invariant
     assert not sm90.plan(decode._replace(kv_dtype=torch.float8_e5m2), 1, True, 132).config.quantize_q
     inv = sm90.plan(decode._replace(batch_invariant=True), 1, True, 132)

@@ -242,11 +242,14 @@ QQ_PAGED = [
 
 @pytest.mark.parametrize("page_size,seqlen_q,h,hkv,causal,num_splits,qdtype", QQ_PAGED,
                          ids=[f"page{c[0]}-sq{c[1]}-h{c[2]}/{c[3]}-causal{int(c[4])}-splits{c[5]}" for c in QQ_PAGED])
-def test_quantized_q_over_fp8_cache(page_size, seqlen_q, h, hkv, causal, num_splits, qdtype):
-    """flash_attn_with_kvcache(bf16 / fp16 q, e4m3 cache): the default call. Lengths not a
-    multiple of any tile, NaN bytes past each length, output poisoned with NaN; sequence 1's
-    queries all zero (zero amax: its tiles' scale takes the clamp, no division) and one head
-    of sequence 0 zero (a zero row in a tile with others)."""
+def test_quantized_q_over_fp8_cache(page_size, seqlen_q, h, hkv, causal, num_splits, qdtype, monkeypatch):
+    """flash_attn_with_kvcache(bf16 / fp16 q, e4m3 cache): the default call (at pages of 1
+    and 16, whose row gathers the default leaves to the widening kernel, the knob names the
+    quantizing one). Lengths not a multiple of any tile, NaN bytes past each length, output
+    poisoned with NaN; sequence 1's queries all zero (zero amax: its tiles' scale takes the
+    clamp, no division) and one head of sequence 0 zero (a zero row in a tile with others)."""
+    if page_size in (1, 16):
+        monkeypatch.setenv(WIDEN_KNOB, "quantize_q")
     torch.manual_seed(20)
     batch, capacity, d = 3, 1024, 128
     q = torch.randn(batch, seqlen_q, h, d, device=DEVICE).to(qdtype)
@@ -306,10 +309,12 @@ def test_quantized_q_varlen_sink_split():
                        k8.float() * kd, v8.float() * vd, causal=True, learnable_sink=sink)
 
 
-def test_quantized_q_serving_step():
-    """A serving step over an e4m3 paged pool (pages of 16): decode rows, a speculative row,
-    an empty row and a prefill chunk in one varlen call (a mixed plan: two launches of
-    quantizing kernels), a learnable sink, split-KV by the heuristic."""
+def test_quantized_q_serving_step(monkeypatch):
+    """A serving step over an e4m3 paged pool (pages of 16, the quantizing kernel named by
+    the knob): decode rows, a speculative row, an empty row and a prefill chunk in one
+    varlen call (a mixed plan: two launches of quantizing kernels), a learnable sink,
+    split-KV by the heuristic."""
+    monkeypatch.setenv(WIDEN_KNOB, "quantize_q")
     torch.manual_seed(23)
     page_size, h, hkv, d = 16, 8, 2, 128
     lens_q, lens_k = [1, 1, 5, 0, 300], [40, 900, 100, 9, 600]
@@ -331,9 +336,11 @@ def test_quantized_q_serving_step():
                        dequantize_kv(v8, vd), cu_seqlens_q=cu_q, seqused_k=seqused, causal=True, learnable_sink=sink)
 
 
-def test_quantized_q_paged_leftpad():
+def test_quantized_q_paged_leftpad(monkeypatch):
     """cache_leftpad over an e4m3 paged cache (pages of 64, read by row gathers since the
-    sequences start inside pages): three queries a sequence, causal."""
+    sequences start inside pages; the quantizing kernel named by the knob): three queries a
+    sequence, causal."""
+    monkeypatch.setenv(WIDEN_KNOB, "quantize_q")
     torch.manual_seed(24)
     batch, pages_per_seq, page_size, h, hkv, d = 3, 12, 64, 8, 2, 128
     q = torch.randn(batch, 3, h, d, device=DEVICE).to(torch.bfloat16)

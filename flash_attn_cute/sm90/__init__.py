@@ -71,12 +71,23 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     d, d_v = tile_head_dims(problem, HEAD_DIM_PAIRS)  # the kernel's tile widths (padded head dims)
     sixteen_bit = not problem.kv_fp8 and not problem.qkv_fp8
     quantize_q = quantizes_q(problem, tuning)
-    widen = problem.kv_fp8 and not quantize_q
     # Plain 16-bit attention: no mask, no softcap, no user variant (``select_tile``).
     plain = sixteen_bit and not (problem.causal or problem.local or problem.softcap or problem.variant is not None)
     tile = config.select_tile(d, d_v, rows, causal=problem.causal, local=problem.local,
                               page_size=problem.page_size or None, override=tuning.sm90_tile,
                               batch_invariant=problem.batch_invariant, plain=plain)
+    if quantize_q and tuning.sm90_fp8_kv is None:
+        # The default quantizes q only where the FP8 kernel reads whole blocks by TMA: its
+        # row gathers (pages of 1 and 16, cache_leftpad) are slower than widening. H100,
+        # 2026-12-05, b64 x 4096 h32/8 d128 decode, us (bench_fp8_decode.py, one run):
+        # pages of 1 452.7 quantized q against 258.3 widened (bf16 374.2), pages of 16 402.9
+        # against 258.2 (369.5); pages of 64 214.0 against 220.9, contiguous 200.5 against
+        # 217.8. FLASH_ATTN_CUTE_SM90_FP8_KV=quantize_q still takes it there.
+        qtile = config.fp8_qkv_tile(d, d_v, tile, problem.page_size, problem.causal or problem.local,
+                                    measured=not tuning.sm90_tile and not problem.batch_invariant,
+                                    leftpad_k=problem.leftpad_k)
+        quantize_q = not config.gathers_kv(qtile[1], problem.page_size, problem.leftpad_k)
+    widen = problem.kv_fp8 and not quantize_q
     ctas_per_sm = _CTAS_PER_SM
     # The CTAs per SM the split heuristic counts: the 16-bit two-CTA decode tile is split as
     # for one (H200 b1 x 131072 h32/8 d128: 16 splits 139.1 us, 32 splits, two a SM, 142.4).
@@ -114,10 +125,11 @@ def quantizes_q(problem: FwdProblem, tuning: Tuning = NO_TUNING) -> bool:
     """Whether an FP8 cache under 16-bit queries runs the FP8 Q, K, V kernel with the queries
     quantized to e4m3 in the kernel (``q_quant``; fp8 wgmma for both GEMMs, as a call with
     e4m3 q and q_descale) rather than the kernel that widens every K and V block to 16 bits
-    in shared memory and runs bf16 wgmma. H200, h32/8 d128 decode, keys/s against our bf16
-    kernel (RESULTS.md "FP8 KV-cache decode", 2026-12-01): the widening kernel 1.21x
-    contiguous and at pages of 64, 1.07x at pages of 16; FP8 attention (e4m3 q) 1.64x and
-    1.34x. ``bench_fp8_decode.py`` runs this kernel and the widening one side by side.
+    in shared memory and runs bf16 wgmma. H100, 2026-12-05, h32/8 d128 decode, keys/s
+    against our bf16 kernel (``bench_fp8_decode.py``, one run): b1 x 131072 1.68x (widening
+    1.55x; FA3's FP8 decode 1.49x), b64 x 4096 contiguous 1.80x (1.66x), pages of 64 1.71x
+    (1.66x). At gathered pages (1, 16, cache_leftpad) ``plan`` keeps the widening kernel
+    unless the knob names this one (0.83x and 0.92x there, against 1.45x and 1.43x).
 
     The widening kernel stays where the queries may not be quantized, or cannot be here:
     ``tuning.sm90_fp8_kv`` "widen" (FLASH_ATTN_CUTE_SM90_FP8_KV, for A/B measurements); an
