@@ -61,7 +61,32 @@ unmasked run, as every kernel (``BlockInfo``).
 
 Shared memory: Q 72 KB, two 72 KB buffers, sP1 8 KB, the row statistics and 18
 mbarriers: 225.4 KB of the 227. 256 threads, 1 CTA per SM, no setmaxnreg (255 registers
-each: O 128 + S 32 + P 16).
+each: O 128 + S 32 + P 16; 217 used, no local memory).
+
+Beside FlashMLA (its SM90 dense decode as sglang-kernel 0.4.4 builds it; both SASS
+listings summarised in ``benchmarks/results/sass_mla_flashmla_vs_tma_2026-12-05_s13.txt``,
+``benchmarks/sass_summary.py``). Per kernel the same mix: 196 HGMMA (64 x 64 x 16 for S,
+64 x 256 x 16 for P V), 59 bulk-tensor loads, 17 wgmma waits, about 205 MUFU.EX2; 7,784
+instructions here against its 7,488. What it does per 64 keys that this kernel does not:
+Q's rotary chunk lives in registers (an RS wgmma for the ninth chunk: a ninth less of S's
+shared-memory A traffic, which sits at the 128 bytes a cycle shared memory serves), with
+sP1 over that chunk's shared memory; O leaves through shared memory and TMA stores
+(UTMASTG 8) instead of 64 register stores a thread; a metadata kernel hands each SM a
+length-balanced run of (sequence, block) work (persistent CTAs: no partial last wave, no
+even-split rounding), and the combine starts under PDL. What this kernel does that it does
+not: the row max is published before the exponentials (see the seesaw above).
+
+Measured (H100 SXM, 2026-12-05, CUDA-graph replays, FlashMLA in the same process,
+``benchmarks/bench_mla.py``; the H200 was not lent that day), TB/s, ours / FlashMLA: 64
+heads 64 x 1024 1.403 / 1.532 (0.92x), 128 x 1024 2.158 / 2.395 (0.90x), 768 x 2048 2.892
+/ 2.692 (1.07x), 1 x 32768 0.838 / 0.665 (1.26x); 128 heads 128 x 2048 1.963 / 2.332
+(0.84x, 424 TFLOP/s), 32 x 8192 1.839 / 2.186 (0.84x). Against the gathering kernel at
+pages of 64 (same run, ``results/mla_ab_{tma,seesaw}_h100_2026-12-05_s13.csv``): 768 x
+1024 2.738 / 2.691 TB/s, 768 x 2048 2.897 / 2.851, 128 heads 1.963 / 1.806 and 1.832 /
+1.710. Not profiled (the session's device time ran out): the 128-head rows are bound by
+the tensor pipe and shared memory, where the register-held rotary chunk is the first
+difference to try; the one-wave rows (64 and 128 sequences of 1,024 keys) by the per-CTA
+prologue and epilogue, which FlashMLA's balanced persistent schedule spreads.
 """
 
 from dataclasses import dataclass
