@@ -87,22 +87,28 @@ SM90_MODES = [(32, 4, "seesaw"), (32, 3, "split"), (32, 4, "one")]
 SM90_SASS_EXPECT = ["HGMMA.64x32x16.F32", "HGMMA.64x256x16.F32", "LDGSTS", "MUFU.EX2", "SYNCS", "USETMAXREG"]
 
 
+def compile_sm90(keys_, tmp_path, label, expect, depbar_bound):
+    """The SM90 MLA keys compiled for sm_90a, their SASS checked (no local memory), and a
+    bound on the wgmma waits: ptxas serialises every wgmma of a kernel (a wait after each
+    HGMMA, info C7513) when registers a wgmma reads are rewritten while it may run, or when
+    a wgmma is issued under a branch ("seesaw": 124 waits then). Returns the SASS texts."""
+    entries = [(f"k{i}", "flash_attn_cute.sm90.mla:compile", k) for i, k in enumerate(keys_)]
+    out_dir, seconds = compile_entries("sm_90a", entries, tmp_path)
+    print(f"\n{label}: " + ", ".join(f"{v:.1f}s" for v in seconds.values()))
+    check_artifacts(out_dir, keys_, "sm_90a", expect, 0)
+    texts = [next((out_dir / f"k{i}").glob("*.sass")).read_text() for i in range(len(keys_))]
+    for key, sass in zip(keys_, texts):
+        assert sass.count("WARPGROUP.DEPBAR") <= depbar_bound, ("wgmma serialised", key)
+    return texts
+
+
 @pytest.mark.slow
 def test_mla_sm90_compiles_and_sass(tmp_path):
     # Every Q K^T mode of the consumers ("seesaw": the warpgroups take turns computing S;
-    # "one": warpgroup 0 computes S and shares P via smem; "split": halves summed via smem).
+    # "one": warpgroup 0 computes S and shares P via smem; "split": halves summed via smem);
+    # a handful of waits (13 "seesaw", 5 "one"), never ~78.
     keys90 = [mla_key("sm90", "sm_90a", *c, (SM90_MODES[i % len(SM90_MODES)],)) for i, c in enumerate(SM90_CONFIGS)]
-    entries = [(f"k{i}", "flash_attn_cute.sm90.mla:compile", k) for i, k in enumerate(keys90)]
-    out_dir, seconds = compile_entries("sm_90a", entries, tmp_path)
-    print("\nmla sm90 sm_90a: " + ", ".join(f"{v:.1f}s" for v in seconds.values()))
-    check_artifacts(out_dir, keys90, "sm_90a", SM90_SASS_EXPECT, 0)
-    # ptxas serialises every wgmma of a kernel (a wait after each HGMMA, info C7513) when
-    # registers a wgmma reads are rewritten while it may run, or when a wgmma is issued
-    # under a branch ("seesaw": 124 waits then): a handful of waits (13 "seesaw", 5 "one"),
-    # never ~78.
-    for i, key in enumerate(keys90):
-        sass = next((out_dir / f"k{i}").glob("*.sass")).read_text()
-        assert sass.count("WARPGROUP.DEPBAR") <= 16, ("wgmma serialised", key)
+    compile_sm90(keys90, tmp_path, "mla sm90 sm_90a", SM90_SASS_EXPECT, 16)
 
 
 def test_stages_and_override():
@@ -165,15 +171,10 @@ def test_mla_head_counts_and_kv_heads_compile(tmp_path):
     out80, sec80 = compile_entries("sm_80", [(f"k{i}", "flash_attn_cute.sm80.mla:compile", k)
                                              for i, k in enumerate(keys80)], tmp_path / "sm80")
     keys90 = [mla_key("sm90", "sm_90a", *c, (mode,)) for c, mode in HEADS_SM90]
-    out90, sec90 = compile_entries("sm_90a", [(f"k{i}", "flash_attn_cute.sm90.mla:compile", k)
-                                              for i, k in enumerate(keys90)], tmp_path / "sm90")
-    print("\nmla heads: " + ", ".join(f"{v:.1f}s" for v in (*sec80.values(), *sec90.values())))
+    print("\nmla heads sm80: " + ", ".join(f"{v:.1f}s" for v in sec80.values()))
     assert [k[3] for k in keys80 + keys90] == [8, "4/hkv", 100, "2/hkv", "2/hkv"]
     check_artifacts(out80, keys80, "sm_80", SASS_EXPECT + ["ARRIVES.LDGSTSBAR"], SPILL_BOUND["sm_80"])
-    check_artifacts(out90, keys90, "sm_90a", SM90_SASS_EXPECT, 0)
-    for i, key in enumerate(keys90):
-        sass = next((out90 / f"k{i}").glob("*.sass")).read_text()
-        assert sass.count("WARPGROUP.DEPBAR") <= 16, ("wgmma serialised", key)
+    compile_sm90(keys90, tmp_path / "sm90", "mla heads sm90", SM90_SASS_EXPECT, 16)
 
 
 # The SM90 TMA kernel (sm90/mla_decode_tma.py, pages of a multiple of 64, 16-bit caches):
@@ -189,11 +190,5 @@ TMA_SASS_EXPECT = ["HGMMA.64x64x16.F32", "HGMMA.64x256x16.F32", "UTMALDG", "MUFU
 @pytest.mark.slow
 def test_mla_sm90_tma_compiles_and_sass(tmp_path):
     keys_tma = [mla_key("sm90", "sm_90a", *c, ((64, 2, "tma"),)) for c in TMA_CONFIGS]
-    entries = [(f"k{i}", "flash_attn_cute.sm90.mla:compile", k) for i, k in enumerate(keys_tma)]
-    out_dir, seconds = compile_entries("sm_90a", entries, tmp_path)
-    print("\nmla sm90 tma sm_90a: " + ", ".join(f"{v:.1f}s" for v in seconds.values()))
-    check_artifacts(out_dir, keys_tma, "sm_90a", TMA_SASS_EXPECT, 0)
-    for i, key in enumerate(keys_tma):
-        sass = next((out_dir / f"k{i}").glob("*.sass")).read_text()
-        assert sass.count("WARPGROUP.DEPBAR") <= 20, ("wgmma serialised", key)
+    for key, sass in zip(keys_tma, compile_sm90(keys_tma, tmp_path, "mla sm90 tma sm_90a", TMA_SASS_EXPECT, 20)):
         assert "USETMAXREG" not in sass, key  # two warpgroups of equal roles: no register trade
