@@ -1,5 +1,7 @@
 """One MLA decode call per SM90 kernel against the fp32 reference, before a long GPU run:
-a hang or a wrong result shows in seconds (``timeout 60 python benchmarks/mla_smoke.py``)."""
+a hang or a wrong result shows in seconds, and the run can stop there instead of spending
+its device time on hung test shards (``timeout 60 python benchmarks/mla_smoke.py || exit``;
+exit status 1 on a wrong result)."""
 
 import sys
 
@@ -10,6 +12,8 @@ from flash_attn_cute.testing import mla_decode_ref
 
 
 def main():
+    if not torch.cuda.is_available():
+        sys.exit("mla_smoke.py needs a CUDA GPU")
     torch.manual_seed(0)
     ok = True
     for page, lens, heads, splits in ((64, (1, 77, 300, 33), 64, 1), (64, (700, 5, 129), 128, 3), (1, (77, 300), 64, 1)):
