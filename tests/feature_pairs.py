@@ -87,10 +87,15 @@ def _fp8(x: torch.Tensor):
 
 def quantizes_q(features, backend: Optional[str]) -> bool:
     """Whether the call's kernel quantizes its bf16 queries to e4m3: the SM90 kernel over an
-    e4m3 cache (``sm90.quantizes_q``; the pairs are never batch invariant), unless
-    FLASH_ATTN_CUTE_SM90_FP8_KV=widen keeps the widening kernel."""
-    return ("fp8" in features and backend == "sm90"
-            and os.environ.get("FLASH_ATTN_CUTE_SM90_FP8_KV", "quantize_q") == "quantize_q")
+    e4m3 cache (``sm90.quantizes_q``; the pairs are never batch invariant) where it reads
+    blocks by TMA and runs no user variant (``sm90.plan``, ``sm90.quantizes_q``: pages of 16
+    and user variants widen by default), or anywhere under
+    FLASH_ATTN_CUTE_SM90_FP8_KV=quantize_q; =widen keeps the widening kernel."""
+    knob = os.environ.get("FLASH_ATTN_CUTE_SM90_FP8_KV")
+    if "fp8" not in features or backend != "sm90" or knob == "widen":
+        return False
+    user_variant = {"score_mod", "mask_mod", "block_mask"} & set(features)
+    return knob == "quantize_q" or ("paged" not in features and not user_variant)
 
 
 def _cu(lens, device) -> torch.Tensor:

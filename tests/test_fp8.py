@@ -308,6 +308,11 @@ def test_fp8_cache_quantizes_q_on_sm90():
     lp = sm90.plan(decode._replace(page_size=64, leftpad_k=True), 1, True, 132, tuning=QUANTIZE).config
     assert lp.quantize_q and lp.gather_kv and lp.tile_m == 64
     assert not sm90.plan(decode._replace(page_size=64, leftpad_k=True), 1, True, 132).config.quantize_q
+    # context-parallel shards (and user variants) widen by default: the quantizing kernel has
+    # compiled for them but not yet run them on a GPU; the knob names it
+    cpp = decode._replace(cp=True, causal=True, window_right=0)
+    assert not sm90.plan(cpp, 1, True, 132).config.quantize_q
+    assert sm90.plan(cpp, 1, True, 132, tuning=QUANTIZE).config.quantize_q
     # the widening kernel stays where q may not be quantized: e5m2 caches, batch_invariant
     assert not sm90.plan(decode._replace(kv_dtype=torch.float8_e5m2), 1, True, 132).config.quantize_q
     inv = sm90.plan(decode._replace(batch_invariant=True), 1, True, 132)

@@ -141,7 +141,7 @@ WIDEN = Tuning(sm90_fp8_kv="widen")  # SM90: an e4m3 cache under 16-bit queries 
 
 def quantized_q_problems():
     """(name, problem, num_splits, pack_gqa): an e4m3 cache under 16-bit queries on the SM90
-    kernel, whose default quantizes the queries (``sm90.quantizes_q``): decode steps (one
+    kernel that quantizes the queries (``sm90.quantizes_q``): decode steps (one
     query, 32 query heads packed over 8 KV heads: at most 64 rows) over a contiguous cache
     split by the heuristic and over pages of 1, 16 (row gathers) and 64 (TMA), fp16 queries
     among them; a prefill chunk (causal, 2048 queries: three consumer warpgroups); d 256
@@ -167,11 +167,17 @@ def quantized_q_problems():
 
 
 def quantized_q_keys(arch):
-    """The SM90 keys of ``quantized_q_problems`` (sm_90a only)."""
+    """The SM90 keys of ``quantized_q_problems`` (sm_90a only), planned with
+    FLASH_ATTN_CUTE_SM90_FP8_KV=quantize_q: by default the gathered pages (1, 16,
+    cache_leftpad) keep the widening kernel (``sm90.plan``), the GPU tests name the knob."""
     if arch != "sm_90a":
         return []
+    from flash_attn_cute.host.tuning import Tuning
+
     module = seam.backend_module("sm90")
-    return [module.compile_key(p, module.plan(p, ns, pack, 132), arch) for _, p, ns, pack in quantized_q_problems()]
+    tuning = Tuning(sm90_fp8_kv="quantize_q")
+    return [module.compile_key(p, module.plan(p, ns, pack, 132, tuning), arch)
+            for _, p, ns, pack in quantized_q_problems()]
 
 
 def fp8_attention_keys(arch, backend="sm90"):

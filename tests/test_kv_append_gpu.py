@@ -925,9 +925,13 @@ E2E_FP8 = [
 
 def quantizes_q(backend, c) -> bool:
     """Whether the attention quantizes 16-bit queries to e4m3: the SM90 kernel over an e4m3
-    cache (``sm90.quantizes_q``), unless FLASH_ATTN_CUTE_SM90_FP8_KV=widen."""
-    return (backend == "sm90" and c.cache == E4M3 and not c.q_fp8
-            and os.environ.get("FLASH_ATTN_CUTE_SM90_FP8_KV", "quantize_q") == "quantize_q")
+    cache (``sm90.quantizes_q``) where it reads blocks by TMA (``sm90.plan``: a contiguous
+    cache, pages of a multiple of 64 without cache_leftpad), or anywhere under
+    FLASH_ATTN_CUTE_SM90_FP8_KV=quantize_q; =widen keeps the widening kernel."""
+    knob = os.environ.get("FLASH_ATTN_CUTE_SM90_FP8_KV")
+    if backend != "sm90" or c.cache != E4M3 or c.q_fp8 or knob == "widen":
+        return False
+    return knob == "quantize_q" or not c.page_size or (c.page_size % 64 == 0 and not c.leftpad)
 
 
 def e2e_id(cfg):

@@ -141,7 +141,12 @@ def quantizes_q(problem: FwdProblem, tuning: Tuning = NO_TUNING) -> bool:
     mode = tuning.sm90_fp8_kv or "quantize_q"
     if mode not in FP8_KV_MODES:
         raise ValueError(f"FLASH_ATTN_CUTE_SM90_FP8_KV={mode!r}: one of {FP8_KV_MODES}")
-    return (problem.kv_dtype == torch.float8_e4m3fn and mode == "quantize_q" and not problem.batch_invariant)
+    if problem.kv_dtype != torch.float8_e4m3fn or mode != "quantize_q" or problem.batch_invariant:
+        return False
+    # User variants and context-parallel shards keep the widening kernel unless the knob
+    # names this one: the quantizing kernel has compiled for them but not yet run them on a
+    # GPU (its GPU tests of 2026-12-05 cover windows, softcap, sinks, varlen, splits, pages).
+    return tuning.sm90_fp8_kv == "quantize_q" or (problem.variant is None and not problem.cp)
 
 
 def persistent(problem: FwdProblem, fits: bool, override: Optional[str] = None) -> bool:
