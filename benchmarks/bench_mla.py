@@ -205,9 +205,16 @@ def references(inputs, **kw):
     q_nope, _, _, _, seqlens, table = inputs
     if q_nope.shape[0] * int(seqlens[0]) * q_nope.shape[2] > REF_LIMIT:
         return None
+    import torch
+
     from flash_attn_cute.testing import mla_decode_ref
 
-    return mla_decode_ref(*inputs, **kw)[0], mla_decode_ref(*inputs, upcast=False, **kw)[0]
+    try:
+        return mla_decode_ref(*inputs, **kw)[0], mla_decode_ref(*inputs, upcast=False, **kw)[0]
+    except torch.cuda.OutOfMemoryError:  # the limit is the H200's: on an 80 GB card 256 x 4096 x 16 is not
+        torch.cuda.empty_cache()
+        print("[reference] out of memory: row not checked", file=sys.stderr)
+        return None
 
 
 def fp8_peer_inputs(fa, inputs):
