@@ -314,7 +314,8 @@ def main(argv=None):
                     mla_ms[fp8] = flashmla_time(fp8_inputs, page, heads, kv_descale=descale)
                 peer_time, peer_correct = mla_ms.get(fp8, (None, None))
                 if peer_time:
-                    row["flashmla"] = row_bytes_flops(batch, seqlen, heads, 1 if fp8 else 2)[0] / (peer_time * 1e-3) / 1e12
+                    peer_bytes = row_bytes_flops(batch, seqlen, heads, 1 if fp8 else 2)[0]
+                    row["flashmla"] = peer_bytes / (peer_time * 1e-3) / 1e12
                     row["x_flashmla"] = peer_time / ms
                     if peer_correct is not None:
                         row["fi_correct"] = "/".join(x for x in (row["fi_correct"], f"flashmla {peer_correct}") if x)
