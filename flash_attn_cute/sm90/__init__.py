@@ -76,6 +76,12 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     tile = config.select_tile(d, d_v, rows, causal=problem.causal, local=problem.local,
                               page_size=problem.page_size or None, override=tuning.sm90_tile,
                               batch_invariant=problem.batch_invariant, plain=plain)
+    # The FP8 Q, K, V kernel's tile (what no 16-bit or widening adjustment below touches).
+    fp8_tile = None
+    if problem.qkv_fp8 or quantize_q:
+        fp8_tile = config.fp8_qkv_tile(d, d_v, tile, problem.page_size, problem.causal or problem.local,
+                                       measured=not tuning.sm90_tile and not problem.batch_invariant,
+                                       leftpad_k=problem.leftpad_k)
     if quantize_q and tuning.sm90_fp8_kv is None:
         # The default quantizes q only where the FP8 kernel reads whole blocks by TMA: its
         # row gathers (pages of 1 and 16, cache_leftpad) are slower than widening. H100,
@@ -83,10 +89,7 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
         # pages of 1 452.7 quantized q against 258.3 widened (bf16 374.2), pages of 16 402.9
         # against 258.2 (369.5); pages of 64 214.0 against 220.9, contiguous 200.5 against
         # 217.8. FLASH_ATTN_CUTE_SM90_FP8_KV=quantize_q still takes it there.
-        qtile = config.fp8_qkv_tile(d, d_v, tile, problem.page_size, problem.causal or problem.local,
-                                    measured=not tuning.sm90_tile and not problem.batch_invariant,
-                                    leftpad_k=problem.leftpad_k)
-        quantize_q = not config.gathers_kv(qtile[1], problem.page_size, problem.leftpad_k)
+        quantize_q = not config.gathers_kv(fp8_tile[1], problem.page_size, problem.leftpad_k)
     widen = problem.kv_fp8 and not quantize_q
     ctas_per_sm = _CTAS_PER_SM
     # The CTAs per SM the split heuristic counts: the 16-bit two-CTA decode tile is split as
@@ -103,9 +106,7 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
             ctas_per_sm = config.fp8_ctas_per_sm(d, d_v, tile)
     ctas_per_sm = config.override_ctas(tuning.sm90_tile) or ctas_per_sm
     if problem.qkv_fp8 or quantize_q:
-        tile = config.fp8_qkv_tile(d, d_v, tile, problem.page_size, problem.causal or problem.local,
-                                   measured=not tuning.sm90_tile and not problem.batch_invariant,
-                                   leftpad_k=problem.leftpad_k)
+        tile = fp8_tile
     num_splits, split_blocks = plan_splits(problem, num_splits, num_sms, head_groups(problem, pack_gqa), rows,
                                            tile_m=tile[0], tile_n=tile[1], ctas_per_sm=split_ctas or ctas_per_sm,
                                            tolerance=_SPLIT_TOLERANCE)
