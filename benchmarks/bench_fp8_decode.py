@@ -103,9 +103,13 @@ def main(argv=None):
             k8p, v8p, kqp, vqp = k8, v8, kq, vq
         ref, _ = attention_kvcache_ref(q, kq.float(), vq.float(), seqlens)
         pt_out, _ = attention_kvcache_ref(q, kq, vq, seqlens, upcast=False)
-        qq = quantize_q_ref(q)  # the queries the SM90 kernel attends with over the e4m3 cache
-        refs_qq = (attention_kvcache_ref(qq, kq.float(), vq.float(), seqlens)[0],
-                   attention_kvcache_ref(qq, kq.float(), vq.float(), seqlens, p_fp8=True)[0])
+        fp8_refs = lambda qx: (attention_kvcache_ref(qx, kq.float(), vq.float(), seqlens)[0],
+                               attention_kvcache_ref(qx, kq.float(), vq.float(), seqlens, p_fp8=True)[0])
+        refs_qq = fp8_refs(quantize_q_ref(q))  # the queries the SM90 kernel attends with over the e4m3 cache
+        # FP8 attention's queries (ours with q_descale, FA3's fp8 decode): one descale per batch and KV head.
+        q8, qd = fa.quantize_fp8(q.view(B, 1, hkv, -1))
+        refs_q8 = fp8_refs(dequantize_kv(q8, qd).view(B, 1, H, D))
+        q8 = q8.view(B, 1, H, D)
         group = []
 
         def record(impl, fn, elem_bytes, note="", refs=None):
@@ -134,14 +138,9 @@ def main(argv=None):
             os.environ["FLASH_ATTN_CUTE_SM90_FP8_KV"] = "widen"
             record("ours_sm90 fp8 widen", fp8_call("sm90"), 1)
             os.environ.pop("FLASH_ATTN_CUTE_SM90_FP8_KV")
-            q8, qd = fa.quantize_fp8(q.view(B, 1, hkv, -1))
-            q8 = q8.view(B, 1, H, D)
-            q_deq = dequantize_kv(q8.view(B, 1, hkv, -1), qd).view(B, 1, H, D)
-            refs = (attention_kvcache_ref(q_deq, kq.float(), vq.float(), seqlens)[0],
-                    attention_kvcache_ref(q_deq, kq.float(), vq.float(), seqlens, p_fp8=True)[0])
             record("ours_sm90 fp8 q", lambda: fa.flash_attn_with_kvcache(
                 q8, k8p, v8p, seqlens, page_table=table, q_descale=qd, k_descale=kd, v_descale=vd, backend="sm90"), 1,
-                   refs=refs)
+                   refs=refs_q8)
         for spec in filter(None, args.sm90_tiles.split(";")):
             tile, _, splits = spec.partition("@")
             os.environ["FLASH_ATTN_CUTE_SM90_TILE"] = tile
@@ -150,18 +149,13 @@ def main(argv=None):
                    refs=refs_qq)
             os.environ.pop("FLASH_ATTN_CUTE_SM90_TILE")
         if fa3 is not None and table is None:
-            # FA3's own FP8 decode: e4m3 q, k, v with (batch, nheads_kv) descales, split-KV.
-            q8_3, qd_3 = fa.quantize_fp8(q.view(B, 1, hkv, -1))
-            q8_3 = q8_3.view(B, 1, H, D)
-            q_deq3 = dequantize_kv(q8_3.view(B, 1, hkv, -1), qd_3).view(B, 1, H, D)
-            refs3 = (attention_kvcache_ref(q_deq3, kq.float(), vq.float(), seqlens)[0],
-                     attention_kvcache_ref(q_deq3, kq.float(), vq.float(), seqlens, p_fp8=True)[0])
+            # FA3's own FP8 decode: the same e4m3 q, k, v and (batch, nheads_kv) descales, split-KV.
             first = lambda r: r[0] if isinstance(r, tuple) else r
             record(f"fa3 {args.q_dtype}", lambda: first(fa3.flash_attn_with_kvcache(q, kq, vq, cache_seqlens=seqlens,
                                                                                      num_splits=0)), 2)
             record("fa3 fp8 q", lambda: first(fa3.flash_attn_with_kvcache(
-                q8_3, k8, v8, cache_seqlens=seqlens, num_splits=0, q_descale=qd_3, k_descale=kd, v_descale=vd)), 1,
-                refs=refs3)
+                q8, k8, v8, cache_seqlens=seqlens, num_splits=0, q_descale=qd, k_descale=kd, v_descale=vd)), 1,
+                refs=refs_q8)
         elif fa3 is None:
             group.append(dict(impl="fa3", cache=name, note=f"{UNAVAILABLE}: {fa3_why}"))
         if fa4 is not None:

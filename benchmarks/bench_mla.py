@@ -160,17 +160,17 @@ def flashmla_call(inputs, heads, kv_descale=None):
     import torch
     from sgl_kernel import flash_mla as fm
 
+    from flash_attn_cute import quantize_fp8
+
     q_nope, q_pe, ckv, kpe, seqlens, table = inputs
     q = torch.cat([q_nope, q_pe], -1).contiguous()
     kv = torch.cat([ckv.view(torch.uint8) if kv_descale is not None else ckv,
                     kpe.view(torch.uint8) if kv_descale is not None else kpe], -1).unsqueeze(2).contiguous()
     kw = {}
     if kv_descale is not None:
-        amax = q.float().abs().amax().clamp(min=1e-12)
-        q_scale = 448.0 / amax
-        q = (q.float() * q_scale).to(torch.float8_e4m3fn)
+        q, q_descale = quantize_fp8(q, granularity="tensor")
         kv = kv.view(torch.float8_e4m3fn)
-        kw = dict(descale_q=(1.0 / q_scale).reshape(1).float(), descale_k=kv_descale.reshape(-1)[:1].float(),
+        kw = dict(descale_q=q_descale.reshape(1).float(), descale_k=kv_descale.reshape(-1)[:1].float(),
                   is_fp8_kvcache=True)
     meta, splits = fm.get_mla_metadata(seqlens, q.shape[1] * heads, 1, is_fp8_kvcache=kv_descale is not None)
     return lambda: fm.flash_mla_with_kvcache(q, kv, table, seqlens, 512, meta, splits, softmax_scale=576 ** -0.5,

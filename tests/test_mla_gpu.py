@@ -121,21 +121,29 @@ def test_mla_clamps_bad_lengths_and_pages(backend):
     assert torch.isfinite(out).all()
 
 
+def poison_past_the_end(ckv, kpe, seqlens, table, value=float("nan")):
+    """Copies of the caches with ``value`` in every row past each sequence's end (the rest of
+    its last page and its spare pages): a kernel must mask or zero them (P = 0 times NaN
+    would poison O). FP8 caches: pass byte views and a byte (0x7F: NaN in e4m3)."""
+    page = ckv.shape[1]
+    ckv_bad, kpe_bad = ckv.clone(), kpe.clone()
+    for b, n in enumerate(seqlens.tolist()):
+        for t in range(n, table.shape[1] * page):
+            ckv_bad[table[b, t // page], t % page] = value
+            kpe_bad[table[b, t // page], t % page] = value
+    return ckv_bad, kpe_bad
+
+
 def test_mla_nan_past_the_end(backend):
     # Cache rows past each sequence's end (the rest of its last page and its spare page)
-    # hold NaN: a kernel must mask or zero them (P = 0 times NaN would poison O).
+    # hold NaN (``poison_past_the_end``).
     import flash_attn_cute
 
     inputs = make_inputs((5, 70, 33), 64, 16, seed=6)
     q_nope, q_pe, ckv, kpe, seqlens, table = inputs
     out_ref, _ = mla_decode_ref(*inputs)
     out_pt, _ = mla_decode_ref(*inputs, upcast=False)
-    page = ckv.shape[1]
-    ckv_bad, kpe_bad = ckv.clone(), kpe.clone()
-    for b, n in enumerate(seqlens.tolist()):
-        for t in range(n, table.shape[1] * page):
-            ckv_bad[table[b, t // page], t % page] = float("nan")
-            kpe_bad[table[b, t // page], t % page] = float("nan")
+    ckv_bad, kpe_bad = poison_past_the_end(ckv, kpe, seqlens, table)
     out = flash_attn_cute.flash_mla_decode(q_nope, q_pe, ckv_bad, kpe_bad, seqlens, table, backend=backend)
     check_close(out, out_ref, out_pt)
 
@@ -215,12 +223,7 @@ def test_mla_fp8_nan_past_the_end(backend):
     q_nope, q_pe, ckv, kpe, seqlens, table = inputs
     out_ref, _ = mla_decode_ref(*inputs, kv_descale=descale)
     out_pt, _ = mla_decode_ref(*inputs, upcast=False, kv_descale=descale)
-    page = ckv.shape[1]
-    ckv_bad, kpe_bad = ckv.clone().view(torch.uint8), kpe.clone().view(torch.uint8)
-    for b, n in enumerate(seqlens.tolist()):
-        for t in range(n, table.shape[1] * page):
-            ckv_bad[table[b, t // page], t % page] = 0x7F
-            kpe_bad[table[b, t // page], t % page] = 0x7F
+    ckv_bad, kpe_bad = poison_past_the_end(ckv.view(torch.uint8), kpe.view(torch.uint8), seqlens, table, 0x7F)
     out = flash_attn_cute.flash_mla_decode(q_nope, q_pe, ckv_bad.view(ckv.dtype), kpe_bad.view(kpe.dtype), seqlens,
                                            table, backend=backend, kv_descale=descale)
     check_close(out, out_ref, out_pt)
@@ -286,12 +289,7 @@ def test_mla_kv_heads_nan_past_the_end(backend):
     q_nope, q_pe, ckv, kpe, seqlens, table = inputs
     out_ref, _ = mla_decode_ref(*inputs)
     out_pt, _ = mla_decode_ref(*inputs, upcast=False)
-    page = ckv.shape[1]
-    ckv_bad, kpe_bad = ckv.clone(), kpe.clone()
-    for b, n in enumerate(seqlens.tolist()):
-        for t in range(n, table.shape[1] * page):
-            ckv_bad[table[b, t // page], t % page] = float("nan")
-            kpe_bad[table[b, t // page], t % page] = float("nan")
+    ckv_bad, kpe_bad = poison_past_the_end(ckv, kpe, seqlens, table)
     out = flash_attn_cute.flash_mla_decode(q_nope, q_pe, ckv_bad, kpe_bad, seqlens, table, backend=backend)
     check_close(out, out_ref, out_pt)
 
@@ -307,17 +305,17 @@ def test_mla_fp8_any_heads_and_kv_heads(backend, nheads, nheads_kv, page_size, s
     run_and_check_fp8(backend, inputs, descale, causal=causal, num_splits=num_splits, return_lse=True)
 
 
-@pytest.mark.parametrize("nheads,nheads_kv", [(24, None), (8, 2)])
-def test_mla_batch_invariant_any_heads_bitwise(backend, nheads, nheads_kv):
+@pytest.mark.parametrize("nheads,nheads_kv,page", [(24, None, 16), (8, 2, 16), (64, None, 64)])
+def test_mla_batch_invariant_any_heads_bitwise(backend, nheads, nheads_kv, page):
     # One sequence of 4500 keys (two splits of 4096) in batches of 1, 3 and 40 (the others of
     # other lengths): bitwise the same output and LSE (fixed keys per split), and close to
-    # the reference.
+    # the reference. Pages of 64: the SM90 TMA kernel.
     import flash_attn_cute
 
     heads = () if nheads_kv is None else (nheads_kv,)
     g = torch.Generator(device="cuda").manual_seed(60 + nheads)
     randn = lambda *s: torch.randn(*s, generator=g, device="cuda").to(torch.bfloat16)
-    pages_per_seq, page = 320, 16  # capacity 5120: the same two splits in every batch
+    pages_per_seq = 5120 // page  # capacity 5120: the same two splits in every batch
     x = (randn(1, 2, nheads, 512), randn(1, 2, nheads, 64), randn(pages_per_seq, page, *heads, 512),
          randn(pages_per_seq, page, *heads, 64))
     outs = []
@@ -411,36 +409,8 @@ def test_mla_tma_nan_past_the_end(backend, page_size, nheads_kv):
     q_nope, q_pe, ckv, kpe, seqlens, table = inputs
     out_ref, _ = mla_decode_ref(*inputs)
     out_pt, _ = mla_decode_ref(*inputs, upcast=False)
-    ckv_bad, kpe_bad = ckv.clone(), kpe.clone()
-    for b, n in enumerate(seqlens.tolist()):
-        for t in range(n, table.shape[1] * page_size):
-            ckv_bad[table[b, t // page_size], t % page_size] = float("nan")
-            kpe_bad[table[b, t // page_size], t % page_size] = float("nan")
+    ckv_bad, kpe_bad = poison_past_the_end(ckv, kpe, seqlens, table)
     for splits in (1, 2):
         out = flash_attn_cute.flash_mla_decode(q_nope, q_pe, ckv_bad, kpe_bad, seqlens, table, backend=backend,
                                                num_splits=splits)
         check_close(out, out_ref, out_pt)
-
-
-def test_mla_tma_batch_invariant_bitwise(backend):
-    # test_mla_batch_invariant_any_heads_bitwise over pages of 64 (the TMA kernel on SM90).
-    import flash_attn_cute
-
-    g = torch.Generator(device="cuda").manual_seed(98)
-    randn = lambda *s: torch.randn(*s, generator=g, device="cuda").to(torch.bfloat16)
-    pages_per_seq, page = 80, 64
-    x = (randn(1, 1, 64, 512), randn(1, 1, 64, 64), randn(pages_per_seq, page, 512), randn(pages_per_seq, page, 64))
-    outs = []
-    for batch in (1, 5):
-        q_nope, q_pe = randn(batch, 1, 64, 512), randn(batch, 1, 64, 64)
-        ckv, kpe = randn(batch * pages_per_seq, page, 512), randn(batch * pages_per_seq, page, 64)
-        q_nope[:1], q_pe[:1], ckv[:pages_per_seq], kpe[:pages_per_seq] = x
-        table = torch.arange(batch * pages_per_seq, device="cuda", dtype=torch.int32).view(batch, pages_per_seq)
-        lens = torch.tensor([4500] + [(977 * i) % 5120 + 1 for i in range(1, batch)], dtype=torch.int32,
-                            device="cuda")
-        inputs = (q_nope, q_pe, ckv, kpe, lens, table)
-        out, lse = flash_attn_cute.flash_mla_decode(*inputs, return_lse=True, batch_invariant=True, backend=backend)
-        if batch == 5:
-            check_close(out, mla_decode_ref(*inputs)[0], mla_decode_ref(*inputs, upcast=False)[0])
-        outs.append((out[0].clone(), lse[0].clone()))
-    assert torch.equal(outs[1][0], outs[0][0]) and torch.equal(outs[1][1], outs[0][1])
