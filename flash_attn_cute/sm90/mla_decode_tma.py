@@ -17,7 +17,7 @@ its producer warpgroup writes every row with 18 cp.async per thread and tile; th
 profile (``results/ncu/ncu_mla_sm90_768x2048_2026-12-02_s10.txt``) shows 59% of the L1
 bandwidth and twice FlashInfer's instruction count for the same bytes. Here a 64-key tile
 halves the reads of Q per key (64 x 64 x 16: 4 KB in 32 cycles, at the 128-byte limit), a
-tile's nine 64 x 64 chunks arrive by nine TMA instructions of one thread, and no warpgroup
+tile's nine 64 x 64 chunks arrive by nine TMA instructions of one lane, and no warpgroup
 is spent on loading.
 
 Buffers and chunks. Q (72 KB) stays in shared memory; K tiles alternate between two
@@ -44,9 +44,9 @@ max shared through ``sM``:
 
 (named barriers ``Sm90MlaTmaBarrier``; "X ->" waits, "-> X" arrives). A warpgroup
 publishes its row max before its exponentials (FlashMLA after them), so the other's
-softmax starts while they run. Every chunk is
-reloaded by the warpgroup that last read it, after its own wgmma wait; the only chunks the
-other warpgroup reads (the other half of V, P) are released by the barrier order above.
+softmax starts while they run. Every chunk is reloaded by the warpgroup that last read
+it, after its own wgmma wait; the only chunks the other warpgroup reads (the other half
+of V, P) are released by the barrier order above.
 sP0 lives over buffer 0's rotary chunk (free once S_a landed, reloaded only after WG1's
 P V of it), sP1 in its own 8 KB. Each step ends with no wgmma in flight: the tails (the
 last one to three tiles) are separate instantiations of the same step (static flags), so
@@ -83,7 +83,7 @@ heads 64 x 1024 1.403 / 1.532 (0.92x), 128 x 1024 2.158 / 2.395 (0.90x), 768 x 2
 (0.84x, 424 TFLOP/s), 32 x 8192 1.839 / 2.186 (0.84x). Against the gathering kernel at
 pages of 64 (same run, ``results/mla_ab_{tma,seesaw}_h100_2026-12-05_s13.csv``): 768 x
 1024 2.738 / 2.691 TB/s, 768 x 2048 2.897 / 2.851, 128 heads 1.963 / 1.806 and 1.832 /
-1.710. Not profiled (the session's device time ran out): the 128-head rows are bound by
+1.710. Not profiled yet: the 128-head rows are bound by
 the tensor pipe and shared memory, where the register-held rotary chunk is the first
 difference to try; the one-wave rows (64 and 128 sequences of 1,024 keys) by the per-CTA
 prologue and epilogue, which FlashMLA's balanced persistent schedule spreads.
