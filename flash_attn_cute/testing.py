@@ -290,15 +290,19 @@ def check_lse(lse, lse_ref, lse_torch, mult=2.0, atol=1e-3, name="lse"):
 
 
 def mla_decode_ref(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, *, softmax_scale=None,
-                   causal=False, upcast=True, kv_descale=None):
+                   causal=False, upcast=True, kv_descale=None, quantize_q=False, p_fp8=False):
     """MLA decode as plain attention: the pages gathered, K = [ckv, kpe] and V = ckv
     materialised (one shared KV head, or the caches' ``nheads_kv`` heads for 4-D caches
     ``(num_pages, page_size, nheads_kv, d)``: GQA), then ``attention_ref``. Returns (out (b,
     sq, h, 512), lse (b, h, sq)); ``upcast=False`` is PyTorch's own low-precision
     computation. An FP8 cache is dequantized first: the stored values times ``kv_descale``
     (one element, ``(batch,)`` / ``(batch, 1)``: sequence b's, or ``(batch, nheads_kv)``), in
-    q's dtype for ``upcast=False``."""
+    q's dtype for ``upcast=False``. The FP8 wgmma kernel's algorithm: ``quantize_q`` (the
+    576 values of a query head rounded to e4m3 as the kernel rounds them,
+    ``quantize_q_ref``) and ``p_fp8`` (P rounded to e4m3, ``attention_ref``)."""
     q = torch.cat([q_nope, q_pe], dim=-1)
+    if quantize_q:
+        q = quantize_q_ref(q)
     fp8 = ckv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     heads = (lambda c: c) if ckv_cache.dim() == 4 else (lambda c: c.unsqueeze(2))
     # FP8 pages are gathered as bytes (indexing fp8 tensors is not supported everywhere).
@@ -313,7 +317,7 @@ def mla_decode_ref(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
     return attention_ref(q, k, ckv, softmax_scale=softmax_scale, causal=causal, seqlens_k=cache_seqlens,
-                         upcast=upcast)
+                         upcast=upcast, p_fp8=p_fp8)
 
 
 # ---------------------------------------------------------------------------------------

@@ -192,3 +192,20 @@ def test_mla_sm90_tma_compiles_and_sass(tmp_path):
     keys_tma = [mla_key("sm90", "sm_90a", *c, ((64, 2, "tma"),)) for c in TMA_CONFIGS]
     for key, sass in zip(keys_tma, compile_sm90(keys_tma, tmp_path, "mla sm90 tma sm_90a", TMA_SASS_EXPECT, 20)):
         assert "USETMAXREG" not in sass, key  # two warpgroups of equal roles: no register trade
+
+
+# The same kernel over an e4m3 cache: QGMMA (fp8 wgmma) for both products, V transposed by
+# ldmatrix / prmt / stmatrix.trans (LDSM, PRMT, STSM), q quantized in the kernel; no local
+# memory (222 registers at the time of writing), the same 17 waits.
+TMA_FP8_CONFIGS = [("bf16/e4m3", 64, False, False, False, 0), ("fp16/e4m3", "2/hkv", True, True, True, 128),
+                   ("bf16/e4m3", 100, "cp", True, True, 0)]
+TMA_FP8_SASS_EXPECT = ["QGMMA.64x64x32.F32.E4M3.E4M3", "QGMMA.64x256x32.F32.E4M3.E4M3", "UTMALDG", "LDSM", "PRMT",
+                       "STSM", "MUFU.EX2", "SYNCS"]
+
+
+@pytest.mark.slow
+def test_mla_sm90_tma_fp8_compiles_and_sass(tmp_path):
+    keys_fp8 = [mla_key("sm90", "sm_90a", *c, ((64, 2, "tma"),)) for c in TMA_FP8_CONFIGS]
+    for key, sass in zip(keys_fp8, compile_sm90(keys_fp8, tmp_path, "mla sm90 tma fp8 sm_90a", TMA_FP8_SASS_EXPECT,
+                                                20)):
+        assert "HGMMA" not in sass and "USETMAXREG" not in sass, key

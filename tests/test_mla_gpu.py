@@ -14,6 +14,7 @@ per mode to test each).
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -179,6 +180,46 @@ def fp8_inputs(seqlens, nheads, page_size, *, seqlen_q=1, dtype=torch.bfloat16, 
     return (q_nope, q_pe, ckv8, kpe8, seqlens_t, table), descale.float()
 
 
+def fp8_wgmma(backend, ckv):
+    """Whether the kernel planned for this FP8 cache runs fp8 wgmma with the queries
+    quantized in the kernel (``sm90.mla.uses_tma``: the SM90 TMA kernel, an e4m3 cache in
+    pages of a multiple of 64, FLASH_ATTN_CUTE_MLA_SM90_QK unset or "tma"); else the cache
+    is widened to 16 bits."""
+    sm90 = backend == "sm90" or (backend is None and torch.cuda.get_device_capability()[0] == 9)
+    return (sm90 and ckv.dtype == torch.float8_e4m3fn and ckv.shape[1] % 64 == 0
+            and os.environ.get("FLASH_ATTN_CUTE_MLA_SM90_QK", "tma") == "tma")
+
+
+# The fp8 wgmma kernel rounds P against its running row max, PyTorch's FP8 algorithm
+# against the final one: the same error per value, drawn differently (as the FP8 forward's
+# tests, test_fp8_attention_gpu.MULT).
+FP8_WGMMA_MULT = 3.0
+
+
+def check_fp8(backend, inputs, kv_descale, out, lse, *, causal=False):
+    """An FP8 cache's result against the fp32 reference on the dequantized cache. Widened
+    to 16 bits: within 2x PyTorch's own error on the same values in q's dtype. fp8 wgmma
+    (``fp8_wgmma``): against the reference on the queries the kernel quantizes, within 3x
+    PyTorch's FP8 algorithm there (P rounded to e4m3); against the unquantized queries,
+    within 3x that algorithm's distance from them (the error quantizing q costs); the LSE
+    within 2x PyTorch's bf16 one, both ways."""
+    ref = lambda **kw: mla_decode_ref(*inputs, causal=causal, kv_descale=kv_descale, **kw)
+    out_ref, lse_ref = ref()
+    _, lse_pt = ref(upcast=False)
+    if not fp8_wgmma(backend, inputs[2]):
+        if lse is not None:
+            check_lse(lse, lse_ref, lse_pt)
+        check_close(out, out_ref, ref(upcast=False)[0])
+        return
+    out_ref_q, lse_ref_q = ref(quantize_q=True)
+    out_alg, _ = ref(quantize_q=True, p_fp8=True)
+    check_close(out, out_ref_q, out_alg, mult=FP8_WGMMA_MULT)
+    check_close(out, out_ref, out_alg, mult=FP8_WGMMA_MULT, name="out (unquantized q)")
+    if lse is not None:
+        check_lse(lse, lse_ref_q, lse_pt)
+        check_lse(lse, lse_ref, lse_pt, name="lse (unquantized q)")
+
+
 def run_and_check_fp8(backend, inputs, kv_descale, *, causal=False, num_splits=1, return_lse=False):
     import flash_attn_cute
 
@@ -186,11 +227,7 @@ def run_and_check_fp8(backend, inputs, kv_descale, *, causal=False, num_splits=1
     out = torch.full(q_nope.shape, float("nan"), dtype=q_nope.dtype, device="cuda")
     res = flash_attn_cute.flash_mla_decode(*inputs, causal=causal, num_splits=num_splits, return_lse=return_lse,
                                            out=out, backend=backend, kv_descale=kv_descale)
-    out_ref, lse_ref = mla_decode_ref(*inputs, causal=causal, kv_descale=kv_descale)
-    out_pt, lse_pt = mla_decode_ref(*inputs, causal=causal, upcast=False, kv_descale=kv_descale)
-    if return_lse:
-        check_lse(res[1], lse_ref, lse_pt)
-    check_close(out, out_ref, out_pt)
+    check_fp8(backend, inputs, kv_descale, out, res[1] if return_lse else None, causal=causal)
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])
@@ -215,18 +252,19 @@ def test_mla_fp8_e5m2_fp16_16_heads_default_descale(backend):
     check_close(out, mla_decode_ref(*inputs)[0], mla_decode_ref(*inputs, upcast=False)[0])
 
 
-def test_mla_fp8_nan_past_the_end(backend):
-    # FP8 cache bytes past each sequence's end are NaN (0x7f in e4m3): never read into a score.
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_mla_fp8_nan_past_the_end(backend, page_size):
+    # FP8 cache bytes past each sequence's end are NaN (0x7f in e4m3): never read into a
+    # score (pages of 64, fp8 wgmma: tile 0's tail zeroed as V is transposed).
     import flash_attn_cute
 
-    inputs, descale = fp8_inputs((5, 70, 33), 64, 16, seed=13)
+    inputs, descale = fp8_inputs((5, 70, 33, 129), 64, page_size, seed=13)
     q_nope, q_pe, ckv, kpe, seqlens, table = inputs
-    out_ref, _ = mla_decode_ref(*inputs, kv_descale=descale)
-    out_pt, _ = mla_decode_ref(*inputs, upcast=False, kv_descale=descale)
     ckv_bad, kpe_bad = poison_past_the_end(ckv.view(torch.uint8), kpe.view(torch.uint8), seqlens, table, 0x7F)
-    out = flash_attn_cute.flash_mla_decode(q_nope, q_pe, ckv_bad.view(ckv.dtype), kpe_bad.view(kpe.dtype), seqlens,
-                                           table, backend=backend, kv_descale=descale)
-    check_close(out, out_ref, out_pt)
+    for splits in (1, 2):
+        out = flash_attn_cute.flash_mla_decode(q_nope, q_pe, ckv_bad.view(ckv.dtype), kpe_bad.view(kpe.dtype),
+                                               seqlens, table, backend=backend, kv_descale=descale, num_splits=splits)
+        check_fp8(backend, inputs, descale, out, None)
 
 
 def test_mla_fp8_split_many_empty_and_long(backend):
@@ -305,11 +343,13 @@ def test_mla_fp8_any_heads_and_kv_heads(backend, nheads, nheads_kv, page_size, s
     run_and_check_fp8(backend, inputs, descale, causal=causal, num_splits=num_splits, return_lse=True)
 
 
-@pytest.mark.parametrize("nheads,nheads_kv,page", [(24, None, 16), (8, 2, 16), (64, None, 64)])
-def test_mla_batch_invariant_any_heads_bitwise(backend, nheads, nheads_kv, page):
+@pytest.mark.parametrize("nheads,nheads_kv,page,fp8", [(24, None, 16, False), (8, 2, 16, False),
+                                                      (64, None, 64, False), (64, None, 64, True)])
+def test_mla_batch_invariant_any_heads_bitwise(backend, nheads, nheads_kv, page, fp8):
     # One sequence of 4500 keys (two splits of 4096) in batches of 1, 3 and 40 (the others of
     # other lengths): bitwise the same output and LSE (fixed keys per split), and close to
-    # the reference. Pages of 64: the SM90 TMA kernel.
+    # the reference. Pages of 64: the SM90 TMA kernel (an e4m3 cache: fp8 wgmma, q quantized
+    # per tile of one sequence's heads, so still invariant).
     import flash_attn_cute
 
     heads = () if nheads_kv is None else (nheads_kv,)
@@ -323,13 +363,17 @@ def test_mla_batch_invariant_any_heads_bitwise(backend, nheads, nheads_kv, page)
         q_nope, q_pe = randn(batch, 2, nheads, 512), randn(batch, 2, nheads, 64)
         ckv, kpe = randn(batch * pages_per_seq, page, *heads, 512), randn(batch * pages_per_seq, page, *heads, 64)
         q_nope[:1], q_pe[:1], ckv[:pages_per_seq], kpe[:pages_per_seq] = x
+        if fp8:
+            ckv, kpe = ckv.to(torch.float8_e4m3fn), kpe.to(torch.float8_e4m3fn)
         table = torch.arange(batch * pages_per_seq, device="cuda", dtype=torch.int32).view(batch, pages_per_seq)
         lens = torch.tensor([4500] + [(977 * i) % 5120 + 1 for i in range(1, batch)], dtype=torch.int32,
                             device="cuda")
         inputs = (q_nope, q_pe, ckv, kpe, lens, table)
         out, lse = flash_attn_cute.flash_mla_decode(*inputs, causal=True, return_lse=True, batch_invariant=True,
                                                     backend=backend)
-        if batch == 3:
+        if batch == 3 and fp8:
+            check_fp8(backend, inputs, None, out, lse, causal=True)
+        elif batch == 3:
             check_close(out, mla_decode_ref(*inputs, causal=True)[0], mla_decode_ref(*inputs, causal=True,
                                                                                       upcast=False)[0])
         outs.append((out[0].clone(), lse[0].clone()))
@@ -396,6 +440,26 @@ def test_mla_tma_tile_counts(backend, page_size, num_splits, knob, monkeypatch):
 def test_mla_tma_causal_heads(backend, nheads, seqlen_q, page_size):
     run_and_check(backend, make_inputs(TILE_SEQLENS, nheads, page_size, seqlen_q=seqlen_q, seed=95 + nheads),
                   causal=True, num_splits=0, return_lse=True)
+
+
+@pytest.mark.parametrize("page_size", [64, 128, 256])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("knob", [None, "seesaw"])
+def test_mla_fp8_tma_tile_counts(backend, page_size, num_splits, knob, monkeypatch):
+    # The e4m3 cache in fp8 wgmma (or widened by the gathering kernel: the knob), per-batch
+    # descales, 1 to 9 tiles.
+    if knob:
+        monkeypatch.setenv("FLASH_ATTN_CUTE_MLA_SM90_QK", knob)
+    inputs, descale = fp8_inputs(TILE_SEQLENS, 64, page_size, seed=110 + page_size, per_batch=True)
+    run_and_check_fp8(backend, inputs, descale, num_splits=num_splits, return_lse=True)
+
+
+@pytest.mark.parametrize("nheads,nheads_kv,seqlen_q,page_size", [(16, None, 2, 64), (128, None, 2, 128),
+                                                                 (100, None, 1, 64), (8, 4, 2, 256)])
+def test_mla_fp8_tma_causal_heads(backend, nheads, nheads_kv, seqlen_q, page_size):
+    inputs, descale = fp8_inputs(TILE_SEQLENS, nheads, page_size, seqlen_q=seqlen_q, seed=120 + nheads,
+                                 per_batch=True, nheads_kv=nheads_kv)
+    run_and_check_fp8(backend, inputs, descale, causal=True, num_splits=0, return_lse=True)
 
 
 @pytest.mark.parametrize("page_size", [64, 128])

@@ -392,9 +392,10 @@ def test_flashmla_layout_views_reach_the_kernel_uncopied(fake_device, monkeypatc
 
 
 def test_sm90_tma_kernel_selection():
-    # Pages of a multiple of 64 over a 16-bit cache: the TMA kernel (64-key tiles, config
-    # (64, 2, "tma")); other page sizes and FP8 caches: the gathering kernel; a mode of the
-    # gathering kernel named by FLASH_ATTN_CUTE_MLA_SM90_QK replaces it (A/B runs), "tma"
+    # Pages of a multiple of 64 over a 16-bit or e4m3 cache: the TMA kernel (64-key tiles,
+    # config (64, 2, "tma"); e4m3: fp8 wgmma, the key's dtype field "bf16/e4m3"); other page
+    # sizes and e5m2 caches: the gathering kernel; a mode of the gathering kernel named by
+    # FLASH_ATTN_CUTE_MLA_SM90_QK replaces it (A/B runs; an FP8 cache then widened), "tma"
     # names the default.
     sm90 = seam.backend_module("sm90", "mla")
     for page in (64, 128, 256):
@@ -404,7 +405,11 @@ def test_sm90_tma_kernel_selection():
         assert sm90.plan(p, 0, None, 132, tuning=Tuning(mla_sm90_qk="tma")) == plan
         assert sm90.plan(p, 0, None, 132, tuning=Tuning(mla_sm90_qk="seesaw")).config[:3] == (32, 4, "seesaw")
         p8 = p._replace(kv_dtype=torch.float8_e4m3fn)
-        assert sm90.plan(p8, 0, None, 132).config[:3] == (32, 3, "seesaw")
+        plan8 = sm90.plan(p8, 0, None, 132)
+        assert plan8.config[:3] == (64, 2, "tma") and plan8.config.fp8_stages == 0
+        assert sm90.compile_key(p8, plan8, "sm_90a")[2] == "bf16/e4m3"
+        assert sm90.plan(p8, 0, None, 132, tuning=Tuning(mla_sm90_qk="seesaw")).config[:3] == (32, 3, "seesaw")
+        assert sm90.plan(p._replace(kv_dtype=torch.float8_e5m2), 0, None, 132).config[:3] == (32, 3, "seesaw")
     for page in (1, 16, 32, 96):
         p = _problem(h=64)._replace(page_size=page, max_seqlen_k=4096)
         assert sm90.plan(p, 0, None, 132).config[:3] == (32, 4, "seesaw")

@@ -33,6 +33,8 @@ class Sm90MlaTmaBarrier(enum.IntEnum):
     P0 = 4  # warpgroup 0 wrote P_a (at the pair's max) to sP0
     O1_ISSUED = 5  # warpgroup 1 wrote sP1 and issued its P V of sP0
     SUMS = 6  # both warpgroups' row sums written
+    VT0 = 7  # fp8: warpgroup 0 wrote its half of V^T (its 128 threads; VT0 + 1: warpgroup 1's)
+    VT1 = 8
 
 
 class Sm80MlaBarrier(enum.IntEnum):

@@ -892,7 +892,7 @@ class FlashAttnFwdSm90:
         registers, rows past the sequence zero, and stored into sQ in e4m3 as Q / 2^e
         (``q_quant.quantize_q_tile``: one power-of-two scale per tile); returns 2^e."""
         q_rows = tile.q_rows(args.mQ, self.qhead_per_kvhead_packed, args.varlen_q)
-        return quantize_q_tile(q_rows, tile.m_block * self.tile_m, io.sQ, io.sQAmax, tile.rows_valid,
+        return quantize_q_tile(((q_rows, io.sQ),), tile.m_block * self.tile_m, io.sQAmax, tile.rows_valid,
                                self.head_dim_valid, cidx, self.roles.consumer_threads, self.consumers_sync)
 
     # -----------------------------------------------------------------------------------

@@ -1,13 +1,16 @@
 """SM90 MLA decode backend: the seam's check / plan / compile_key / compile / launcher for
 the ``"mla"`` kind (see ``seam/__init__.py``). Two kernels: pages that hold whole 64-key
-tiles (page size a multiple of 64) with a 16-bit cache take ``sm90/mla_decode_tma.py``
-(two warpgroups, TMA, FlashMLA's seesaw over 64-key tiles); other page sizes and FP8
-caches ``sm90/mla_decode.py`` (1 producer + 2 consumer warpgroups, cp.async row gathers).
+tiles (page size a multiple of 64) with a 16-bit or e4m3 cache take
+``sm90/mla_decode_tma.py`` (two warpgroups, TMA, FlashMLA's seesaw over 64-key tiles;
+e4m3: fp8 wgmma); other page sizes and e5m2 caches ``sm90/mla_decode.py`` (1 producer +
+2 consumer warpgroups, cp.async row gathers, an FP8 cache widened to 16 bits).
 The DSL is imported only when a kernel is compiled."""
 
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
+
+import torch
 
 from flash_attn_cute.seam.backend_kit import mla_entry_points, mla_refusal, plan_splits
 from flash_attn_cute.host.constants import MLA_NHEADS
@@ -56,10 +59,13 @@ def check(problem: MlaProblem) -> Optional[str]:
 
 
 def uses_tma(problem: MlaProblem, qk: Optional[str] = None) -> bool:
-    """The TMA kernel: a 16-bit cache in pages of a multiple of 64 keys, unless
-    FLASH_ATTN_CUTE_MLA_SM90_QK (``qk``) names a mode of the gathering kernel ("tma" or
-    unset: the TMA kernel where it applies, the gathering "seesaw" elsewhere)."""
-    return problem.page_size % TMA_PAGE == 0 and not problem.kv_fp8 and qk in (None, "tma")
+    """The TMA kernel: a 16-bit or e4m3 cache (e4m3: fp8 wgmma, queries quantized in the
+    kernel) in pages of a multiple of 64 keys, unless FLASH_ATTN_CUTE_MLA_SM90_QK (``qk``)
+    names a mode of the gathering kernel ("tma" or unset: the TMA kernel where it applies,
+    the gathering "seesaw" elsewhere; for an FP8 cache that is the kernel that widens it
+    to 16 bits)."""
+    return (problem.page_size % TMA_PAGE == 0 and problem.kv_dtype in (None, torch.float8_e4m3fn)
+            and qk in (None, "tma"))
 
 
 def roles(qk: Optional[str] = None, fp8: bool = False, fp8_stages: Optional[str] = None) -> MlaRoles:

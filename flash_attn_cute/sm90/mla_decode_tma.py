@@ -63,6 +63,25 @@ Shared memory: Q 72 KB, two 72 KB buffers, sP1 8 KB, the row statistics and 18
 mbarriers: 225.4 KB of the 227. 256 threads, 1 CTA per SM, no setmaxnreg (255 registers
 each: O 128 + S 32 + P 16; 217 used, no local memory).
 
+An e4m3 cache (FlashMLA's FP8 recipe, the same seesaw): both products in fp8 wgmma
+(QGMMA 64 x 64 x 32 and 64 x 256 x 32), half the bytes per key (36.9 KB a tile) and twice
+the tensor rate. A tile is five chunks (four of 64 x 128 ckv bytes, one of 64 x 64 kpe).
+The queries are quantized to e4m3 in the kernel (``q_quant.quantize_q_tile``: one
+power-of-two scale for the tile's q_nope and q_pe, folded with ``kv_descale`` into the
+softmax scale), P is rounded to e4m3 with its row max at 2^8 (``FP8_P_OFFSET``; the LSE
+takes it back out) and O is multiplied by ``kv_descale`` at the end. An 8-bit wgmma reads
+B K-major only, so each warpgroup transposes its own half of V (ckv columns [256 w, 256 w
++ 256), the O columns it owns) of every tile into V^T (``transpose_half``:
+``fp8_operands.transpose_v_block``, ldmatrix / prmt / stmatrix.trans, 128 bytes a thread
+per half-tile), in the key order that lets its own P stay in registers (``p_to_fp8``);
+the P it shares is stored in the RS operand's own layout, so the other warpgroup's SS
+wgmma reads it in the same order. The transposes sit where a warpgroup would wait: under
+the S of the next tile it owns, and before the barriers SCALE0 (warpgroup 1) and
+O1_ISSUED (warpgroup 0); ``VT0`` / ``VT1`` meet a warpgroup's four warps once its V^T is
+fenced. Tile 0's tail keys are zeroed as transposed. The chunks are reloaded at the same
+points as for 16 bits (each is then free for the same reasons, and earlier). Q 36 KB,
+buffers 2 x 36 KB, V^T 2 x 32 KB, sP1 4 KB: 180 KB; 222 registers, no local memory.
+
 Beside FlashMLA (its SM90 dense decode as sglang-kernel 0.4.4 builds it; both SASS
 listings summarised in ``benchmarks/results/sass_mla_flashmla_vs_tma_2026-12-05_s13.txt``,
 ``benchmarks/sass_summary.py``). Per kernel the same mix: 196 HGMMA (64 x 64 x 16 for S,
@@ -106,20 +125,47 @@ from flash_attn_cute.device.layout_utils import acc_mn_view, acc_to_operand_a, r
 from flash_attn_cute.device.mla_kernel import MlaArgs, MlaTile, load_q_rows, mla_call, set_mla_config
 from flash_attn_cute.device.named_barrier import Sm90MlaTmaBarrier
 from flash_attn_cute.device.paged_kv import page_and_row
-from flash_attn_cute.device.softmax import LN_2, LOG2_E
+from flash_attn_cute.device.softmax import FP8_P_OFFSET, LN_2, LOG2_E
 from flash_attn_cute.device.tile_scheduler import SingleTileScheduler, TileDivisors, tile_divisors
 from flash_attn_cute.device.variants import apply_to_scores
 from flash_attn_cute.host.constants import D_CKV, D_KPE
+from flash_attn_cute.sm90.fp8_operands import FP8TileGeometry, p_to_fp8, transpose_v_block
+from flash_attn_cute.sm90.q_quant import quantize_q_tile
 from flash_attn_cute.sm90.wgmma_utils import convert_pairs, wgmma_gemm
 
 TILE_M = 64  # packed rows: one wgmma M
 TILE_N = 64  # keys per tile: one TMA box row count, a page's sub-block
-CHUNK = 64  # columns per TMA box and mbarrier (128 bytes of 16-bit values: the swizzle atom's row)
-C_CHUNKS = D_CKV // CHUNK  # 8 chunks of ckv, then one of kpe
-CHUNKS = C_CHUNKS + 1
-HALF = C_CHUNKS // 2  # a warpgroup's half of V: chunks [HALF * w, HALF * (w + 1))
 THREADS = 256
 WG_THREADS = 128
+HALF_BYTES = TILE_N * D_CKV // 2  # an fp8 half of V (64 x 256), or of V^T (256 x 64): 16 KB
+
+
+@dataclass(frozen=True)
+class _Chunks:
+    """A tile's TMA boxes for a cache of ``width``-bit values: ckv in chunks of 128 bytes a
+    row (the swizzle atom's row: 64 16-bit or 128 fp8 columns), then kpe in one; a chunk is
+    ``slices`` wgmma K slices of S (16 or 32 columns)."""
+
+    cols: int  # ckv columns per chunk
+    c_chunks: int  # ckv chunks: 8 (16-bit) or 4 (fp8)
+    slices: int
+    kpe_slices: int
+    ckv_bytes: int  # one ckv chunk's bytes (8 KB either way)
+    kpe_bytes: int
+
+    @staticmethod
+    def of(width: int) -> "_Chunks":
+        cols, k = 1024 // width, 256 // width
+        return _Chunks(cols, D_CKV // cols, cols // k, D_KPE // k, TILE_N * 128, TILE_N * D_KPE * width // 8)
+
+    @property
+    def chunks(self) -> int:
+        return self.c_chunks + 1
+
+    @property
+    def half(self) -> int:
+        """A warpgroup's half of V: ckv chunks [half * w, half * (w + 1))."""
+        return self.c_chunks // 2
 
 
 class MlaDecodeSm90Tma:
@@ -130,44 +176,66 @@ class MlaDecodeSm90Tma:
 
     @cute.jit
     def launch(self, args: MlaArgs, stream):
-        assert args.mCkv.element_type.width == 16, "a 16-bit latent cache (FP8 caches: mla_decode.py)"
-        chunk_layout = row_major_smem_layout(self.dtype, TILE_N, CHUNK)
+        kv_dtype = args.mCkv.element_type
+        # An FP8 (e4m3) cache: both products in fp8 wgmma, Q quantized to e4m3 in the kernel,
+        # P rounded to e4m3, V^T written by the warpgroups (``transpose_half``).
+        self.fp8 = kv_dtype.width == 8
+        assert not self.fp8 or kv_dtype == cutlass.Float8E4M3FN, "an e4m3 cache (e5m2: mla_decode.py)"
+        op_dtype = kv_dtype if self.fp8 else self.dtype  # Q's and P's dtype in the wgmma
+        self.op_dtype = op_dtype
+        self.chunks = _Chunks.of(kv_dtype.width)
+        ch = self.chunks
         layouts = (
-            row_major_smem_layout(self.dtype, TILE_M, D_CKV), row_major_smem_layout(self.dtype, TILE_M, D_KPE),
-            row_major_smem_layout(self.dtype, TILE_N, D_CKV, 2), row_major_smem_layout(self.dtype, TILE_N, D_KPE, 2),
-            row_major_smem_layout(self.dtype, TILE_M, TILE_N),  # P (sP0 over buffer 0's kpe, sP1)
+            row_major_smem_layout(op_dtype, TILE_M, D_CKV), row_major_smem_layout(op_dtype, TILE_M, D_KPE),
+            row_major_smem_layout(kv_dtype, TILE_N, D_CKV, 2), row_major_smem_layout(kv_dtype, TILE_N, D_KPE, 2),
+            row_major_smem_layout(op_dtype, TILE_M, TILE_N),  # P (sP0 over buffer 0's kpe, sP1)
+            row_major_smem_layout(kv_dtype, D_CKV, TILE_N, 2),  # fp8: V^T (d, keys), two buffers
         )
+        vt_field = cute.struct.MemRange[kv_dtype, 16]  # unused (16-bit caches keep their smem layout)
+        if cutlass.const_expr(self.fp8):
+            # Byte offsets for the transposes: a warpgroup's half of V (64 x 256, 16 KB into
+            # the buffer for the right half) and of V^T (256 rows, 16 KB down).
+            geo = FP8TileGeometry.of(layouts[2], TILE_N, D_CKV)
+            self.v_half_geometry = FP8TileGeometry(geo.rows, D_CKV // 2, geo.width, geo.bits, geo.stage_bytes)
+            self.vt_geometry = FP8TileGeometry.of(layouts[5], D_CKV, TILE_N)
+            assert geo.offset(0, D_CKV // 2) == HALF_BYTES and self.vt_geometry.offset(D_CKV // 2, 0) == HALF_BYTES
+            vt_field = cute.struct.Align[cute.struct.MemRange[kv_dtype, cute.cosize(layouts[5])], 1024]
 
         @cute.struct
         class SharedStorage:
-            mbar: cute.struct.MemRange[cutlass.Int64, 2 * CHUNKS]
+            mbar: cute.struct.MemRange[cutlass.Int64, 2 * ch.chunks]
             sM: cute.struct.MemRange[Float32, TILE_M]  # the running row max (log2 units, scaled)
             sCorr: cute.struct.MemRange[Float32, 2 * TILE_M]  # the corrections of S_a, S_b
             sSums: cute.struct.MemRange[Float32, 2 * TILE_M]  # the warpgroups' row sums
-            sQn: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts[0])], 1024]
-            sQp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts[1])], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts[2])], 1024]
-            sKp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts[3])], 1024]
-            sP1: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts[4])], 1024]
+            sAmax: cute.struct.MemRange[Float32, THREADS // 32]  # fp8: each warp's amax of Q
+            sQn: cute.struct.Align[cute.struct.MemRange[op_dtype, cute.cosize(layouts[0])], 1024]
+            sQp: cute.struct.Align[cute.struct.MemRange[op_dtype, cute.cosize(layouts[1])], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[kv_dtype, cute.cosize(layouts[2])], 1024]
+            sKp: cute.struct.Align[cute.struct.MemRange[kv_dtype, cute.cosize(layouts[3])], 1024]
+            sP1: cute.struct.Align[cute.struct.MemRange[op_dtype, cute.cosize(layouts[4])], 1024]
+            sVt: vt_field
 
-        # TMA views (page_size, d, [h_kv,] num_pages): a tile is (64, 64) boxes of one page.
+        # TMA views (page_size, d, [h_kv,] num_pages): a tile is (64, chunk) boxes of one page.
         modes = [1, 3, 2, 0] if args.kv_heads else [1, 2, 0]
         tma_op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_C, tma_C = cpasync.make_tiled_tma_atom(tma_op, select(args.mCkv, modes), chunk_layout,
-                                                        (TILE_N, CHUNK))
-        tma_atom_Kp, tma_Kp = cpasync.make_tiled_tma_atom(tma_op, select(args.mKpe, modes), chunk_layout,
-                                                          (TILE_N, CHUNK))
+        tma_atom_C, tma_C = cpasync.make_tiled_tma_atom(tma_op, select(args.mCkv, modes),
+                                                        row_major_smem_layout(kv_dtype, TILE_N, ch.cols),
+                                                        (TILE_N, ch.cols))
+        tma_atom_Kp, tma_Kp = cpasync.make_tiled_tma_atom(tma_op, select(args.mKpe, modes),
+                                                          row_major_smem_layout(kv_dtype, TILE_N, D_KPE),
+                                                          (TILE_N, D_KPE))
 
         k_major, mn_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, k_major, k_major, Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(TILE_M, TILE_N))
+            op_dtype, kv_dtype, k_major, k_major, Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(TILE_M, TILE_N))
         # O: the two warpgroups side by side along N, 64 x 256 each; P from registers (its own
-        # tile) or from shared memory (the other's).
+        # tile) or from shared memory (the other's). 8-bit wgmma reads B K-major only: V^T.
+        v_major = k_major if self.fp8 else mn_major
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, k_major, mn_major, Float32, atom_layout_mnk=(1, 2, 1),
+            op_dtype, kv_dtype, k_major, v_major, Float32, atom_layout_mnk=(1, 2, 1),
             tiler_mn=(TILE_M, D_CKV // 2), a_source=warpgroup.OperandSource.RMEM)
         tiled_mma_pv_ss = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, k_major, mn_major, Float32, atom_layout_mnk=(1, 2, 1),
+            op_dtype, kv_dtype, k_major, v_major, Float32, atom_layout_mnk=(1, 2, 1),
             tiler_mn=(TILE_M, D_CKV // 2))
         num_m_blocks = args.num_m_blocks(TILE_M, self.qhead_per_kvhead_packed)
         launch_ctas(self.kernel(args, tile_divisors(num_m_blocks, args.num_splits), (tma_atom_C, tma_atom_Kp),
@@ -183,13 +251,13 @@ class MlaDecodeSm90Tma:
         divisors: TileDivisors,  # the grid's M blocks and splits (tile_scheduler.tile_divisors)
         tma_atoms: tuple,  # ckv, kpe
         tma_views: tuple,  # ckv, kpe: (page_size, d, [h_kv,] num_pages) coordinate tensors
-        smem_layouts: tuple,  # Qn, Qp, ckv, kpe, P
+        smem_layouts: tuple,  # Qn, Qp, ckv, kpe, P, V^T
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         tiled_mma_pv_ss: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
     ):
-        sQn_layout, sQp_layout, sC_layout, sKp_layout, sP_layout = smem_layouts
+        sQn_layout, sQp_layout, sC_layout, sKp_layout, sP_layout, sVt_layout = smem_layouts
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
@@ -198,11 +266,15 @@ class MlaDecodeSm90Tma:
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         mbar = storage.mbar.data_ptr()
         if tidx == 0:
-            for i in cutlass.range_constexpr(2 * CHUNKS):
+            for i in cutlass.range_constexpr(2 * self.chunks.chunks):
                 cute.arch.mbarrier_init(mbar + i, 1)  # one arrive (with the TMA bytes) per load
             cute.arch.mbarrier_init_fence()
         sC = storage.sC.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)
         sKp = storage.sKp.get_tensor(sKp_layout.outer, swizzle=sKp_layout.inner)
+        sVt, sC_addr, sVt_addr = None, None, None
+        if cutlass.const_expr(self.fp8):
+            sVt = storage.sVt.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
+            sC_addr, sVt_addr = storage.sC.data_ptr().toint(), storage.sVt.data_ptr().toint()
         smem = _Smem(
             storage.sQn.get_tensor(sQn_layout.outer, swizzle=sQn_layout.inner),
             storage.sQp.get_tensor(sQp_layout.outer, swizzle=sQp_layout.inner),
@@ -210,10 +282,12 @@ class MlaDecodeSm90Tma:
             # sP0 over buffer 0's kpe chunk (see the module docstring), sP1 its own.
             storage.sKp.get_tensor(sP_layout.outer, swizzle=sP_layout.inner),
             storage.sP1.get_tensor(sP_layout.outer, swizzle=sP_layout.inner),
+            sVt,
             storage.sM.get_tensor(cute.make_layout(TILE_M)),
             storage.sCorr.get_tensor(cute.make_layout((TILE_M, 2))),
             storage.sSums.get_tensor(cute.make_layout((TILE_M, 2))),
-            mbar,
+            storage.sAmax.get_tensor(cute.make_layout(THREADS // 32)),
+            mbar, sC_addr, sVt_addr,
         )
         tile = MlaTile.create(
             args, BlockInfo(TILE_M, TILE_N, self.qhead_per_kvhead_packed, self.variant, self.split_blocks),
@@ -221,12 +295,12 @@ class MlaDecodeSm90Tma:
         n_tiles = cute.arch.make_warp_uniform(tile.n_tiles)
         cute.arch.sync_threads()  # the mbarriers are initialised
         if tile.rows_valid > 0:
-            loader = _TileLoader.create(args, tile, tma_atoms, tma_views, smem)
+            loader = _TileLoader.create(args, tile, tma_atoms, tma_views, smem, self.chunks)
             if warp_idx == 0:
                 if n_tiles > 0:
-                    loader.load(0, 0, 0, CHUNKS)
+                    loader.load(0, 0, 0, self.chunks.chunks)
                 if n_tiles > 1:
-                    loader.load(1, 1, 0, CHUNKS)
+                    loader.load(1, 1, 0, self.chunks.chunks)
             self.mma(tile, n_tiles, smem, loader, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_ss, args, tidx)
 
     @cute.jit
@@ -235,29 +309,56 @@ class MlaDecodeSm90Tma:
         row sums and the epilogue."""
         wg_idx = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         t = tidx % WG_THREADS
-        load_q_rows(tile, smem.sQn, smem.sQp, args, self.dtype, self.qhead_per_kvhead_packed, TILE_M, THREADS, tidx)
-        if tidx < TILE_M:
-            smem.sM[tidx] = -Float32.inf
-        cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.fence_view_async_shared()  # Q's cp.async and zero rows, read by wgmma
-        cute.arch.barrier(barrier_id=int(Sm90MlaTmaBarrier.Q), number_of_threads=THREADS)
+        scale = tile.softmax_scale
+        if cutlass.const_expr(self.fp8):
+            if tidx < TILE_M:
+                smem.sM[tidx] = -Float32.inf
+            # Q / 2^e in e4m3 (one power-of-two scale for the tile's q_nope and q_pe,
+            # ``q_quant``); 2^e and the cache's descale join the softmax scale. The last of
+            # its barriers is Q's (sM written, sQ fenced).
+            tile = tile.with_kv_descale(args.for_kv_head(tile.head_kv))
+            row0 = tile.m_block * TILE_M
+            packed = self.qhead_per_kvhead_packed
+            q_scale = quantize_q_tile(
+                ((tile.q_rows(args.mQn, packed, False), smem.sQn), (tile.q_rows(args.mQp, packed, False), smem.sQp)),
+                row0, smem.sAmax, tile.rows_valid, None, tidx, THREADS,
+                lambda: cute.arch.barrier(barrier_id=int(Sm90MlaTmaBarrier.Q), number_of_threads=THREADS))
+            scale = tile.softmax_scale * q_scale
+        else:
+            load_q_rows(tile, smem.sQn, smem.sQp, args, self.dtype, self.qhead_per_kvhead_packed, TILE_M, THREADS,
+                        tidx)
+            if tidx < TILE_M:
+                smem.sM[tidx] = -Float32.inf
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.fence_view_async_shared()  # Q's cp.async and zero rows, read by wgmma
+            cute.arch.barrier(barrier_id=int(Sm90MlaTmaBarrier.Q), number_of_threads=THREADS)
         # wgmma operands are warpgroup-wide descriptors: partition by the first thread.
         wg_qk = tiled_mma_qk.get_slice(0)
         wg_pv = tiled_mma_pv.get_slice(wg_idx * WG_THREADS)
         wg_pv_ss = tiled_mma_pv_ss.get_slice(wg_idx * WG_THREADS)
-        stsm = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        thr_stsm = cute.make_tiled_copy_C(stsm, tiled_mma_qk).get_slice(t)
+        if cutlass.const_expr(self.fp8):
+            # V^T (K-major B); P stored in the RS wgmma's own A layout (the ``sigma`` key order
+            # of the V^T the transposes write, ``fp8_operands``), which the other warpgroup's
+            # SS wgmma reads at the same (row, k) places.
+            tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(smem.sVt))
+            thr_pv = tiled_mma_pv.get_slice(t)
+            p_store = (None, thr_pv.partition_A(smem.sP0), thr_pv.partition_A(smem.sP1))
+        else:
+            tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(transpose_view(smem.sC)))
+            stsm = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+            thr_stsm = cute.make_tiled_copy_C(stsm, tiled_mma_qk).get_slice(t)
+            p_store = (thr_stsm, thr_stsm.partition_D(smem.sP0), thr_stsm.partition_D(smem.sP1))
         ops = _Ops(
             tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_ss,
             wg_qk.make_fragment_A(wg_qk.partition_A(smem.sQn)), wg_qk.make_fragment_A(wg_qk.partition_A(smem.sQp)),
             wg_qk.make_fragment_B(wg_qk.partition_B(smem.sC)), wg_qk.make_fragment_B(wg_qk.partition_B(smem.sKp)),
-            wg_pv.make_fragment_B(wg_pv.partition_B(transpose_view(smem.sC))),
+            tOrVt,
             wg_pv_ss.make_fragment_A(wg_pv_ss.partition_A(smem.sP0)),
             wg_pv_ss.make_fragment_A(wg_pv_ss.partition_A(smem.sP1)),
-            thr_stsm, thr_stsm.partition_D(smem.sP0), thr_stsm.partition_D(smem.sP1),
+            *p_store,
             acc_mn_view(tiled_mma_qk.get_slice(t).partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))),
-            Float32(tile.softmax_scale * LOG2_E),
+            Float32(scale * LOG2_E),
         )
         acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((TILE_M, D_CKV)), Float32)
         acc_O.fill(0.0)
@@ -277,14 +378,18 @@ class MlaDecodeSm90Tma:
         """Warpgroup 0: S of the even tiles, O's columns 0-255. Full steps while a tile i + 2
         follows, then one tail step."""
         acc_S = cute.make_rmem_tensor(ops.mma_qk.partition_shape_C((TILE_M, TILE_N)), Float32)
-        self.issue_s(ops, smem, acc_S, 0, 0, 0, CHUNKS)
-        warpgroup.wait_group(0)
-        # Tile 0 may end past the sequence: zero those V rows before any P V reads them (the
-        # other warpgroup's half too: it reads them only after SCALE0 / P0).
+        self.issue_s(ops, smem, acc_S, 0, 0, 0, self.chunks.chunks)
+        # Tile 0 may end past the sequence: zero those V rows before any P V reads them.
         rows_in_tile0 = tile.ctx.seqlen_k - (tile.n_block_max - 1) * TILE_N
-        if rows_in_tile0 < TILE_N:
-            zero_rows_from(smem.sC[None, None, 0], rows_in_tile0, t, WG_THREADS)
-            cute.arch.fence_view_async_shared()
+        if cutlass.const_expr(self.fp8):
+            # As transposed, this warpgroup's half (warpgroup 1 zeroes its own).
+            self.transpose_half(smem, 0, 0, 0, rows_in_tile0, True, t)
+        warpgroup.wait_group(0)
+        if cutlass.const_expr(not self.fp8):
+            # Both halves: the other warpgroup reads its half only after SCALE0 / P0.
+            if rows_in_tile0 < TILE_N:
+                zero_rows_from(smem.sC[None, None, 0], rows_in_tile0, t, WG_THREADS)
+                cute.arch.fence_view_async_shared()
         for p in cutlass.range((n_tiles - 1) // 2, unroll=1):
             self.wg0_step(tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum, 2 * p, True, True, t)
         last = ((n_tiles - 1) // 2) * 2
@@ -299,8 +404,13 @@ class MlaDecodeSm90Tma:
         follows, then the last one to three tiles."""
         acc_S = cute.make_rmem_tensor(ops.mma_qk.partition_shape_C((TILE_M, TILE_N)), Float32)
         if n_tiles > 1:
-            self.issue_s(ops, smem, acc_S, 1, 0, 0, CHUNKS)
+            self.issue_s(ops, smem, acc_S, 1, 0, 0, self.chunks.chunks)
+            if cutlass.const_expr(self.fp8):
+                self.transpose_half(smem, 1, 1, 0, TILE_N, False, t)
             warpgroup.wait_group(0)
+        if cutlass.const_expr(self.fp8):
+            # Tile 0's right half (the steps transpose that of tiles 2, 4, ...), tail zeroed.
+            self.transpose_half(smem, 0, 1, 0, tile.ctx.seqlen_k - (tile.n_block_max - 1) * TILE_N, True, t)
         full = cutlass.max(n_tiles - 2, 0) // 2
         for p in cutlass.range(full, unroll=1):
             self.wg1_step(tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum, 2 * p, True, True, True, t)
@@ -319,6 +429,7 @@ class MlaDecodeSm90Tma:
                  has_next: cutlass.Constexpr[bool], t):
         """Warpgroup 0, the pair (i, i + 1): ``has_b`` tile i + 1 exists, ``has_next`` tile
         i + 2 (whose S this step computes). On entry S_i is in ``acc_S``; on exit S_{i+2}."""
+        half = self.chunks.half
         corr_a, m_use = self.row_stats(tile, ops, smem, acc_S, tile.n_block_max - 1 - i, 0)
         cute.arch.barrier_arrive(barrier_id=int(Sm90MlaTmaBarrier.SCALE0), number_of_threads=THREADS)
         self.exponentiate(ops, acc_S, row_sum, m_use, corr_a)
@@ -328,13 +439,16 @@ class MlaDecodeSm90Tma:
         cute.arch.barrier(barrier_id=int(Sm90MlaTmaBarrier.SCALE1), number_of_threads=THREADS)
         if cutlass.const_expr(has_next):
             if t < 32:  # V_a's left half was read by this warpgroup alone, and that P V landed
-                loader.load(i + 2, 0, 0, HALF)
+                loader.load(i + 2, 0, 0, half)
         # P_a at the pair's max, for warpgroup 1's half of V.
         corr_b = self.read_rows(ops, smem.sCorr, 1)
         self.rescale(acc_S, ops, corr_b)
         self.store_p(ops, acc_S, ops.tPsP0)
         cute.arch.barrier_arrive(barrier_id=int(Sm90MlaTmaBarrier.P0), number_of_threads=THREADS)
         if cutlass.const_expr(has_b):
+            if cutlass.const_expr(self.fp8):
+                # V_b's left half (warpgroup 1's S_b read it: SCALE1) while warpgroup 1 works.
+                self.transpose_half(smem, 1, 0, ((i + 1) // 2) % 2, TILE_N, False, t)
             cute.arch.barrier(barrier_id=int(Sm90MlaTmaBarrier.O1_ISSUED), number_of_threads=THREADS)
             self.rescale(acc_O, ops, corr_b)
             for r in cutlass.range_constexpr(cute.size(row_sum)):
@@ -342,12 +456,15 @@ class MlaDecodeSm90Tma:
             wgmma_gemm(ops.mma_pv_ss, acc_O, ops.tOsP1, ops.tOrVt[None, None, None, 1], False, -1)
         if cutlass.const_expr(has_next):
             phase = ((i + 2) // 2) % 2
-            self.issue_s(ops, smem, acc_S, 0, phase, 0, HALF)
-            warpgroup.wait_group(HALF)  # sP1 V_b landed: V_b's left half is free
+            self.issue_s(ops, smem, acc_S, 0, phase, 0, half)
+            if cutlass.const_expr(self.fp8):
+                # Tile i + 2's left half of V, under its S (its P V of tile i landed).
+                self.transpose_half(smem, 0, 0, phase, TILE_N, False, t)
+            warpgroup.wait_group(half)  # sP1 V_b landed: V_b's left half is free
             if i + 3 < n_tiles:
                 if t < 32:
-                    loader.load(i + 3, 1, 0, HALF)
-            self.issue_s(ops, smem, acc_S, 0, phase, HALF, CHUNKS)
+                    loader.load(i + 3, 1, 0, half)
+            self.issue_s(ops, smem, acc_S, 0, phase, half, self.chunks.chunks)
         warpgroup.wait_group(0)
 
     @cute.jit
@@ -356,6 +473,11 @@ class MlaDecodeSm90Tma:
         """Warpgroup 1, the pair (i, i + 1): ``has_b`` tile i + 1 exists (its S is in
         ``acc_S``), ``has_next`` tile i + 2, ``has_next_b`` tile i + 3 (whose S this step
         computes)."""
+        half, chunks = self.chunks.half, self.chunks.chunks
+        if cutlass.const_expr(self.fp8):
+            # V_a's right half while warpgroup 0 finds S_a's row max (tile 0's: ``wg1``).
+            if i > 0:
+                self.transpose_half(smem, 0, 1, (i // 2) % 2, TILE_N, False, t)
         cute.arch.barrier(barrier_id=int(Sm90MlaTmaBarrier.SCALE0), number_of_threads=THREADS)
         corr = self.read_rows(ops, smem.sCorr, 0)  # corr_a, times corr_b where there is a tile b
         tOrP = None
@@ -382,13 +504,16 @@ class MlaDecodeSm90Tma:
         if cutlass.const_expr(has_next_b):
             warpgroup.wait_group(1)  # P_b V_b landed: V_b's right half and kpe are free
             if t < 32:
-                loader.load(i + 3, 1, HALF, CHUNKS)
+                loader.load(i + 3, 1, half, chunks)
         if cutlass.const_expr(has_next):
             warpgroup.wait_group(0)  # sP0 V_a landed: V_a's right half and sP0 (kpe) are free
             if t < 32:
-                loader.load(i + 2, 0, HALF, CHUNKS)
+                loader.load(i + 2, 0, half, chunks)
         if cutlass.const_expr(has_next_b):
-            self.issue_s(ops, smem, acc_S, 1, ((i + 3) // 2) % 2, 0, CHUNKS)
+            self.issue_s(ops, smem, acc_S, 1, ((i + 3) // 2) % 2, 0, chunks)
+            if cutlass.const_expr(self.fp8):
+                # Tile i + 3's right half of V, under its S.
+                self.transpose_half(smem, 1, 1, ((i + 3) // 2) % 2, TILE_N, False, t)
         warpgroup.wait_group(0)
 
     # ------------------------------------------------------------------ pieces
@@ -399,14 +524,15 @@ class MlaDecodeSm90Tma:
         """S (+)= Q K^T over chunks [lo, hi) of buffer ``buf``, each after its TMA landed (its
         mbarrier's phase ``phase``), one wgmma group per chunk (not waited). Chunk 0 starts
         the accumulation."""
-        slices = CHUNK // 16
+        ch = self.chunks
         for c in cutlass.range_constexpr(lo, hi):
-            cute.arch.mbarrier_wait(smem.mbar + buf * CHUNKS + c, phase)
+            cute.arch.mbarrier_wait(smem.mbar + buf * ch.chunks + c, phase)
             warpgroup.fence()
             atom = cute.make_mma_atom(ops.mma_qk.op)  # fresh: its ACCUMULATE field is rewritten
             atom.set(warpgroup.Field.ACCUMULATE, c > 0)
+            slices = ch.slices if c < ch.c_chunks else ch.kpe_slices
             for k in cutlass.range_constexpr(slices):
-                if cutlass.const_expr(c < C_CHUNKS):
+                if cutlass.const_expr(c < ch.c_chunks):
                     cute.gemm(atom, acc_S, ops.tSrQn[None, None, c * slices + k],
                               ops.tSrC[None, None, c * slices + k, buf], acc_S)
                 else:
@@ -447,11 +573,14 @@ class MlaDecodeSm90Tma:
 
     @cute.jit
     def exponentiate(self, ops, acc_S, row_sum, m_use, corr):
-        """acc_S becomes P = exp2(S * scale_log2 - max) (fp32), and the row sums take it
-        after their correction ``corr`` (all this step's, for this warpgroup's sums)."""
+        """acc_S becomes P = exp2(S * scale_log2 - max) (fp32; fp8: times 2^8, the row max at
+        2^8 where e4m3 keeps its 4 significant bits down to 2^-6, ``FP8_P_OFFSET``), and the
+        row sums take it after their correction ``corr`` (all this step's, for this
+        warpgroup's sums)."""
         s_mn = acc_mn_view(acc_S)
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-            s_mn[r, None].store(cute.math.exp2(s_mn[r, None].load() * ops.scale_log2 - m_use[r], fastmath=True))
+            m_p = m_use[r] - FP8_P_OFFSET if cutlass.const_expr(self.fp8) else m_use[r]
+            s_mn[r, None].store(cute.math.exp2(s_mn[r, None].load() * ops.scale_log2 - m_p, fastmath=True))
             row_sum[r] = row_sum[r] * corr[r] + _row_sum(s_mn[r, None])
 
     @cute.jit
@@ -478,18 +607,43 @@ class MlaDecodeSm90Tma:
             a_mn[r, None].store(a_mn[r, None].load() * corr[r])
 
     def p_operand(self, ops, acc_S):
-        """P in 16 bits laid out like S (pairwise conversion), as the A operand of P V."""
+        """P as the A operand of P V: in 16 bits laid out like S (pairwise conversion), or in
+        e4m3 in the RS wgmma's 8-bit A layout (``fp8_operands.p_to_fp8``: the ``sigma`` key
+        order of V^T)."""
+        if cutlass.const_expr(self.fp8):
+            tOrP = cute.make_rmem_tensor(ops.mma_pv.partition_shape_A((TILE_M, TILE_N)), self.op_dtype)
+            p_to_fp8(acc_S, tOrP)
+            return tOrP
         tOrP = acc_to_operand_a(cute.make_rmem_tensor(ops.mma_qk.partition_shape_C((TILE_M, TILE_N)), self.dtype))
         convert_pairs(acc_S, cute.make_tensor(tOrP.iterator, acc_S.layout))
         return tOrP
 
     @cute.jit
     def store_p(self, ops, acc_S, tPsP):
-        """P (16-bit) to a shared P tile by stmatrix, fenced for the other warpgroup's wgmma."""
-        rP = cute.make_fragment_like(acc_S, self.dtype)
-        convert_pairs(acc_S, rP)
-        cute.copy(ops.thr_stsm, ops.thr_stsm.retile(rP), tPsP)
+        """P to a shared P tile, fenced for the other warpgroup's wgmma: 16-bit by stmatrix;
+        fp8 in the A operand's places (4-byte stores: 4 consecutive k a thread)."""
+        if cutlass.const_expr(self.fp8):
+            cute.autovec_copy(self.p_operand(ops, acc_S), tPsP)
+        else:
+            rP = cute.make_fragment_like(acc_S, self.dtype)
+            convert_pairs(acc_S, rP)
+            cute.copy(ops.thr_stsm, ops.thr_stsm.retile(rP), tPsP)
         cute.arch.fence_view_async_shared()
+
+    @cute.jit
+    def transpose_half(self, smem, buf: cutlass.Constexpr[int], wg: cutlass.Constexpr[int], phase, rows_valid,
+                       zero_tail: cutlass.Constexpr[bool], t):
+        """fp8: warpgroup ``wg``'s half of V in buffer ``buf`` (ckv columns [256 wg, 256 wg +
+        256), the O columns it owns) into V^T (``fp8_operands.transpose_v_block``; keys at or
+        past ``rows_valid`` zeroed with ``zero_tail``) once its chunks landed (their
+        mbarriers' ``phase``), fenced for the wgmma and met by the warpgroup's four warps."""
+        ch = self.chunks
+        for c in cutlass.range_constexpr(ch.half * wg, ch.half * (wg + 1)):
+            cute.arch.mbarrier_wait(smem.mbar + buf * ch.chunks + c, phase)
+        transpose_v_block(smem.sC_addr + wg * HALF_BYTES, smem.sVt_addr + wg * HALF_BYTES, self.v_half_geometry,
+                          self.vt_geometry, buf, buf, t, WG_THREADS // 32, rows_valid, zero_tail)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(Sm90MlaTmaBarrier.VT0) + wg, number_of_threads=WG_THREADS)
 
     @cute.jit
     def epilogue(self, tile, smem, ops, acc_O, row_sum, args: MlaArgs, tidx, wg_idx):
@@ -508,11 +662,14 @@ class MlaDecodeSm90Tma:
             row = ops.tScS_mn[r, 0][0]
             total = smem.sSums[row, 0] + smem.sSums[row, 1]
             inv[r] = cute.arch.rcp_approx(total)
-            lse[r] = (smem.sM[row] + cute.math.log2(total, fastmath=True)) * LN_2
+            m_p = smem.sM[row] - FP8_P_OFFSET if cutlass.const_expr(self.fp8) else smem.sM[row]
+            lse[r] = (m_p + cute.math.log2(total, fastmath=True)) * LN_2
             if total == 0.0 or total != total:  # no key seen: O 0, LSE -inf
                 inv[r] = Float32(0.0)
                 lse[r] = -Float32.inf
         self.rescale(acc_O, ops, inv)
+        if cutlass.const_expr(self.fp8):
+            tile.descale_o(args.for_kv_head(tile.head_kv), acc_O)
         packed = self.qhead_per_kvhead_packed
         row0 = tile.m_block * TILE_M
         o_rows = tile.out_rows(args.mO, packed, self.is_split, False)
@@ -556,10 +713,14 @@ class _Smem:
     sKp: cute.Tensor  # (64, 64, 2)
     sP0: cute.Tensor  # (64, 64): P_a over buffer 0's kpe chunk
     sP1: cute.Tensor  # (64, 64): P_b
+    sVt: cute.Tensor  # fp8: (512, 64, 2) V^T, keys in the ``sigma`` order; else None
     sM: cute.Tensor  # (64,) the running row max
     sCorr: cute.Tensor  # (64, 2) the corrections of S_a, S_b
     sSums: cute.Tensor  # (64, 2) the warpgroups' row sums
-    mbar: cute.Pointer  # 2 x 9 chunk mbarriers
+    sAmax: cute.Tensor  # (8,) fp8: each warp's amax of Q
+    mbar: cute.Pointer  # 2 x (ckv chunks + 1) chunk mbarriers
+    sC_addr: Int32  # fp8: shared-window addresses of sC and sVt, for the transposes; else None
+    sVt_addr: Int32
 
 
 @dataclass(frozen=True)
@@ -576,7 +737,7 @@ class _Ops:
     tOrVt: cute.Tensor  # this warpgroup's 256 columns of V^T, (.., 2 buffers)
     tOsP0: cute.Tensor
     tOsP1: cute.Tensor
-    thr_stsm: cute.ThrCopy
+    thr_stsm: cute.ThrCopy  # 16-bit P's stmatrix; None for fp8
     tPsP0: cute.Tensor
     tPsP1: cute.Tensor
     tScS_mn: cute.Tensor
@@ -601,20 +762,21 @@ class _TileLoader:
     batch: Int32
     n_block_max: Int32
     mbar: cute.Pointer
+    chunks: _Chunks
 
     @staticmethod
-    def create(args: MlaArgs, tile, tma_atoms, tma_views, smem: _Smem) -> "_TileLoader":
+    def create(args: MlaArgs, tile, tma_atoms, tma_views, smem: _Smem, chunks: _Chunks) -> "_TileLoader":
         tma_C, tma_Kp = tma_views
         if cutlass.const_expr(args.kv_heads):
             tma_C, tma_Kp = tma_C[None, None, tile.head_kv, None], tma_Kp[None, None, tile.head_kv, None]
         parts = []
-        for atom, view, s in zip(tma_atoms, (tma_C, tma_Kp), (smem.sC, smem.sKp)):
-            g = cute.flat_divide(view, (TILE_N, CHUNK))  # (64, 64, sub-blocks, chunks, pages)
-            s_chunks = cute.flat_divide(s, (TILE_N, CHUNK))  # (64, 64, 1, chunks, buffers)
+        for atom, view, s, cols in zip(tma_atoms, (tma_C, tma_Kp), (smem.sC, smem.sKp), (chunks.cols, D_KPE)):
+            g = cute.flat_divide(view, (TILE_N, cols))  # (64, cols, sub-blocks, chunks, pages)
+            s_chunks = cute.flat_divide(s, (TILE_N, cols))  # (64, cols, 1, chunks, buffers)
             ts, tg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_chunks, 0, 2),
                                            cute.group_modes(g, 0, 2))
             parts += [tg, ts]
-        return _TileLoader(*tma_atoms, *parts, args.mPageTable, tile.ctx.batch, tile.n_block_max, smem.mbar)
+        return _TileLoader(*tma_atoms, *parts, args.mPageTable, tile.ctx.batch, tile.n_block_max, smem.mbar, chunks)
 
     @cute.jit
     def load(self, i, buf: cutlass.Constexpr[int], lo: cutlass.Constexpr[int], hi: cutlass.Constexpr[int]):
@@ -622,11 +784,12 @@ class _TileLoader:
         with its bytes (one lane arrives; the whole warp calls)."""
         page, sub = page_and_row(self.mPageTable, self.batch, self.n_block_max - 1 - i, self.tCgC.shape[1],
                                  self.tCgC.shape[3])
+        ch = self.chunks
         for c in cutlass.range_constexpr(lo, hi):
-            bar = self.mbar + buf * CHUNKS + c
+            bar = self.mbar + buf * ch.chunks + c
             with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(bar, TILE_N * CHUNK * 2)
-            if cutlass.const_expr(c < C_CHUNKS):
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, ch.ckv_bytes if c < ch.c_chunks else ch.kpe_bytes)
+            if cutlass.const_expr(c < ch.c_chunks):
                 cute.copy(self.tma_atom_C, self.tCgC[None, sub, c, page], self.tCsC[None, 0, c, buf], tma_bar_ptr=bar)
             else:
                 cute.copy(self.tma_atom_Kp, self.tKgKp[None, sub, 0, page], self.tKsKp[None, 0, 0, buf],

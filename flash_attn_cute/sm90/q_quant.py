@@ -78,48 +78,53 @@ def pow2_scales(amax: Float32, *, loc=None, ip=None) -> tuple:
 
 
 @cute.jit
-def quantize_q_tile(q_rows: cute.Tensor, row0: Int32, sQ: cute.Tensor, sAmax: cute.Tensor, rows_valid: Int32,
-                    cols_valid: cutlass.Constexpr, tidx: Int32, num_threads: cutlass.Constexpr[int], sync) -> Float32:
-    """Q rows [row0, row0 + rows) of ``q_rows`` ((rows, cols) 16-bit gmem, packed under GQA)
-    into the e4m3 tile ``sQ`` (rows, cols) as Q / 2^e; returns 2^e. ``num_threads`` threads
-    (this one ``tidx``) take part, each with its 16-byte chunks; tile rows at or past
-    ``rows_valid`` and columns at or past ``cols_valid`` (a padded head dim; None: none)
-    are zeros. ``sAmax``: one fp32 word per warp; ``sync()``: a barrier of the
-    ``num_threads`` threads (run twice: the warps' amaxes written, then sQ written and
-    fenced for wgmma)."""
-    rows, cols = cute.size(sQ, mode=[0]), cute.size(sQ, mode=[1])
-    q_dtype = q_rows.element_type
-    thr_copy = gmem_tiled_copy(q_dtype, cols, num_threads).get_slice(tidx)
-    tQsQ = thr_copy.partition_D(sQ)  # (CPY, M, chunks), e4m3
-    tQcQ = thr_copy.partition_S(cute.make_identity_tensor((rows, cols)))
-    rQ = cute.make_fragment_like(tQsQ, q_dtype)
-    rQ.fill(0.0)
-    # Every chunk's load is issued before the first is used: one gmem round trip per tile.
-    for m in cutlass.range_constexpr(cute.size(rQ, mode=[1])):
-        row = tQcQ[0, m, 0][0]
-        if row < rows_valid:
-            g_row = q_rows[row0 + row, None]
-            for k in cutlass.range_constexpr(cute.size(rQ, mode=[2])):
-                col = tQcQ[0, m, k][1]
-                src = cute.make_tensor(aligned_row_ptr(g_row, col, 16), rQ[None, m, k].layout)
-                if cutlass.const_expr(cols_valid is None):
-                    cute.autovec_copy(src, rQ[None, m, k])
-                else:
-                    if col < cols_valid:
+def quantize_q_tile(parts: tuple, row0: Int32, sAmax: cute.Tensor, rows_valid: Int32, cols_valid: cutlass.Constexpr,
+                    tidx: Int32, num_threads: cutlass.Constexpr[int], sync) -> Float32:
+    """Q rows [row0, row0 + rows) of each part ``(q_rows, sQ)`` (``q_rows``: (rows, cols)
+    16-bit gmem, packed under GQA; ``sQ``: its (rows, cols) e4m3 tile) stored as Q / 2^e,
+    one 2^e for all the parts (MLA's q_nope and q_pe add into one score); returns 2^e.
+    ``num_threads`` threads (this one ``tidx``) take part, each with its 16-byte chunks;
+    tile rows at or past ``rows_valid`` and columns at or past ``cols_valid`` (a padded head
+    dim; None: none) are zeros. ``sAmax``: one fp32 word per warp; ``sync()``: a barrier of
+    the ``num_threads`` threads (run twice: the warps' amaxes written, then the tiles
+    written and fenced for wgmma)."""
+    views = []  # per part: (thread's smem partition, its 16-bit registers)
+    for q_rows, sQ in parts:
+        rows, cols = cute.size(sQ, mode=[0]), cute.size(sQ, mode=[1])
+        q_dtype = q_rows.element_type
+        thr_copy = gmem_tiled_copy(q_dtype, cols, num_threads).get_slice(tidx)
+        tQsQ = thr_copy.partition_D(sQ)  # (CPY, M, chunks), e4m3
+        tQcQ = thr_copy.partition_S(cute.make_identity_tensor((rows, cols)))
+        rQ = cute.make_fragment_like(tQsQ, q_dtype)
+        rQ.fill(0.0)
+        # Every chunk's load is issued before the first is used: one gmem round trip per tile.
+        for m in cutlass.range_constexpr(cute.size(rQ, mode=[1])):
+            row = tQcQ[0, m, 0][0]
+            if row < rows_valid:
+                g_row = q_rows[row0 + row, None]
+                for k in cutlass.range_constexpr(cute.size(rQ, mode=[2])):
+                    col = tQcQ[0, m, k][1]
+                    src = cute.make_tensor(aligned_row_ptr(g_row, col, 16), rQ[None, m, k].layout)
+                    if cutlass.const_expr(cols_valid is None):
                         cute.autovec_copy(src, rQ[None, m, k])
+                    else:
+                        if col < cols_valid:
+                            cute.autovec_copy(src, rQ[None, m, k])
+        views.append((tQsQ, rQ))
     # Four interleaved max chains (|x| is an operand modifier of FMNMX), then the warp's. The
     # fp32 values are made chunk by chunk, here and for the stores: only the 16-bit ones
     # stay live across the barrier.
     chains = []
-    for m in cutlass.range_constexpr(cute.size(rQ, mode=[1])):
-        for k in cutlass.range_constexpr(cute.size(rQ, mode=[2])):
-            x = cute.make_fragment_like(rQ[None, m, k], Float32)
-            x.store(rQ[None, m, k].load().to(Float32))
-            for i in cutlass.range_constexpr(cute.size(x)):
-                if cutlass.const_expr(len(chains) < 4):
-                    chains.append(cute.math.absf(x[i]))
-                else:
-                    chains[i % 4] = cute.arch.fmax(chains[i % 4], cute.math.absf(x[i]))
+    for _, rQ in views:
+        for m in cutlass.range_constexpr(cute.size(rQ, mode=[1])):
+            for k in cutlass.range_constexpr(cute.size(rQ, mode=[2])):
+                x = cute.make_fragment_like(rQ[None, m, k], Float32)
+                x.store(rQ[None, m, k].load().to(Float32))
+                for i in cutlass.range_constexpr(cute.size(x)):
+                    if cutlass.const_expr(len(chains) < 4):
+                        chains.append(cute.math.absf(x[i]))
+                    else:
+                        chains[i % 4] = cute.arch.fmax(chains[i % 4], cute.math.absf(x[i]))
     amax = Float32(0.0)
     for c in chains:
         amax = cute.arch.fmax(amax, c)
@@ -132,11 +137,12 @@ def quantize_q_tile(q_rows: cute.Tensor, row0: Int32, sQ: cute.Tensor, sAmax: cu
     for w in cutlass.range_constexpr(1, num_threads // 32):
         amax = cute.arch.fmax(amax, sAmax[w])
     inv_scale, scale = pow2_scales(amax)
-    r8 = cute.make_fragment_like(tQsQ)
-    for m in cutlass.range_constexpr(cute.size(rQ, mode=[1])):
-        for k in cutlass.range_constexpr(cute.size(rQ, mode=[2])):
-            r8[None, m, k].store((rQ[None, m, k].load().to(Float32) * inv_scale).to(sQ.element_type))
-    cute.autovec_copy(r8, tQsQ)
+    for tQsQ, rQ in views:
+        r8 = cute.make_fragment_like(tQsQ)
+        for m in cutlass.range_constexpr(cute.size(rQ, mode=[1])):
+            for k in cutlass.range_constexpr(cute.size(rQ, mode=[2])):
+                r8[None, m, k].store((rQ[None, m, k].load().to(Float32) * inv_scale).to(tQsQ.element_type))
+        cute.autovec_copy(r8, tQsQ)
     # Generic-proxy stores, read next by wgmma (async proxy), by every consumer warpgroup.
     cute.arch.fence_view_async_shared()
     sync()
