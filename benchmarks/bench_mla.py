@@ -18,7 +18,8 @@ computes it once for every layer) and FlashInfer (``flashinfer.mla.BatchMLAPaged
 backends "fa3" and "fa2") run each row on the same values, planned once, timed the same
 way; where they do not import, their columns stay empty (on the GPU machine:
 ``../shared/gpu/README.md``). FP8 rows (``--fp8``): FlashMLA's FP8 mode (e4m3 q and cache,
-per-tensor descales) beside our FP8 cache (16-bit q).
+per-tensor descales) beside our FP8 cache with 16-bit q (quantized in the kernel) and with
+the same e4m3 q (``q_descale``, the "fp8 q" rows).
 
     python benchmarks/bench_mla.py [--backends sm80] [--dtype bf16] [--rows 0,5] [--fp8]
                                    [--heads 8,16] [--peers flashmla,fa3,fa2 | --no-peers] [--csv out.csv] [--no-md]
@@ -28,9 +29,9 @@ kernels pad (8, 24, 100: the last 64-row tile partly empty) beside the next mult
 16 it costs the same as (the same tiles, bytes and splits; ``mla_kernel`` docstring).
 
 ``--fp8`` adds, after each 16-bit row, the same row over an FP8 (e4m3) latent cache (one
-``kv_descale`` for ckv and kpe), timed in the same run: its TB/s counts the cache at one
-byte a value, and ``vs_16bit`` is our 16-bit time over the fp8 time (tokens per second;
-issue 16's target is >= 1.7 on the memory-bound rows).
+``kv_descale`` for ckv and kpe), then (SM90) that row with e4m3 queries, timed in the same
+run: their TB/s count the cache at one byte a value, and ``vs_16bit`` is our 16-bit time
+over the fp8 time (tokens per second; issue 32's target is >= 1.3 on rows of 64+ heads).
 """
 
 import argparse
@@ -243,11 +244,17 @@ def one_row(fa, backend, inputs, page, heads, refs, fp8=False):
         both, kw["kv_descale"] = fa.quantize_fp8(torch.cat([ckv, kpe], -1).unsqueeze(2), granularity="tensor")
         ckv, kpe, cache_elem = both[..., 0, :512].contiguous(), both[..., 0, 512:].contiguous(), 1
         del both
+    if fp8 == "q":  # FP8 queries too, quantized per tensor as FlashMLA's FP8 row quantizes them
+        q8, kw["q_descale"] = fa.quantize_fp8(torch.cat([q_nope, q_pe], -1), granularity="tensor")
+        q_nope, q_pe = q8[..., :512], q8[..., 512:]
     args = (q_nope, q_pe, ckv, kpe, seqlens, table)
     fn = lambda: fa.flash_mla_decode(*args, backend=backend, **kw)
     ms = bench(fn, graph=True)
     nbytes, flops = row_bytes_flops(batch, seqlen, heads, cache_elem)
-    if fp8:
+    if fp8 == "q":  # the reference on the dequantized queries
+        q_deq = torch.cat([q_nope, q_pe], -1).float() * kw["q_descale"]
+        refs = references((q_deq[..., :512], q_deq[..., 512:], *args[2:]), kv_descale=kw["kv_descale"])
+    elif fp8:
         refs = references(args, **kw)
     correct = "" if refs is None else check_correct(fn(), *refs)
     problem = MlaProblem(dtype=q_nope.dtype, batch=batch, max_seqlen_q=1, max_seqlen_k=pages_per_seq * page,
@@ -300,19 +307,23 @@ def main(argv=None):
         peer_ms, peer_ok = flashinfer_times(inputs, page, heads, fi_peers, refs) if fi_peers else ({}, {})
         peer_tbps = {p: nbytes / (ms * 1e-3) / 1e12 for p, ms in peer_ms.items()}
         mla_ms = {False: flashmla_time(inputs, page, heads, refs) if "flashmla" in peers else (None, None)}
-        for backend, fp8 in ((b, f) for b in backends for f in (False, True)[:1 + args.fp8]):
+        base_us = None  # the backend's 16-bit row, for the FP8 rows' vs_16bit
+        for backend, fp8 in ((b, f) for b in backends for f in (False, True, "q")[:1 + 2 * args.fp8]):
             mode = os.environ.get("FLASH_ATTN_CUTE_MLA_SM90_QK") if backend == "sm90" else None
-            row = dict(impl=f"flash_attn_cute {backend}" + (f" qk={mode}" if mode else "") + (" fp8" if fp8 else ""),
+            if fp8 == "q" and backend != "sm90":
+                continue  # FP8 queries: the SM90 TMA kernel alone
+            row = dict(impl=f"flash_attn_cute {backend}" + (f" qk={mode}" if mode else "")
+                       + {False: "", True: " fp8", "q": " fp8 q"}[fp8],
                        batch=batch, seqlen=seqlen, page=page, heads=heads,
                        fi_fa3=peer_tbps.get("fa3"), fi_fa2=peer_tbps.get("fa2"),
                        fi_correct="/".join(f"{p} {peer_ok[p]}" for p in PEERS if p in peer_ok))
             try:
                 ms, tbps, tflops, correct, note = one_row(fa, backend, inputs, page, heads, refs, fp8)
                 row.update(time_us=ms * 1e3, tbps=tbps, tflops=tflops, correct=correct, note=note)
-                if fp8 and "flashmla" in peers and fp8 not in mla_ms:
+                if fp8 and "flashmla" in peers and True not in mla_ms:
                     fp8_inputs, descale = fp8_peer_inputs(fa, inputs)
-                    mla_ms[fp8] = flashmla_time(fp8_inputs, page, heads, kv_descale=descale)
-                peer_time, peer_correct = mla_ms.get(fp8, (None, None))
+                    mla_ms[True] = flashmla_time(fp8_inputs, page, heads, kv_descale=descale)
+                peer_time, peer_correct = mla_ms.get(bool(fp8), (None, None))
                 if peer_time:
                     peer_bytes = row_bytes_flops(batch, seqlen, heads, 1 if fp8 else 2)[0]
                     row["flashmla"] = peer_bytes / (peer_time * 1e-3) / 1e12
@@ -320,9 +331,10 @@ def main(argv=None):
                     if peer_correct is not None:
                         row["fi_correct"] = "/".join(x for x in (row["fi_correct"], f"flashmla {peer_correct}") if x)
                 if fp8:  # FP8 TB/s count the cache at a byte a value: no ratio to 16-bit peers
-                    if rows and rows[-1].get("time_us"):  # the 16-bit row just before, same shape
-                        row["vs_16bit"] = rows[-1]["time_us"] / row["time_us"]
+                    if base_us:  # the 16-bit row before, same shape
+                        row["vs_16bit"] = base_us / row["time_us"]
                 else:
+                    base_us = row["time_us"]
                     for p in PEERS:
                         if row[f"fi_{p}"]:
                             row[f"x_{p}"] = tbps / row[f"fi_{p}"]

@@ -26,7 +26,8 @@ __all__ = ["flash_mla_decode", "MlaProblem", "MLA_BACKENDS", "MLA_NHEADS", "MLA_
 
 def flash_mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, *, softmax_scale=None,
                      causal=False, num_splits=0, return_lse=False, out=None, backend=None, batch_invariant=False,
-                     kv_descale=None, cp_world_size=1, cp_rank=0, cp_tot_seqused_k=None, cp_kv_interleave=1):
+                     kv_descale=None, q_descale=None, cp_world_size=1, cp_rank=0, cp_tot_seqused_k=None,
+                     cp_kv_interleave=1):
     """MLA decode against a paged latent cache.
 
     q_nope ``(batch, seqlen_q, nheads, 512)``, q_pe ``(batch, seqlen_q, nheads, 64)``;
@@ -53,9 +54,19 @@ def flash_mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_tab
     that turns the stored values of
     both caches back into real ones (one scale per token's 576 values, as vLLM stores an
     MLA cache; quantize with ``quantize_fp8(torch.cat([ckv, kpe], -1), granularity=
-    "tensor")``). The kernels widen the cache to 16 bits in shared memory; scores and
+    "tensor")``). On Hopper an e4m3 cache in pages of a multiple of 64 runs in fp8 wgmma
+    (FlashMLA's FP8 recipe): the queries are rounded to e4m3 in the kernel (one
+    power-of-two scale per 64 query rows, folded into the softmax scale), P to e4m3
+    (relative error 2^-4 per element at most; the output's error against the fp32
+    reference on the dequantized cache is stated in the README); other page sizes, e5m2
+    and other GPUs widen the cache to 16 bits in shared memory (q unrounded). Scores and
     output use the descale. On the GPUs the MLA kernels run on that have fp8 conversions
     (sm_90, sm_100; not the A100). ``kv_descale`` is ignored for a 16-bit cache.
+
+    FP8 queries (FlashMLA's FP8 mode, as vLLM calls it): ``q_nope`` and ``q_pe``
+    ``float8_e4m3fn`` with an e4m3 cache in pages of a multiple of 64 (sm_90), and
+    ``q_descale`` fp32 in the forms of ``kv_descale`` (default 1), the factor that turns
+    them back into real ones; the output is bf16.
 
     No device synchronisation: lengths beyond the table's capacity and page ids outside
     the pool are clamped in the kernel (wrong results, never an illegal read). A

@@ -282,11 +282,12 @@ def test_serving_features_are_described():
     assert skipped == [] and [(e.name, e.key[2]) for e in hopper] == [("fwd_sm90", "bf16/e4m3")]
     ampere, skipped = aot.entries_for(fp8, "sm_80")
     assert ampere == [] and "compute capability >= 8.9" in skipped[0]
-    # An FP8 MLA latent cache: the SM90 MLA key with the fp8 dtype and its staging depth.
-    mla8, skipped = aot.entries_for([{"api": "mla", "qhead_per_kvhead": 64, "nheads_kv": 1, "page_size": 64,
-                                      "kv_fp8": True}], "sm_90a")
-    assert skipped == [] and [(e.name, e.key[2], e.key[8]) for e in mla8] == [("mla_sm90", "bf16/e4m3",
-                                                                               (32, 3, "seesaw", 2))]
+    # An FP8 MLA latent cache: the SM90 MLA key with the fp8 dtype; pages of 64: the TMA
+    # kernel in fp8 wgmma, pages of 16: the gathering kernel and its staging depth.
+    mla8, skipped = aot.entries_for([{"api": "mla", "qhead_per_kvhead": 64, "nheads_kv": 1, "page_size": page,
+                                      "kv_fp8": True} for page in (64, 16)], "sm_90a")
+    assert skipped == [] and [(e.name, e.key[2], e.key[8]) for e in mla8] == [
+        ("mla_sm90", "bf16/e4m3", (64, 2, "tma")), ("mla_sm90", "bf16/e4m3", (32, 3, "seesaw", 2))]
     # FP8 attention (e4m3 q, k, v): SM90 keys of dtype e4m3, a split's combine writes bf16;
     # refused on Ampere (no fp8 MMA), and not a form of MLA or of an FP8 cache
     qkv8, skipped = aot.entries_for([{"api": "varlen", "dtype": "e4m3", "seqlen_q": 4096, "num_splits": [1, 2]}],

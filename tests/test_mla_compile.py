@@ -195,10 +195,11 @@ def test_mla_sm90_tma_compiles_and_sass(tmp_path):
 
 
 # The same kernel over an e4m3 cache: QGMMA (fp8 wgmma) for both products, V transposed by
-# ldmatrix / prmt / stmatrix.trans (LDSM, PRMT, STSM), q quantized in the kernel; no local
-# memory (222 registers at the time of writing), the same 17 waits.
+# ldmatrix / prmt / stmatrix.trans (LDSM, PRMT, STSM), q quantized in the kernel (or FP8
+# queries, "e4m3/e4m3", loaded as they are); no local memory (222 registers at the time of
+# writing), the same 17 waits.
 TMA_FP8_CONFIGS = [("bf16/e4m3", 64, False, False, False, 0), ("fp16/e4m3", "2/hkv", True, True, True, 128),
-                   ("bf16/e4m3", 100, "cp", True, True, 0)]
+                   ("bf16/e4m3", 100, "cp", True, True, 0), ("e4m3/e4m3", 128, True, True, True, 0)]
 TMA_FP8_SASS_EXPECT = ["QGMMA.64x64x32.F32.E4M3.E4M3", "QGMMA.64x256x32.F32.E4M3.E4M3", "UTMALDG", "LDSM", "PRMT",
                        "STSM", "MUFU.EX2", "SYNCS"]
 

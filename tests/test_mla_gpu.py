@@ -462,6 +462,44 @@ def test_mla_fp8_tma_causal_heads(backend, nheads, nheads_kv, seqlen_q, page_siz
     run_and_check_fp8(backend, inputs, descale, causal=True, num_splits=0, return_lse=True)
 
 
+# FP8 queries (FlashMLA's FP8 mode): e4m3 q_nope / q_pe with q_descale over an e4m3 cache,
+# out bf16. The reference dequantizes both (fp32); the bound is 3x PyTorch's FP8 algorithm
+# there (P rounded to e4m3), the LSE 2x PyTorch's bf16 one.
+@pytest.mark.parametrize("nheads,nheads_kv,page_size,seqlen_q,causal,num_splits,per_batch", [
+    (64, None, 64, 1, False, 1, False), (128, None, 128, 2, True, 3, True), (16, 2, 64, 2, True, 0, True),
+    (100, None, 256, 1, False, 0, False)])
+def test_mla_fp8_queries(backend, nheads, nheads_kv, page_size, seqlen_q, causal, num_splits, per_batch):
+    import flash_attn_cute
+
+    inputs, kv_descale = fp8_inputs(TILE_SEQLENS, nheads, page_size, seqlen_q=seqlen_q, seed=130 + nheads,
+                                    per_batch=per_batch, nheads_kv=nheads_kv)
+    q_nope, q_pe, ckv, kpe, lens, table = inputs
+    q = torch.cat([q_nope, q_pe], -1).float()
+    batch = q.shape[0]
+    # One descale per sequence (per_batch) or for the tensor: the amax at e4m3's largest, 448.
+    amax = q.abs().amax(dim=(1, 2, 3)) if per_batch else q.abs().amax().expand(batch)
+    q_descale = (amax / 448.0).float()
+    q8 = (q / q_descale.view(-1, 1, 1, 1)).to(torch.float8_e4m3fn)
+    q_descale = q_descale if per_batch else q_descale[:1]
+    args = (q8[..., :512], q8[..., 512:], ckv, kpe, lens, table)
+    call = lambda: flash_attn_cute.flash_mla_decode(*args, causal=causal, num_splits=num_splits, return_lse=True,
+                                                     backend=backend, kv_descale=kv_descale, q_descale=q_descale)
+    if backend == "sm80":
+        with pytest.raises(Exception, match="fp8_q"):
+            call()
+        return
+    out, lse = call()
+    assert out.dtype == torch.bfloat16
+    q_deq = q8.float() * q_descale.view(-1, 1, 1, 1)
+    ref = lambda q_, **kw: mla_decode_ref(q_[..., :512], q_[..., 512:], ckv, kpe, lens, table, causal=causal,
+                                          kv_descale=kv_descale, **kw)
+    out_ref, lse_ref = ref(q_deq)
+    out_alg, _ = ref(q_deq, p_fp8=True)
+    _, lse_pt = ref(q_deq.to(torch.bfloat16), upcast=False)
+    check_close(out, out_ref, out_alg, mult=FP8_WGMMA_MULT)
+    check_lse(lse, lse_ref, lse_pt)
+
+
 @pytest.mark.parametrize("page_size", [64, 128])
 @pytest.mark.parametrize("nheads_kv", [None, 2])
 def test_mla_tma_nan_past_the_end(backend, page_size, nheads_kv):

@@ -17,6 +17,14 @@ from flash_attn_cute.host.tuning import Tuning
 BF16 = torch.bfloat16
 
 
+def E4(*shape):
+    return torch.randn(*shape).to(torch.float8_e4m3fn)
+
+
+def E5(*shape):
+    return torch.randn(*shape).to(torch.float8_e5m2)
+
+
 def inputs(b=2, sq=1, h=16, pages=6, page=4, max_pages=3, dtype=BF16):
     return dict(
         q_nope=torch.randn(b, sq, h, 512).to(dtype), q_pe=torch.randn(b, sq, h, 64).to(dtype),
@@ -96,6 +104,14 @@ def test_exported():
     (dict(kv_descale=torch.ones(2, 2)), ValueError, r"kv_descale must have one element or shape \(batch,\)"),
     (dict(kv_descale=torch.ones(1, dtype=torch.float64)), TypeError, "kv_descale must be float32"),
     (dict(kv_descale=1.0), TypeError, "kv_descale must be a torch.Tensor"),
+    # FP8 queries (FlashMLA's FP8 mode): e4m3 over an e4m3 cache, q_descale as kv_descale, out bf16.
+    (dict(q_nope=E4(2, 1, 16, 512), q_pe=E4(2, 1, 16, 64), ckv_cache=E5(6, 4, 512), kpe_cache=E5(6, 4, 64)),
+     TypeError, "float8_e4m3fn queries need a float8_e4m3fn cache"),
+    (dict(q_nope=E4(2, 1, 16, 512), q_pe=torch.randn(2, 1, 16, 64).to(BF16), ckv_cache=E4(6, 4, 512),
+          kpe_cache=E4(6, 4, 64)), TypeError, "q_pe must be torch.float8_e4m3fn like q_nope"),
+    (dict(q_descale=torch.ones(3)), ValueError, r"q_descale must have one element or shape \(batch,\)"),
+    (dict(q_nope=E4(2, 1, 16, 512), q_pe=E4(2, 1, 16, 64), ckv_cache=E4(6, 4, 512), kpe_cache=E4(6, 4, 64),
+          out=E4(2, 1, 16, 512)), TypeError, "out must be torch.bfloat16"),
 ])
 def test_validation_names_the_argument(over, exc, match):
     with pytest.raises(exc, match=match):
@@ -414,6 +430,16 @@ def test_sm90_tma_kernel_selection():
         p = _problem(h=64)._replace(page_size=page, max_seqlen_k=4096)
         assert sm90.plan(p, 0, None, 132).config[:3] == (32, 4, "seesaw")
         assert sm90.plan(p, 0, None, 132, tuning=Tuning(mla_sm90_qk="tma")).config[:3] == (32, 4, "seesaw")
+        # FP8 queries: the TMA kernel alone runs them (other pages refused, on every MLA backend)
+        q8 = p._replace(dtype=torch.float8_e4m3fn, kv_dtype=torch.float8_e4m3fn)
+        assert "pages of a multiple of 64" in sm90.check(q8)
+        assert "fp8_q" in seam.backend_module("sm80", "mla").check(q8)
+    q8 = _problem(h=64)._replace(page_size=64, max_seqlen_k=4096, dtype=torch.float8_e4m3fn,
+                                 kv_dtype=torch.float8_e4m3fn)
+    assert sm90.check(q8) is None and q8.out_dtype == torch.bfloat16
+    for knob in (None, "seesaw"):  # the knob cannot send them to the gathering kernel
+        plan = sm90.plan(q8, 0, None, 132, tuning=Tuning(mla_sm90_qk=knob))
+        assert plan.config[:3] == (64, 2, "tma") and sm90.compile_key(q8, plan, "sm_90a")[2] == "e4m3/e4m3"
     # The split heuristic counts 64-key tiles: one sequence of 32768 keys fills the SMs.
     long = _problem(h=64)._replace(page_size=64, batch=1, max_seqlen_k=32768)
     assert sm90.plan(long, 0, None, 132).num_splits > 64

@@ -167,6 +167,7 @@ class MlaTensors(NamedTuple):
     cache_seqlens: torch.Tensor
     page_table: torch.Tensor
     kv_descale: Optional[torch.Tensor]  # fp32 (batch,) / (batch, nheads_kv) for an FP8 cache
+    q_descale: Optional[torch.Tensor] = None  # the same for FP8 queries
     cp_tot_seqused_k: Optional[torch.Tensor] = None  # context parallelism (``cp_tensors``)
     cp_info: Optional[torch.Tensor] = None
 

@@ -30,7 +30,7 @@ def _backend(backend) -> Optional[str]:
 
 
 def _check(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, softmax_scale, causal, num_splits,
-           out, backend, batch_invariant=False, kv_descale=None):
+           out, backend, batch_invariant=False, kv_descale=None, q_descale=None):
     """Shapes, then dtypes, then scalars, then the device; errors name the argument."""
     q_form = "(batch, seqlen_q, nheads, {})"
     checks.check_tensor("q_nope", q_nope, 4, q_form.format(D_CKV))
@@ -67,7 +67,11 @@ def _check(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, softma
         raise ValueError(f"seqlen_q (q_nope.shape[1]) must be >= 1, got {seqlen_q}")
     checks.page_table_arg(page_table, batch, ckv_cache.shape[1], "ckv_cache")
     checks.int32_vector("cache_seqlens", cache_seqlens, batch, "(batch,)")
-    checks.check_dtype("q_nope", q_nope, checks.SUPPORTED_DTYPES, "float16 or bfloat16")
+    # FlashMLA's FP8 mode: e4m3 queries over an e4m3 cache
+    e4m3_cache = ckv_cache.dtype == torch.float8_e4m3fn
+    checks.check_dtype("q_nope", q_nope, checks.SUPPORTED_DTYPES + ((torch.float8_e4m3fn,) if e4m3_cache else ()),
+                       "float16 or bfloat16" + (", or float8_e4m3fn (with q_descale)" if e4m3_cache else
+                                                " (float8_e4m3fn queries need a float8_e4m3fn cache)"))
     checks.check_dtype("q_pe", q_pe, q_nope.dtype, f"{q_nope.dtype} like q_nope")
     if ckv_cache.dtype in checks.FP8_DTYPES:  # an FP8 latent cache: one dtype, one descale
         checks.check_dtype("kpe_cache", kpe_cache, ckv_cache.dtype, f"{ckv_cache.dtype} like ckv_cache")
@@ -75,9 +79,10 @@ def _check(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, softma
         for name, t in (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):
             checks.check_dtype(name, t, q_nope.dtype, f"{q_nope.dtype} like q_nope, or an FP8 dtype "
                                                       f"{checks.FP8_DTYPES} (both caches)")
-    checks.descale("kv_descale", kv_descale, ((batch,), (batch, 1), (batch, nheads_kv)),
-                   f"one element or shape (batch,) = {(batch,)}, (batch, 1) or FA3's (batch, nheads_kv) = "
-                   f"{(batch, nheads_kv)}")
+    for name, d in (("kv_descale", kv_descale), ("q_descale", q_descale)):
+        checks.descale(name, d, ((batch,), (batch, 1), (batch, nheads_kv)),
+                       f"one element or shape (batch,) = {(batch,)}, (batch, 1) or FA3's (batch, nheads_kv) = "
+                       f"{(batch, nheads_kv)}")
     scale = checks.softmax_scale(softmax_scale, (D_CKV + D_KPE) ** -0.5)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
@@ -87,10 +92,10 @@ def _check(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, softma
     backend = _backend(backend)
     tensors = [checks.aligned(n, t) for n, t in (("q_nope", q_nope), ("q_pe", q_pe), ("ckv_cache", ckv_cache),
                                                   ("kpe_cache", kpe_cache))]
-    out = checks.check_out(out, (batch, seqlen_q, nheads, D_CKV), q_nope.dtype, q_form.format(D_CKV))
+    out = checks.check_out(out, (batch, seqlen_q, nheads, D_CKV), _out_dtype(q_nope.dtype), q_form.format(D_CKV))
     checks.check_device({"q_nope": q_nope, "q_pe": q_pe, "ckv_cache": ckv_cache, "kpe_cache": kpe_cache,
                          "cache_seqlens": cache_seqlens, "page_table": page_table, "out": out,
-                         "kv_descale": kv_descale})
+                         "kv_descale": kv_descale, "q_descale": q_descale})
     return (*tensors, out, scale, num_splits, backend)
 
 
@@ -103,12 +108,18 @@ def _kernel_caches(problem: MlaProblem, ckv_cache, kpe_cache) -> tuple:
     return ckv_cache[:, :, 0], kpe_cache[:, :, 0]
 
 
-def kv_descale_view(problem: MlaProblem, kv_descale, device):
-    """The cache's descale as the kernels read it, for an FP8 cache: fp32 ``(batch,)`` for
-    one latent head, ``(batch, nheads_kv)`` with a KV-head mode (broadcast views of one
-    element, of ``(batch,)`` and of ``(batch, 1)``; 1.0 when None); else None (a 16-bit
-    cache ignores it)."""
-    if not problem.kv_fp8:
+def _out_dtype(q_dtype: torch.dtype) -> torch.dtype:
+    """The output's dtype: the queries', bf16 for FP8 queries (as FlashMLA's FP8 mode)."""
+    return torch.bfloat16 if q_dtype.itemsize == 1 else q_dtype
+
+
+def kv_descale_view(problem: MlaProblem, kv_descale, device, fp8: bool = None):
+    """The cache's descale as the kernels read it, for an FP8 cache (``fp8``; None: the
+    problem's cache is FP8): fp32 ``(batch,)`` for one latent head, ``(batch, nheads_kv)``
+    with a KV-head mode (broadcast views of one element, of ``(batch,)`` and of ``(batch,
+    1)``; 1.0 when None); else None (a 16-bit cache ignores it). FP8 queries' ``q_descale``
+    the same way."""
+    if not (problem.kv_fp8 if fp8 is None else fp8):
         return None
     if kv_descale is None or kv_descale.numel() == 1:
         view = descale_view(kv_descale, problem.batch, problem.nheads_kv, device)
@@ -122,7 +133,8 @@ def _validate(args: dict) -> Checked:
     q_nope, q_pe, ckv_cache, kpe_cache, out, scale, num_splits, name = _check(
         args["q_nope"], args["q_pe"], args["ckv_cache"], args["kpe_cache"], args["cache_seqlens"],
         args["page_table"], args.get("softmax_scale"), args.get("causal", False), args.get("num_splits", 0),
-        args.get("out"), args.get("backend"), args.get("batch_invariant", False), args.get("kv_descale"))
+        args.get("out"), args.get("backend"), args.get("batch_invariant", False), args.get("kv_descale"),
+        args.get("q_descale"))
     args = dict(args, q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv_cache, kpe_cache=kpe_cache, out=out)
     batch, seqlen_q, nheads, _ = q_nope.shape
     out_shape, lse_shape = (batch, seqlen_q, nheads, D_CKV), (batch, nheads, seqlen_q)
@@ -144,7 +156,9 @@ def _tensors(entry, args: dict, out, lse) -> MlaTensors:
     ckv, kpe = _kernel_caches(problem, args["ckv_cache"], args["kpe_cache"])
     device = args["q_nope"].device
     return MlaTensors(args["q_nope"], args["q_pe"], ckv, kpe, out, lse, args["cache_seqlens"], args["page_table"],
-                      kv_descale_view(problem, args.get("kv_descale"), device), **cp_tensors(problem, args, device))
+                      kv_descale_view(problem, args.get("kv_descale"), device),
+                      kv_descale_view(problem, args.get("q_descale"), device, problem.q_fp8),
+                      **cp_tensors(problem, args, device))
 
 
 def _empty(c: Checked):
@@ -152,7 +166,7 @@ def _empty(c: Checked):
     q = c.args["q_nope"]
     out = c.args.get("out")
     if out is None:
-        out = q.new_empty(c.out_shape)
+        out = q.new_empty(c.out_shape, dtype=_out_dtype(q.dtype))
     out.zero_()
     if not c.args.get("return_lse"):
         return out
@@ -160,7 +174,7 @@ def _empty(c: Checked):
 
 
 MLA = Spec("mla", ("q_nope", "q_pe", "ckv_cache", "kpe_cache", "cache_seqlens", "page_table", "out", "kv_descale",
-                   "softmax_scale", "causal", "num_splits", "return_lse", "backend", "batch_invariant",
+                   "q_descale", "softmax_scale", "causal", "num_splits", "return_lse", "backend", "batch_invariant",
                    *checks.CP_ARGS),
-           _validate, _tensors, _empty, lambda args: args["q_nope"].dtype, device_arg="q_nope",
+           _validate, _tensors, _empty, lambda args: _out_dtype(args["q_nope"].dtype), device_arg="q_nope",
            inputs=("q_nope", "q_pe", "ckv_cache", "kpe_cache", "out"))

@@ -117,7 +117,8 @@ def fake_mla_tensors(dtype, nheads: int, *, is_split: bool, has_lse: bool, kv_dt
     """The MLA kernels' tensor arguments as fake tensors, in their order (``mla_kernel.MlaArgs``):
     q_nope, q_pe, ckv, kpe, O, LSE (None when absent), cache lengths, page table, the
     cache's descale (``kv_dtype`` fp8: fp32 (batch,) of any stride, a broadcast scalar has
-    stride 0; else None). Heads and head dims are static; a split kernel writes fp32
+    stride 0; else None), the queries' (``dtype`` fp8, as the cache's; else None; the output
+    then bf16). Heads and head dims are static; a split kernel writes fp32
     partials with a leading split mode and always an LSE. ``kv_heads``: caches with a
     KV-head mode (num_pages, page_size, nheads_kv, d), ``nheads`` then the query heads per KV
     head (the query head count, nheads_kv times it, symbolic like nheads_kv) and the descale
@@ -125,7 +126,7 @@ def fake_mla_tensors(dtype, nheads: int, *, is_split: bool, has_lse: bool, kv_dt
     int32 (else None)."""
     kv_dtype = kv_dtype or dtype
     split_mode = (None,) if is_split else ()
-    out_dtype = cutlass.Float32 if is_split else dtype
+    out_dtype = cutlass.Float32 if is_split else (cutlass.BFloat16 if dtype.width == 8 else dtype)
     q_heads = None if kv_heads else nheads
     cache = lambda d: fake_tensor(kv_dtype, 4, shape=(None, None, None, d)) if kv_heads else \
         fake_tensor(kv_dtype, 3, shape=(None, None, d))
@@ -140,6 +141,8 @@ def fake_mla_tensors(dtype, nheads: int, *, is_split: bool, has_lse: bool, kv_dt
         fake_tensor(cutlass.Int32, 2, align=4),
         fake_tensor(cutlass.Float32, 2 if kv_heads else 1, align=4, contiguous_last=False)
         if kv_dtype.width == 8 else None,
+        fake_tensor(cutlass.Float32, 2 if kv_heads else 1, align=4, contiguous_last=False)
+        if dtype.width == 8 else None,
         fake_tensor(cutlass.Int32, 1, align=4) if cp else None,
         fake_tensor(cutlass.Int32, 1, align=4) if cp else None,
     )

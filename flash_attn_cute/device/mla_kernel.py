@@ -62,6 +62,7 @@ class MlaArgs(NamedTuple):
     mPageTable: cute.Tensor  # (b, max_pages) int32
     # an FP8 cache: fp32 (b,) [(b, h_kv) with a KV-head mode], the stored values' factor; else None
     mKvDescale: Optional[cute.Tensor]
+    mQDescale: Optional[cute.Tensor]  # FP8 queries: fp32 (b,) [(b, h_kv)], their factor; else None
     # context parallelism (as the forward's ``FwdArgs``): the global lengths (b,), and rank,
     # world and interleave (3,)
     mCpTotSeqlenK: Optional[cute.Tensor]
@@ -91,9 +92,9 @@ class MlaArgs(NamedTuple):
         one latent head."""
         if not self.kv_heads:
             return self
-        descale = None if self.mKvDescale is None else self.mKvDescale[None, head_kv]
+        head = lambda d: None if d is None else d[None, head_kv]
         return self._replace(mCkv=self.mCkv[None, None, head_kv, None], mKpe=self.mKpe[None, None, head_kv, None],
-                             mKvDescale=descale)
+                             mKvDescale=head(self.mKvDescale), mQDescale=head(self.mQDescale))
 
 
 def set_mla_config(kernel, dtype, qhead_per_kvhead: int, causal, is_split: bool, split_blocks: int) -> None:
@@ -101,7 +102,8 @@ def set_mla_config(kernel, dtype, qhead_per_kvhead: int, causal, is_split: bool,
     (``split_blocks``: as the forward kernels', ``fwd_kernel.set_fwd_config``; ``causal``:
     a bool, or ``"cp"``: causal over a context-parallel shard)."""
     kernel.dtype = dtype
-    kernel.out_dtype = Float32 if is_split else dtype  # split partials are fp32
+    # split partials are fp32; FP8 queries give bf16 (FlashMLA's FP8 mode)
+    kernel.out_dtype = Float32 if is_split else (cutlass.BFloat16 if dtype.width == 8 else dtype)
     kernel.qhead_per_kvhead_packed = qhead_per_kvhead  # the query heads of a KV head ride its rows
     kernel.variant = make_variant(bool(causal), False, False, None, "cp" if causal == "cp" else None)
     kernel.is_split = is_split
@@ -111,12 +113,13 @@ def set_mla_config(kernel, dtype, qhead_per_kvhead: int, causal, is_split: bool,
 @cute.jit
 def mla_call(self, mQn: cute.Tensor, mQp: cute.Tensor, mCkv: cute.Tensor, mKpe: cute.Tensor, mO: cute.Tensor,
              mLSE: Optional[cute.Tensor], mSeqlens: cute.Tensor, mPageTable: cute.Tensor,
-             mKvDescale: Optional[cute.Tensor], mCpTotSeqlenK: Optional[cute.Tensor], mCpInfo: Optional[cute.Tensor],
+             mKvDescale: Optional[cute.Tensor], mQDescale: Optional[cute.Tensor], mCpTotSeqlenK: Optional[cute.Tensor],
+             mCpInfo: Optional[cute.Tensor],
              softmax_scale: Float32, num_splits: Int32, max_seqlen_q: Int32, batch_size: Int32, stream):
     """The compiled entry point of both MLA kernel classes (``__call__ = mla_call``):
     ``MlaArgs`` in order, then the stream, handed to the class's ``launch(args, stream)``."""
-    self.launch(MlaArgs(mQn, mQp, mCkv, mKpe, mO, mLSE, mSeqlens, mPageTable, mKvDescale, mCpTotSeqlenK, mCpInfo,
-                        softmax_scale, num_splits, max_seqlen_q, batch_size), stream)
+    self.launch(MlaArgs(mQn, mQp, mCkv, mKpe, mO, mLSE, mSeqlens, mPageTable, mKvDescale, mQDescale, mCpTotSeqlenK,
+                        mCpInfo, softmax_scale, num_splits, max_seqlen_q, batch_size), stream)
 
 
 def compile_mla_from_key(key: tuple, make_kernel: Callable):
@@ -169,10 +172,13 @@ class MlaTile(FwdTile):
 
     def with_kv_descale(self, args: MlaArgs) -> "MlaTile":
         """An FP8 cache: the softmax scale times ``kv_descale[b]`` (the scores scale with the
-        stored keys); the tile itself otherwise."""
-        if args.mKvDescale is None:
-            return self
-        return replace(self, softmax_scale=self.softmax_scale * args.mKvDescale[self.ctx.batch])
+        stored keys), and FP8 queries' ``q_descale[b]``; the tile itself otherwise."""
+        scale = self.softmax_scale
+        if args.mKvDescale is not None:
+            scale = scale * args.mKvDescale[self.ctx.batch]
+        if args.mQDescale is not None:
+            scale = scale * args.mQDescale[self.ctx.batch]
+        return self if args.mKvDescale is None and args.mQDescale is None else replace(self, softmax_scale=scale)
 
     @cute.jit
     def descale_o(self, args: MlaArgs, acc_O: cute.Tensor):

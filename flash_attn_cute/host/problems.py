@@ -160,8 +160,13 @@ class MlaProblem(NamedTuple):
         return self.kv_dtype is not None
 
     @property
+    def q_fp8(self) -> bool:
+        """FP8 queries (with ``q_descale``; FlashMLA's FP8 mode): ``dtype`` is theirs."""
+        return self.dtype.itemsize == 1
+
+    @property
     def out_dtype(self) -> torch.dtype:
-        return self.dtype
+        return torch.bfloat16 if self.q_fp8 else self.dtype
 
     @property
     def causal_key(self):

@@ -21,7 +21,8 @@ NO_VARIANT = (None,) * 5
 # Problem features a forward kernel must implement explicitly: (field, what it is).
 FEATURES = (("has_sink", "learnable_sink"), ("has_seqused_q", "seqused_q"), ("batch_invariant", "batch_invariant"),
             ("kv_fp8", "fp8_kv"), ("qkv_fp8", "fp8_qkv"), ("leftpad_k", "paged_leftpad"))
-MLA_FEATURES = (("batch_invariant", "batch_invariant"), ("kv_fp8", "fp8_kv"))  # MLA has no sinks, no query counts
+# MLA has no sinks, no query counts
+MLA_FEATURES = (("batch_invariant", "batch_invariant"), ("kv_fp8", "fp8_kv"), ("q_fp8", "fp8_q"))
 
 
 def feature_refusal(problem, supported: frozenset, fields: tuple = FEATURES) -> Optional[str]:

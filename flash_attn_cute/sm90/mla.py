@@ -23,7 +23,8 @@ NHEADS = MLA_NHEADS
 # Automatic on 9.x (preferred to SM80): all GPU tests pass on the H200 in both Q K^T
 # modes (2026-11-29), and it reads 3.06 TB/s at 768 x 2048 where the SM80 kernel reads 2.31.
 AUTO = True
-FEATURES = frozenset({"batch_invariant", "fp8_kv"})  # what this kernel implements of backend_kit.MLA_FEATURES
+# what the kernels implement of backend_kit.MLA_FEATURES (FP8 queries: the TMA kernel alone, ``check``)
+FEATURES = frozenset({"batch_invariant", "fp8_kv", "fp8_q"})
 # 224 KB of shared memory and 384 threads at 504 registers per thread-slot: one CTA per
 # SM. The split heuristic counts 64-row tiles of 32-key blocks against num_sms.
 _CTAS_PER_SM = 1
@@ -55,6 +56,8 @@ def runs_on(capability: tuple) -> bool:
 
 
 def check(problem: MlaProblem) -> Optional[str]:
+    if problem.q_fp8 and problem.page_size % TMA_PAGE:
+        return f"FP8 queries need pages of a multiple of {TMA_PAGE} keys (the TMA kernel), got {problem.page_size}"
     return mla_refusal(problem, FEATURES)
 
 
@@ -63,9 +66,9 @@ def uses_tma(problem: MlaProblem, qk: Optional[str] = None) -> bool:
     kernel) in pages of a multiple of 64 keys, unless FLASH_ATTN_CUTE_MLA_SM90_QK (``qk``)
     names a mode of the gathering kernel ("tma" or unset: the TMA kernel where it applies,
     the gathering "seesaw" elsewhere; for an FP8 cache that is the kernel that widens it
-    to 16 bits)."""
+    to 16 bits). FP8 queries always take it (``check`` refuses them other pages)."""
     return (problem.page_size % TMA_PAGE == 0 and problem.kv_dtype in (None, torch.float8_e4m3fn)
-            and qk in (None, "tma"))
+            and (qk in (None, "tma") or problem.q_fp8))
 
 
 def roles(qk: Optional[str] = None, fp8: bool = False, fp8_stages: Optional[str] = None) -> MlaRoles:

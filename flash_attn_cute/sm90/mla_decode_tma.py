@@ -310,7 +310,7 @@ class MlaDecodeSm90Tma:
         wg_idx = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         t = tidx % WG_THREADS
         scale = tile.softmax_scale
-        if cutlass.const_expr(self.fp8):
+        if cutlass.const_expr(self.fp8 and self.dtype.width == 16):
             if tidx < TILE_M:
                 smem.sM[tidx] = -Float32.inf
             # Q / 2^e in e4m3 (one power-of-two scale for the tile's q_nope and q_pe,
@@ -325,6 +325,11 @@ class MlaDecodeSm90Tma:
                 lambda: cute.arch.barrier(barrier_id=int(Sm90MlaTmaBarrier.Q), number_of_threads=THREADS))
             scale = tile.softmax_scale * q_scale
         else:
+            # 16-bit Q and cache, or FP8 queries (their q_descale and the cache's descale
+            # join the softmax scale): Q as it is.
+            if cutlass.const_expr(self.fp8):
+                tile = tile.with_kv_descale(args.for_kv_head(tile.head_kv))
+                scale = tile.softmax_scale
             load_q_rows(tile, smem.sQn, smem.sQp, args, self.dtype, self.qhead_per_kvhead_packed, TILE_M, THREADS,
                         tidx)
             if tidx < TILE_M:
