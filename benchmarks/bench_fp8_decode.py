@@ -18,6 +18,10 @@ reference on the queries quantized as the kernel quantizes them
 algorithm (P in e4m3) on them; the other rows within 2x PyTorch's error in q's dtype.
 
     python benchmarks/bench_fp8_decode.py [--csv out.csv] [--no-md] [--sm90-tiles "64,64,3@32;..."]
+                                          [--two-level N]
+
+``--two-level N`` adds ``ours_sm90 fp8 2lN`` and ``ours_sm90 fp8 q 2lN``: the two SM90 fp8
+rows with ``fp8_two_level_interval=N`` (the P V product accumulated in two levels).
 
 ``--sm90-tiles`` (a tuning aid) adds SM90 fp8 rows on the named tiles
 (FLASH_ATTN_CUTE_SM90_TILE "m,n,stages", ``tuning.py``; the fp8 plan keeps n and fits
@@ -62,6 +66,8 @@ def parse_args(argv=None):
     p.add_argument("--q-dtype", default="bf16", choices=["bf16", "fp16"],
                    help="the queries' dtype, and the 16-bit cache's the fp8 rows are compared with")
     p.add_argument("--sm90-tiles", default="", help='";"-separated "m,n,stages[@num_splits]"')
+    p.add_argument("--two-level", type=int, default=0, metavar="N", help="add SM90 fp8 rows with "
+                   "fp8_two_level_interval=N")
     return p.parse_args(argv)
 
 
@@ -130,8 +136,9 @@ def main(argv=None):
         for b in our_backends("all"):
             record(f"ours_{b} {args.q_dtype}", lambda b=b: fa.flash_attn_with_kvcache(q, kqp, vqp, seqlens, page_table=table,
                                                                             backend=b), 2)
-        fp8_call = lambda b: lambda: fa.flash_attn_with_kvcache(q, k8p, v8p, seqlens, page_table=table, k_descale=kd,
-                                                                v_descale=vd, backend=b)
+        fp8_call = lambda b, n=0: lambda: fa.flash_attn_with_kvcache(q, k8p, v8p, seqlens, page_table=table,
+                                                                     k_descale=kd, v_descale=vd, backend=b,
+                                                                     fp8_two_level_interval=n)
         for b in our_backends("all"):
             record(f"ours_{b} fp8", fp8_call(b), 1, refs=refs_qq if b == "sm90" else None)
         if "sm90" in our_backends("all"):
@@ -141,6 +148,12 @@ def main(argv=None):
             record("ours_sm90 fp8 q", lambda: fa.flash_attn_with_kvcache(
                 q8, k8p, v8p, seqlens, page_table=table, q_descale=qd, k_descale=kd, v_descale=vd, backend="sm90"), 1,
                    refs=refs_q8)
+            if args.two_level:
+                n = args.two_level
+                record(f"ours_sm90 fp8 2l{n}", fp8_call("sm90", n), 1, refs=refs_qq)
+                record(f"ours_sm90 fp8 q 2l{n}", lambda: fa.flash_attn_with_kvcache(
+                    q8, k8p, v8p, seqlens, page_table=table, q_descale=qd, k_descale=kd, v_descale=vd,
+                    backend="sm90", fp8_two_level_interval=n), 1, refs=refs_q8)
         for spec in filter(None, args.sm90_tiles.split(";")):
             tile, _, splits = spec.partition("@")
             os.environ["FLASH_ATTN_CUTE_SM90_TILE"] = tile

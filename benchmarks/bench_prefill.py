@@ -7,6 +7,7 @@ Implementations:
                         quantize_fp8), automatic backend, bf16 output; its correctness is
                         checked on the dequantized values against PyTorch's own FP8 algorithm
                         (testing.attention_ref(p_fp8=True)) with a 3x bound
+  ours_fp8_2l<n>        with --fp8 --fp8-two-level n: ours_fp8 with fp8_two_level_interval=n
   sdpa_flash            torch SDPA, flash backend only
   sdpa_cudnn            torch SDPA, cuDNN backend only
   fa4                   flash_attn.cute.flash_attn_func (skipped if not importable)
@@ -48,6 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--backends", default="all", help="our backends to run as impl 'ours' (default: all registered)")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--fp8", action="store_true", help="add ours_fp8 (e4m3 q, k, v) beside the 16-bit rows")
+    p.add_argument("--fp8-two-level", type=int, default=0, metavar="N",
+                   help="with --fp8: also ours_fp8_2l<N>, fp8_two_level_interval=N")
     p.add_argument("--warmup", type=float, default=25, help="do_bench warmup, ms")
     p.add_argument("--rep", type=float, default=150, help="do_bench rep, ms")
     p.add_argument("--no-md", action="store_true", help="do not update benchmarks/RESULTS.md")
@@ -144,6 +147,8 @@ def main(argv=None):
             ours = [f"ours_{b}" for b in backends] if "ours" in impls else []
             if args.fp8:
                 ours.append("ours_fp8")
+                if args.fp8_two_level:
+                    ours.append(f"ours_fp8_2l{args.fp8_two_level}")
                 fp8_inputs = [flash_attn_cute.quantize_fp8(x) for x in (q, k, v)]
                 (q8, qd), (k8, kd), (v8, vd) = fp8_inputs
                 deq = [dequantize_kv(x8[sl], d[:1, :REF_HEADS]) for x8, d in fp8_inputs]
@@ -154,9 +159,10 @@ def main(argv=None):
                            tflops=float("nan"), ratio_vs_best_peer=float("nan"), correct=False)
                 group.append(row)
                 try:
-                    if impl == "ours_fp8":
-                        fn = lambda: flash_attn_cute.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd,
-                                                                     k_descale=kd, v_descale=vd)
+                    if impl.startswith("ours_fp8"):
+                        fn = lambda n=args.fp8_two_level if impl != "ours_fp8" else 0: flash_attn_cute.flash_attn_func(
+                            q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
+                            fp8_two_level_interval=n)
                     elif impl.startswith("ours_"):
                         fn = lambda b=impl[len("ours_"):]: flash_attn_cute.flash_attn_func(
                             q, k, v, causal=causal, backend=b)
@@ -178,7 +184,7 @@ def main(argv=None):
                     else:
                         raise ValueError(f"unknown impl {impl}")
                     out = fn()
-                    if impl == "ours_fp8":
+                    if impl.startswith("ours_fp8"):
                         row["correct"] = bool(is_close(out[sl], out_ref8, out_pt8, mult=3.0)[0])
                     else:
                         row["correct"] = check_correct(out[sl], out_ref, out_pt)
@@ -196,8 +202,8 @@ def main(argv=None):
                 for r in group:
                     if not math.isnan(r["avg_ms"]):
                         r["ratio_vs_best_peer"] = min(peer_ms) / r["avg_ms"]
-            ours16 = [r["avg_ms"] for r in group if r["impl"].startswith("ours_") and r["impl"] != "ours_fp8"
-                      and not math.isnan(r["avg_ms"])]
+            ours16 = [r["avg_ms"] for r in group if r["impl"].startswith("ours_")
+                      and not r["impl"].startswith("ours_fp8") and not math.isnan(r["avg_ms"])]
             for r in group:
                 r["ratio_vs_ours_16bit"] = min(ours16) / r["avg_ms"] if ours16 and not math.isnan(r["avg_ms"]) \
                     else float("nan")

@@ -54,6 +54,9 @@ optional, and a field given as a list expands to one description per combination
                       batch_invariant=True (mla: batch_invariant only)
     kv_fp8            bool (default false): an e4m3 K/V cache with its descales (mla:
                       an e4m3 latent cache; refused below compute capability 8.9, as at runtime)
+    fp8_two_level_interval
+                      int >= 0 (default 0): the keyword of that name (dtype e4m3 or kv_fp8;
+                      ignored, as at runtime, elsewhere)
 
 Each description becomes a problem (``FwdProblem``, ``MlaProblem``); the backend the runtime would pick for the
 arch (or ``--backend``) turns it into a key through its ``plan`` and ``compile_key``,
@@ -119,7 +122,8 @@ PRESETS = {
 _DEFAULTS = {"api": "func", "dtype": "bf16", "d": 128, "d_v": None, "qhead_per_kvhead": 1, "nheads_kv": 8,
              "batch": 1, "seqlen_q": 1, "seqlen_k": 4096, "causal": False, "window": [-1, -1], "softcap": 0.0,
              "page_size": 0, "has_lse": False, "num_splits": 1, "num_sms": None, "pack_gqa": None,
-             "learnable_sink": False, "seqused_q": False, "batch_invariant": False, "kv_fp8": False}
+             "learnable_sink": False, "seqused_q": False, "batch_invariant": False, "kv_fp8": False,
+             "fp8_two_level_interval": 0}
 _APIS = {"func": (False, False, False), "varlen": (True, True, False), "kvcache": (False, False, True),
          "serving": (True, False, True), "mla": (False, False, True)}
 _DTYPES = ("bf16", "fp16", "e4m3")
@@ -200,6 +204,8 @@ def _validate(one: dict) -> None:
              f"api mla: nheads_kv * qhead_per_kvhead (the query heads) in 1..{MLA_MAX_NHEADS}")
         need(not (one["learnable_sink"] or one["seqused_q"]), "api mla has no learnable_sink or seqused_q")
     need(is_int(one["num_splits"]) and one["num_splits"] >= 0, "num_splits must be an int >= 0")
+    need(is_int(one["fp8_two_level_interval"]) and one["fp8_two_level_interval"] >= 0,
+         "fp8_two_level_interval must be an int >= 0")
     need(one["num_sms"] is None or (is_int(one["num_sms"]) and one["num_sms"] >= 1), "num_sms must be >= 1")
     need(one["num_splits"] != 0 or one["num_sms"] is not None, "num_splits 0 (auto) needs num_sms")
 
@@ -229,7 +235,9 @@ def problem_of(one: dict):
                       softcap=float(one["softcap"]), varlen_q=varlen_q, varlen_k=varlen_k, has_seqused_k=seqused_k,
                       page_size=one["page_size"], has_lse=one["has_lse"], has_seqused_q=one["seqused_q"],
                       has_sink=one["learnable_sink"], batch_invariant=one["batch_invariant"],
-                      kv_dtype=torch.float8_e4m3fn if one["kv_fp8"] else None)
+                      kv_dtype=torch.float8_e4m3fn if one["kv_fp8"] else None,
+                      fp8_two_level_interval=one["fp8_two_level_interval"] if one["dtype"] == "e4m3" or one["kv_fp8"]
+                      else 0)
 
 
 def _backend_for(arch: str, requested: Optional[str], problem):

@@ -52,8 +52,8 @@ def clear_call_cache() -> None:
 def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), learnable_sink=None,
                     s_aux=None, sinks=None, softcap=0.0, num_splits=1, pack_gqa=None, return_lse=False, out=None,
                     backend=None, batch_invariant=False, score_mod=None, mask_mod=None, aux_tensors=None,
-                    block_mask=None, q_descale=None, k_descale=None, v_descale=None, cp_world_size=1, cp_rank=0,
-                    cp_tot_seqused_k=None, cp_kv_interleave=1):
+                    block_mask=None, q_descale=None, k_descale=None, v_descale=None, fp8_two_level_interval=0,
+                    cp_world_size=1, cp_rank=0, cp_tot_seqused_k=None, cp_kv_interleave=1):
     """Attention over a dense batch.
 
     q ``(batch, seqlen_q, nheads, d)``, k ``(batch, seqlen_k, nheads_kv, d)``, v
@@ -62,8 +62,9 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     0 = heuristic, n = n splits (<= 256). ``pack_gqa``: None = heuristic. Returns out
     ``(batch, seqlen_q, nheads, d_v)`` in q's dtype, or ``(out, lse)`` with lse
     ``(batch, nheads, seqlen_q)`` fp32 when ``return_lse``. ``out`` may be preallocated.
-    ``learnable_sink``, ``batch_invariant``, FP8 K/V (``k_descale``, ``v_descale``) and FP8
-    attention (e4m3 q, k, v with ``q_descale``; bf16 out): see ``flash_attn_varlen_func``.
+    ``learnable_sink``, ``batch_invariant``, FP8 K/V (``k_descale``, ``v_descale``), FP8
+    attention (e4m3 q, k, v with ``q_descale``; bf16 out) and ``fp8_two_level_interval``: see
+    ``flash_attn_varlen_func``.
 
     User variants (``user_variants.py``, examples in ``mods.py``): ``score_mod(score, b, h,
     q_idx, kv_idx, aux)`` rewrites each scaled score, ``mask_mod(b, h, q_idx, kv_idx, aux)``
@@ -81,8 +82,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
                            softcap=0.0,
                            num_splits=1, pack_gqa=None, return_lse=False, out=None, backend=None,
                            batch_invariant=False, score_mod=None, mask_mod=None, aux_tensors=None, block_mask=None,
-                           q_descale=None, k_descale=None, v_descale=None, cp_world_size=1, cp_rank=0,
-                           cp_tot_seqused_k=None, cp_kv_interleave=1):
+                           q_descale=None, k_descale=None, v_descale=None, fp8_two_level_interval=0,
+                           cp_world_size=1, cp_rank=0, cp_tot_seqused_k=None, cp_kv_interleave=1):
     """Attention over variable-length sequences: the general call (FA3/FA4 names and semantics).
 
     Queries: packed ``(total_q, nheads, d)`` with ``cu_seqlens_q`` ``(batch + 1,)`` int32
@@ -126,6 +127,19 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     element, default 1.0); the output is bf16. Both GEMMs run in fp8 (P rounded to e4m3);
     paged keys need pages of a multiple of 64 tokens.
 
+    ``fp8_two_level_interval`` (FlashInfer's name and meaning; an int >= 0, default 0: off):
+    where the SM90 kernel computes P V in fp8 wgmma (FP8 attention, and 16-bit queries over
+    an e4m3 cache, which it quantizes), the wgmma accumulates n KV blocks into a working O
+    that is then added into a separate fp32 accumulator, as FA3's vLLM fork does for 128k
+    contexts. Hopper's fp8 tensor cores add into their accumulator with about 14 bits, so
+    without it, once O is large, the late blocks of a long context lose their low bits (1:
+    every block, the most accurate; 4: FlashInfer's recommendation). It costs registers:
+    prefill tiles may take fewer rows or keys, FP8 q, k, v with ``headdim_v`` > 192 is
+    refused (NotImplementedError), and 16-bit queries over an e4m3 cache with ``headdim_v``
+    > 192 take the widening kernel (16-bit MMAs). Every other kernel (16-bit attention,
+    widened FP8 caches, SM80, SM100) ignores it, as FA3's fork and FlashInfer do, so it may
+    be passed on every call.
+
     Context parallelism (the FA3 fork's keywords, vLLM's decode context parallelism;
     ``flash_attn_cute.distributed`` merges the ranks): the keys are rank ``cp_rank``'s
     shard of each sequence, the cache holding every ``cp_world_size``-th block of
@@ -147,7 +161,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             num_splits=0, pack_gqa=None, return_lse=False, return_softmax_lse=False, out=None,
                             backend=None, check_cache_bounds=False, batch_invariant=False, score_mod=None,
                             mask_mod=None, aux_tensors=None, block_mask=None, q_descale=None, k_descale=None,
-                            v_descale=None, cp_world_size=1, cp_rank=0, cp_tot_seqused_k=None, cp_kv_interleave=1):
+                            v_descale=None, fp8_two_level_interval=0, cp_world_size=1, cp_rank=0,
+                            cp_tot_seqused_k=None, cp_kv_interleave=1):
     """Attention of new queries against a KV cache (decode, speculative decode, chunked
     prefill), FA2/FA3's call: optionally appends new keys and values to the cache and
     applies rotary embedding, then attends.
@@ -201,8 +216,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     raises ValueError on any value out of range, and plans for the true maximum length:
     one device-to-host sync per call, skipped under CUDA-graph capture.
 
-    ``learnable_sink`` (aliases ``s_aux``, ``sinks``), ``batch_invariant``, FP8 caches and
-    FP8 attention: as in ``flash_attn_varlen_func``;
+    ``learnable_sink`` (aliases ``s_aux``, ``sinks``), ``batch_invariant``, FP8 caches, FP8
+    attention and ``fp8_two_level_interval``: as in ``flash_attn_varlen_func``;
     ``return_softmax_lse`` is FA2/FA3's name for ``return_lse``. User variants as in
     ``flash_attn_func``: ``q_idx`` counts the new queries from 0 and ``kv_idx`` the cache
     positions. Context parallelism (``cp_world_size``, ``cp_rank``, ``cp_tot_seqused_k``,

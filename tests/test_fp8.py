@@ -279,12 +279,12 @@ def test_fp8_cache_quantizes_q_on_sm90():
     assert config.quantize_q and config[:3] == (64, 128, 3) and config.ctas_per_sm == 1 and not config.persistent
     key = sm90.compile_key(decode, plan, "sm_90a")
     assert key[2] == "bf16/e4m3" and key[-1] == QUANTIZE_Q and key[-3:-1] == (False, False)
-    assert sm90.config.parse_key_extra(key[-1:]) == dict(ctas_per_sm=1, quantize_q=True)
+    assert sm90.config.parse_key_extra(key[-1:]) == dict(ctas_per_sm=1, quantize_q=True, two_level=0)
     # the knob keeps the widening kernel, its own key
     widen = sm90.plan(decode, 1, True, 132, tuning=WIDEN)
     assert not widen.config.quantize_q and widen.config[:3] == (64, 64, 3) and widen.config.ctas_per_sm == 2
     assert sm90.compile_key(decode, widen, "sm_90a")[-1] == 2
-    assert sm90.config.parse_key_extra((2,)) == dict(ctas_per_sm=2, quantize_q=False)
+    assert sm90.config.parse_key_extra((2,)) == dict(ctas_per_sm=2, quantize_q=False, two_level=0)
     with pytest.raises(ValueError, match="FLASH_ATTN_CUTE_SM90_FP8_KV='bf16'"):
         sm90.plan(decode, 1, True, 132, tuning=Tuning(sm90_fp8_kv="bf16"))
     # fp16 queries too; the tiles are FP8 attention's (a prefill chunk: the measured (192, 96))
@@ -340,3 +340,121 @@ def test_fp8_cache_knob_through_the_api(launches, monkeypatch):
     kd = torch.rand(2, 2) + 0.5
     flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens, k_descale=kd, q_descale=torch.ones(1))
     assert launches[-1].tensors[11] is kd
+
+
+# ---------------------------------------------------------------------------------------
+# fp8_two_level_interval: the FP8 P V product accumulated in two levels (SM90 FP8 Q, K, V
+# kernel only; ``fp8_operands.TwoLevelPV``)
+# ---------------------------------------------------------------------------------------
+
+
+def _key(problem, backend=sm90, tuning=Tuning(), num_splits=1, pack_gqa=None):
+    plan = backend.plan(problem, num_splits, pack_gqa, 132, tuning=tuning)
+    return plan, backend.compile_key(problem, plan, "sm_90a" if backend is not sm100 else "sm_100a")
+
+
+def test_two_level_plans_and_keys():
+    from flash_attn_cute.host.keys import QUANTIZE_Q, parse_key
+
+    decode = _fp8_problem(max_seqlen_q=1, max_seqlen_k=131072, nheads=32, nheads_kv=8, has_seqused_k=True)
+    quantized = decode._replace(dtype=torch.bfloat16, kv_dtype=E4M3)
+    for problem, tail in ((_fp8_problem(), ()), (decode, ()), (quantized, (QUANTIZE_Q,))):
+        plan, key = _key(problem._replace(fp8_two_level_interval=4), pack_gqa=problem.max_seqlen_q == 1)
+        assert plan.config.two_level == 4 and key[-1] == "two_level4" and key[-1 - len(tail):-1] == tail
+        fields = parse_key(key, 4)  # (the key round trip: the kernel's keyword arguments)
+        assert sm90.config.parse_key_extra(fields.extra[2:]) == dict(ctas_per_sm=1, quantize_q=bool(tail),
+                                                                     two_level=4)
+        # 0 (the default): the key of today's kernel, no field
+        off_plan, off = _key(problem._replace(fp8_two_level_interval=0), pack_gqa=problem.max_seqlen_q == 1)
+        assert off == _key(problem, pack_gqa=problem.max_seqlen_q == 1)[1] and not any(
+            isinstance(f, str) and f.startswith("two_level") for f in off)
+        assert off_plan.config.two_level == 0 and sm90.config.parse_key_extra(parse_key(off, 4).extra[2:])[
+            "two_level"] == 0
+    # Every other kernel ignores it: 16-bit attention, the widening kernel (its knob,
+    # batch_invariant, e5m2), SM80 and SM100 (FP8 attention there: compiled, not run)
+    bf16 = _fp8_problem(dtype=torch.bfloat16)
+    for problem, backend, tuning in ((bf16, sm90, Tuning()), (quantized, sm90, WIDEN),
+                                     (quantized._replace(batch_invariant=True), sm90, Tuning()),
+                                     (quantized._replace(kv_dtype=torch.float8_e5m2, dtype=torch.float16), sm90,
+                                      Tuning()),
+                                     (quantized, sm80, Tuning()), (_fp8_problem(), sm100, Tuning()), (bf16, sm100,
+                                                                                                       Tuning())):
+        pack = problem.max_seqlen_q == 1
+        assert _key(problem._replace(fp8_two_level_interval=4), backend, tuning, pack_gqa=pack)[1] == \
+            _key(problem, backend, tuning, pack_gqa=pack)[1], (problem, backend)
+
+
+@pytest.mark.parametrize("page_size", [0, 64, 1])
+@pytest.mark.parametrize("d,d_v", [(64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256)])
+def test_two_level_tiles(d, d_v, page_size):
+    # The second O accumulator (d_v / 2 fp32 registers a consumer thread) fits beside S and P
+    # (config.two_level_fits: the sums measured clear of local memory in sm_90a SASS), the
+    # tile still an FP8 Q, K, V one (test_fp8_attention_tiles); d_v > 192 fits nowhere: FP8
+    # q, k, v is refused, 16-bit queries over an e4m3 cache take the widening kernel.
+    for causal in (False, True):
+        for rows in (1, 8192):
+            p = _fp8_problem(d=d, d_v=d_v, page_size=page_size, has_seqused_k=page_size > 0, causal=causal,
+                             window_right=0 if causal else -1, max_seqlen_q=rows, fp8_two_level_interval=4)
+            q16 = p._replace(dtype=torch.bfloat16, kv_dtype=E4M3)
+            if d_v > 192:
+                assert "fp8_two_level_interval with FP8 q, k, v needs head_dim_v <= 192" in sm90.check(p)
+                assert sm90.check(p._replace(fp8_two_level_interval=0)) is None
+                c = sm90.plan(q16, 1, None, 132, tuning=Tuning(sm90_fp8_kv="quantize_q")).config
+                assert not c.quantize_q and c.two_level == 0, c
+                continue
+            assert sm90.check(p) is None
+            c = sm90.plan(p, 1, None, 132).config
+            m, n, stages = c[:3]
+            assert c.two_level == 4 and sm90.config.two_level_fits(d_v, m, n), c
+            assert n % 32 == 0 and (page_size in (0, 1) or page_size % n == 0) and stages >= 2, c
+            assert sm90.config.fp8_qkv_smem_bytes(d, d_v, m, n, stages) <= sm90.config.SMEM_LIMIT
+            assert c.gather_kv == (page_size == 1) and (m == 64 or not c.gather_kv)
+            off = sm90.plan(p._replace(fp8_two_level_interval=0), 1, None, 132).config
+            assert c[:3] == off[:3] or not sm90.config.two_level_fits(d_v, *off[:2]), (c, off)
+            qc = sm90.plan(q16, 1, None, 132, tuning=Tuning(sm90_fp8_kv="quantize_q")).config
+            assert qc.quantize_q and qc[:3] == c[:3] and qc.two_level == 4
+    # the prefill tiles that change: fewer keys (d 64), fewer rows (d 96, 128), one warpgroup (d 192)
+    if page_size == 0:
+        want = {(64, 64): (192, 128), (96, 96): (128, 128), (128, 128): (128, 128), (192, 128): (128, 128),
+                (192, 192): (64, 64)}.get((d, d_v))
+        if want:
+            assert sm90.plan(_fp8_problem(d=d, d_v=d_v, fp8_two_level_interval=4), 1, None,
+                             132).config[:2] == want
+        # a tuning override's tile is taken as it is
+        override = Tuning(sm90_tile="192,96,2")
+        if d_v <= 192:
+            p = _fp8_problem(d=d, d_v=d_v, fp8_two_level_interval=4)
+            assert sm90.plan(p, 1, None, 132, tuning=override).config[:2] == (192, 96)
+
+
+def test_two_level_through_the_api(launches):
+    q8 = torch.randn(2, 100, 8, 128).to(E4M3)
+    k8, v8 = _kv(seqlen=300, d=128)
+    flash_attn_func(q8, k8, v8, fp8_two_level_interval=4)
+    call = launches[-1]
+    assert call.problem.fp8_two_level_interval == 4 and call.plan.config.two_level == 4
+    assert call.plan.config[:2] == (128, 128)
+    # the per-call cache keys the value: the same call without it gets today's kernel
+    flash_attn_func(q8, k8, v8)
+    assert launches[-1].problem.fp8_two_level_interval == 0 and launches[-1].plan.config[:2] == (192, 96)
+    flash_attn_func(q8, k8, v8, fp8_two_level_interval=4)
+    assert launches[-1].plan.config.two_level == 4
+    # 16-bit queries over an e4m3 cache (quantized in the kernel): kvcache and varlen
+    lens = torch.tensor([300, 7], dtype=torch.int32)
+    q = torch.randn(2, 1, 8, 128).to(torch.bfloat16)
+    flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens, fp8_two_level_interval=1)
+    call = launches[-1]
+    assert call.plan.config.quantize_q and call.plan.config.two_level == 1
+    cu_q = torch.tensor([0, 1, 2], dtype=torch.int32)
+    flash_attn_varlen_func(q[:, 0], k8.view(-1, 2, 128), v8.view(-1, 2, 128), cu_q,
+                           torch.tensor([0, 300, 600], dtype=torch.int32), 1, 300, fp8_two_level_interval=16)
+    assert launches[-1].plan.config.quantize_q and launches[-1].plan.config.two_level == 16
+    # 16-bit attention ignores it (its problem is the one without it)
+    k, v = k8.to(torch.bfloat16), v8.to(torch.bfloat16)
+    flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, fp8_two_level_interval=4)
+    assert launches[-1].problem.fp8_two_level_interval == 0 and launches[-1].plan.config.two_level == 0
+    # FP8 q, k, v of d_v 256: refused with the reason (no kernel keeps both accumulators)
+    q256, k256 = torch.randn(1, 8, 2, 256).to(E4M3), torch.randn(1, 8, 2, 256).to(E4M3)
+    with pytest.raises(NotImplementedError, match="fp8_two_level_interval with FP8 q, k, v needs head_dim_v <= 192"):
+        flash_attn_func(q256, k256, k256, fp8_two_level_interval=4)
+    flash_attn_func(q256, k256, k256)

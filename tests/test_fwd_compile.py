@@ -208,12 +208,34 @@ def fp8_attention_keys(arch, backend="sm90"):
     return [module.compile_key(p, module.plan(p, ns, None, 132), arch) for p, ns in problems]
 
 
+def two_level_pairs(arch):
+    """[(key with fp8_two_level_interval, the same problem's key without)] on the SM90 FP8
+    Q, K, V kernel (sm_90a only): the prefill tiles the option changes (d 64: 192 x 128, three
+    consumer warpgroups; d 128: 128 x 128, two; d 192: 64 x 64, one), a decode step over pages
+    of 64 (packed GQA, a cache tail zeroed), and 16-bit queries over an e4m3 cache (quantized
+    in the kernel) in decode, split by the heuristic, interval 1 (every P V flushed)."""
+    if arch != "sm_90a":
+        return []
+    module = seam.backend_module("sm90")
+    base = seam.FwdProblem(dtype=torch.float8_e4m3fn, batch=2, max_seqlen_q=4096, max_seqlen_k=4096, nheads=16,
+                           nheads_kv=4, d=128, d_v=128, softmax_scale=128 ** -0.5, causal=False, window_left=-1,
+                           window_right=-1, softcap=0.0, varlen_q=False, varlen_k=False, has_seqused_k=False,
+                           page_size=0, has_lse=False, fp8_two_level_interval=4)
+    decode = base._replace(max_seqlen_q=1, page_size=64, has_seqused_k=True, causal=True, window_right=0)
+    problems = [(base, 1), (base._replace(d=64, d_v=64), 1), (base._replace(d=192, d_v=192, has_lse=True), 1),
+                (decode, 0), (decode._replace(dtype=BF16, kv_dtype=torch.float8_e4m3fn, page_size=0,
+                                              max_seqlen_k=131072, fp8_two_level_interval=1), 0)]
+    key = lambda p, ns: module.compile_key(p, module.plan(p, ns, None, 132), arch)
+    return [(key(p, ns), key(p._replace(fp8_two_level_interval=0), ns)) for p, ns in problems]
+
+
 def sm80_extra_keys(arch):
     return fp8_keys(arch)
 
 
 EXTRA_KEYS = {"sm100": sm100_extra_keys, "sm80": sm80_extra_keys,
-              "sm90": lambda arch: fp8_keys(arch, "sm90") + fp8_attention_keys(arch) + quantized_q_keys(arch)}
+              "sm90": lambda arch: (fp8_keys(arch, "sm90") + fp8_attention_keys(arch) + quantized_q_keys(arch)
+                                    + [k for pair in two_level_pairs(arch) for k in pair])}
 
 
 def sm100_cache_tail_zeroed(key) -> bool:
@@ -362,6 +384,34 @@ def test_fp8_attention_sass(artifacts, backend, arch):
         assert ("F2FP.BF16.F32.PACK_AB" in sass) != f.is_split, key
         if backend == "sm100" and (f.has_seqused_k or f.paged):  # a cache's V tail zeroed in smem, a byte a value
             assert "STS.U8" in sass, key
+
+
+@pytest.mark.slow
+def test_two_level_sass(artifacts):
+    # fp8_two_level_interval: the P V QGMMA (A from registers) takes a run-time scale-d
+    # predicate (a uniform one: O restarts from zero after each flush), a constant zero-init
+    # at interval 1 (every P V flushed), the flush adds FFMAs, and the wgmma groups stay as
+    # many as without the option (no serialization); local memory within ``spill_bound``
+    # (the tiles are planned for it: ``config.two_level_fits``).
+    keys, out_dir, _ = artifacts("sm90", "sm_90a")
+    pairs = two_level_pairs("sm_90a")
+    assert len(pairs) == 5
+    for with_tl, without in pairs:
+        f = fields("sm90", with_tl)
+        assert f.extra[-1] in ("two_level4", "two_level1") and not any("two_level" in str(x) for x in without)
+        sass_of = lambda k: list((out_dir / f"k{keys.index(k)}").glob("*.sass"))
+        if not sass_of(with_tl):
+            pytest.skip("no usable nvdisasm (pip install nvidia-cuda-nvdisasm): no SASS to check")
+        sass, plain = sass_of(with_tl)[0].read_text(), sass_of(without)[0].read_text()
+        pv = r"QGMMA\.64x\d+x32\.F32\.E4M3\.E4M3 R\d+, R\d+, gdesc\[UR\d+\], "
+        first = pv + (r"RZ, !UPT" if f.extra[-1] == "two_level1" else r"R\d+, !?UP\d")
+        assert re.search(first, sass), with_tl
+        assert not re.search(pv + r"(RZ, !UPT|R\d+, !?UP\d)", plain), without
+        hist, hist_plain = (sass_histogram(out_dir / f"k{keys.index(k)}")[0] for k in (with_tl, without))
+        for op in ("WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR.LE"):
+            assert hist.get(op) == hist_plain.get(op), (op, with_tl)
+        assert hist["FFMA"] > hist_plain["FFMA"], with_tl
+        assert len(re.findall(r"\b(LDL|STL)\b", sass)) <= spill_bound("sm90", with_tl), ("local memory", with_tl)
 
 
 def sm90_loads(key):

@@ -71,6 +71,7 @@ ARGS = {a.name: a for a in (
     Arg("score_mod"), Arg("mask_mod"), Arg("aux_tensors", "tensors"), Arg("block_mask"),
     # planning and outputs
     Arg("num_splits"), Arg("pack_gqa"), Arg("backend"), Arg("batch_invariant"),
+    Arg("fp8_two_level_interval"),  # the FP8 P V product in two levels (FwdProblem.fp8_two_level_interval)
     Arg("return_lse", aliases=("return_softmax_lse",), either=True),
     # context parallelism (the FA3 fork's keywords; ``checks.context_parallel``): the kernels get
     # the global lengths and a rank tensor where their masks need them (``cp_tensors``)

@@ -202,10 +202,11 @@ class Options(NamedTuple):
     num_splits: int
     backend: Optional[str]
     batch_invariant: bool = False
+    fp8_two_level_interval: int = 0
 
 
 def options(d: int, scale, causal, window_size, softcap, num_splits, pack_gqa, backend,
-            batch_invariant=False) -> Options:
+            batch_invariant=False, fp8_two_level_interval=0) -> Options:
     """Validate and normalise the keyword arguments shared by the forward entry points."""
     scale = softmax_scale(scale, d ** -0.5)
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
@@ -218,7 +219,14 @@ def options(d: int, scale, causal, window_size, softcap, num_splits, pack_gqa, b
     if not isinstance(batch_invariant, bool):
         raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__}")
     return Options(scale, float(softcap), causal, window_left, window_right, pack_gqa,
-                   int_arg("num_splits", num_splits, 0, MAX_SPLITS), backend_name(backend), batch_invariant)
+                   int_arg("num_splits", num_splits, 0, MAX_SPLITS), backend_name(backend), batch_invariant,
+                   two_level_interval(fp8_two_level_interval))
+
+
+def two_level_interval(n) -> int:
+    """``fp8_two_level_interval``: an int >= 0 (FlashInfer's name and meaning; 0 = off). Any
+    value is accepted for any call: only the SM90 FP8 Q, K, V kernel reads it."""
+    return int_arg("fp8_two_level_interval", n, 0, INT32_MAX)
 
 
 def normalize_window(causal, window_size) -> tuple[bool, int, int]:

@@ -27,7 +27,8 @@ Q3 = "(total_q, nheads, headdim)"
 
 # Cache-key arguments shared by the forward entry points (beyond their tensors).
 OPTION_ARGS = ("softmax_scale", "causal", "softcap", "num_splits", "pack_gqa", "return_lse", "backend",
-            "batch_invariant", "score_mod", "mask_mod", "block_mask", "window_size", *checks.CP_ARGS)
+            "batch_invariant", "score_mod", "mask_mod", "block_mask", "window_size", *checks.CP_ARGS,
+            "fp8_two_level_interval")
 VARIANT_ARGS = ("q_descale", "k_descale", "v_descale", "aux_tensors")
 
 
@@ -55,9 +56,12 @@ def fwd_problem(args: dict, dims: Dims, opts: checks.Options, variant, flags: Op
                 cp: bool = False) -> FwdProblem:
     """The ``FwdProblem`` of validated arguments: sizes, options and the user variant,
     and the flags its tensors set by being there (``call_args.problem_flags``; ``flags``:
-    those of tensors a pre-step makes, the append's); ``cp``: ``checks.context_parallel``'s."""
+    those of tensors a pre-step makes, the append's); ``cp``: ``checks.context_parallel``'s.
+    ``fp8_two_level_interval`` is kept for FP8 q or K/V only (0 otherwise: a 16-bit call's
+    problem, and so its plan, is the same with any interval)."""
     q, k = args["q"], args["k"] if "k" in args else args["k_cache"]
     flags = {**problem_flags(fwd_tensors(args, out=q)), **(flags or {})}
+    fp8 = q.dtype in checks.FP8_DTYPES or k.dtype in checks.FP8_DTYPES
     return FwdProblem(
         dtype=q.dtype, batch=dims.batch, max_seqlen_q=dims.max_seqlen_q, max_seqlen_k=dims.max_seqlen_k,
         nheads=dims.nheads, nheads_kv=dims.nheads_kv, d=dims.d, d_v=dims.d_v, softmax_scale=opts.softmax_scale,
@@ -65,7 +69,7 @@ def fwd_problem(args: dict, dims: Dims, opts: checks.Options, variant, flags: Op
         page_size=k.shape[1] if args.get("page_table") is not None else 0, has_lse=bool(args.get("return_lse")),
         variant=None if variant is None else variant[0], batch_invariant=opts.batch_invariant,
         kv_dtype=k.dtype if k.dtype in checks.FP8_DTYPES and q.dtype not in checks.FP8_DTYPES else None, cp=cp,
-        **flags)
+        fp8_two_level_interval=opts.fp8_two_level_interval if fp8 else 0, **flags)
 
 
 def checked(args: dict, dims: Dims, opts: checks.Options, variant, seqlens_fill=None, append=None,
@@ -145,7 +149,8 @@ def options_of(args: dict, d: int) -> checks.Options:
     """``checks.options`` of the call's softmax and planning arguments."""
     return checks.options(d, args.get("softmax_scale"), args.get("causal", False), args.get("window_size", (-1, -1)),
                           args.get("softcap", 0.0), args.get("num_splits", 1), args.get("pack_gqa"),
-                          args.get("backend"), args.get("batch_invariant", False))
+                          args.get("backend"), args.get("batch_invariant", False),
+                          args.get("fp8_two_level_interval", 0))
 
 
 def _device(args: dict, names: tuple) -> None:
@@ -158,6 +163,8 @@ def traced(kind: str):
 
     def call(args: dict):
         refuse_untraceable(args)
+        # The op does not carry it (it only changes FP8 kernels, which are not traced): checked here.
+        checks.two_level_interval(args.get("fp8_two_level_interval", 0))
         return traced_call(kind, args)
 
     return call

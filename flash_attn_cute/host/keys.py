@@ -83,6 +83,23 @@ PAGED_LEFTPAD = "paged+leftpad_k"
 # (an e4m3 cache run by the FP8 Q, K, V kernel, ``sm90.quantizes_q``); absent otherwise, so
 # that every other key stays what it was.
 QUANTIZE_Q = "quantize_q"
+# The SM90 forward key's field of two-level accumulation of the FP8 P V product every n KV
+# blocks (``FwdProblem.fp8_two_level_interval``): ``"two_level<n>"``, absent for 0 (off),
+# so that every other key stays what it was.
+TWO_LEVEL = "two_level"
+
+
+def two_level_field(interval: int) -> str:
+    """The key field of a two-level interval n > 0 (``"two_level4"``)."""
+    assert interval > 0, interval
+    return f"{TWO_LEVEL}{int(interval)}"
+
+
+def parse_two_level(field) -> int:
+    """The interval a key field holds (``two_level_field``'s inverse), 0 for any other field."""
+    if isinstance(field, str) and field.startswith(TWO_LEVEL):
+        return int(field[len(TWO_LEVEL):])
+    return 0
 
 
 def make_key(name: str, arch: str, dtype_name: str, d: int, d_v: int, tile: tuple, flags, qhead_per_kvhead_packed,

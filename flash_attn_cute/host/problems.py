@@ -65,6 +65,10 @@ class FwdProblem(NamedTuple):
     # shard, cp_world_size > 1): the kernels' ``ContextParallel`` variant, reading the rank,
     # the group size, the interleave and the global lengths at run time.
     cp: bool = False
+    # fp8_two_level_interval (FP8 Q or K/V only, else 0): the FP8 P V wgmma accumulates n KV
+    # blocks, then O is added into an fp32 accumulator (0: off). Only the SM90 FP8 Q, K, V
+    # kernel reads it (``sm90.plan``); every other kernel ignores it.
+    fp8_two_level_interval: int = 0
 
     @property
     def kv_fp8(self) -> bool:

@@ -47,6 +47,9 @@ class Sm90Config(NamedTuple):
     split_blocks: int = 0  # batch invariant: KV blocks per split (backend_kit.invariant_splits)
     ctas_per_sm: int = 1  # 2: a tile that fits twice (config.fp8_ctas_per_sm, config.decode_two_ctas)
     quantize_q: bool = False  # an e4m3 cache under 16-bit queries: Q quantized in the kernel (quantizes_q)
+    # FP8 Q, K, V kernel (qkv_fp8 or quantize_q): P V accumulated in two levels, every n KV
+    # blocks (FwdProblem.fp8_two_level_interval; 0: off, and always 0 for the other kernels).
+    two_level: int = 0
 
 
 def runs_on(capability: tuple) -> bool:
@@ -57,7 +60,12 @@ def check(problem: FwdProblem) -> Optional[str]:
     reason = head_dim_refusal(problem, HEAD_DIM_PAIRS)
     if reason is not None:
         return reason
-    return config.unsupported_reason(*tile_head_dims(problem, HEAD_DIM_PAIRS)) or feature_refusal(problem, FEATURES)
+    d, d_v = tile_head_dims(problem, HEAD_DIM_PAIRS)
+    if problem.qkv_fp8 and problem.fp8_two_level_interval and not config.two_level_fits(d_v, 64, 32):
+        # (16-bit queries over an e4m3 cache take the widening kernel there instead: ``plan``.)
+        return (f"fp8_two_level_interval with FP8 q, k, v needs head_dim_v <= 192 (got {problem.d_v}): the "
+                f"second O accumulator does not fit the registers; pass fp8_two_level_interval=0")
+    return config.unsupported_reason(d, d_v) or feature_refusal(problem, FEATURES)
 
 
 def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms: Optional[int],
@@ -82,6 +90,15 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
         fp8_tile = config.fp8_qkv_tile(d, d_v, tile, problem.page_size, problem.causal or problem.local,
                                        measured=not tuning.sm90_tile and not problem.batch_invariant,
                                        leftpad_k=problem.leftpad_k)
+    two_level = problem.fp8_two_level_interval if problem.qkv_fp8 or quantize_q else 0
+    if two_level and not tuning.sm90_tile:  # (a tuning override's tile is taken as it is)
+        fp8_tile = config.fp8_two_level_tile(d, d_v, fp8_tile, problem.page_size, problem.leftpad_k)
+        if fp8_tile is None:
+            # d_v > 192: O twice does not fit the registers. 16-bit queries over an e4m3
+            # cache take the widening kernel (16-bit MMAs, no fp8 accumulation to split);
+            # FP8 q, k, v is refused (``check``).
+            assert quantize_q, "check refuses FP8 q, k, v here"
+            quantize_q, two_level = False, 0
     if quantize_q and tuning.sm90_fp8_kv is None:
         # The default quantizes q only where the FP8 kernel reads whole blocks by TMA: its
         # row gathers (pages of 1 and 16, cache_leftpad) are slower than widening. H100,
@@ -115,8 +132,9 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
                                   problem.varlen_q, num_splits > 1 or split_blocks > 0, gather_kv,
                                   problem.has_seqused_q)
     fits = fits and not problem.kv_fp8 and not problem.qkv_fp8  # persistent_fits counts 16-bit stages
+    two_level = two_level if problem.qkv_fp8 or quantize_q else 0  # (the gathered pages' gate may widen)
     return FwdPlan(NAME, Sm90Config(*tile, gather_kv, persistent(problem, fits, tuning.sm90_persistent),
-                                    split_blocks, ctas_per_sm, quantize_q), pack_gqa, num_splits)
+                                    split_blocks, ctas_per_sm, quantize_q, two_level), pack_gqa, num_splits)
 
 
 FP8_KV_MODES = ("quantize_q", "widen")  # tuning.sm90_fp8_kv
@@ -174,8 +192,8 @@ def _extra_scalars(problem: FwdProblem, plan: FwdPlan, device) -> tuple:
 
 # compile_key, compile, launcher: the seam's shared entry points. The key holds the tile
 # (m, n, stages, ex2) first and gather_kv, persistent (, ctas_per_sm where it is 2)
-# (, keys.QUANTIZE_Q where set) last (``config.key_extra``).
+# (, keys.QUANTIZE_Q where set) (, keys.two_level_field where set) last (``config.key_extra``).
 compile_key, compile, launcher = fwd_entry_points(
     NAME, "flash_attn_cute.sm90.flash_fwd", "compile_fwd_sm90", key_tile=lambda c: tuple(c[:4]),
-    key_extra=lambda c: config.key_extra(c.gather_kv, c.persistent, c.ctas_per_sm, c.quantize_q),
+    key_extra=lambda c: config.key_extra(c.gather_kv, c.persistent, c.ctas_per_sm, c.quantize_q, c.two_level),
     extra_scalars=_extra_scalars)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from flash_attn_cute.host.constants import D_CKV, D_KPE
-from flash_attn_cute.host.keys import QUANTIZE_Q
+from flash_attn_cute.host.keys import QUANTIZE_Q, parse_two_level, two_level_field
 
 SMEM_LIMIT = 227 * 1024  # sm_90 opt-in shared memory per block
 
@@ -171,6 +171,40 @@ def fp8_qkv_tile(d: int, dv: int, tile: tuple, page_size: int = 0, causal: bool 
     return m, n, stages, tile[3]
 
 
+# Under two-level accumulation (``fp8_two_level_interval``) a consumer thread of the FP8 Q,
+# K, V kernel holds O twice (d_v fp32 values), S (tile_n / 2) and P (tile_n / 8 words):
+# their sum that stays clear of local memory with 3, 2 and 1 consumer warpgroups (160, 232
+# and 256 registers, ``WarpRoles``). sm_90a SASS, two-level, local-memory instructions: 3
+# warpgroups d 64 (192, 128) 2 (as without the option at d 128), (192, 160) 170, d 96
+# (192, 96) 96, d 128 (192, 96) 482; 2 warpgroups d 128 (128, 128) 0, (128, 160) 120; 1
+# warpgroup d 128 (64, 128) 0, d 192 (64, 64) 0, d 256 (64, 64) 607.
+TWO_LEVEL_REGS = {3: 144, 2: 208, 1: 232}
+
+
+def two_level_fits(dv: int, tile_m: int, tile_n: int) -> bool:
+    """Whether the FP8 Q, K, V tile keeps both O accumulators in registers (``TWO_LEVEL_REGS``)."""
+    return dv + tile_n // 2 + tile_n // 8 <= TWO_LEVEL_REGS[tile_m // 64]
+
+
+def fp8_two_level_tile(d: int, dv: int, tile: tuple, page_size: int = 0, leftpad_k: bool = False):
+    """The FP8 Q, K, V tile (``fp8_qkv_tile``'s) under two-level accumulation: the same
+    where ``two_level_fits``; else, from its tile_m down, 64 rows (one consumer warpgroup)
+    at a time, the widest tile_n (a multiple of 32, <= the tile's, or <= max(its, 128) once
+    tile_m is lowered) that fits, taken where it keeps 96 columns at least (tile_m is lowered
+    first: a narrow block pays the softmax's row reductions for fewer keys) or tile_m is 64;
+    ``fp8_qkv_tile`` then fits it to the page size and shared memory. None where nothing
+    fits: d_v > 192 (the 256 tile). Chosen from SASS register fits, not timed."""
+    m, n, stages, ex2 = tile[:4]
+    if two_level_fits(dv, m, n):
+        return tile
+    for rows in range(m, 63, -64):
+        cap = n if rows == m else max(n, 128)
+        t = next((t for t in range(cap - cap % 32, 31, -32) if two_level_fits(dv, rows, t)), 0)
+        if t >= (32 if rows == 64 else 96):
+            return fp8_qkv_tile(d, dv, (rows, t, stages, ex2), page_size, measured=False, leftpad_k=leftpad_k)
+    return None
+
+
 def gathers_kv(tile_n: int, page_size: int, leftpad_k: bool = False) -> bool:
     """Whether a paged cache (page_size > 0) is read by cp.async row gathers: its pages
     do not hold whole tile_n blocks, so no TMA box spans one; or its sequences start at a
@@ -193,20 +227,23 @@ def persistent_fits(d: int, dv: int, tile: tuple, pack: int, varlen_q: bool, is_
     return smem_bytes(d, dv, m, n, stages) + (2 * m * dv if uses_tma_o else 0) <= SMEM_LIMIT
 
 
-def key_extra(gather_kv: bool, persistent: bool, ctas_per_sm: int, quantize_q: bool) -> tuple:
+def key_extra(gather_kv: bool, persistent: bool, ctas_per_sm: int, quantize_q: bool, two_level: int = 0) -> tuple:
     """The forward key's SM90 fields after the common ones: gather_kv, persistent, then
-    ctas_per_sm where it is 2 and ``keys.QUANTIZE_Q`` where the kernel quantizes 16-bit
-    queries (each absent otherwise: the keys from before either existed keep their form)."""
+    ctas_per_sm where it is 2, ``keys.QUANTIZE_Q`` where the kernel quantizes 16-bit
+    queries and ``keys.two_level_field`` where the FP8 P V product is accumulated in two
+    levels (each absent otherwise: the keys from before either existed keep their form)."""
     return (gather_kv, persistent) + ((ctas_per_sm,) if ctas_per_sm > 1 else ()) + \
-        ((QUANTIZE_Q,) if quantize_q else ())
+        ((QUANTIZE_Q,) if quantize_q else ()) + ((two_level_field(two_level),) if two_level else ())
 
 
 def parse_key_extra(rest: tuple) -> dict:
-    """The kernel's keyword arguments (ctas_per_sm, quantize_q) from the fields ``key_extra``
-    put after gather_kv and persistent."""
-    ctas = [x for x in rest if x != QUANTIZE_Q]
-    assert len(ctas) <= 1 and len(rest) - len(ctas) <= 1, rest
-    return dict(ctas_per_sm=ctas[0] if ctas else 1, quantize_q=QUANTIZE_Q in rest)
+    """The kernel's keyword arguments (ctas_per_sm, quantize_q, two_level) from the fields
+    ``key_extra`` put after gather_kv and persistent."""
+    flags = [x for x in rest if x == QUANTIZE_Q or parse_two_level(x)]
+    ctas = [x for x in rest if x not in flags]
+    assert len(ctas) <= 1 and len(flags) == len(set(flags)) <= 2, rest
+    two_level = max([parse_two_level(x) for x in flags] + [0])
+    return dict(ctas_per_sm=ctas[0] if ctas else 1, quantize_q=QUANTIZE_Q in rest, two_level=two_level)
 
 
 def unsupported_reason(d: int, dv: int) -> Optional[str]:

@@ -63,7 +63,7 @@ from flash_attn_cute.device.layout_utils import (acc_mn_view, acc_to_operand_a, 
 from flash_attn_cute.device.named_barrier import Sm90FwdBarrier
 from flash_attn_cute.device.paged_kv import page_and_row, page_lookups
 from flash_attn_cute.sm90.config import TWO_CTAS_SMEM, WarpRoles, parse_key_extra
-from flash_attn_cute.sm90.fp8_operands import FP8TileGeometry, p_to_fp8, transpose_v_block
+from flash_attn_cute.sm90.fp8_operands import FP8TileGeometry, TwoLevelPV, p_to_fp8, transpose_v_block
 from flash_attn_cute.sm90.q_quant import quantize_q_tile
 from flash_attn_cute.sm90.wgmma_utils import convert_pairs, kv_release, kv_wait, wgmma_gemm
 from flash_attn_cute.device.softmax import FP8_P_OFFSET, LOG2_E, OnlineSoftmax
@@ -77,7 +77,7 @@ class FlashAttnFwdSm90:
     def __init__(self, dtype, head_dim: int, head_dim_v: int, tile_m: int, tile_n: int, num_stages: int,
                  variant: AttentionVariant, qhead_per_kvhead_packed: int = 1, is_split: bool = False,
                  ex2_emulate_every: int = 0, gather_kv: bool = False, persistent: bool = False, split_blocks: int = 0,
-                 q_class: int = 0, ctas_per_sm: int = 1, quantize_q: bool = False):
+                 q_class: int = 0, ctas_per_sm: int = 1, quantize_q: bool = False, two_level: int = 0):
         set_fwd_config(self, dtype, head_dim, head_dim_v, variant, qhead_per_kvhead_packed, is_split, split_blocks,
                        q_class)
         # 16-bit Q over an e4m3 cache: Q is quantized to e4m3 in the kernel (``q_quant``) and
@@ -109,6 +109,10 @@ class FlashAttnFwdSm90:
         # to e4m3 with its row max at 2^8 (``FP8_P_OFFSET``), O leaves in bf16 (quantize_q:
         # in q's dtype).
         self.fp8_qkv = self.dtype.width == 8
+        # FP8 Q, K, V: the P V product accumulated in two levels, O flushed into an fp32
+        # accumulator every ``two_level`` KV blocks (``fp8_operands.TwoLevelPV``); 0: off.
+        self.two_level = two_level
+        assert not two_level or self.fp8_qkv, "two-level accumulation: FP8 Q, K, V only"
         self.roles = WarpRoles.for_consumers(tile_m // 64, gather_kv, ctas_per_sm, transpose_v=self.fp8_qkv)
         # Ping-pong pays when the softmax of one warpgroup can hide the other's MMAs;
         # at d=256 the MMAs dominate and the turn-taking only adds waits.
@@ -681,8 +685,11 @@ class FlashAttnFwdSm90:
         scale_carry = None
         if cutlass.const_expr(self.rescale_o_before_pv):
             scale_carry = cute.make_rmem_tensor((softmax.num_rows,), Float32)
+        two_level = None
+        if cutlass.const_expr(self.two_level > 0):
+            two_level = TwoLevelPV(acc_O, softmax.num_rows, self.two_level)
         mma = _MmaState(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, tScS_mn, acc_O, softmax, scale_carry,
-                        widen)
+                        widen, two_level)
 
         if cutlass.const_expr(self.use_tma_q):
             io.pipeline_q.consumer_wait(q_state)
@@ -719,28 +726,35 @@ class FlashAttnFwdSm90:
             io.pipeline_q.consumer_release(q_state)
             q_state.advance()
 
-        # Last P V.
-        self.rescale_carried(mma)
+        # Last P V (number n_block_max - 1 - n_block_min of the tile's).
+        pv = n_hi - n_block_min
+        self.rescale_carried(mma, pv)
         v_stage = self.take_v(mma, io, state, tile, n_block_min, last=True)
-        wgmma_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_stage], False, 0)
+        wgmma_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_stage], False, 0,
+                   self.pv_accumulates(mma, pv))
         self.give_v(io, state)
         state.advance()
+        if cutlass.const_expr(mma.two_level is not None):
+            mma.two_level.finish(acc_O)
         return q_state, state
 
     @cute.jit
     def mma_one_block(self, mma: "_MmaState", io: "_Io", tile: FwdTile, row0, state, n_block,
                       masked: cutlass.Constexpr, wg_idx):
         """S(n) = Q K(n)^T and O += P(n+1) V(n+1) in flight together; the softmax of S(n)
-        starts once S lands, while P V still runs."""
+        starts once S lands, while P V still runs. Block n + 1's P V is the tile's number
+        ``pv`` (the first block, n_block_max - 1, has number 0)."""
+        pv = tile.n_block_max - 2 - n_block
         state_v = state.clone()
         state.advance()
         k_stage = self.take_k(mma, io, state)
         self.scheduler_sync(wg_idx)
         acc_S = cute.make_rmem_tensor(mma.tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         wgmma_gemm(mma.tiled_mma_qk, acc_S, mma.tSrQ, mma.tSrK[None, None, None, k_stage], True, -1)
-        self.rescale_carried(mma)  # while Q K^T runs
+        self.rescale_carried(mma, pv)  # while Q K^T runs
         v_stage = self.take_v(mma, io, state_v, tile, n_block + 1)  # fp8: widened while Q K^T runs
-        wgmma_gemm(mma.tiled_mma_pv, mma.acc_O, mma.tOrP, mma.tOrVt[None, None, None, v_stage], False, -1)
+        wgmma_gemm(mma.tiled_mma_pv, mma.acc_O, mma.tOrP, mma.tOrVt[None, None, None, v_stage], False, -1,
+                   self.pv_accumulates(mma, pv))
         self.scheduler_arrive(wg_idx)
         warpgroup.wait_group(1)  # S landed; P V may still run
         self.give_kv(io.pipeline_k, state)
@@ -749,7 +763,7 @@ class FlashAttnFwdSm90:
         row_scale = mma.softmax.step(acc_S, ex2_emulate_every=0 if masked else self.ex2_emulate_every)
         warpgroup.wait_group(0)  # P V landed: acc_O and tOrP are free
         self.give_v(io, state_v)
-        self.softmax(mma, acc_S, row_scale)
+        self.softmax(mma, acc_S, row_scale, pv + 1)
         return state
 
     @cute.jit
@@ -812,10 +826,10 @@ class FlashAttnFwdSm90:
             self.give_kv(io.pipeline_v, state)
 
     @cute.jit
-    def softmax(self, mma: "_MmaState", acc_S, row_scale):
-        """P in the RS operand registers, O rescaled (or its correction carried to the next
-        P V); without ``row_scale`` (first block) the softmax step runs here and O, still
-        zero, needs no rescale."""
+    def softmax(self, mma: "_MmaState", acc_S, row_scale, pv=None):
+        """P in the RS operand registers, O rescaled before P V number ``pv``, the one of
+        this P (or its correction carried to it); without ``row_scale`` (first block) the
+        softmax step runs here and O, still zero, needs no rescale."""
         first = cutlass.const_expr(row_scale is None)
         if cutlass.const_expr(first):
             row_scale = mma.softmax.step(acc_S)
@@ -826,7 +840,7 @@ class FlashAttnFwdSm90:
         if cutlass.const_expr(mma.scale_carry is not None):
             mma.scale_carry.store(row_scale.load())
         elif cutlass.const_expr(not first):
-            mma.softmax.rescale_o(mma.acc_O, row_scale)
+            self.rescale_o(mma, row_scale, pv)
 
     @cute.jit
     def zero_v_tail(self, pipeline_v, state, sV, rows_valid, cidx):
@@ -841,10 +855,25 @@ class FlashAttnFwdSm90:
             self.consumers_sync()
 
     @cute.jit
-    def rescale_carried(self, mma: "_MmaState"):
-        """The deferred rescale of O (rescale_o_before_pv), just before its next P V."""
+    def rescale_carried(self, mma: "_MmaState", pv):
+        """The deferred rescale of O (rescale_o_before_pv), just before its next P V, the
+        tile's number ``pv``."""
         if cutlass.const_expr(mma.scale_carry is not None):
-            mma.softmax.rescale_o(mma.acc_O, mma.scale_carry)
+            self.rescale_o(mma, mma.scale_carry, pv)
+
+    @cute.jit
+    def rescale_o(self, mma: "_MmaState", row_scale, pv):
+        """O's rows times the softmax's correction before P V number ``pv``; two-level:
+        ``TwoLevelPV.rescale`` (a flush where that P V starts a group)."""
+        if cutlass.const_expr(mma.two_level is not None):
+            mma.two_level.rescale(mma.acc_O, row_scale, pv)
+        else:
+            mma.softmax.rescale_o(mma.acc_O, row_scale)
+
+    def pv_accumulates(self, mma: "_MmaState", pv):
+        """P V number ``pv``'s scale-d predicate under two-level accumulation (None: it always
+        accumulates into O)."""
+        return None if mma.two_level is None else mma.two_level.accumulates(pv)
 
     def consumers_sync(self):
         """Every consumer thread meets (``Sm90FwdBarrier.CONSUMERS``)."""
@@ -989,8 +1018,8 @@ class _Sched:
 class _MmaState:
     """A consumer warpgroup's view of one tile's KV loop: the MMAs, its wgmma fragments
     (descriptors; tOrP the RS view of P's registers), the S coordinates, and what lives
-    across the loop: O, the softmax statistics and the correction O still owes
-    (``rescale_o_before_pv``; else None)."""
+    across the loop: O, the softmax statistics, the correction O still owes
+    (``rescale_o_before_pv``; else None) and the second accumulator level (``two_level``)."""
 
     tiled_mma_qk: cute.TiledMma
     tiled_mma_pv: cute.TiledMma
@@ -1003,6 +1032,7 @@ class _MmaState:
     softmax: OnlineSoftmax
     scale_carry: Optional[cute.Tensor]
     widen: Optional["_Widen"]  # fp8 K/V only
+    two_level: Optional[TwoLevelPV] = None  # FP8 Q, K, V with a two-level interval
 
 
 @dataclass(frozen=True)

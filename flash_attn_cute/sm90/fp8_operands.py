@@ -1,5 +1,6 @@
 """FP8 operands of the SM90 forward's P V wgmma (FP8 Q, K and V): P from the S registers
-and V transposed in shared memory, in one agreed key order.
+and V transposed in shared memory, in one agreed key order; and the two-level accumulation
+of its product (``TwoLevelPV``).
 
 An 8-bit wgmma reads both operands K-major: P (tile_m x keys) from registers, and V^T
 (d_v x keys, keys contiguous) from shared memory. V arrives by TMA as (keys, d_v), d_v
@@ -27,9 +28,11 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Uint32
+from cutlass import Float32, Int32, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
+
+from flash_attn_cute.device.layout_utils import acc_mn_view
 
 @dsl_user_op
 def _prmt(a: Uint32, b: Uint32, sel: Int32, *, loc=None, ip=None) -> Uint32:
@@ -199,3 +202,61 @@ def p_to_fp8(acc_S: cute.Tensor, tOrP: cute.Tensor):
                            cute.make_layout((((2, 2), 2, 2), 1, kblocks), stride=(((1, 4), 2, 8), 0, 16)))
     dst = cute.make_tensor(tOrP.iterator, cute.make_layout((((2, 2), 2, 2), 1, kblocks)))
     dst.store(src.load().to(tOrP.element_type))
+
+
+class TwoLevelPV:
+    """Two-level accumulation of the FP8 P V product, every ``interval`` KV blocks (the
+    ``fp8_two_level_interval`` keyword; FA3's vLLM fork and FlashInfer do the same).
+
+    Hopper's fp8 wgmma adds its products to the accumulator it is given in reduced
+    precision (aligned to the largest exponent, about 14 bits kept), so once O is large
+    against one block's P V (long contexts of many similar scores) the late blocks are
+    truncated. Here the P V wgmma accumulates into O (the caller's ``acc_O``) for
+    ``interval`` blocks only; O is then added into ``acc`` (fp32, CUDA-core FFMA) and the
+    next P V starts O from zero through the wgmma's scale-d predicate (``accumulates``: no
+    zeroing instructions).
+
+    The online softmax's corrections: O is rescaled every block, as without the option,
+    while ``acc`` keeps the product of the corrections since its last flush (``pending``,
+    one per row) and takes it at the flush, ``acc = acc * pending + O``. Over ``interval``
+    blocks that is interval - 1 FMUL (O's rescales) and one FFMA (the flush) per element,
+    the count without the option; rescaling ``acc`` every block as well would add one FMUL
+    per element and block. A flush replaces O's rescale: it takes the correction of the
+    block whose P V follows into ``pending``, and O restarts from zero."""
+
+    def __init__(self, acc_O: cute.Tensor, num_rows: int, interval: int):
+        self.interval = interval
+        self.num_rows = num_rows
+        self.acc = cute.make_fragment_like(acc_O)
+        self.acc.fill(0.0)
+        self.pending = cute.make_rmem_tensor((num_rows,), Float32)
+        self.pending.fill(1.0)
+
+    def accumulates(self, pv: Int32):
+        """Whether P V number ``pv`` of the tile (0: its first) adds into O: not the first of
+        each group of ``interval``, which follows a flush."""
+        return pv % self.interval != 0
+
+    @cute.jit
+    def rescale(self, acc_O: cute.Tensor, row_scale: cute.Tensor, pv: Int32):
+        """Before P V number ``pv``: O's rows times ``row_scale`` (the softmax's correction),
+        or, where that P V starts a group, the flush of O into ``acc``."""
+        o_mn = acc_mn_view(acc_O)
+        a_mn = acc_mn_view(self.acc)
+        pending, rows = self.pending, self.num_rows  # (the run-time ``if`` may not carry ``self``)
+        if self.accumulates(pv):
+            for r in cutlass.range_constexpr(rows):
+                o_mn[r, None].store(o_mn[r, None].load() * row_scale[r])
+                pending[r] = pending[r] * row_scale[r]
+        else:
+            for r in cutlass.range_constexpr(rows):
+                a_mn[r, None].store(a_mn[r, None].load() * pending[r] + o_mn[r, None].load())
+                pending[r] = row_scale[r]
+
+    @cute.jit
+    def finish(self, acc_O: cute.Tensor):
+        """After the tile's last P V landed: O = acc * pending + O, the whole product."""
+        o_mn = acc_mn_view(acc_O)
+        a_mn = acc_mn_view(self.acc)
+        for r in cutlass.range_constexpr(self.num_rows):
+            o_mn[r, None].store(a_mn[r, None].load() * self.pending[r] + o_mn[r, None].load())

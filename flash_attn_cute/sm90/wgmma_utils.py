@@ -22,13 +22,18 @@ def convert_pairs(src: cute.Tensor, dst: cute.Tensor):
 
 @cute.jit
 def wgmma_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
-               zero_init: cutlass.Constexpr[bool], wg_wait: cutlass.Constexpr[int]):
+               zero_init: cutlass.Constexpr[bool], wg_wait: cutlass.Constexpr[int], accumulates=None):
     """acc (+)= A B over the K slices of one warpgroup's fragments, as one wgmma group.
-    ``wg_wait`` >= 0 waits until at most that many groups are in flight; -1 returns at once."""
+    ``wg_wait`` >= 0 waits until at most that many groups are in flight; -1 returns at once.
+    ``accumulates`` (a run-time Boolean, in place of ``zero_init``): whether the first K
+    slice adds into acc (the wgmma's scale-d predicate)."""
     warpgroup.fence()
     # A fresh atom per call: its ACCUMULATE field is rewritten below.
     atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    if cutlass.const_expr(accumulates is None):
+        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    else:
+        atom.set(warpgroup.Field.ACCUMULATE, accumulates)
     for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
         cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
