@@ -429,29 +429,24 @@ TILE_SEQLENS = (1, 64, 65, 128, 190, 256, 257, 385, 449, 576)  # 1 to 9 tiles of
 @pytest.mark.parametrize("page_size", [64, 128, 256])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("knob", [None, "seesaw"])
-def test_mla_tma_tile_counts(backend, page_size, num_splits, knob, monkeypatch):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_mla_tma_tile_counts(backend, page_size, num_splits, knob, fp8, monkeypatch):
+    # fp8: the e4m3 cache in fp8 wgmma (or widened by the gathering kernel: the knob),
+    # per-batch descales.
     if knob:
         monkeypatch.setenv("FLASH_ATTN_CUTE_MLA_SM90_QK", knob)
-    run_and_check(backend, make_inputs(TILE_SEQLENS, 64, page_size, seed=90 + page_size), num_splits=num_splits,
-                  return_lse=True)
+    if fp8:
+        inputs, descale = fp8_inputs(TILE_SEQLENS, 64, page_size, seed=110 + page_size, per_batch=True)
+        run_and_check_fp8(backend, inputs, descale, num_splits=num_splits, return_lse=True)
+    else:
+        run_and_check(backend, make_inputs(TILE_SEQLENS, 64, page_size, seed=90 + page_size), num_splits=num_splits,
+                      return_lse=True)
 
 
 @pytest.mark.parametrize("nheads,seqlen_q,page_size", [(16, 2, 64), (128, 2, 128), (100, 1, 64), (8, 2, 256)])
 def test_mla_tma_causal_heads(backend, nheads, seqlen_q, page_size):
     run_and_check(backend, make_inputs(TILE_SEQLENS, nheads, page_size, seqlen_q=seqlen_q, seed=95 + nheads),
                   causal=True, num_splits=0, return_lse=True)
-
-
-@pytest.mark.parametrize("page_size", [64, 128, 256])
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("knob", [None, "seesaw"])
-def test_mla_fp8_tma_tile_counts(backend, page_size, num_splits, knob, monkeypatch):
-    # The e4m3 cache in fp8 wgmma (or widened by the gathering kernel: the knob), per-batch
-    # descales, 1 to 9 tiles.
-    if knob:
-        monkeypatch.setenv("FLASH_ATTN_CUTE_MLA_SM90_QK", knob)
-    inputs, descale = fp8_inputs(TILE_SEQLENS, 64, page_size, seed=110 + page_size, per_batch=True)
-    run_and_check_fp8(backend, inputs, descale, num_splits=num_splits, return_lse=True)
 
 
 @pytest.mark.parametrize("nheads,nheads_kv,seqlen_q,page_size", [(16, None, 2, 64), (128, None, 2, 128),
