@@ -7,7 +7,7 @@ launches of the kernel it filters and profiles the third):
              ours-fp8: q, k, v in e4m3 with per (batch, head) descales)
     mla:     --impl sm80|sm90[-fp8]|fi-fa3|fi-fa2|flashmla --batch 768 --seqlen 2048 [--page 1] [--heads 64]
              (-fp8: an e4m3 latent cache, one kv_descale; fi-*: FlashInfer's MLA wrapper,
-             flashmla: FlashMLA's dense decode (pages of 64), on the same values as
+             flashmla[-fp8]: FlashMLA's dense decode (pages of 64; -fp8 its FP8 mode), on the same values as
              ``bench_mla.py``, where they import)
     decode:  --impl bf16|fp8 --batch 1 --seqlen 131072 (h32/8 d128, one query, contiguous
              cache, the SM90 kernel; fp8: an e4m3 cache with descales)
@@ -48,10 +48,13 @@ def mla_fn(args):
 
     import flash_attn_cute
 
-    if args.impl.startswith("fi-") or args.impl == "flashmla":
+    if args.impl.startswith("fi-") or args.impl.startswith("flashmla"):
         import bench_mla
 
         inputs = bench_mla.make_inputs(args.batch, args.seqlen, args.page, args.heads, torch.bfloat16)
+        if args.impl == "flashmla-fp8":
+            fp8_inputs, descale = bench_mla.fp8_peer_inputs(flash_attn_cute, inputs)
+            return bench_mla.flashmla_call(fp8_inputs, args.heads, kv_descale=descale)
         if args.impl == "flashmla":
             return bench_mla.flashmla_call(inputs, args.heads)
         return bench_mla.flashinfer_call(inputs, args.page, args.heads, args.impl[3:])

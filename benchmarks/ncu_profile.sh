@@ -12,7 +12,8 @@
 #   IMPLS="fi-fa3:BatchMLAPageAttentionHopperKernel sm90:MlaDecodeSm90" bash benchmarks/ncu_profile.sh mla 768x2048
 #     # FlashInfer's fa3 kernel beside ours (with FlashInfer importable: ../shared/gpu/README.md)
 #   IMPLS="flashmla:flash_fwd_splitkv_mla sm90:MlaDecodeSm90Tma" PAGE=64 bash benchmarks/ncu_profile.sh mla 768x2048
-#     # FlashMLA's dense decode beside our TMA kernel (pages of 64; with .peers: ../shared/gpu/README.md)
+#     # FlashMLA's dense decode beside our TMA kernel (pages of 64; with .peers: ../shared/gpu/README.md);
+#     # HEADS=128 for the 128-head rows, flashmla-fp8 / sm90-fp8 for the FP8 modes
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 cd "$(dirname "$0")"
@@ -28,7 +29,7 @@ for cfg in ${2:-128}; do
     extra="--variant $cfg"
     impls="ours:FlashAttnFwdSm90"
   else
-    extra="--batch ${cfg%x*} --seqlen ${cfg#*x} --page ${PAGE:-1}"
+    extra="--batch ${cfg%x*} --seqlen ${cfg#*x} --page ${PAGE:-1} --heads ${HEADS:-64}"
     impls=${IMPLS:-"sm80:MlaDecodeSm80 sm90:MlaDecodeSm90"}
   fi
   for pair in $impls; do

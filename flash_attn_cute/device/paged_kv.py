@@ -20,11 +20,16 @@ from cutlass import Int32
 
 
 @cute.jit
+def clamp_page(page: Int32, num_pages: Int32):
+    """A page id from the table clamped into [0, num_pages): a bad entry reads a real page."""
+    return cutlass.max(cutlass.min(page, num_pages - 1), 0)
+
+
+@cute.jit
 def page_and_row(mPageTable: cute.Tensor, batch: Int32, t: Int32, page_size: Int32, num_pages: Int32):
     """(page id clamped into [0, num_pages), row inside the page) of key position ``t``."""
     page_idx = t // page_size
-    page = cutlass.max(cutlass.min(mPageTable[batch, page_idx], num_pages - 1), 0)
-    return page, t - page_idx * page_size
+    return clamp_page(mPageTable[batch, page_idx], num_pages), t - page_idx * page_size
 
 
 @cute.jit

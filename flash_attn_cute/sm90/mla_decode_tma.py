@@ -78,9 +78,12 @@ the P it shares is stored in the RS operand's own layout, so the other warpgroup
 wgmma reads it in the same order. The transposes sit where a warpgroup would wait: under
 the S of the next tile it owns, and before the barriers SCALE0 (warpgroup 1) and
 O1_ISSUED (warpgroup 0); ``VT0`` / ``VT1`` meet a warpgroup's four warps once its V^T is
-fenced. Tile 0's tail keys are zeroed as transposed. The chunks are reloaded at the same
-points as for 16 bits (each is then free for the same reasons, and earlier). Q 36 KB,
-buffers 2 x 36 KB, V^T 2 x 32 KB, sP1 4 KB: 180 KB; 222 registers, no local memory.
+fenced. Tile 0's tail keys are zeroed as transposed. P V reads V^T, not the chunks, and
+sP0 has its own 4 KB: a tile's chunks reload once its S and its transposes read them (the
+left half by warpgroup 0 at its step's start and after its transpose of V_b, the right
+halves by warpgroup 1 after SCALE0), about a step earlier than for 16 bits, where P V
+reads the chunks. Q 36 KB, buffers 2 x 36 KB, V^T 2 x 32 KB, sP0 and sP1 4 KB each: 184
+KB.
 
 Beside FlashMLA (its SM90 dense decode as sglang-kernel 0.4.4 builds it; both SASS
 listings summarised in ``benchmarks/results/sass_mla_flashmla_vs_tma_2026-12-05_s13.txt``,
@@ -124,7 +127,7 @@ from flash_attn_cute.device.layout_utils import acc_mn_view, acc_to_operand_a, r
     transpose_view
 from flash_attn_cute.device.mla_kernel import MlaArgs, MlaTile, load_q_rows, mla_call, set_mla_config
 from flash_attn_cute.device.named_barrier import Sm90MlaTmaBarrier
-from flash_attn_cute.device.paged_kv import page_and_row
+from flash_attn_cute.device.paged_kv import clamp_page
 from flash_attn_cute.device.softmax import FP8_P_OFFSET, LN_2, LOG2_E
 from flash_attn_cute.device.tile_scheduler import SingleTileScheduler, TileDivisors, tile_divisors
 from flash_attn_cute.device.variants import apply_to_scores
@@ -192,6 +195,7 @@ class MlaDecodeSm90Tma:
             row_major_smem_layout(kv_dtype, D_CKV, TILE_N, 2),  # fp8: V^T (d, keys), two buffers
         )
         vt_field = cute.struct.MemRange[kv_dtype, 16]  # unused (16-bit caches keep their smem layout)
+        p0_field = cute.struct.MemRange[op_dtype, 16]  # unused (16-bit: sP0 over buffer 0's kpe chunk)
         if cutlass.const_expr(self.fp8):
             # Byte offsets for the transposes: a warpgroup's half of V (64 x 256, 16 KB into
             # the buffer for the right half) and of V^T (256 rows, 16 KB down).
@@ -200,6 +204,7 @@ class MlaDecodeSm90Tma:
             self.vt_geometry = FP8TileGeometry.of(layouts[5], D_CKV, TILE_N)
             assert geo.offset(0, D_CKV // 2) == HALF_BYTES and self.vt_geometry.offset(D_CKV // 2, 0) == HALF_BYTES
             vt_field = cute.struct.Align[cute.struct.MemRange[kv_dtype, cute.cosize(layouts[5])], 1024]
+            p0_field = cute.struct.Align[cute.struct.MemRange[op_dtype, cute.cosize(layouts[4])], 1024]
 
         @cute.struct
         class SharedStorage:
@@ -214,6 +219,7 @@ class MlaDecodeSm90Tma:
             sKp: cute.struct.Align[cute.struct.MemRange[kv_dtype, cute.cosize(layouts[3])], 1024]
             sP1: cute.struct.Align[cute.struct.MemRange[op_dtype, cute.cosize(layouts[4])], 1024]
             sVt: vt_field
+            sP0: p0_field
 
         # TMA views (page_size, d, [h_kv,] num_pages): a tile is (64, chunk) boxes of one page.
         modes = [1, 3, 2, 0] if args.kv_heads else [1, 2, 0]
@@ -279,8 +285,9 @@ class MlaDecodeSm90Tma:
             storage.sQn.get_tensor(sQn_layout.outer, swizzle=sQn_layout.inner),
             storage.sQp.get_tensor(sQp_layout.outer, swizzle=sQp_layout.inner),
             sC, sKp,
-            # sP0 over buffer 0's kpe chunk (see the module docstring), sP1 its own.
-            storage.sKp.get_tensor(sP_layout.outer, swizzle=sP_layout.inner),
+            # 16-bit: sP0 over buffer 0's kpe chunk (see the module docstring); fp8: its own,
+            # so that the chunk reloads once S_a and the transposes read it. sP1 its own.
+            (storage.sP0 if self.fp8 else storage.sKp).get_tensor(sP_layout.outer, swizzle=sP_layout.inner),
             storage.sP1.get_tensor(sP_layout.outer, swizzle=sP_layout.inner),
             sVt,
             storage.sM.get_tensor(cute.make_layout(TILE_M)),
@@ -298,9 +305,9 @@ class MlaDecodeSm90Tma:
             loader = _TileLoader.create(args, tile, tma_atoms, tma_views, smem, self.chunks)
             if warp_idx == 0:
                 if n_tiles > 0:
-                    loader.load(0, 0, 0, self.chunks.chunks)
+                    loader.load(loader.page(0), 0, 0, self.chunks.chunks)
                 if n_tiles > 1:
-                    loader.load(1, 1, 0, self.chunks.chunks)
+                    loader.load(loader.page(1), 1, 0, self.chunks.chunks)
             self.mma(tile, n_tiles, smem, loader, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_ss, args, tidx)
 
     @cute.jit
@@ -395,13 +402,18 @@ class MlaDecodeSm90Tma:
             if rows_in_tile0 < TILE_N:
                 zero_rows_from(smem.sC[None, None, 0], rows_in_tile0, t, WG_THREADS)
                 cute.arch.fence_view_async_shared()
+        # The pages of the step's loads, read a step ahead (loop-carried, ``_TileLoader.page``).
+        a_page, a_sub = loader.page(2)
+        b_page, b_sub = loader.page(3)
         for p in cutlass.range((n_tiles - 1) // 2, unroll=1):
-            self.wg0_step(tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum, 2 * p, True, True, t)
+            a_page, a_sub, b_page, b_sub = self.wg0_step(tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum,
+                                                         2 * p, True, True, (a_page, a_sub, b_page, b_sub), t)
         last = ((n_tiles - 1) // 2) * 2
+        ahead = (a_page, a_sub, b_page, b_sub)
         if n_tiles - last == 2:
-            self.wg0_step(tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum, last, True, False, t)
+            self.wg0_step(tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum, last, True, False, ahead, t)
         else:
-            self.wg0_step(tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum, last, False, False, t)
+            self.wg0_step(tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum, last, False, False, ahead, t)
 
     @cute.jit
     def wg1(self, tile, n_tiles, smem, ops, loader, acc_O, row_sum, t):
@@ -417,24 +429,38 @@ class MlaDecodeSm90Tma:
             # Tile 0's right half (the steps transpose that of tiles 2, 4, ...), tail zeroed.
             self.transpose_half(smem, 0, 1, 0, tile.ctx.seqlen_k - (tile.n_block_max - 1) * TILE_N, True, t)
         full = cutlass.max(n_tiles - 2, 0) // 2
+        a_page, a_sub = loader.page(2)  # as in ``wg0``
+        b_page, b_sub = loader.page(3)
         for p in cutlass.range(full, unroll=1):
-            self.wg1_step(tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum, 2 * p, True, True, True, t)
+            a_page, a_sub, b_page, b_sub = self.wg1_step(tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum,
+                                                         2 * p, True, True, True, (a_page, a_sub, b_page, b_sub), t)
         i = 2 * full
         left = n_tiles - i
+        ahead = (a_page, a_sub, b_page, b_sub)
         if left == 3:
-            self.wg1_step(tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum, i, True, True, False, t)
-            self.wg1_step(tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum, i + 2, False, False, False, t)
+            self.wg1_step(tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum, i, True, True, False, ahead, t)
+            self.wg1_step(tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum, i + 2, False, False, False, ahead,
+                          t)
         elif left == 2:
-            self.wg1_step(tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum, i, True, False, False, t)
+            self.wg1_step(tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum, i, True, False, False, ahead, t)
         else:
-            self.wg1_step(tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum, i, False, False, False, t)
+            self.wg1_step(tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum, i, False, False, False, ahead, t)
 
     @cute.jit
     def wg0_step(self, tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum, i, has_b: cutlass.Constexpr[bool],
-                 has_next: cutlass.Constexpr[bool], t):
+                 has_next: cutlass.Constexpr[bool], ahead, t):
         """Warpgroup 0, the pair (i, i + 1): ``has_b`` tile i + 1 exists, ``has_next`` tile
-        i + 2 (whose S this step computes). On entry S_i is in ``acc_S``; on exit S_{i+2}."""
+        i + 2 (whose S this step computes). On entry S_i is in ``acc_S``; on exit S_{i+2}.
+        ``ahead``: the pages of tiles i + 2 and i + 3 (page, sub-block, page, sub-block);
+        returns those of tiles i + 4 and i + 5, read at the step's start."""
         half = self.chunks.half
+        next_a, next_b = (ahead[0], ahead[1]), (ahead[2], ahead[3])
+        upcoming = ahead
+        if cutlass.const_expr(has_next):
+            upcoming = loader.page(i + 4) + loader.page(i + 5)
+            if cutlass.const_expr(self.fp8):
+                if t < 32:  # V_a's left half is in V^T and S_a landed: its chunks are free now
+                    loader.load(next_a, 0, 0, half)
         corr_a, m_use = self.row_stats(tile, ops, smem, acc_S, tile.n_block_max - 1 - i, 0)
         cute.arch.barrier_arrive(barrier_id=int(Sm90MlaTmaBarrier.SCALE0), number_of_threads=THREADS)
         self.exponentiate(ops, acc_S, row_sum, m_use, corr_a)
@@ -442,9 +468,9 @@ class MlaDecodeSm90Tma:
         tOrP = self.p_operand(ops, acc_S)
         wgmma_gemm(ops.mma_pv, acc_O, tOrP, ops.tOrVt[None, None, None, 0], False, 0)
         cute.arch.barrier(barrier_id=int(Sm90MlaTmaBarrier.SCALE1), number_of_threads=THREADS)
-        if cutlass.const_expr(has_next):
+        if cutlass.const_expr(has_next and not self.fp8):
             if t < 32:  # V_a's left half was read by this warpgroup alone, and that P V landed
-                loader.load(i + 2, 0, 0, half)
+                loader.load(next_a, 0, 0, half)
         # P_a at the pair's max, for warpgroup 1's half of V.
         corr_b = self.read_rows(ops, smem.sCorr, 1)
         self.rescale(acc_S, ops, corr_b)
@@ -452,8 +478,13 @@ class MlaDecodeSm90Tma:
         cute.arch.barrier_arrive(barrier_id=int(Sm90MlaTmaBarrier.P0), number_of_threads=THREADS)
         if cutlass.const_expr(has_b):
             if cutlass.const_expr(self.fp8):
-                # V_b's left half (warpgroup 1's S_b read it: SCALE1) while warpgroup 1 works.
+                # V_b's left half (warpgroup 1's S_b read it: SCALE1) while warpgroup 1 works;
+                # then its chunks are free.
                 self.transpose_half(smem, 1, 0, ((i + 1) // 2) % 2, TILE_N, False, t)
+                if cutlass.const_expr(has_next):
+                    if i + 3 < n_tiles:
+                        if t < 32:
+                            loader.load(next_b, 1, 0, half)
             cute.arch.barrier(barrier_id=int(Sm90MlaTmaBarrier.O1_ISSUED), number_of_threads=THREADS)
             self.rescale(acc_O, ops, corr_b)
             for r in cutlass.range_constexpr(cute.size(row_sum)):
@@ -466,24 +497,38 @@ class MlaDecodeSm90Tma:
                 # Tile i + 2's left half of V, under its S (its P V of tile i landed).
                 self.transpose_half(smem, 0, 0, phase, TILE_N, False, t)
             warpgroup.wait_group(half)  # sP1 V_b landed: V_b's left half is free
-            if i + 3 < n_tiles:
-                if t < 32:
-                    loader.load(i + 3, 1, 0, half)
+            if cutlass.const_expr(not self.fp8):
+                if i + 3 < n_tiles:
+                    if t < 32:
+                        loader.load(next_b, 1, 0, half)
             self.issue_s(ops, smem, acc_S, 0, phase, half, self.chunks.chunks)
         warpgroup.wait_group(0)
+        return upcoming
 
     @cute.jit
     def wg1_step(self, tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum, i, has_b: cutlass.Constexpr[bool],
-                 has_next: cutlass.Constexpr[bool], has_next_b: cutlass.Constexpr[bool], t):
+                 has_next: cutlass.Constexpr[bool], has_next_b: cutlass.Constexpr[bool], ahead, t):
         """Warpgroup 1, the pair (i, i + 1): ``has_b`` tile i + 1 exists (its S is in
         ``acc_S``), ``has_next`` tile i + 2, ``has_next_b`` tile i + 3 (whose S this step
-        computes)."""
+        computes). ``ahead`` and the return value: as for ``wg0_step``."""
         half, chunks = self.chunks.half, self.chunks.chunks
+        next_a, next_b = (ahead[0], ahead[1]), (ahead[2], ahead[3])
+        upcoming = ahead
+        if cutlass.const_expr(has_next_b):
+            upcoming = loader.page(i + 4) + loader.page(i + 5)
         if cutlass.const_expr(self.fp8):
             # V_a's right half while warpgroup 0 finds S_a's row max (tile 0's: ``wg1``).
             if i > 0:
                 self.transpose_half(smem, 0, 1, (i // 2) % 2, TILE_N, False, t)
         cute.arch.barrier(barrier_id=int(Sm90MlaTmaBarrier.SCALE0), number_of_threads=THREADS)
+        if cutlass.const_expr(self.fp8):
+            # S_a landed (SCALE0), the right halves of V_a and V_b are in V^T and S_b landed
+            # (the last step), P has shared memory of its own: their chunks are free now.
+            if t < 32:
+                if cutlass.const_expr(has_next):
+                    loader.load(next_a, 0, half, chunks)
+                if cutlass.const_expr(has_next_b):
+                    loader.load(next_b, 1, half, chunks)
         corr = self.read_rows(ops, smem.sCorr, 0)  # corr_a, times corr_b where there is a tile b
         tOrP = None
         if cutlass.const_expr(has_b):
@@ -500,7 +545,7 @@ class MlaDecodeSm90Tma:
                 row_sum[r] = row_sum[r] * corr[r]
         self.rescale(acc_O, ops, corr)
         if cutlass.const_expr(has_b):
-            self.store_p(ops, acc_S, ops.tPsP1)
+            self.store_p(ops, acc_S, ops.tPsP1, tOrP)
             wgmma_gemm(ops.mma_pv, acc_O, tOrP, ops.tOrVt[None, None, None, 1], False, -1)
         cute.arch.barrier(barrier_id=int(Sm90MlaTmaBarrier.P0), number_of_threads=THREADS)
         wgmma_gemm(ops.mma_pv_ss, acc_O, ops.tOsP0, ops.tOrVt[None, None, None, 0], False, -1)
@@ -508,18 +553,21 @@ class MlaDecodeSm90Tma:
             cute.arch.barrier_arrive(barrier_id=int(Sm90MlaTmaBarrier.O1_ISSUED), number_of_threads=THREADS)
         if cutlass.const_expr(has_next_b):
             warpgroup.wait_group(1)  # P_b V_b landed: V_b's right half and kpe are free
-            if t < 32:
-                loader.load(i + 3, 1, half, chunks)
+            if cutlass.const_expr(not self.fp8):
+                if t < 32:
+                    loader.load(next_b, 1, half, chunks)
         if cutlass.const_expr(has_next):
             warpgroup.wait_group(0)  # sP0 V_a landed: V_a's right half and sP0 (kpe) are free
-            if t < 32:
-                loader.load(i + 2, 0, half, chunks)
+            if cutlass.const_expr(not self.fp8):
+                if t < 32:
+                    loader.load(next_a, 0, half, chunks)
         if cutlass.const_expr(has_next_b):
             self.issue_s(ops, smem, acc_S, 1, ((i + 3) // 2) % 2, 0, chunks)
             if cutlass.const_expr(self.fp8):
                 # Tile i + 3's right half of V, under its S.
                 self.transpose_half(smem, 1, 1, ((i + 3) // 2) % 2, TILE_N, False, t)
         warpgroup.wait_group(0)
+        return upcoming
 
     # ------------------------------------------------------------------ pieces
 
@@ -624,11 +672,12 @@ class MlaDecodeSm90Tma:
         return tOrP
 
     @cute.jit
-    def store_p(self, ops, acc_S, tPsP):
+    def store_p(self, ops, acc_S, tPsP, tOrP=None):
         """P to a shared P tile, fenced for the other warpgroup's wgmma: 16-bit by stmatrix;
-        fp8 in the A operand's places (4-byte stores: 4 consecutive k a thread)."""
+        fp8 in the A operand's places (4-byte stores: 4 consecutive k a thread), from
+        ``tOrP`` where the RS operand of the same P is at hand."""
         if cutlass.const_expr(self.fp8):
-            cute.autovec_copy(self.p_operand(ops, acc_S), tPsP)
+            cute.autovec_copy(self.p_operand(ops, acc_S) if cutlass.const_expr(tOrP is None) else tOrP, tPsP)
         else:
             rP = cute.make_fragment_like(acc_S, self.dtype)
             convert_pairs(acc_S, rP)
@@ -784,11 +833,22 @@ class _TileLoader:
         return _TileLoader(*tma_atoms, *parts, args.mPageTable, tile.ctx.batch, tile.n_block_max, smem.mbar, chunks)
 
     @cute.jit
-    def load(self, i, buf: cutlass.Constexpr[int], lo: cutlass.Constexpr[int], hi: cutlass.Constexpr[int]):
-        """Chunks [lo, hi) of tile ``i`` into buffer ``buf``, each arriving on its mbarrier
-        with its bytes (one lane arrives; the whole warp calls)."""
-        page, sub = page_and_row(self.mPageTable, self.batch, self.n_block_max - 1 - i, self.tCgC.shape[1],
-                                 self.tCgC.shape[3])
+    def page(self, i):
+        """(page-table entry, sub-block) of tile ``i`` (tiles past the first block read block
+        0's entry: never out of the table). Read a step before ``load`` needs it: a page-table read
+        right before its TMA stalled the loading warp, and the barriers its warpgroup
+        meets, for a global-memory latency at every load (the long-scoreboard stalls of
+        the H100 profile, ``results/ncu/ncu_mla_sm90-fp8_128x2048_2026-12-05_s15.txt``)."""
+        n = cutlass.max(self.n_block_max - 1 - i, 0)
+        page_idx = n // self.tCgC.shape[1]
+        # Unclamped here: the clamp (``load``) would wait for the read right away.
+        return self.mPageTable[self.batch, page_idx], n - page_idx * self.tCgC.shape[1]
+
+    @cute.jit
+    def load(self, where, buf: cutlass.Constexpr[int], lo: cutlass.Constexpr[int], hi: cutlass.Constexpr[int]):
+        """Chunks [lo, hi) of the tile at ``where`` (``page``) into buffer ``buf``, each
+        arriving on its mbarrier with its bytes (one lane arrives; the whole warp calls)."""
+        page, sub = clamp_page(where[0], self.tCgC.shape[3]), where[1]
         ch = self.chunks
         for c in cutlass.range_constexpr(lo, hi):
             bar = self.mbar + buf * ch.chunks + c
