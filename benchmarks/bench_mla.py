@@ -199,10 +199,13 @@ def flashmla_time(inputs, page, heads, refs=None, kv_descale=None):
     return ms, correct
 
 
-def references(inputs, **kw):
-    """(fp32 reference, PyTorch's own low-precision result) of a row (``kw``: an FP8 cache's
-    ``kv_descale``), or None past ``REF_LIMIT``: computed once a row, for every
-    implementation checked against it."""
+def references(inputs, fp8_wgmma=False, quantize_q=False, **kw):
+    """(fp32 reference, PyTorch's own low-precision result, the multiple of its error a
+    result may have) of a row (``kw``: an FP8 cache's ``kv_descale``), or None past
+    ``REF_LIMIT``: computed once a row, for every implementation checked against it.
+    ``fp8_wgmma``: the row runs both products in fp8 (our SM90 TMA kernel over an e4m3
+    cache): the reference on the queries as quantized (``quantize_q``: by the kernel), and
+    PyTorch's FP8 algorithm there (P rounded to e4m3), 3x (as ``tests/test_mla_gpu.py``)."""
     q_nope, _, _, _, seqlens, table = inputs
     if q_nope.shape[0] * int(seqlens[0]) * q_nope.shape[2] > REF_LIMIT:
         return None
@@ -211,7 +214,10 @@ def references(inputs, **kw):
     from flash_attn_cute.testing import mla_decode_ref
 
     try:
-        return mla_decode_ref(*inputs, **kw)[0], mla_decode_ref(*inputs, upcast=False, **kw)[0]
+        if fp8_wgmma:
+            return (mla_decode_ref(*inputs, quantize_q=quantize_q, **kw)[0],
+                    mla_decode_ref(*inputs, quantize_q=quantize_q, p_fp8=True, **kw)[0], 3.0)
+        return mla_decode_ref(*inputs, **kw)[0], mla_decode_ref(*inputs, upcast=False, **kw)[0], 2.0
     except torch.cuda.OutOfMemoryError:  # the limit is the H200's: on an 80 GB card 256 x 4096 x 16 is not
         torch.cuda.empty_cache()
         print("[reference] out of memory: row not checked", file=sys.stderr)
@@ -251,11 +257,13 @@ def one_row(fa, backend, inputs, page, heads, refs, fp8=False):
     fn = lambda: fa.flash_mla_decode(*args, backend=backend, **kw)
     ms = bench(fn, graph=True)
     nbytes, flops = row_bytes_flops(batch, seqlen, heads, cache_elem)
+    wgmma8 = backend == "sm90" and page % 64 == 0  # fp8 wgmma (``sm90.mla.uses_tma``)
     if fp8 == "q":  # the reference on the dequantized queries
         q_deq = torch.cat([q_nope, q_pe], -1).float() * kw["q_descale"]
-        refs = references((q_deq[..., :512], q_deq[..., 512:], *args[2:]), kv_descale=kw["kv_descale"])
+        refs = references((q_deq[..., :512], q_deq[..., 512:], *args[2:]), fp8_wgmma=wgmma8,
+                          kv_descale=kw["kv_descale"])
     elif fp8:
-        refs = references(args, **kw)
+        refs = references(args, fp8_wgmma=wgmma8, quantize_q=wgmma8, **kw)
     correct = "" if refs is None else check_correct(fn(), *refs)
     problem = MlaProblem(dtype=q_nope.dtype, batch=batch, max_seqlen_q=1, max_seqlen_k=pages_per_seq * page,
                          nheads=heads, page_size=page, softmax_scale=576 ** -0.5, causal=False, has_lse=False,

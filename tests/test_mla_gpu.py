@@ -202,13 +202,17 @@ def check_fp8(backend, inputs, kv_descale, out, lse, *, causal=False):
     (``fp8_wgmma``): against the reference on the queries the kernel quantizes, within 3x
     PyTorch's FP8 algorithm there (P rounded to e4m3); against the unquantized queries,
     within 3x that algorithm's distance from them (the error quantizing q costs). The LSE
-    within 2x PyTorch's bf16 one on the quantized queries, and within 3x the distance of
-    PyTorch's bf16 LSE on the quantized queries from the unquantized reference."""
+    on the quantized queries within 2x PyTorch's bf16 error on the unquantized ones (bf16
+    on the quantized queries is almost exact: e4m3 values and their power-of-two scale fit
+    bf16, while fp8 wgmma accumulates the 576 products in fewer bits than fp32, 2-4e-3 in
+    the LSE measured on an H100), and against the unquantized reference within 3x the
+    distance of PyTorch's bf16 LSE on the quantized queries from it."""
     ref = lambda **kw: mla_decode_ref(*inputs, causal=causal, kv_descale=kv_descale, **kw)
     out_ref, lse_ref = ref()
+    _, lse_pt = ref(upcast=False)
     if not fp8_wgmma(backend, inputs[2]):
         if lse is not None:
-            check_lse(lse, lse_ref, ref(upcast=False)[1])
+            check_lse(lse, lse_ref, lse_pt)
         check_close(out, out_ref, ref(upcast=False)[0])
         return
     out_ref_q, lse_ref_q = ref(quantize_q=True)
@@ -216,8 +220,8 @@ def check_fp8(backend, inputs, kv_descale, out, lse, *, causal=False):
     check_close(out, out_ref_q, out_alg, mult=FP8_WGMMA_MULT)
     check_close(out, out_ref, out_alg, mult=FP8_WGMMA_MULT, name="out (unquantized q)")
     if lse is not None:
+        check_lse(lse, lse_ref_q, lse_pt)
         lse_alg = ref(quantize_q=True, upcast=False)[1]
-        check_lse(lse, lse_ref_q, lse_alg)
         check_lse(lse, lse_ref, lse_alg, mult=FP8_WGMMA_MULT, name="lse (unquantized q)")
 
 
