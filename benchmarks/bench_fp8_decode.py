@@ -185,7 +185,7 @@ def main(argv=None):
                          and r["us"] == r["us"]),
                         default=float("nan"))
         for r in group:
-            if r.get("us") == r.get("us"):
+            if r.get("us") is not None and r["us"] == r["us"]:  # timed (not NaN, not a peer that is absent)
                 r["keys_vs_bf16"] = best_bf16 / r["us"]
         rows += group
     report(args, f"FP8 KV-cache decode, {args.q_dtype} queries, h{H}/{hkv} d{D} (us: CUDA-graph replay)", "FP8 KV-cache decode", rows,
