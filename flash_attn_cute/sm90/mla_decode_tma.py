@@ -99,16 +99,17 @@ even-split rounding), and the combine starts under PDL. What this kernel does th
 not: the row max is published before the exponentials (see the seesaw above).
 
 Measured (H100 SXM, 2026-12-05, CUDA-graph replays, FlashMLA in the same process,
-``benchmarks/bench_mla.py``; the H200 was not lent that day), TB/s, ours / FlashMLA: 64
-heads 64 x 1024 1.403 / 1.532 (0.92x), 128 x 1024 2.158 / 2.395 (0.90x), 768 x 2048 2.892
-/ 2.692 (1.07x), 1 x 32768 0.838 / 0.665 (1.26x); 128 heads 128 x 2048 1.963 / 2.332
-(0.84x, 424 TFLOP/s), 32 x 8192 1.839 / 2.186 (0.84x). Against the gathering kernel at
-pages of 64 (same run, ``results/mla_ab_{tma,seesaw}_h100_2026-12-05_s13.csv``): 768 x
-1024 2.738 / 2.691 TB/s, 768 x 2048 2.897 / 2.851, 128 heads 1.963 / 1.806 and 1.832 /
-1.710. Not profiled yet: the 128-head rows are bound by
-the tensor pipe and shared memory, where the register-held rotary chunk is the first
-difference to try; the one-wave rows (64 and 128 sequences of 1,024 keys) by the per-CTA
-prologue and epilogue, which FlashMLA's balanced persistent schedule spreads.
+``benchmarks/bench_mla.py``, table and CSV in ``benchmarks/RESULTS.md`` "MLA decode beside
+FlashMLA"; the H200 was not lent that day), ours / FlashMLA: bf16 at 64 heads 0.90-0.98x on the
+64- and 128-sequence rows, 1.02x and 1.08x at 768 x 1024 and 768 x 2048, 1.26x at 1 x 32768, 1.06x
+at 16 heads; 128 heads 0.86-0.88x (438-482 against 504-551 TFLOP/s). An e4m3 cache: 1.04-1.58x
+our bf16 tokens per second, 0.77-0.97x FlashMLA's FP8 mode (e4m3 queries: 0.88-1.01x). Against
+FlashMLA in ncu (``results/ncu/ncu_mla_*_h100_2026-12-05_s15.txt``): at 128 heads the tensor
+pipe is active 49 % of the time against its 58 %, with more barrier stalls (2.39 against 1.48
+per issue) and 256 CTAs (1.94 waves) against 132 persistent ones that share the work evenly; at
+64 x 1024 the kernels are 48.2 and 46.0 us (0.955x; graph-timed 0.916x: the rest lies outside
+the kernel, in the combine of two splits by elimination, not profiled). The fp8
+profile showed the loading warps waiting on page-table reads (``_TileLoader.page``).
 """
 
 from dataclasses import dataclass
@@ -804,7 +805,7 @@ class _TileLoader:
     with ``elect.sync`` over the whole warp (called from one lane alone, it hung the H200,
     2026-12-05). Tile i is KV block n_block_max - 1 - i, sub-block ``n % (page_size /
     64)`` of page ``page_table[b, n // (page_size / 64)]`` (page ids clamped into the pool,
-    ``paged_kv.page_and_row``)."""
+    ``paged_kv.clamp_page``)."""
 
     tma_atom_C: cute.CopyAtom
     tma_atom_Kp: cute.CopyAtom
@@ -834,11 +835,15 @@ class _TileLoader:
 
     @cute.jit
     def page(self, i):
-        """(page-table entry, sub-block) of tile ``i`` (tiles past the first block read block
-        0's entry: never out of the table). Read a step before ``load`` needs it: a page-table read
-        right before its TMA stalled the loading warp, and the barriers its warpgroup
-        meets, for a global-memory latency at every load (the long-scoreboard stalls of
-        the H100 profile, ``results/ncu/ncu_mla_sm90-fp8_128x2048_2026-12-05_s15.txt``)."""
+        """(page-table entry, sub-block) of tile ``i`` (tiles past the first block read
+        block 0's entry: never out of the table). Read a step before ``load`` needs it: a
+        page-table read right before its TMA stalled the loading warp, and the barriers
+        its warpgroup meets, for a global-memory latency at every load (long-scoreboard
+        stalls 2.89 per issued instruction against FlashMLA's 0.55 in the H100 profile
+        ``results/ncu/ncu_mla_sm90-fp8_128x2048_h100_2026-12-05_s15.txt``; this and the
+        earlier fp8 reloads together took the FP8 128-head rows from 1.03-1.09x to
+        1.13-1.20x our 16-bit kernel, same runs' FlashMLA FP8 ratio 0.77-0.79x to
+        0.87-0.91x)."""
         n = cutlass.max(self.n_block_max - 1 - i, 0)
         page_idx = n // self.tCgC.shape[1]
         # Unclamped here: the clamp (``load``) would wait for the read right away.
