@@ -8,7 +8,7 @@ CUDA-graph replays. ``cache_tbps``: bytes of K and V as stored (fp8: 1 byte per 
 per second; ``keys_vs_bf16``: keys per second against our best bf16 kernel on the same
 row (>= 1.8 is the target). FP8 rows for each of our kernels that runs here (SM80, SM90),
 with the call's default arguments: on SM90 the kernel quantizes the 16-bit queries to e4m3
-itself and runs both GEMMs in fp8 wgmma (``sm90/q_quant.py``); ``ours_sm90 fp8 widen``:
+itself and runs both GEMMs in fp8 wgmma (``device/q_quant.py``); ``ours_sm90 fp8 widen``:
 the same call on the SM90 kernel that widens the cache to 16 bits instead
 (FLASH_ATTN_CUTE_SM90_FP8_KV=widen, the A/B of the two in one run); ``ours_sm90 fp8 q``:
 FP8 attention, the caller quantizing the queries (one descale per batch and KV head,

@@ -217,7 +217,7 @@ def dequantize_kv(x8, descale):
 
 
 def quantize_q_ref(q):
-    """The queries the SM90 kernel attends with over an e4m3 cache (``sm90/q_quant.py``), as
+    """The queries the SM90 kernel attends with over an e4m3 cache (``device/q_quant.py``), as
     fp32: q / 2^e rounded to e4m3, times 2^e, with 2^e = 2^(E - 7) for the amax = m 2^E
     (1 <= m < 2) of each row (query and head, the last dim) and 2^e >= 2^-64. The kernel
     takes one scale per Q tile; a power of two gives every element the same value either

@@ -1,7 +1,7 @@
 """GPU tests of FP8 attention (q, k and v in e4m3 with FA3's ``q_descale`` / ``k_descale`` /
 ``v_descale``, output bf16) on the SM90 kernel: both GEMMs in fp8 wgmma, V transposed in
 shared memory, P rounded to e4m3. Then the same kernel under 16-bit queries over an e4m3
-cache, the default on Hopper: the kernel quantizes the queries itself (``sm90/q_quant.py``;
+cache, the default on Hopper: the kernel quantizes the queries itself (``device/q_quant.py``;
 output in q's dtype), checked against the queries quantized as it quantizes them and
 against the unquantized ones; and the calls that keep the widening kernel.
 
@@ -180,7 +180,7 @@ def test_fp8_attention_refusals():
 
 # ---------------------------------------------------------------------------------------
 # 16-bit queries over an e4m3 cache: the SM90 kernel quantizes the queries itself
-# (``sm90/q_quant.py``, one power-of-two scale per Q tile) and runs the FP8 kernel above
+# (``device/q_quant.py``, one power-of-two scale per Q tile) and runs the FP8 kernel above
 # ---------------------------------------------------------------------------------------
 
 WIDEN_KNOB = "FLASH_ATTN_CUTE_SM90_FP8_KV"

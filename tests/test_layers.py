@@ -7,8 +7,7 @@ Layers, lowest first (``layer_of``; the folders are the layers):
 0. ``host/`` and the per-arch ``config.py``: plain Python and torch, no DSL;
 1. ``device/``: device code every kernel family shares;
 2. kernels: ``kernels/``, ``sm*/flash_fwd.py``, ``sm*/mla_decode*.py`` and the per-arch
-   device helpers (``sm80/gemm.py``, ``sm90/wgmma_utils.py``, ``sm90/fp8_operands.py``,
-   ``sm90/q_quant.py``);
+   device helpers (``sm80/gemm.py``, ``sm90/wgmma_utils.py``, ``sm90/fp8_operands.py``);
 3. ``seam/backend_kit.py``: what backend modules build their entry points from;
 4. backends: ``sm*/__init__.py``, ``sm*/mla.py`` (plans, keys, launchers; they name their
    kernels by module path, imported when a key first compiles);
@@ -24,8 +23,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "flash_attn_cute"
-KERNEL_FILES = {"flash_fwd.py", "mla_decode.py", "mla_decode_tma.py", "gemm.py", "wgmma_utils.py", "fp8_operands.py",
-                "q_quant.py"}
+KERNEL_FILES = {"flash_fwd.py", "mla_decode.py", "mla_decode_tma.py", "gemm.py", "wgmma_utils.py", "fp8_operands.py"}
 
 
 def layer_of(rel: Path) -> int:

@@ -238,7 +238,7 @@ def test_shared_memory_fits(d, dv, q_stage):
     # The plan carries that ring depth.
     p = _problem(d=d, d_v=dv, max_seqlen_q=4096 if q_stage == 2 else 64)
     plan = sm100.plan(p, 1, False, None)
-    assert plan.config == (q_stage, sm100.TILE_N, stages, 0, sm100.EX2_EVERY if max(d, dv) <= 128 else 0)
+    assert plan.config == (q_stage, sm100.TILE_N, stages, 0, sm100.EX2_EVERY if max(d, dv) <= 128 else 0, False)
 
 
 def test_ex2_share():
@@ -275,3 +275,34 @@ def test_warp_roles(q_stage):
     assert entry * roles.num_threads >= roles.registers_per_sm()
     for regs in (roles.softmax_regs, roles.correction_regs, roles.other_regs):
         assert regs % 8 == 0 and 24 <= regs <= 256
+
+
+def test_fp8_cache_quantizes_q_on_request():
+    """An e4m3 cache under 16-bit queries: the widening kernel by default (fp8 staging rings,
+    16-bit K/V stages); FLASH_ATTN_CUTE_SM100_FP8_KV=quantize_q quantizes the queries in the
+    kernel (e4m3 Q, K, V stages, no staging rings, no exponentials on the FMA pipe, the
+    key's QUANTIZE_Q field); never for e5m2, batch invariance or FP8 q, k, v."""
+    from flash_attn_cute.host.tuning import Tuning
+
+    quantize = Tuning(sm100_fp8_kv="quantize_q")
+    for seqlen_q, d, dv in ((1, 128, 128), (1024, 128, 128), (1024, 192, 128), (1024, 64, 64)):
+        p = _problem(max_seqlen_q=seqlen_q, d=d, d_v=dv, kv_dtype=torch.float8_e4m3fn, has_seqused_k=True)
+        widen = sm100.plan(p, 1, True, 148)
+        assert not widen.config.quantize_q and keys.QUANTIZE_Q not in sm100.compile_key(p, widen, ARCH)
+        assert widen == sm100.plan(p, 1, True, 148, tuning=Tuning(sm100_fp8_kv="widen"))
+        plan = sm100.plan(p, 1, True, 148, tuning=quantize)
+        c = plan.config
+        assert c.quantize_q and c.ex2_emulate_every == 0
+        # Q, K and V one byte a value and no staging: the stages of FP8 q, k, v.
+        assert c.kv_stages == kv_stages_for(d, dv, c.q_stage, c.tile_n, fp8=False, elem=1)
+        assert c.q_stage == widen.config.q_stage or (d == 192 and c.q_stage == 2 and widen.config.q_stage == 1)
+        key = sm100.compile_key(p, plan, ARCH)
+        assert key[-1] == keys.QUANTIZE_Q and "/e4m3" in key[2], key
+    p = _problem(kv_dtype=torch.float8_e5m2, dtype=torch.float16)
+    assert not sm100.plan(p, 1, True, 148, tuning=quantize).config.quantize_q
+    p = _problem(kv_dtype=torch.float8_e4m3fn, batch_invariant=True)
+    assert not sm100.plan(p, 1, True, 148, tuning=quantize).config.quantize_q
+    p = _problem(dtype=torch.float8_e4m3fn, kv_dtype=torch.float8_e4m3fn)
+    assert not sm100.plan(p, 1, True, 148, tuning=quantize).config.quantize_q
+    with pytest.raises(ValueError, match="FLASH_ATTN_CUTE_SM100_FP8_KV='fp8'"):
+        sm100.plan(_problem(kv_dtype=torch.float8_e4m3fn), 1, True, 148, tuning=Tuning(sm100_fp8_kv="fp8"))

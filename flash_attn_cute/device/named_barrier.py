@@ -51,3 +51,4 @@ class Sm100FwdBarrier(enum.IntEnum):
     """``sm100/flash_fwd.py`` (its role handshakes are mbarriers)."""
 
     TMEM_ALLOC = 1  # the TMEM users meet once the MMA warp allocated TMEM (and before it frees it)
+    Q_QUANT = 2  # + stage (2): quantize_q, the stage's softmax warpgroup (its amax, then its stores)

@@ -27,13 +27,17 @@ class Tuning(NamedTuple):
     # SM90, an e4m3 cache under 16-bit queries: "quantize_q" (the queries quantized in the
     # kernel, FP8 Q, K, V wgmma: the default) / "widen" (the cache widened to 16 bits)
     sm90_fp8_kv: Optional[str] = None
+    # SM100, the same choice: "widen" (the default until measured on Blackwell) / "quantize_q"
+    sm100_fp8_kv: Optional[str] = None
 
 
 NO_TUNING = Tuning()
 
 _ENV = ("FLASH_ATTN_CUTE_BACKEND", "FLASH_ATTN_CUTE_SM80_TILE", "FLASH_ATTN_CUTE_SM90_TILE",
         "FLASH_ATTN_CUTE_SM90_PERSISTENT", "FLASH_ATTN_CUTE_MLA_STAGES", "FLASH_ATTN_CUTE_MLA_SM90_QK",
-        "FLASH_ATTN_CUTE_MLA_FP8_STAGES", "FLASH_ATTN_CUTE_SM90_FP8_KV")
+        "FLASH_ATTN_CUTE_MLA_FP8_STAGES", "FLASH_ATTN_CUTE_SM90_FP8_KV", "FLASH_ATTN_CUTE_SM100_FP8_KV")
+# The values of sm90_fp8_kv / sm100_fp8_kv.
+FP8_KV_MODES = ("quantize_q", "widen")
 # os.environ.get encodes its key on every call: 10 us for seven of these on the CI machine.
 # CPython's POSIX environ keeps a dict of bytes, read here with pre-encoded keys (0.5 us).
 _ENV_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None

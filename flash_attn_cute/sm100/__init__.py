@@ -14,11 +14,13 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple, Optional
 
+import torch
+
 from flash_attn_cute.seam.backend_kit import (feature_refusal, fwd_entry_points, head_dim_refusal, head_groups,
                                               plan_rows, plan_splits, tile_head_dims)
-from flash_attn_cute.host.keys import DTYPE_NAMES, arch_capability
+from flash_attn_cute.host.keys import DTYPE_NAMES, QUANTIZE_Q, arch_capability
 from flash_attn_cute.host.problems import FwdPlan, FwdProblem
-from flash_attn_cute.host.tuning import NO_TUNING, Tuning
+from flash_attn_cute.host.tuning import FP8_KV_MODES, NO_TUNING, Tuning
 from flash_attn_cute.sm100.config import HEAD_DIM_PAIRS, SMEM_LIMIT, TILE_M, kv_stages_for, smem_bytes
 
 NAME = "sm100"
@@ -49,6 +51,7 @@ class Sm100Config(NamedTuple):
     kv_stages: int  # K/V ring depth
     split_blocks: int = 0  # batch invariant: KV blocks per split (backend_kit.invariant_splits)
     ex2_emulate_every: int = 0  # every k-th exponential of an unmasked block on the FMA pipe (``ex2_share``)
+    quantize_q: bool = False  # an e4m3 cache under 16-bit queries: Q quantized in the kernel (``quantizes_q``)
 
 
 def runs_on(capability: tuple) -> bool:
@@ -109,6 +112,24 @@ def ex2_share(problem: FwdProblem, arch: Optional[str]) -> int:
     return EX2_EVERY
 
 
+def quantizes_q(problem: FwdProblem, tuning: Tuning = NO_TUNING) -> bool:
+    """Whether an e4m3 cache under 16-bit queries runs with the queries quantized to e4m3 in
+    the kernel (``device/q_quant.py``: each softmax warpgroup quantizes its 128-row Q stage,
+    one power-of-two scale per stage folded into its softmax scale) and both MMAs in e4m3, as
+    FP8 Q, K, V runs, instead of two warps widening every K and V block to 16 bits. SM90's
+    default (``sm90.quantizes_q``: 1.68-1.80x our bf16 keys/s against 1.55-1.66x widened on
+    an H100); here on request only (``tuning.sm100_fp8_kv`` "quantize_q",
+    FLASH_ATTN_CUTE_SM100_FP8_KV), until both are measured on a Blackwell GPU: it is
+    compile-verified only, and it costs accuracy (q rounded to e4m3, README's FP8 section).
+    Never for an e5m2 cache, nor batch invariant (the scale is one per stage: the bits a
+    row keeps would depend on its stage-mates)."""
+    mode = tuning.sm100_fp8_kv or "widen"
+    if mode not in FP8_KV_MODES:
+        raise ValueError(f"FLASH_ATTN_CUTE_SM100_FP8_KV={mode!r}: one of {FP8_KV_MODES}")
+    return (mode == "quantize_q" and problem.kv_dtype == torch.float8_e4m3fn and not problem.qkv_fp8
+            and not problem.batch_invariant)
+
+
 def pack_refusal(ratio: int) -> Optional[str]:
     """Why query heads cannot be packed at this GQA ratio (None: they can). Packed Q rows
     are one 3-D TMA box (pack, 128 / pack) per 128-row stage, so the ratio must divide 128;
@@ -135,15 +156,23 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
                                            tolerance=_SPLIT_TOLERANCE)
     q_stage = select_q_stage(rows, num_splits > 1 or split_blocks > 0)
     d, d_v = tile_head_dims(problem, HEAD_DIM_PAIRS)  # the kernel's tile widths (padded head dims)
-    if problem.kv_fp8 and q_stage == 2 and smem_bytes(d, d_v, 2, TILE_N, 1, fp8=True) > SMEM_LIMIT:
+    quantize_q = quantizes_q(problem, tuning)
+    widen = problem.kv_fp8 and not quantize_q
+    if widen and q_stage == 2 and smem_bytes(d, d_v, 2, TILE_N, 1, fp8=True) > SMEM_LIMIT:
         q_stage = 1  # d 192: the fp8 staging rings leave no room for a second Q stage
-    config = select_tile(d, d_v, q_stage, split_blocks, problem.kv_fp8, 1 if problem.qkv_fp8 else 2)
-    return FwdPlan(NAME, config._replace(ex2_emulate_every=ex2_share(problem, arch)), pack_gqa, num_splits)
+    # e4m3 operands (FP8 Q, K, V, or the queries quantized here): no exponentials on the FMA
+    # pipe (``ex2_share``).
+    fp8_ops = problem.qkv_fp8 or quantize_q
+    config = select_tile(d, d_v, q_stage, split_blocks, widen, 1 if fp8_ops else 2)
+    ex2 = 0 if fp8_ops else ex2_share(problem, arch)
+    return FwdPlan(NAME, config._replace(ex2_emulate_every=ex2, quantize_q=quantize_q), pack_gqa, num_splits)
 
 
 # compile_key(problem, plan, arch=None), compile(key), launcher(problem, plan, device=None):
 # the seam's shared entry points over ``flash_fwd.compile_fwd_sm100``; the key holds the
-# config's tile (split_blocks is a common field), then ex2_emulate_every where it is not 0.
+# config's tile (split_blocks is a common field), then ex2_emulate_every where it is not 0,
+# then ``keys.QUANTIZE_Q`` where the kernel quantizes the queries.
 compile_key, compile, launcher = fwd_entry_points(
     NAME, "flash_attn_cute.sm100.flash_fwd", "compile_fwd_sm100", key_tile=lambda c: tuple(c[:3]),
-    key_extra=lambda c: (c.ex2_emulate_every,) if c.ex2_emulate_every else ())
+    key_extra=lambda c: ((c.ex2_emulate_every,) if c.ex2_emulate_every else ()) + ((QUANTIZE_Q,) if c.quantize_q
+                                                                                   else ()))

@@ -29,11 +29,18 @@ Warp roles (``WarpRoles``), all of one CTA:
   16-bit value), zeroing V rows past a cache's length, and signal it like a TMA would
   (``PipelineAsyncUmma``: shared stores, proxy fence, arrive). ``k_descale`` joins the
   softmax scale, ``v_descale`` O's final scale.
+* FP8 K/V with the queries quantized (``quantize_q``, on request: ``sm100.quantizes_q``):
+  no staging and no widening; each softmax warpgroup first loads its 128-row stage of the
+  16-bit Q, stores it into sQ in e4m3 with one power-of-two scale (``q_quant``; 2^e joins
+  its softmax scale) and arrives on Q's mbarrier in place of the load warp's TMA; then the
+  kernel runs as for FP8 Q, K, V (e4m3 MMAs, P in e4m3).
 
 TMEM (512 columns x 128 lanes of 32 bits): S_0 [0, n), S_1 [n, 2n), O_0, O_1 after them;
 P_s aliases the upper half of S_s. Handshakes are mbarriers (``_Barriers``); every role
 walks the same KV blocks, computed from the shared ``BlockInfo``.
 """
+
+from dataclasses import replace
 
 import cutlass
 import cutlass.cute as cute
@@ -51,6 +58,8 @@ from flash_attn_cute.device.fwd_kernel import (FwdArgs, FwdTile, compile_from_ke
 from flash_attn_cute.device.layout_utils import row_major_smem_layout, select  # fp8 staging: one TMA box each
 from flash_attn_cute.device.named_barrier import Sm100FwdBarrier
 from flash_attn_cute.device.paged_kv import page_and_row
+from flash_attn_cute.device.q_quant import quantize_q_tile
+from flash_attn_cute.host.keys import QUANTIZE_Q
 from flash_attn_cute.sm100.config import (FP8_STAGES, HEAD_DIM_PAIRS, SMEM_LIMIT, TILE_M, TMEM_COLUMNS, WarpRoles,
                                           tmem_alloc_columns, tmem_columns)
 from flash_attn_cute.device.softmax import FP8_P_OFFSET, LOG2_E, OnlineSoftmax
@@ -128,9 +137,10 @@ class FlashAttnFwdSm100:
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, tile: tuple, variant: AttentionVariant,
                  qhead_per_kvhead_packed: int = 1, is_split: bool = False, split_blocks: int = 0,
-                 ex2_emulate_every: int = 0, q_class: int = 0):
+                 ex2_emulate_every: int = 0, q_class: int = 0, quantize_q: bool = False):
         """``tile`` = (q_stage, tile_n, kv_stages), as ``sm100.select_tile`` plans it;
-        ``ex2_emulate_every``: ``sm100.ex2_share``."""
+        ``ex2_emulate_every``: ``sm100.ex2_share``; ``quantize_q``: 16-bit queries over an
+        e4m3 cache quantized to e4m3 in the kernel (``sm100.quantizes_q``)."""
         set_fwd_config(self, dtype, head_dim, head_dim_v, variant, qhead_per_kvhead_packed, is_split, split_blocks,
                        q_class, HEAD_DIM_PAIRS)
         head_dim, head_dim_v = self.head_dim, self.head_dim_v  # the tile's widths (padded head dims)
@@ -140,6 +150,8 @@ class FlashAttnFwdSm100:
         assert TILE_M % qhead_per_kvhead_packed == 0, "packed GQA rows must tile the 128-row TMA box"
         self.q_stage = q_stage
         self.ex2_emulate_every = ex2_emulate_every
+        assert not quantize_q or dtype.width == 16, "quantize_q: 16-bit queries"
+        self.quantize_q = quantize_q
         self.tile_m = TILE_M * q_stage
         self.tile_n = tile_n
         self.kv_stages = kv_stages
@@ -161,19 +173,29 @@ class FlashAttnFwdSm100:
             # (the backend's check refuses it; the SM80 kernel runs such a call).
             raise ValueError("the SM100 kernel does not read a paged cache from a per-sequence key start (mLeftpadK)")
         cta_group = tcgen05.CtaGroup.ONE
+        kv_dtype = args.mK.element_type
+        # The MMAs' operand type: Q's, or e4m3 where the kernel quantizes 16-bit Q (as FP8 Q, K, V).
+        op = kv_dtype if self.quantize_q else self.dtype
+        self.op_dtype = op
         tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32, cta_group,
+            op, op, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32, cta_group,
             self.mma_tiler_qk[:2],
         )
         # P comes from TMEM (K-major), V from smem with d_v contiguous (MN-major).
         tiled_mma_pv = sm100_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN, Float32, cta_group,
+            op, op, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN, Float32, cta_group,
             self.mma_tiler_pv[:2], tcgen05.OperandSource.TMEM,
         )
-        sQ_layout = sm100_utils.make_smem_layout_a(tiled_mma_qk, self.mma_tiler_qk, self.dtype, self.q_stage)
-        sK_layout = sm100_utils.make_smem_layout_b(tiled_mma_qk, self.mma_tiler_qk, self.dtype, self.kv_stages)
-        sV_layout = sm100_utils.make_smem_layout_b(tiled_mma_pv, self.mma_tiler_pv, self.dtype, self.kv_stages)
-        tP_layout = sm100_utils.make_smem_layout_a(tiled_mma_pv, self.mma_tiler_pv, self.dtype, 1)
+        sQ_layout = sm100_utils.make_smem_layout_a(tiled_mma_qk, self.mma_tiler_qk, op, self.q_stage)
+        sK_layout = sm100_utils.make_smem_layout_b(tiled_mma_qk, self.mma_tiler_qk, op, self.kv_stages)
+        sV_layout = sm100_utils.make_smem_layout_b(tiled_mma_pv, self.mma_tiler_pv, op, self.kv_stages)
+        tP_layout = sm100_utils.make_smem_layout_a(tiled_mma_pv, self.mma_tiler_pv, op, 1)
+        # quantize_q: the softmax warpgroups store their stage's e4m3 Q through a (128, d) row-major
+        # view of sQ's memory (``q_quant`` partitions by row and column), the same bytes as the
+        # K-major operand layout the MMA reads (``_check_row_major_view``).
+        sQq_layout = row_major_smem_layout(op, TILE_M, self.head_dim, self.q_stage)
+        if cutlass.const_expr(self.quantize_q):
+            _check_row_major_view(sQ_layout, sQq_layout, self.head_dim, self.q_stage)
 
         # TMA views, the head (and batch / page) modes last:
         #   Q: (rows, d, h[, b]); packed GQA rows are ((g, s), d, h_kv[, b]): the g =
@@ -192,14 +214,15 @@ class FlashAttnFwdSm100:
         else:
             k_modes, v_modes = [1, 3, 2, 0], [3, 1, 2, 0]
         tma_load = cpasync.CopyBulkTensorTileG2SOp(cta_group)
-        tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_A(
-            tma_load, mQ_t, cute.select(sQ_layout, mode=[0, 1, 2]), self.mma_tiler_qk, tiled_mma_qk,
-        )
-        kv_dtype = args.mK.element_type
-        # FP8 K/V under 16-bit queries: staged in fp8 and widened. FP8 Q, K and V (fp8_qkv)
-        # need no widening: the tcgen05 MMAs read e4m3 operands (V MN-major included), P is
-        # stored to TMEM in e4m3, 4 a column.
-        self.fp8 = kv_dtype.width == 8 and self.dtype.width == 16
+        tma_atom_Q, tma_Q = None, None  # quantize_q: the softmax warpgroups load Q
+        if cutlass.const_expr(not self.quantize_q):
+            tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_A(
+                tma_load, mQ_t, cute.select(sQ_layout, mode=[0, 1, 2]), self.mma_tiler_qk, tiled_mma_qk,
+            )
+        # FP8 K/V under 16-bit queries: staged in fp8 and widened (unless the queries are
+        # quantized). FP8 Q, K and V (fp8_qkv) and quantize_q need no widening: the tcgen05
+        # MMAs read e4m3 operands (V MN-major included), P is stored to TMEM in e4m3, 4 a column.
+        self.fp8 = kv_dtype.width == 8 and self.dtype.width == 16 and not self.quantize_q
         # FP8: (tile_n, d) row-major staging tiles, one TMA box of the (keys, d, ...) view each.
         sK8_layout = row_major_smem_layout(kv_dtype, self.tile_n, self.head_dim, FP8_STAGES)
         sV8_layout = row_major_smem_layout(kv_dtype, self.tile_n, self.head_dim_v, FP8_STAGES)
@@ -222,9 +245,10 @@ class FlashAttnFwdSm100:
                 tma_load, select(args.mV, v_modes), cute.select(sV_layout, mode=[0, 1, 2]), self.mma_tiler_pv,
                 tiled_mma_pv,
             )
-            kv_tx = (cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2])),
-                     cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1, 2])))
-        tx_bytes = (self.q_stage * cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1, 2])), *kv_tx)
+            kv_tx = (cute.size_in_bytes(op, cute.select(sK_layout, mode=[0, 1, 2])),
+                     cute.size_in_bytes(op, cute.select(sV_layout, mode=[0, 1, 2])))
+        q_tx = 0 if self.quantize_q else self.q_stage * cute.size_in_bytes(op, cute.select(sQ_layout, mode=[0, 1, 2]))
+        tx_bytes = (q_tx, *kv_tx)
         align8 = 1024 if self.fp8 else 16
         k8_elems, v8_elems = (cute.cosize(sK8_layout), cute.cosize(sV8_layout)) if self.fp8 else (16, 16)
         k8_field = cute.struct.Align[cute.struct.MemRange[kv_dtype, k8_elems], align8]
@@ -240,9 +264,11 @@ class FlashAttnFwdSm100:
             tmem_holding_buf: Int32
             # Per row: the correction of the current block, then 1 / rowsum and the LSE.
             sStats: cute.struct.MemRange[Float32, 3 * self.q_stage * TILE_M]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            # quantize_q: each softmax warp's amax of its Q stage.
+            sQAmax: cute.struct.MemRange[Float32, 4 * self.q_stage if self.quantize_q else 1]
+            sQ: cute.struct.Align[cute.struct.MemRange[op, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[op, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[op, cute.cosize(sV_layout)], 1024]
             mbar_K8: cute.struct.MemRange[cutlass.Int64, fp8_bars]
             mbar_V8: cute.struct.MemRange[cutlass.Int64, fp8_bars]
             sK8: k8_field  # fp8: the staging rings (16-byte stand-ins otherwise)
@@ -252,7 +278,8 @@ class FlashAttnFwdSm100:
         grid, grid_divisors, num_m_blocks, _ = tile_grid(args, self.tile_m, self.qhead_per_kvhead_packed)
         kernel = self.kernel(
             args, (tma_Q, tma_K, tma_V), (tma_atom_Q, tma_atom_K, tma_atom_V),
-            (sQ_layout, sK_layout, sV_layout, tP_layout, sK8_layout, sV8_layout), tiled_mma_qk, tiled_mma_pv, tx_bytes,
+            (sQ_layout, sK_layout, sV_layout, tP_layout, sK8_layout, sV8_layout, sQq_layout), tiled_mma_qk, tiled_mma_pv,
+            tx_bytes,
             SharedStorage,
             grid_divisors,
         )
@@ -274,25 +301,34 @@ class FlashAttnFwdSm100:
                SharedStorage: cutlass.Constexpr, grid_divisors: TileDivisors):
         """``args``: the caller's tensors (Q and K for shapes only: loads go through the TMA
         views) and scalars; ``smem_layouts``: Q, K, V and P's (TMEM) operand layouts, then
-        the fp8 K and V staging; ``grid_divisors``: what ``tile_work`` divides the block
-        index by (``tile_grid``)."""
+        the fp8 K and V staging, Q's row-major view (quantize_q); ``grid_divisors``: what
+        ``tile_work`` divides the block index by (``tile_grid``)."""
         tma_Q, tma_K, tma_V = tma_views
         tma_atom_Q, tma_atom_K, tma_atom_V = tma_atoms
-        sQ_layout, sK_layout, sV_layout, tP_layout, sK8_layout, sV8_layout = smem_layouts
+        sQ_layout, sK_layout, sV_layout, tP_layout, sK8_layout, sV8_layout, sQq_layout = smem_layouts
         roles = self.roles
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == roles.load_warp:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V):
-                cpasync.prefetch_descriptor(atom)
+                if cutlass.const_expr(atom is not None):
+                    cpasync.prefetch_descriptor(atom)
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        pipeline_q = pipeline.PipelineTmaUmma.create(
-            barrier_storage=storage.mbar_Q.data_ptr(), num_stages=1, producer_group=one_thread,
-            consumer_group=one_thread, tx_count=tx_bytes[0], defer_sync=True,
-        )
+        if cutlass.const_expr(self.quantize_q):
+            # One arrive per softmax warpgroup, once its stage of Q is stored and fenced.
+            pipeline_q = pipeline.PipelineAsyncUmma.create(
+                barrier_storage=storage.mbar_Q.data_ptr(), num_stages=1,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.q_stage),
+                consumer_group=one_thread, defer_sync=True,
+            )
+        else:
+            pipeline_q = pipeline.PipelineTmaUmma.create(
+                barrier_storage=storage.mbar_Q.data_ptr(), num_stages=1, producer_group=one_thread,
+                consumer_group=one_thread, tx_count=tx_bytes[0], defer_sync=True,
+            )
         pipeline_k8, pipeline_v8 = None, None
         if cutlass.const_expr(self.fp8):
             # TMA -> widening warps (one release per warp), widening threads -> MMA warp.
@@ -386,9 +422,14 @@ class FlashAttnFwdSm100:
                 tmem.wait_for_alloc()
                 tmem_ptr = tmem.retrieve_ptr(Float32)
                 if tile.n_block_max > tile.n_block_min:
+                    quant = None
+                    if cutlass.const_expr(self.quantize_q):
+                        sQq = storage.sQ.get_tensor(sQq_layout.outer, swizzle=sQq_layout.inner)
+                        quant = (tile.q_rows(args.mQ, self.qhead_per_kvhead_packed, args.varlen_q), sQq,
+                                 storage.sQAmax.get_tensor(cute.make_layout((4, self.q_stage))), pipeline_q)
                     # fp8 K: k_descale joins the softmax scale (read only by a tile with rows)
                     self.softmax_loop(tmem_ptr, tiled_mma_qk, sStats, bars, tile.with_k_descale(args), warp_idx // 4,
-                                      tidx % TILE_M, mSink)
+                                      tidx % TILE_M, mSink, quant)
                 tmem_barrier.arrive()
         else:
             cute.arch.setmaxregister_decrease(roles.correction_regs)
@@ -422,24 +463,25 @@ class FlashAttnFwdSm100:
         ctx, seqlen = tile.ctx, tile.seqlen
         thr_mma_qk = tiled_mma_qk.get_slice(0)
         thr_mma_pv = tiled_mma_pv.get_slice(0)
-        head_q = tile.head_rows(self.qhead_per_kvhead_packed)
-        if cutlass.const_expr(varlen_q):
-            # Packed rows are ((qhead_per_kvhead_packed, s), ...): the offset is on s.
-            q_off = ((0, seqlen.offset_q), 0) if cutlass.const_expr(self.qhead_per_kvhead_packed > 1) else (
-                seqlen.offset_q, 0)
-            mQ_cur = cute.domain_offset(q_off, tma_Q[None, None, head_q])
-        else:
-            mQ_cur = tma_Q[None, None, head_q, ctx.batch]
-        gQ = cute.flat_divide(mQ_cur, cute.select(self.mma_tiler_qk, mode=[0, 2]))
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3),
-            cute.group_modes(thr_mma_qk.partition_A(gQ), 0, 3),
-        )
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        pipeline_q.producer_acquire(q_state)
-        for s in cutlass.range_constexpr(self.q_stage):
-            cute.copy(tma_atom_Q, tQgQ[None, tile.m_block * self.q_stage + s, 0], tQsQ[None, s],
-                      tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+        if cutlass.const_expr(not self.quantize_q):  # (quantize_q: the softmax warpgroups load Q)
+            head_q = tile.head_rows(self.qhead_per_kvhead_packed)
+            if cutlass.const_expr(varlen_q):
+                # Packed rows are ((qhead_per_kvhead_packed, s), ...): the offset is on s.
+                q_off = ((0, seqlen.offset_q), 0) if cutlass.const_expr(self.qhead_per_kvhead_packed > 1) else (
+                    seqlen.offset_q, 0)
+                mQ_cur = cute.domain_offset(q_off, tma_Q[None, None, head_q])
+            else:
+                mQ_cur = tma_Q[None, None, head_q, ctx.batch]
+            gQ = cute.flat_divide(mQ_cur, cute.select(self.mma_tiler_qk, mode=[0, 2]))
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3),
+                cute.group_modes(thr_mma_qk.partition_A(gQ), 0, 3),
+            )
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            pipeline_q.producer_acquire(q_state)
+            for s in cutlass.range_constexpr(self.q_stage):
+                cute.copy(tma_atom_Q, tQgQ[None, tile.m_block * self.q_stage + s, 0], tQsQ[None, s],
+                          tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
 
         if cutlass.const_expr(self.fp8):
             k_src = self._kv_rows_source(tma_K, tma_atom_K, sK, self.head_dim, tile, mPageTable, varlen_k, paged)
@@ -682,19 +724,41 @@ class FlashAttnFwdSm100:
     # -----------------------------------------------------------------------------------
 
     @cute.jit
-    def softmax_loop(self, tmem_ptr, tiled_mma_qk, sStats, bars, tile, stage, tidx, mSink):
+    def softmax_loop(self, tmem_ptr, tiled_mma_qk, sStats, bars, tile, stage, tidx, mSink, quant=None):
         """Stage ``stage`` (warp-uniform, 0 or 1); thread ``tidx`` owns row ``tidx`` of it;
-        ``mSink``: the learnable sinks (None: none, or a split kernel)."""
+        ``mSink``: the learnable sinks (None: none, or a split kernel); ``quant``: see
+        ``_quantize_q``."""
         if cutlass.const_expr(self.q_stage == 1):
-            self._softmax_stage(tmem_ptr, tiled_mma_qk, sStats, bars, tile, 0, tidx, mSink)
+            self._softmax_stage(tmem_ptr, tiled_mma_qk, sStats, bars, tile, 0, tidx, mSink, quant)
         else:
             if stage == 0:
-                self._softmax_stage(tmem_ptr, tiled_mma_qk, sStats, bars, tile, 0, tidx, mSink)
+                self._softmax_stage(tmem_ptr, tiled_mma_qk, sStats, bars, tile, 0, tidx, mSink, quant)
             else:
-                self._softmax_stage(tmem_ptr, tiled_mma_qk, sStats, bars, tile, 1, tidx, mSink)
+                self._softmax_stage(tmem_ptr, tiled_mma_qk, sStats, bars, tile, 1, tidx, mSink, quant)
 
     @cute.jit
-    def _softmax_stage(self, tmem_ptr, tiled_mma_qk, sStats, bars, tile, s: cutlass.Constexpr, tidx, mSink):
+    def _quantize_q(self, quant, tile, s: cutlass.Constexpr, tidx) -> Float32:
+        """quantize_q: this warpgroup's Q stage, its 16-bit rows (packed under GQA) loaded into
+        registers and stored into sQ in e4m3 as Q / 2^e (``q_quant.quantize_q_tile``: one
+        power-of-two scale for the stage), then Q's mbarrier takes this warpgroup's arrive
+        (the MMA warp waits for every stage's). ``quant`` = (the tile's (rows, d) 16-bit Q
+        rows, sQ's (128, d, q_stage) row-major view, the (4, q_stage) amax words, Q's
+        pipeline). Returns 2^e."""
+        q_rows, sQq, sQAmax, pipeline_q = quant
+        barrier_id = int(Sm100FwdBarrier.Q_QUANT) + s
+        scale = quantize_q_tile(((q_rows, sQq[None, None, s]),), tile.m_block * self.tile_m + s * TILE_M,
+                                sQAmax[None, s], tile.rows_valid - s * TILE_M, self.head_dim_valid, tidx, TILE_M,
+                                lambda: cute.arch.barrier(barrier_id=barrier_id, number_of_threads=TILE_M))
+        if tidx == 0:  # after the warpgroup's barrier: every thread's stores are fenced
+            pipeline_q.producer_commit(pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1))
+        return scale
+
+    @cute.jit
+    def _softmax_stage(self, tmem_ptr, tiled_mma_qk, sStats, bars, tile, s: cutlass.Constexpr, tidx, mSink,
+                       quant=None):
+        if cutlass.const_expr(quant is not None):
+            # 2^e joins the softmax scale, as a q_descale does.
+            tile = replace(tile, softmax_scale=tile.softmax_scale * self._quantize_q(quant, tile, s, tidx))
         thr_mma_qk = tiled_mma_qk.get_slice(0)
         tSAcc = self._tmem_S(tmem_ptr, thr_mma_qk, s)[(None, None), 0, 0]  # (128, tile_n)
         tScS = thr_mma_qk.partition_C(cute.make_identity_tensor(self.mma_tiler_qk[:2]))[(None, None), 0, 0]
@@ -702,7 +766,7 @@ class FlashAttnFwdSm100:
         thr_load = tcgen05.make_tmem_copy(load_atom, tSAcc).get_slice(tidx)
         tStS_t2r = thr_load.partition_S(tSAcc)
         tScS_t2r = thr_load.partition_D(tScS)
-        p_cols = self.tile_n * self.dtype.width // 32  # P's 16-bit row packed in 32-bit columns
+        p_cols = self.tile_n * self.op_dtype.width // 32  # P's row packed in 32-bit columns
         tStP = cute.make_tensor(tSAcc.iterator + self.tile_n // 2,
                                 cute.composition(tSAcc.layout, cute.make_layout((TILE_M, p_cols))))
         store_atom = cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(16)), Float32)
@@ -715,7 +779,7 @@ class FlashAttnFwdSm100:
         # FP8 P: 2^8 at the row max before its e4m3 rounding. 16-bit P: the row max may lag by
         # RESCALE_THRESHOLD, so that after the first blocks a row's correction is almost
         # always exactly 1 and the correction warps skip the TMEM pass over O.
-        fp8_p = self.dtype.width == 8
+        fp8_p = self.op_dtype.width == 8
         softmax = OnlineSoftmax(1, Float32(scale_log2), threads_per_row=1, max_offset=FP8_P_OFFSET if fp8_p else 0,
                                 rescale_threshold=0.0 if fp8_p else RESCALE_THRESHOLD)
         n_cols = cute.size(tScS_t2r)
@@ -769,9 +833,9 @@ class FlashAttnFwdSm100:
         # P (16-bit) packed two per 32-bit TMEM column, register i of S -> element i of P.
         # Converted and stored one TMEM-copy chunk at a time, so that P's registers die early.
         tSrP32 = cute.make_rmem_tensor(p_shape, Float32)
-        tSrP = cute.make_tensor(cute.recast_ptr(tSrP32.iterator, dtype=self.dtype), tSrS.layout)
+        tSrP = cute.make_tensor(cute.recast_ptr(tSrP32.iterator, dtype=self.op_dtype), tSrS.layout)
         for i in cutlass.range_constexpr(cute.size(tStP_r2t, mode=[2])):
-            tSrP[None, None, i].store(tSrS[None, None, i].load().to(self.dtype))
+            tSrP[None, None, i].store(tSrS[None, None, i].load().to(self.op_dtype))
             cute.copy(thr_store, tSrP32[None, None, i], tStP_r2t[None, None, i])
         cute.arch.fence_view_async_tmem_store()
         bars.arrive("p_full", s)
@@ -886,6 +950,30 @@ def _stored_cols(cols_valid, cols: int) -> int:
 # ---------------------------------------------------------------------------------------
 
 
+def _check_row_major_view(sQ_layout, sQq_layout, d: int, q_stage: int):
+    """quantize_q: the row-major (128, d, q_stage) view maps every (row, column, stage) where
+    the K-major operand layout of the MMA does (their swizzles and the offsets of a grid of
+    rows and columns compared while tracing; both tile 8-row swizzle atoms along the rows,
+    then along the columns)."""
+    assert str(sQ_layout.inner) == str(sQq_layout.inner), (sQ_layout, sQq_layout)
+    for stage in range(q_stage):
+        a = cute.composition(cute.slice_(sQ_layout.outer, (None, None, None, stage)),
+                             cute.make_layout((TILE_M, d), stride=(1, TILE_M)))
+        base = stage * cute.cosize(cute.slice_(sQ_layout.outer, (None, None, None, 0)))
+        for m in (0, 1, 7, 8, 63, 64, TILE_M - 1):
+            for k in sorted({k for k in (0, 1, 15, 16, 31, 32, 63, 64, d // 2, d - 1) if k < d}):
+                got, want = base + int(cute.crd2idx((m, k), a)), int(cute.crd2idx((m, k, stage), sQq_layout.outer))
+                assert got == want, (m, k, stage, got, want, sQ_layout, sQq_layout)
+
+
 def compile_fwd_sm100(key: tuple):
-    """Compiles the kernel for ``key`` (``sm100.compile_key``) on fake tensors: no GPU needed."""
-    return compile_from_key(key, 3, FlashAttnFwdSm100)
+    """Compiles the kernel for ``key`` (``sm100.compile_key``) on fake tensors: no GPU needed.
+    The key's fields after the common ones: ex2_emulate_every (where not 0), then
+    ``keys.QUANTIZE_Q`` (where the kernel quantizes the queries)."""
+
+    def make(dtype, d, d_v, tile, variant, packed, is_split, split_blocks, *extra, q_class):
+        ex2 = [x for x in extra if x != QUANTIZE_Q]
+        return FlashAttnFwdSm100(dtype, d, d_v, tile, variant, packed, is_split, split_blocks, ex2[0] if ex2 else 0,
+                                 q_class=q_class, quantize_q=QUANTIZE_Q in extra)
+
+    return compile_from_key(key, 3, make)

@@ -16,7 +16,7 @@ from flash_attn_cute.host import heuristics
 from flash_attn_cute.seam.backend_kit import (feature_refusal, fwd_entry_points, head_dim_refusal, head_groups,
                                               plan_rows, plan_splits, tile_head_dims)
 from flash_attn_cute.host.problems import FwdPlan, FwdProblem
-from flash_attn_cute.host.tuning import NO_TUNING, Tuning
+from flash_attn_cute.host.tuning import FP8_KV_MODES, NO_TUNING, Tuning
 from flash_attn_cute.sm90 import config
 
 NAME = "sm90"
@@ -137,7 +137,6 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
                                     split_blocks, ctas_per_sm, quantize_q, two_level), pack_gqa, num_splits)
 
 
-FP8_KV_MODES = ("quantize_q", "widen")  # tuning.sm90_fp8_kv
 
 
 def quantizes_q(problem: FwdProblem, tuning: Tuning = NO_TUNING) -> bool:

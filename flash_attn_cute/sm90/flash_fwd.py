@@ -64,7 +64,7 @@ from flash_attn_cute.device.named_barrier import Sm90FwdBarrier
 from flash_attn_cute.device.paged_kv import page_and_row, page_lookups
 from flash_attn_cute.sm90.config import TWO_CTAS_SMEM, WarpRoles, parse_key_extra
 from flash_attn_cute.sm90.fp8_operands import FP8TileGeometry, TwoLevelPV, p_to_fp8, transpose_v_block
-from flash_attn_cute.sm90.q_quant import quantize_q_tile
+from flash_attn_cute.device.q_quant import quantize_q_tile
 from flash_attn_cute.sm90.wgmma_utils import convert_pairs, kv_release, kv_wait, wgmma_gemm
 from flash_attn_cute.device.softmax import FP8_P_OFFSET, LOG2_E, OnlineSoftmax
 from flash_attn_cute.device.tile_scheduler import LptScheduler, PersistentScheduler, SingleTileScheduler, TileDivisors

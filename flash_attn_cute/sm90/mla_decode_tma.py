@@ -134,7 +134,7 @@ from flash_attn_cute.device.tile_scheduler import SingleTileScheduler, TileDivis
 from flash_attn_cute.device.variants import apply_to_scores
 from flash_attn_cute.host.constants import D_CKV, D_KPE
 from flash_attn_cute.sm90.fp8_operands import FP8TileGeometry, p_to_fp8, transpose_v_block
-from flash_attn_cute.sm90.q_quant import quantize_q_tile
+from flash_attn_cute.device.q_quant import quantize_q_tile
 from flash_attn_cute.sm90.wgmma_utils import convert_pairs, wgmma_gemm
 
 TILE_M = 64  # packed rows: one wgmma M

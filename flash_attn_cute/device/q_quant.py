@@ -1,9 +1,10 @@
-"""16-bit queries quantized to e4m3 inside the SM90 forward kernel (``quantize_q``): an FP8
-(e4m3) KV cache under bf16 / fp16 queries then runs the FP8 Q, K, V kernel (both GEMMs in
-fp8 wgmma, V transposed by producer warps, ``fp8_operands``) instead of widening every K
-and V block to 16 bits in shared memory.
+"""16-bit queries quantized to e4m3 inside a forward kernel (``quantize_q``): an FP8 (e4m3)
+KV cache under bf16 / fp16 queries then runs the FP8 Q, K, V kernel (SM90: both GEMMs in
+fp8 wgmma, V transposed by producer warps, ``fp8_operands``; also SM90's MLA TMA kernel;
+SM100 on request: e4m3 tcgen05 MMAs, each softmax warpgroup quantizing its Q stage)
+instead of widening every K and V block to 16 bits in shared memory.
 
-The consumer warpgroups load their CTA's Q tile from global memory into registers (16-byte
+The SM90 consumer warpgroups load their CTA's Q tile from global memory into registers (16-byte
 loads in the partition of ``copy_utils.gmem_tiled_copy``; rows past the sequence and
 columns past a padded head dim are zeros), reduce its amax (each thread, its warp by
 shuffles, every consumer warp's through shared memory), store Q / 2^e in e4m3 into the
