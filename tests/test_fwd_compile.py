@@ -318,6 +318,11 @@ def test_forward_sass(artifacts, backend, arch):
             assert not re.search(pattern, sass), (pattern, key)
         if backend == "sm100":
             assert ("STS.U16" in sass) == sm100_cache_tail_zeroed(key), ("V tail zeroing", key)
+            if QUANTIZE_Q in key:
+                # e4m3 MMAs only, and stage 0's softmax warpgroup meets on its own barrier
+                # (amax, then stores) before it arrives on Q's mbarrier.
+                assert "UTCQMMA" in sass and "UTCHMMA" not in sass, key
+                assert re.search(r"BAR\.SYNC\.DEFER_BLOCKING 0x2, 0x80", sass), key
             # The softmax sums its row in packed pairs (FADD2); where the key moves a share of
             # the exponentials to the FMA pipe (its last field, sm100.ex2_share), the
             # polynomial runs packed too (fma.rn.f32x2 appears in no other code).
