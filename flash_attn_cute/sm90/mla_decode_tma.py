@@ -61,7 +61,7 @@ unmasked run, as every kernel (``BlockInfo``).
 
 Shared memory: Q 72 KB, two 72 KB buffers, sP1 8 KB, the row statistics and 18
 mbarriers: 225.4 KB of the 227. 256 threads, 1 CTA per SM, no setmaxnreg (255 registers
-each: O 128 + S 32 + P 16; 217 used, no local memory).
+each: O 128 + S 32 + P 16; 225 used, no local memory).
 
 An e4m3 cache (FlashMLA's FP8 recipe, the same seesaw): both products in fp8 wgmma
 (QGMMA 64 x 64 x 32 and 64 x 256 x 32), half the bytes per key (36.9 KB a tile) and twice
