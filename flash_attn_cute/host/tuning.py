@@ -38,6 +38,16 @@ _ENV = ("FLASH_ATTN_CUTE_BACKEND", "FLASH_ATTN_CUTE_SM80_TILE", "FLASH_ATTN_CUTE
         "FLASH_ATTN_CUTE_MLA_FP8_STAGES", "FLASH_ATTN_CUTE_SM90_FP8_KV", "FLASH_ATTN_CUTE_SM100_FP8_KV")
 # The values of sm90_fp8_kv / sm100_fp8_kv.
 FP8_KV_MODES = ("quantize_q", "widen")
+
+
+def fp8_kv_mode(value: Optional[str], default: str, variable: str) -> str:
+    """An FP8-cache mode knob (``sm90_fp8_kv`` / ``sm100_fp8_kv``): its value, or the
+    backend's ``default`` where unset; anything but ``FP8_KV_MODES`` is refused, naming the
+    environment ``variable``."""
+    mode = value or default
+    if mode not in FP8_KV_MODES:
+        raise ValueError(f"{variable}={mode!r}: one of {FP8_KV_MODES}")
+    return mode
 # os.environ.get encodes its key on every call: 10 us for seven of these on the CI machine.
 # CPython's POSIX environ keeps a dict of bytes, read here with pre-encoded keys (0.5 us).
 _ENV_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None

@@ -20,7 +20,7 @@ from flash_attn_cute.seam.backend_kit import (feature_refusal, fwd_entry_points,
                                               plan_rows, plan_splits, tile_head_dims)
 from flash_attn_cute.host.keys import DTYPE_NAMES, QUANTIZE_Q, arch_capability
 from flash_attn_cute.host.problems import FwdPlan, FwdProblem
-from flash_attn_cute.host.tuning import FP8_KV_MODES, NO_TUNING, Tuning
+from flash_attn_cute.host.tuning import NO_TUNING, Tuning, fp8_kv_mode
 from flash_attn_cute.sm100.config import HEAD_DIM_PAIRS, SMEM_LIMIT, TILE_M, kv_stages_for, smem_bytes
 
 NAME = "sm100"
@@ -123,9 +123,7 @@ def quantizes_q(problem: FwdProblem, tuning: Tuning = NO_TUNING) -> bool:
     compile-verified only, and it costs accuracy (q rounded to e4m3, README's FP8 section).
     Never for an e5m2 cache, nor batch invariant (the scale is one per stage: the bits a
     row keeps would depend on its stage-mates)."""
-    mode = tuning.sm100_fp8_kv or "widen"
-    if mode not in FP8_KV_MODES:
-        raise ValueError(f"FLASH_ATTN_CUTE_SM100_FP8_KV={mode!r}: one of {FP8_KV_MODES}")
+    mode = fp8_kv_mode(tuning.sm100_fp8_kv, "widen", "FLASH_ATTN_CUTE_SM100_FP8_KV")
     return (mode == "quantize_q" and problem.kv_dtype == torch.float8_e4m3fn and not problem.qkv_fp8
             and not problem.batch_invariant)
 

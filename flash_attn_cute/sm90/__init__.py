@@ -16,7 +16,7 @@ from flash_attn_cute.host import heuristics
 from flash_attn_cute.seam.backend_kit import (feature_refusal, fwd_entry_points, head_dim_refusal, head_groups,
                                               plan_rows, plan_splits, tile_head_dims)
 from flash_attn_cute.host.problems import FwdPlan, FwdProblem
-from flash_attn_cute.host.tuning import FP8_KV_MODES, NO_TUNING, Tuning
+from flash_attn_cute.host.tuning import NO_TUNING, Tuning, fp8_kv_mode
 from flash_attn_cute.sm90 import config
 
 NAME = "sm90"
@@ -137,8 +137,6 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
                                     split_blocks, ctas_per_sm, quantize_q, two_level), pack_gqa, num_splits)
 
 
-
-
 def quantizes_q(problem: FwdProblem, tuning: Tuning = NO_TUNING) -> bool:
     """Whether an FP8 cache under 16-bit queries runs the FP8 Q, K, V kernel with the queries
     quantized to e4m3 in the kernel (``q_quant``; fp8 wgmma for both GEMMs, as a call with
@@ -156,9 +154,7 @@ def quantizes_q(problem: FwdProblem, tuning: Tuning = NO_TUNING) -> bool:
     scale is one per tile, and the elements e4m3 holds as subnormals round differently
     under another tile's scale: a row's bits would depend on the rows it shares a tile
     with, which the batch and GQA packing decide)."""
-    mode = tuning.sm90_fp8_kv or "quantize_q"
-    if mode not in FP8_KV_MODES:
-        raise ValueError(f"FLASH_ATTN_CUTE_SM90_FP8_KV={mode!r}: one of {FP8_KV_MODES}")
+    mode = fp8_kv_mode(tuning.sm90_fp8_kv, "quantize_q", "FLASH_ATTN_CUTE_SM90_FP8_KV")
     if problem.kv_dtype != torch.float8_e4m3fn or mode != "quantize_q" or problem.batch_invariant:
         return False
     # User variants and context-parallel shards keep the widening kernel unless the knob
