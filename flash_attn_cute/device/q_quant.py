@@ -89,7 +89,7 @@ def quantize_q_tile(parts: tuple, row0: Int32, sAmax: cute.Tensor, rows_valid: I
     dim; None: none) are zeros. ``sAmax``: one fp32 word per warp; ``sync()``: a barrier of
     the ``num_threads`` threads (run twice: the warps' amaxes written, then the tiles
     written and fenced for wgmma)."""
-    views = []  # per part: (thread's smem partition, its 16-bit registers)
+    views = []  # per part: (thread's smem partition, its 16-bit registers, which chunks are real)
     for q_rows, sQ in parts:
         rows, cols = cute.size(sQ, mode=[0]), cute.size(sQ, mode=[1])
         q_dtype = q_rows.element_type
@@ -97,35 +97,43 @@ def quantize_q_tile(parts: tuple, row0: Int32, sAmax: cute.Tensor, rows_valid: I
         tQsQ = thr_copy.partition_D(sQ)  # (CPY, M, chunks), e4m3
         tQcQ = thr_copy.partition_S(cute.make_identity_tensor((rows, cols)))
         rQ = cute.make_fragment_like(tQsQ, q_dtype)
-        rQ.fill(0.0)
-        # Every chunk's load is issued before the first is used: one gmem round trip per tile.
+        vec = cute.size(rQ, mode=[0])
+        # Every chunk is loaded, with no branch around its load, before any is used: rows past
+        # rows_valid read the tile's last real row and padded columns its last real chunk, and
+        # are zeroed after. (Each load under its own branch, the compiler converted its values
+        # inside the branch: one global round trip after another, four per CTA in the MLA
+        # kernel's sm_90a SASS, sixteen in SM100's d 128 stage.) The tile holds a real row:
+        # the last one, row0 + rows_valid - 1, is one, also where this part has none.
+        real = []
         for m in cutlass.range_constexpr(cute.size(rQ, mode=[1])):
             row = tQcQ[0, m, 0][0]
-            if row < rows_valid:
-                g_row = q_rows[row0 + row, None]
-                for k in cutlass.range_constexpr(cute.size(rQ, mode=[2])):
-                    col = tQcQ[0, m, k][1]
-                    src = cute.make_tensor(aligned_row_ptr(g_row, col, 16), rQ[None, m, k].layout)
-                    if cutlass.const_expr(cols_valid is None):
-                        cute.autovec_copy(src, rQ[None, m, k])
-                    else:
-                        if col < cols_valid:
-                            cute.autovec_copy(src, rQ[None, m, k])
-        views.append((tQsQ, rQ))
+            g_row = q_rows[row0 + cutlass.min(row, rows_valid - 1), None]
+            for k in cutlass.range_constexpr(cute.size(rQ, mode=[2])):
+                col = tQcQ[0, m, k][1]
+                ok = row < rows_valid
+                if cutlass.const_expr(cols_valid is not None):
+                    ok = ok & (col < cols_valid)
+                    col = cutlass.min(col, cols_valid - vec)
+                cute.autovec_copy(cute.make_tensor(aligned_row_ptr(g_row, col, 16), rQ[None, m, k].layout),
+                                  rQ[None, m, k])
+                real.append(ok)
+        views.append((tQsQ, rQ, real))
     # Four interleaved max chains (|x| is an operand modifier of FMNMX), then the warp's. The
     # fp32 values are made chunk by chunk, here and for the stores: only the 16-bit ones
     # stay live across the barrier.
     chains = []
-    for _, rQ in views:
+    for _, rQ, real in views:
         for m in cutlass.range_constexpr(cute.size(rQ, mode=[1])):
             for k in cutlass.range_constexpr(cute.size(rQ, mode=[2])):
+                ok = real[m * cute.size(rQ, mode=[2]) + k]
                 x = cute.make_fragment_like(rQ[None, m, k], Float32)
                 x.store(rQ[None, m, k].load().to(Float32))
                 for i in cutlass.range_constexpr(cute.size(x)):
+                    a = cutlass.select_(ok, cute.math.absf(x[i]), Float32(0.0))
                     if cutlass.const_expr(len(chains) < 4):
-                        chains.append(cute.math.absf(x[i]))
+                        chains.append(a)
                     else:
-                        chains[i % 4] = cute.arch.fmax(chains[i % 4], cute.math.absf(x[i]))
+                        chains[i % 4] = cute.arch.fmax(chains[i % 4], a)
     amax = Float32(0.0)
     for c in chains:
         amax = cute.arch.fmax(amax, c)
@@ -138,11 +146,16 @@ def quantize_q_tile(parts: tuple, row0: Int32, sAmax: cute.Tensor, rows_valid: I
     for w in cutlass.range_constexpr(1, num_threads // 32):
         amax = cute.arch.fmax(amax, sAmax[w])
     inv_scale, scale = pow2_scales(amax)
-    for tQsQ, rQ in views:
+    for tQsQ, rQ, real in views:
         r8 = cute.make_fragment_like(tQsQ)
         for m in cutlass.range_constexpr(cute.size(rQ, mode=[1])):
             for k in cutlass.range_constexpr(cute.size(rQ, mode=[2])):
-                r8[None, m, k].store((rQ[None, m, k].load().to(Float32) * inv_scale).to(tQsQ.element_type))
+                ok = real[m * cute.size(rQ, mode=[2]) + k]
+                x = cute.make_fragment_like(rQ[None, m, k], Float32)
+                x.store(rQ[None, m, k].load().to(Float32))
+                for i in cutlass.range_constexpr(cute.size(x)):
+                    x[i] = cutlass.select_(ok, x[i] * inv_scale, Float32(0.0))
+                r8[None, m, k].store(x.load().to(tQsQ.element_type))
         cute.autovec_copy(r8, tQsQ)
     # Generic-proxy stores, read next by wgmma (async proxy), by every consumer warpgroup.
     cute.arch.fence_view_async_shared()
