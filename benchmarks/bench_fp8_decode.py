@@ -38,22 +38,11 @@ import os
 import sys
 
 import common
-from common import UNAVAILABLE, bench, check_correct, error_text, load_fa4, our_backends, print_exception, report
+from common import UNAVAILABLE, bench, check_correct, error_text, load_fa3, load_fa4, our_backends, print_exception, report
 
 COLUMNS = ["impl", "cache", "shape", "us", "cache_tbps", "keys_vs_bf16", "correctness", "note"]
 ROWS = [("contiguous", 1, 131072, 0), ("contiguous", 64, 4096, 0), ("paged 1", 64, 4096, 1), ("paged 16", 64, 4096, 16),
         ("paged 64", 64, 4096, 64)]
-
-
-def load_fa3():
-    """FlashAttention-3's Hopper forward (the fa3-fwd build, ``fa3_fwd_interface``; on the GPU
-    machine: ``../shared/gpu/pack_peers.sh``), or (None, why). No paged KV: contiguous rows only."""
-    try:
-        import fa3_fwd_interface as fa3
-
-        return fa3, ""
-    except Exception as e:  # not installed here
-        return None, error_text(e)
 
 
 def parse_args(argv=None):

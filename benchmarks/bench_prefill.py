@@ -11,12 +11,16 @@ Implementations:
   sdpa_flash            torch SDPA, flash backend only
   sdpa_cudnn            torch SDPA, cuDNN backend only
   fa4                   flash_attn.cute.flash_attn_func (skipped if not importable)
+  fa3                   FlashAttention-3's Hopper kernels (the fa3-fwd build, fa3_fwd_interface:
+                        ../shared/gpu/pack_peers.sh; skipped if not importable)
+  fa3_fp8               with --fp8: FA3 on the same e4m3 q, k, v and descales as ours_fp8
   cutlass_fa2_example   FlashAttentionForwardAmpere from the CUTLASS CuTe-DSL example,
                         loaded from the file named by $CUTLASS_FA2_EXAMPLE (skipped if unset),
                         128x128 tiles, 128 threads (128x64 where 128x128 does not fit)
 
 tflops = 4*B*H*S*S*D / t, halved for causal. ratio_vs_best_peer = (time of the fastest
-implementation other than ours) / (this row's time): > 1 means faster than every peer.
+implementation other than ours) / (this row's time): > 1 means faster than every peer; for
+the fp8 rows (ours_fp8*, fa3_fp8) the peers are the fp8 ones (fa3_fp8) where one ran.
 ratio_vs_ours_16bit (with --fp8): our fastest 16-bit row's time / this row's time.
 correct: the output of batch 0, heads 0..1 against the fp32 reference, bounded by 2x
 PyTorch's own low-precision error.
@@ -28,14 +32,19 @@ import math
 import os
 import sys
 
-from common import UNAVAILABLE, append_results_md, attention_flops, bench, check_correct, error_text, load_fa4, \
+from common import UNAVAILABLE, append_results_md, attention_flops, bench, check_correct, error_text, load_fa3, load_fa4, \
     our_backends, parse_dtype, print_exception, print_table, randn, sdpa, write_csv
 
 COLUMNS = ["impl", "causal", "B", "S", "H", "D", "avg_ms", "tflops", "ratio_vs_best_peer", "correct"]
 FP8_COLUMNS = COLUMNS[:-1] + ["ratio_vs_ours_16bit", "correct"]
-IMPLS = ["ours", "sdpa_flash", "sdpa_cudnn", "fa4", "cutlass_fa2_example"]
+IMPLS = ["ours", "sdpa_flash", "sdpa_cudnn", "fa4", "fa3", "cutlass_fa2_example"]
 HEADS_FOR_DIM = {64: 32, 128: 16, 256: 8}  # constant model width H * D = 2048
 REF_HEADS = 2  # heads of batch 0 checked against the fp32 reference
+
+
+def is_fp8(impl):
+    """Rows that run e4m3 q, k, v (ours and FA3's): compared with each other."""
+    return impl.startswith("ours_fp8") or impl == "fa3_fp8"
 
 
 def parse_args(argv=None):
@@ -119,6 +128,7 @@ def main(argv=None):
     B, S = args.B, args.S
 
     fa4, fa4_why = load_fa4() if "fa4" in impls else (None, "not requested")
+    fa3, fa3_why = load_fa3() if "fa3" in impls else (None, "not requested")
     example_path = os.environ.get("CUTLASS_FA2_EXAMPLE")
     example, example_why = None, "CUTLASS_FA2_EXAMPLE not set"
     if "cutlass_fa2_example" in impls and example_path:
@@ -154,7 +164,8 @@ def main(argv=None):
                 deq = [dequantize_kv(x8[sl], d[:1, :REF_HEADS]) for x8, d in fp8_inputs]
                 out_ref8, _ = attention_ref(*deq, causal=causal)
                 out_pt8, _ = attention_ref(*deq, causal=causal, p_fp8=True)
-            for impl in ours + [i for i in impls if i != "ours"]:
+            peers = [i for i in impls if i != "ours"] + (["fa3_fp8"] if args.fp8 and "fa3" in impls else [])
+            for impl in ours + peers:
                 row = dict(impl=impl, causal=causal, B=B, S=S, H=H, D=D, avg_ms=float("nan"),
                            tflops=float("nan"), ratio_vs_best_peer=float("nan"), correct=False)
                 group.append(row)
@@ -176,6 +187,15 @@ def main(argv=None):
                             with torch.no_grad():
                                 r = fa4.flash_attn_func(q, k, v, causal=causal)
                             return r[0] if isinstance(r, tuple) else r
+                    elif impl in ("fa3", "fa3_fp8"):
+                        if fa3 is None:
+                            raise RuntimeError(fa3_why)
+                        fa3_args = (q, k, v) if impl == "fa3" else (q8, k8, v8)
+                        fa3_kw = {} if impl == "fa3" else dict(q_descale=qd, k_descale=kd, v_descale=vd)
+
+                        def fn(a=fa3_args, kw=fa3_kw):
+                            r = fa3.flash_attn_func(*a, causal=causal, **kw)
+                            return r[0] if isinstance(r, tuple) else r
                     elif impl == "cutlass_fa2_example":
                         if example is None:
                             raise RuntimeError(example_why)
@@ -184,7 +204,7 @@ def main(argv=None):
                     else:
                         raise ValueError(f"unknown impl {impl}")
                     out = fn()
-                    if impl.startswith("ours_fp8"):
+                    if impl.startswith("ours_fp8") or impl == "fa3_fp8":
                         row["correct"] = bool(is_close(out[sl], out_ref8, out_pt8, mult=3.0)[0])
                     else:
                         row["correct"] = check_correct(out[sl], out_ref, out_pt)
@@ -196,14 +216,14 @@ def main(argv=None):
                     notes.setdefault(f"{impl}: {UNAVAILABLE}: {error_text(e)}", []).append(where)
                 torch.cuda.empty_cache()
 
-            peer_ms = [r["avg_ms"] for r in group if not r["impl"].startswith("ours")
-                       and not math.isnan(r["avg_ms"])]
-            if peer_ms:
-                for r in group:
-                    if not math.isnan(r["avg_ms"]):
-                        r["ratio_vs_best_peer"] = min(peer_ms) / r["avg_ms"]
+            peer_ms = {fp8: [r["avg_ms"] for r in group if not r["impl"].startswith("ours")
+                             and is_fp8(r["impl"]) == fp8 and not math.isnan(r["avg_ms"])] for fp8 in (False, True)}
+            for r in group:
+                peers_ms = peer_ms[is_fp8(r["impl"])] or peer_ms[False]  # fp8 rows: fp8 peers where one ran
+                if peers_ms and not math.isnan(r["avg_ms"]):
+                    r["ratio_vs_best_peer"] = min(peers_ms) / r["avg_ms"]
             ours16 = [r["avg_ms"] for r in group if r["impl"].startswith("ours_")
-                      and not r["impl"].startswith("ours_fp8") and not math.isnan(r["avg_ms"])]
+                      and not is_fp8(r["impl"]) and not math.isnan(r["avg_ms"])]
             for r in group:
                 r["ratio_vs_ours_16bit"] = min(ours16) / r["avg_ms"] if ours16 and not math.isnan(r["avg_ms"]) \
                     else float("nan")
@@ -219,7 +239,8 @@ def main(argv=None):
         title = f"Prefill forward: B={B} S={S} {args.dtype}" + (" and fp8" if args.fp8 else "") + (
             " (quick)" if args.quick else "")
         append_results_md(title, rows, columns, notes="\n".join(
-            ["avg_ms median (triton do_bench); ratio_vs_best_peer = fastest non-ours time / row time."]
+            ["avg_ms median (triton do_bench); ratio_vs_best_peer = fastest non-ours time / row time"
+             " (fp8 rows: the fastest fp8 peer's where one ran)."]
             + [f"- {n}" for n in notes]))
     return rows
 

@@ -143,6 +143,17 @@ def load_fa4():
         return None, error_text(e)
 
 
+def load_fa3():
+    """FlashAttention-3's Hopper forward (the fa3-fwd build, ``fa3_fwd_interface``; on the GPU
+    machine: ``../shared/gpu/pack_peers.sh``), or (None, why)."""
+    try:
+        import fa3_fwd_interface as fa3
+
+        return fa3, ""
+    except Exception as e:  # not installed here
+        return None, error_text(e)
+
+
 def sdpa(q, k, v, *, backend, causal=False, scale=None):
     """torch SDPA with a single backend forced; q (b, sq, h, d), k/v (b, sk, hkv, d).
 
