@@ -145,7 +145,8 @@ def quantizes_q(problem: FwdProblem, tuning: Tuning = NO_TUNING) -> bool:
     against our bf16 kernel (``bench_fp8_decode.py``, one run): b1 x 131072 1.68x (widening
     1.55x; FA3's FP8 decode 1.49x), b64 x 4096 contiguous 1.80x (1.66x), pages of 64 1.71x
     (1.66x). At gathered pages (1, 16, cache_leftpad) ``plan`` keeps the widening kernel
-    unless the knob names this one (0.83x and 0.92x there, against 1.45x and 1.43x).
+    unless the knob names this one (H100, 2026-12-06: 1.10x and 1.35x there with K and V
+    gathered by a warp each, ``WarpRoles.split_gather``, against the widening 1.46x and 1.45x).
 
     The widening kernel stays where the queries may not be quantized, or cannot be here:
     ``tuning.sm90_fp8_kv`` "widen" (FLASH_ATTN_CUTE_SM90_FP8_KV, for A/B measurements); an

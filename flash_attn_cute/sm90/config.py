@@ -125,12 +125,12 @@ def fp8_tile(d: int, dv: int, tile: tuple, max_stages: int = 4, decode: bool = F
 
 
 def fp8_qkv_smem_bytes(d: int, dv: int, tile_m: int, tile_n: int, stages: int) -> int:
-    """Shared memory of an FP8 Q, K, V tile: Q, the K, V and V^T stages (one byte a value),
-    4 KB for the mbarriers (and, where the kernel quantizes 16-bit Q, its amax words: below
-    sQ's 1 KB alignment, no byte more) and the 1 KB alignment of the buffers (d = 256, (128,
-    128, 2): 233,472 bytes allocated, 4 KB over the buffers). 16-bit Q is quantized from
-    registers (``q_quant``): no 16-bit staging buffer."""
-    return tile_m * d + stages * tile_n * (d + 2 * dv) + 4096
+    """Shared memory of an FP8 Q, K, V tile: Q, the K, V and V^T stages (one byte a value)
+    and 2 KB: the mbarriers (and, where the kernel quantizes 16-bit Q, its amax words) below
+    sQ's 1 KB alignment, and the unused 16-bit stand-ins (sO, sKw, sVw: 48 bytes) padded to
+    sVt's. d = 256, (128, 128, 2): 231,424 bytes allocated, the buffers + 2,048.
+    16-bit Q is quantized from registers (``q_quant``): no 16-bit staging buffer."""
+    return tile_m * d + stages * tile_n * (d + 2 * dv) + 2048
 
 
 def fp8_qkv_tile(d: int, dv: int, tile: tuple, page_size: int = 0, causal: bool = False,
@@ -146,7 +146,12 @@ def fp8_qkv_tile(d: int, dv: int, tile: tuple, page_size: int = 0, causal: bool 
     128) 613 / 567, (192, 192) 535 / 458; d128 (192, 96) 897 / 801 (three consumer
     warpgroups: the exponentials of two overlap the third's GEMMs), (128, 192) 822 / 763,
     (128, 128) 767 / 731, (128, 224) 811 / 736, (192, 128) 715 / 655 (spills at 160
-    registers), 3 or 4 stages no faster; d256 (128, 96) 937 / 891, (128, 64) 761 / 723."""
+    registers), 3 or 4 stages no faster; d256 (128, 96) 937 / 891, (128, 64) 761 / 723.
+    d256 again, H100 2026-12-06 (``ab`` runs, two each, one process per variant): (128, 96)
+    1007-1010 / 916; (128, 128) (FA3's tile; fits since the unused stand-ins lost their
+    alignment) 932-947 / 861-866 (consumer spills at 232 registers), 969-995 / 916-928 with
+    (24, 240) budgets; FA3's ping-pong at d256 FP8 976-980 / 903-907 (128, 96), 971-975 /
+    922-924 (128, 128). Kept (128, 96), no ping-pong."""
     m, n, stages = tile[:3]
     if measured and m > 64:
         dmax = max(d, dv)
@@ -157,8 +162,8 @@ def fp8_qkv_tile(d: int, dv: int, tile: tuple, page_size: int = 0, causal: bool 
         elif dmax > 192:
             n = 96
     # A page of a multiple of 64 keys holds whole blocks (one TMA each); other pages (1, 16,
-    # ...) are gathered row by row (``gathers_kv``) by producer warp 0 alone (warps 1-3
-    # transpose V), which needs the registers of a one-consumer-warpgroup tile: tile_m 64.
+    # ...) are gathered row by row (``gathers_kv``) by producer warps 0 (K) and 1 (V; warps
+    # 2-3 transpose V), which needs the registers of a one-consumer-warpgroup tile: tile_m 64.
     # sm_90a SASS, pages of 16, causal prefill, local-memory accesses: d 128 (128, 128) 316,
     # (128, 96) 265, (64, 128) 0; d 64 (128, 128) 277; d 256 (128, 96) 225, (64, 96) 0.
     tma_pages = page_size and page_size % 64 == 0 and not leftpad_k  # cache_leftpad: gathered (gathers_kv)
@@ -280,18 +285,31 @@ class WarpRoles(WarpgroupRoles):
     producer_regs: int
     consumer_regs: int
     gather_kv: bool  # every producer warp gathers KV rows by cp.async (else warp 0 issues TMA)
-    transpose_v: bool = False  # FP8 Q, K, V: producer warps 1-3 transpose V blocks for the P V wgmma
+    transpose_v: bool = False  # FP8 Q, K, V: producer warps 1-3 (2-3: split_gather) transpose V for the P V wgmma
 
     @property
     def gather_threads(self) -> int:
-        """Threads that gather KV rows (``gather_kv``): the producer warpgroup, or warp 0
-        alone where warps 1-3 transpose V (FP8 Q, K, V)."""
+        """Threads that gather the rows of one block (``gather_kv``): the producer warpgroup,
+        or one warp where the others transpose V (FP8 Q, K, V: ``split_gather``)."""
         return 32 if self.transpose_v else self.producer_threads
 
     @property
+    def split_gather(self) -> bool:
+        """FP8 Q, K, V gathering rows: warp 0 gathers K, warp 1 V, each with its own page
+        lookups in flight (one warp gathering both waited for two lookup round trips per
+        block). H100, b64 x 4096 h32/8 d128 decode, quantizing kernel, us, one warp / two
+        (same run as the widening kernel's 256 / 255): pages of 1 453 / 340, 16 407 / 275."""
+        return self.transpose_v and self.gather_kv
+
+    @property
+    def first_transposer(self) -> int:
+        """The first producer warp that transposes V (after the TMA issuer or the two gatherers)."""
+        return 2 if self.split_gather else 1
+
+    @property
     def transposer_warps(self) -> int:
-        """Producer warps that transpose V (fp8 Q, K, V): all but warp 0, the TMA issuer."""
-        return len(self.producer_warps) - 1 if self.transpose_v else 0
+        """Producer warps that transpose V (fp8 Q, K, V): those from ``first_transposer``."""
+        return len(self.producer_warps) - self.first_transposer if self.transpose_v else 0
 
     @staticmethod
     def for_consumers(num_consumer_wgs: int, gather_kv: bool = False, ctas_per_sm: int = 1,

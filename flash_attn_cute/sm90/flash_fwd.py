@@ -33,7 +33,8 @@ modification go through the variant (``variants.apply_to_scores``).
 
 FP8 K/V under 16-bit queries: the stages hold fp8 blocks that the consumer widens into one
 16-bit buffer (``take``). FP8 Q, K and V (``fp8_qkv``): both GEMMs run as fp8 wgmma; fp8
-wgmma reads B K-major only, so producer warps 1-3 turn each V stage into a V^T stage
+wgmma reads B K-major only, so producer warps 1-3 (2-3 where warps 0 and 1 gather K and V
+rows) turn each V stage into a V^T stage
 (``transposes``, ldmatrix / stmatrix.trans, in the key order that makes P's 8-bit A
 operand the thread's own S registers: ``fp8_operands``), a third ring between them and the
 consumers; the output is bf16, from registers. 16-bit Q over an e4m3 cache (``quantize_q``,
@@ -105,7 +106,8 @@ class FlashAttnFwdSm90:
         # Two CTAs per SM (fp8 tiles that fit twice): each gets half the register file.
         self.ctas_per_sm = ctas_per_sm
         # FP8 Q, K and V: both GEMMs in fp8 wgmma. Its B operand is K-major, so producer
-        # warps 1-3 transpose each V block (``transposes``, ``fp8_operands``); P is rounded
+        # warps 1-3 (2-3: ``split_gather``) transpose each V block (``transposes``,
+        # ``fp8_operands``); P is rounded
         # to e4m3 with its row max at 2^8 (``FP8_P_OFFSET``), O leaves in bf16 (quantize_q:
         # in q's dtype).
         self.fp8_qkv = self.dtype.width == 8
@@ -161,8 +163,13 @@ class FlashAttnFwdSm90:
         sV_layout = row_major_smem_layout(kv_dtype, self.tile_n, self.head_dim_v, self.num_stages)
         sKw_layout = row_major_smem_layout(self.dtype, self.tile_n, self.head_dim, 1)
         sVw_layout = row_major_smem_layout(self.dtype, self.tile_n, self.head_dim_v, 1)
-        kw_field = cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKw_layout) if self.fp8 else 8], 1024]
-        vw_field = cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sVw_layout) if self.fp8 else 8], 1024]
+        # Unused stand-ins stay unaligned: two 1 KB alignments would keep FP8 Q, K, V d256
+        # (128, 128, 2) 1 KB over the limit (``fp8_qkv_smem_bytes``).
+        kw_field = cute.struct.MemRange[self.dtype, 8]
+        vw_field = cute.struct.MemRange[self.dtype, 8]
+        if cutlass.const_expr(self.fp8):
+            kw_field = cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKw_layout)], 1024]
+            vw_field = cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sVw_layout)], 1024]
         # FP8 Q, K, V: V^T stages (d_v, tile_n), keys contiguous, written by the transposes.
         sVt_layout = row_major_smem_layout(kv_dtype, self.head_dim_v, self.tile_n, self.num_stages)
         vt_field = cute.struct.MemRange[kv_dtype, 16]  # unused (16-bit kernels keep their smem layout)
@@ -357,11 +364,19 @@ class FlashAttnFwdSm90:
 
         if warp_idx < len(self.roles.producer_warps):
             cute.arch.setmaxregister_decrease(self.roles.producer_regs)
-            if warp_idx == 0 or cutlass.const_expr(self.gather_kv and not self.fp8_qkv):
+            if cutlass.const_expr(self.roles.split_gather):
+                # The lane as the gathering thread: non-negative for ptxas (tidx - 32 left
+                # signed-division fixups and 64 spilled address words in the V warp).
+                if warp_idx == 0:
+                    self.load(args, io, sched, block_info, warp_idx, tidx & 31, parts="k")
+                if warp_idx == 1:
+                    self.load(args, io, sched, block_info, warp_idx, tidx & 31, parts="v")
+            elif warp_idx == 0 or cutlass.const_expr(self.gather_kv and not self.fp8_qkv):
                 self.load(args, io, sched, block_info, warp_idx, tidx)
             if cutlass.const_expr(self.fp8_qkv):
-                if warp_idx > 0:
-                    self.transposes(args, io, sched, block_info, tidx - 32)
+                first = self.roles.first_transposer
+                if warp_idx >= first:
+                    self.transposes(args, io, sched, block_info, tidx - 32 * first)
         else:
             cute.arch.setmaxregister_increase(self.roles.consumer_regs)
             self.mma(args, io, (tiled_mma_qk, tiled_mma_pv), sched, block_info, tidx - 128)
@@ -405,38 +420,48 @@ class FlashAttnFwdSm90:
     # -----------------------------------------------------------------------------------
 
     @cute.jit
-    def load(self, args: FwdArgs, io: "_Io", sched: "_Sched", block_info: BlockInfo, warp_idx, tidx):
+    def load(self, args: FwdArgs, io: "_Io", sched: "_Sched", block_info: BlockInfo, warp_idx, tidx,
+             parts: cutlass.Constexpr[str] = "kv"):
         """The producer's tiles (``for_each_tile``): a stage of the next tile is loaded as
-        soon as the consumers free it."""
+        soon as the consumers free it. ``parts``: the blocks this warp loads, K and V, or
+        (``split_gather``) K or V alone."""
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         q_state, state = self.for_each_tile(
-            args, sched, lambda work, q_st, st: self.load_tile(args, io, work, block_info, q_st, st, warp_idx, tidx),
+            args, sched,
+            lambda work, q_st, st: self.load_tile(args, io, work, block_info, q_st, st, warp_idx, tidx, parts),
             q_state, state)
         # Keep the CTA alive until the consumers released every stage it filled.
-        io.pipeline_v.producer_tail(state)
+        (io.pipeline_k if cutlass.const_expr(parts == "k") else io.pipeline_v).producer_tail(state)
 
     @cute.jit
-    def load_tile(self, args: FwdArgs, io: "_Io", work, block_info: BlockInfo, q_state, state, warp_idx, tidx):
+    def load_tile(self, args: FwdArgs, io: "_Io", work, block_info: BlockInfo, q_state, state, warp_idx, tidx,
+                  parts: cutlass.Constexpr[str]):
         """Q once (warp 0), then K one block ahead of V, so that the consumers' Q K^T of
         block n can start while P V of block n+1 still waits for V. KV blocks go by TMA from
-        warp 0, or are gathered row by row by the whole warpgroup (``gather_kv``). Nothing
-        for a tile without rows or KV blocks (the consumers skip its loads alike)."""
+        warp 0, or are gathered row by row by the whole warpgroup (``gather_kv``; FP8 Q, K,
+        V: K by warp 0, V by warp 1). Nothing for a tile without rows or KV blocks (the
+        consumers skip its loads alike)."""
         tile = FwdTile.create(args, work, block_info, self.is_split)
         if tile.rows_valid > 0:
             if tile.n_block_max > tile.n_block_min:
-                q_state, state = self.load_blocks(args, io, tile, q_state, state, warp_idx, tidx)
+                q_state, state = self.load_blocks(args, io, tile, q_state, state, warp_idx, tidx, parts)
         return q_state, state
 
     @cute.jit
-    def load_blocks(self, args: FwdArgs, io: "_Io", tile: FwdTile, q_state, state, warp_idx, tidx):
+    def load_blocks(self, args: FwdArgs, io: "_Io", tile: FwdTile, q_state, state, warp_idx, tidx,
+                    parts: cutlass.Constexpr[str]):
         if cutlass.const_expr(self.gather_kv):
             load_k, load_v = self.kv_gatherers(args, io, tile, tidx)
         else:
             load_k, load_v = self.kv_tma_loaders(args, io, tile)
+        if cutlass.const_expr(parts == "k"):
+            load_v = lambda n_block, st: None
+        if cutlass.const_expr(parts == "v"):
+            load_k = lambda n_block, st: None
         n_block_min, n_block_max = tile.n_block_min, tile.n_block_max
         load_k(n_block_max - 1, state)
-        if cutlass.const_expr(self.use_tma_q):
+        if cutlass.const_expr(self.use_tma_q and parts != "v"):
             if warp_idx == 0:
                 if cutlass.const_expr(args.varlen_q):
                     mQ_cur = cute.domain_offset((tile.seqlen.offset_q, 0), io.tma_Q[None, None, tile.ctx.head])
@@ -509,7 +534,7 @@ class FlashAttnFwdSm90:
 
     def kv_gatherers(self, args: FwdArgs, io: "_Io", tile: FwdTile, tidx):
         """(load_k, load_v) for ``gather_kv``: each gathering thread (the producer warpgroup;
-        fp8 Q, K, V: warp 0, the other three transpose) copies its 16-byte chunks of the
+        fp8 Q, K, V: warp 0 for K, warp 1 for V, ``split_gather``) copies its 16-byte chunks of the
         block's rows, each row through its own page lookup (``page_and_row``)."""
         nthreads = self.roles.gather_threads
 
@@ -559,9 +584,10 @@ class FlashAttnFwdSm90:
 
     @cute.jit
     def transposes(self, args: FwdArgs, io: "_Io", sched: "_Sched", block_info: BlockInfo, ttid):
-        """FP8 Q, K, V: producer warps 1-3 (``ttid`` among their threads) turn each V stage
-        the TMA filled into a V^T stage, in the consumers' order of blocks (last to first).
-        Warp 0 only issues the TMAs, so a transpose waiting for its V never delays a K load."""
+        """FP8 Q, K, V: producer warps 1-3, or 2-3 (``split_gather``; ``ttid`` among their
+        threads) turn each V stage the TMA or the gathers filled into a V^T stage, in the
+        consumers' order of blocks (last to first). The loading warps only load, so a
+        transpose waiting for its V never delays a K load."""
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         state_t = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         state, state_t = self.for_each_tile(
