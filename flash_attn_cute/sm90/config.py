@@ -147,7 +147,7 @@ def fp8_qkv_tile(d: int, dv: int, tile: tuple, page_size: int = 0, causal: bool 
     warpgroups: the exponentials of two overlap the third's GEMMs), (128, 192) 822 / 763,
     (128, 128) 767 / 731, (128, 224) 811 / 736, (192, 128) 715 / 655 (spills at 160
     registers), 3 or 4 stages no faster; d256 (128, 96) 937 / 891, (128, 64) 761 / 723.
-    d256 again, H100 2026-12-06 (``ab`` runs, two each, one process per variant): (128, 96)
+    d256 again, H100 2026-12-06 (one process per variant, two runs each): (128, 96)
     1007-1010 / 916; (128, 128) (FA3's tile; fits since the unused stand-ins lost their
     alignment) 932-947 / 861-866 (consumer spills at 232 registers), 969-995 / 916-928 with
     (24, 240) budgets; FA3's ping-pong at d256 FP8 976-980 / 903-907 (128, 96), 971-975 /
@@ -297,8 +297,9 @@ class WarpRoles(WarpgroupRoles):
     def split_gather(self) -> bool:
         """FP8 Q, K, V gathering rows: warp 0 gathers K, warp 1 V, each with its own page
         lookups in flight (one warp gathering both waited for two lookup round trips per
-        block). H100, b64 x 4096 h32/8 d128 decode, quantizing kernel, us, one warp / two
-        (same run as the widening kernel's 256 / 255): pages of 1 453 / 340, 16 407 / 275."""
+        block). H100, b64 x 4096 h32/8 d128 decode, quantizing kernel, us (``bench_fp8_decode.py``),
+        one warp (2026-12-05) / two (2026-12-06): pages of 1 453 / 340, 16 407 / 275; the
+        widening kernel in the same runs 258 / 256, 258 / 255."""
         return self.transpose_v and self.gather_kv
 
     @property
