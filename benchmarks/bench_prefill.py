@@ -204,7 +204,7 @@ def main(argv=None):
                     else:
                         raise ValueError(f"unknown impl {impl}")
                     out = fn()
-                    if impl.startswith("ours_fp8") or impl == "fa3_fp8":
+                    if is_fp8(impl):
                         row["correct"] = bool(is_close(out[sl], out_ref8, out_pt8, mult=3.0)[0])
                     else:
                         row["correct"] = check_correct(out[sl], out_ref, out_pt)

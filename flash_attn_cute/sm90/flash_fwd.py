@@ -107,9 +107,8 @@ class FlashAttnFwdSm90:
         self.ctas_per_sm = ctas_per_sm
         # FP8 Q, K and V: both GEMMs in fp8 wgmma. Its B operand is K-major, so producer
         # warps 1-3 (2-3: ``split_gather``) transpose each V block (``transposes``,
-        # ``fp8_operands``); P is rounded
-        # to e4m3 with its row max at 2^8 (``FP8_P_OFFSET``), O leaves in bf16 (quantize_q:
-        # in q's dtype).
+        # ``fp8_operands``); P is rounded to e4m3 with its row max at 2^8 (``FP8_P_OFFSET``),
+        # O leaves in bf16 (quantize_q: in q's dtype).
         self.fp8_qkv = self.dtype.width == 8
         # FP8 Q, K, V: the P V product accumulated in two levels, O flushed into an fp32
         # accumulator every ``two_level`` KV blocks (``fp8_operands.TwoLevelPV``); 0: off.
@@ -132,7 +131,7 @@ class FlashAttnFwdSm90:
         # deferred rescale no longer hides; H100, b4 s8192 d128, TFLOP/s as ratio to FA3's
         # FP8 in the same run, deferred / not: non-causal 0.971 / 1.005, causal 0.908 / 0.937.
         # d256 FP8 measured neutral (ours 989 / 986 TFLOP/s non-causal, 930 / 934 causal): kept.
-        self.rescale_o_before_pv = head_dim_v >= 128 and not (self.fp8_qkv and head_dim_v <= 128)
+        self.rescale_o_before_pv = head_dim_v > 128 if self.fp8_qkv else head_dim_v >= 128
         assert tile_m % 64 == 0 and tile_n % 16 == 0 and head_dim % 16 == 0 and head_dim_v % 16 == 0
 
     @cute.jit
