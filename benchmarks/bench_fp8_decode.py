@@ -20,15 +20,17 @@ reference on the queries quantized as the kernel quantizes them
 algorithm (P in e4m3) on them; the other rows within 2x PyTorch's error in q's dtype.
 
     python benchmarks/bench_fp8_decode.py [--csv out.csv] [--no-md] [--sm90-tiles "64,64,3@32;..."]
-                                          [--two-level N]
+                                          [--two-level N] [--rows "paged 1,paged 16"]
 
 ``--two-level N`` adds ``ours_sm90 fp8 2lN`` and ``ours_sm90 fp8 q 2lN``: the two SM90 fp8
 rows with ``fp8_two_level_interval=N`` (the P V product accumulated in two levels).
 
 ``--sm90-tiles`` (a tuning aid) adds SM90 fp8 rows on the named tiles
-(FLASH_ATTN_CUTE_SM90_TILE "m,n,stages", ``tuning.py``; the fp8 plan keeps n and fits
-the stages), each with its own ``num_splits`` after "@" on the one-sequence row
-(default, and on the batched rows: 0, the heuristic). FA3 (the fa3-fwd build of its Hopper
+(FLASH_ATTN_CUTE_SM90_TILE "m,n,stages[,ex2,ctas]", ``tuning.py``; the fp8 plan keeps n and
+fits the stages), each with its own ``num_splits`` after "@" on the one-sequence row
+(default, and on the batched rows: 0, the heuristic) and its kernel after ":"
+(FLASH_ATTN_CUTE_SM90_FP8_KV "quantize_q" / "widen"; default: the call's). ``--rows``
+narrows the rows by cache name. FA3 (the fa3-fwd build of its Hopper
 kernels, where ``fa3_fwd_interface`` imports: ``../shared/gpu/pack_peers.sh``) on the
 contiguous rows, which it runs (no paged KV): its bf16 decode and its FP8 decode with e4m3
 q, k, v (the queries quantized by ``quantize_fp8``, one descale per batch and KV head).
@@ -56,7 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--csv", default=None)
     p.add_argument("--q-dtype", default="bf16", choices=["bf16", "fp16"],
                    help="the queries' dtype, and the 16-bit cache's the fp8 rows are compared with")
-    p.add_argument("--sm90-tiles", default="", help='";"-separated "m,n,stages[@num_splits]"')
+    p.add_argument("--sm90-tiles", default="", help='";"-separated "m,n,stages[,ex2,ctas][@num_splits][:kv_mode]"')
+    p.add_argument("--rows", default="", help='","-separated subset of the rows by cache name ("paged 16,contiguous")')
     p.add_argument("--two-level", type=int, default=0, metavar="N", help="add SM90 fp8 rows with "
                    "fp8_two_level_interval=N")
     return p.parse_args(argv)
@@ -77,6 +80,8 @@ def main(argv=None):
     qdtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.q_dtype]
     rows = []
     for name, B, K, page in ROWS:
+        if args.rows and name not in args.rows.split(","):
+            continue
         torch.manual_seed(0)
         dev = common.DEVICE
         q = torch.randn(B, 1, H, D, device=dev, dtype=qdtype)
@@ -149,12 +154,17 @@ def main(argv=None):
                     q8, k8p, v8p, seqlens, page_table=table, q_descale=qd, k_descale=kd, v_descale=vd,
                     backend="sm90", fp8_two_level_interval=n), 1, refs=refs_q8)
         for spec in filter(None, args.sm90_tiles.split(";")):
-            tile, _, splits = spec.partition("@")
+            spec_tile, _, mode = spec.partition(":")
+            tile, _, splits = spec_tile.partition("@")
             os.environ["FLASH_ATTN_CUTE_SM90_TILE"] = tile
+            if mode:
+                os.environ["FLASH_ATTN_CUTE_SM90_FP8_KV"] = mode
+            widened = mode == "widen" or (not mode and page % 64)
             record(f"ours_sm90 fp8 [{spec}]", lambda s=int(splits or 0) if B == 1 else 0: fa.flash_attn_with_kvcache(
                 q, k8p, v8p, seqlens, page_table=table, k_descale=kd, v_descale=vd, backend="sm90", num_splits=s), 1,
-                   refs=refs_qq)
+                   refs=None if widened else refs_qq)
             os.environ.pop("FLASH_ATTN_CUTE_SM90_TILE")
+            os.environ.pop("FLASH_ATTN_CUTE_SM90_FP8_KV", None)
         if fa3 is not None and table is None:
             # FA3's own FP8 decode: the same e4m3 q, k, v and (batch, nheads_kv) descales, split-KV.
             first = lambda r: r[0] if isinstance(r, tuple) else r

@@ -252,7 +252,12 @@ def test_fp8_attention_tiles(d, d_v, page_size):
             m, n, stages = config[:3]
             assert n % 32 == 0 and (not page_size or page_size % n == 0) and stages >= 2, config
             assert sm90.config.fp8_qkv_smem_bytes(d, d_v, m, n, stages) <= sm90.config.SMEM_LIMIT
-            assert not config.gather_kv and not config.persistent and config.ctas_per_sm == 1
+            assert not config.gather_kv and not config.persistent
+            # decode (one row) at d <= 128: two CTAs a SM (config.fp8_qkv_decode_tile)
+            two = rows == 1 and max(d, d_v) <= 128
+            assert config.ctas_per_sm == (2 if two else 1), config
+            if two:
+                assert sm90.config.fp8_qkv_smem_bytes(d, d_v, m, n, stages) + 3072 <= sm90.config.TWO_CTAS_SMEM
     # the measured prefill tiles (config.fp8_qkv_tile)
     if page_size == 0 and d == d_v:
         want = {64: ((192, 160), (192, 128)), 96: ((192, 96),) * 2, 128: ((192, 96),) * 2, 256: ((128, 96),) * 2}[d]
@@ -274,12 +279,12 @@ def test_fp8_cache_quantizes_q_on_sm90():
                           nheads=32, nheads_kv=8, has_seqused_k=True)
     plan = sm90.plan(decode, 1, True, 132)
     config = plan.config
-    # The FP8 Q, K, V kernel's decode tile (one consumer warpgroup, one CTA per SM), not the
-    # widening kernel's (64, 64, 3) two per SM
-    assert config.quantize_q and config[:3] == (64, 128, 3) and config.ctas_per_sm == 1 and not config.persistent
+    # The FP8 Q, K, V kernel's decode tile (one consumer warpgroup, two CTAs per SM,
+    # config.fp8_qkv_decode_tile), not the widening kernel's (64, 64, 3)
+    assert config.quantize_q and config[:3] == (64, 128, 2) and config.ctas_per_sm == 2 and not config.persistent
     key = sm90.compile_key(decode, plan, "sm_90a")
-    assert key[2] == "bf16/e4m3" and key[-1] == QUANTIZE_Q and key[-3:-1] == (False, False)
-    assert sm90.config.parse_key_extra(key[-1:]) == dict(ctas_per_sm=1, quantize_q=True, two_level=0)
+    assert key[2] == "bf16/e4m3" and key[-1] == QUANTIZE_Q and key[-2] == 2 and key[-4:-2] == (False, False)
+    assert sm90.config.parse_key_extra(key[-2:]) == dict(ctas_per_sm=2, quantize_q=True, two_level=0)
     # the knob keeps the widening kernel, its own key
     widen = sm90.plan(decode, 1, True, 132, tuning=WIDEN)
     assert not widen.config.quantize_q and widen.config[:3] == (64, 64, 3) and widen.config.ctas_per_sm == 2
@@ -293,21 +298,25 @@ def test_fp8_cache_quantizes_q_on_sm90():
     assert sm90.plan(prefill, 1, None, 132).config[:3] == (192, 96, 2)
     assert sm90.plan(prefill, 1, None, 132).config[:3] == sm90.plan(prefill._replace(dtype=E4M3, kv_dtype=None), 1,
                                                                     None, 132).config[:3]
-    # every page size: one TMA per block (64, 128, 256) by default; row gathers on one consumer
-    # warpgroup (1, 16; cache_leftpad) when the knob names the quantizing kernel: by default
-    # those widen (its gathers measured slower than widening, sm90.plan)
+    # every page size: one TMA per block (64, 128, 256); row gathers on one consumer
+    # warpgroup (1, 16; cache_leftpad). Decode quantizes at every page size, two CTAs a SM
+    # ((64, 64, 3) where it gathers); a prefill chunk over gathered pages widens unless the
+    # knob names the quantizing kernel (its one-CTA gathers measured slower, sm90.plan)
     QUANTIZE = Tuning(sm90_fp8_kv="quantize_q")
-    for page, gather, tile_n in ((1, True, 128), (16, True, 128), (64, False, 64), (128, False, 128),
+    for page, gather, tile_n in ((1, True, 64), (16, True, 64), (64, False, 64), (128, False, 128),
                                  (256, False, 128)):
         for rows in (1, 2048):
             p = decode._replace(page_size=page, max_seqlen_q=rows)
             c = sm90.plan(p, 1, None, 132, tuning=QUANTIZE).config
             assert c.quantize_q and c.gather_kv == gather and (c.tile_m == 64 or not gather), (page, rows, c)
-            assert rows > 1 or c.tile_n == tile_n, (page, c)
-            assert sm90.plan(p, 1, None, 132).config.quantize_q == (not gather), (page, rows)
-    lp = sm90.plan(decode._replace(page_size=64, leftpad_k=True), 1, True, 132, tuning=QUANTIZE).config
-    assert lp.quantize_q and lp.gather_kv and lp.tile_m == 64
-    assert not sm90.plan(decode._replace(page_size=64, leftpad_k=True), 1, True, 132).config.quantize_q
+            assert rows > 1 or (c.tile_n == tile_n and c.ctas_per_sm == 2 and c.num_stages == (3 if gather else 2)), \
+                (page, c)
+            assert sm90.plan(p, 1, None, 132).config.quantize_q == (rows == 1 or not gather), (page, rows)
+    for rows, quantized in ((1, True), (2048, False)):
+        lp = decode._replace(page_size=64, leftpad_k=True, max_seqlen_q=rows)
+        c = sm90.plan(lp, 1, True, 132, tuning=QUANTIZE).config
+        assert c.quantize_q and c.gather_kv and c.tile_m == 64
+        assert sm90.plan(lp, 1, True, 132).config.quantize_q == quantized
     # context-parallel shards (and user variants) widen by default: the quantizing kernel has
     # compiled for them but not yet run them on a GPU; the knob names it
     cpp = decode._replace(cp=True, causal=True, window_right=0)
@@ -410,7 +419,9 @@ def test_two_level_tiles(d, d_v, page_size):
             assert sm90.config.fp8_qkv_smem_bytes(d, d_v, m, n, stages) <= sm90.config.SMEM_LIMIT
             assert c.gather_kv == (page_size == 1) and (m == 64 or not c.gather_kv)
             off = sm90.plan(p._replace(fp8_two_level_interval=0), 1, None, 132).config
-            assert c[:3] == off[:3] or not sm90.config.two_level_fits(d_v, *off[:2]), (c, off)
+            # decode: two-level keeps the one-CTA tile (O twice does not fit two CTAs' registers)
+            assert c.ctas_per_sm == 1 and (off.ctas_per_sm == 2) == (rows == 1 and max(d, d_v) <= 128), (c, off)
+            assert c[:3] == off[:3] or rows == 1 or not sm90.config.two_level_fits(d_v, *off[:2]), (c, off)
             qc = sm90.plan(q16, 1, None, 132, tuning=Tuning(sm90_fp8_kv="quantize_q")).config
             assert qc.quantize_q and qc[:3] == c[:3] and qc.two_level == 4
     # the prefill tiles that change: fewer keys (d 64), fewer rows (d 96, 128), one warpgroup (d 192)

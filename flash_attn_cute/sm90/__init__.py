@@ -99,19 +99,25 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
             # FP8 q, k, v is refused (``check``).
             assert quantize_q, "check refuses FP8 q, k, v here"
             quantize_q, two_level = False, 0
-    if quantize_q and tuning.sm90_fp8_kv is None:
-        # The default quantizes q only where the FP8 kernel reads whole blocks by TMA: its
-        # row gathers (pages of 1 and 16, cache_leftpad) are slower than widening. H100,
-        # 2026-12-05, b64 x 4096 h32/8 d128 decode, us (bench_fp8_decode.py, one run):
-        # pages of 1 452.7 quantized q against 258.3 widened (bf16 374.2), pages of 16 402.9
-        # against 258.2 (369.5); pages of 64 214.0 against 220.9, contiguous 200.5 against
-        # 217.8. FLASH_ATTN_CUTE_SM90_FP8_KV=quantize_q still takes it there.
+    ctas_per_sm = _CTAS_PER_SM
+    # The CTAs per SM the split heuristic counts: the two-CTA decode tiles are split as for
+    # one (H200 b1 x 131072 h32/8 d128, 16-bit: 16 splits 139.1 us, 32 splits, two a SM, 142.4).
+    split_ctas = None
+    fp8_decode = None
+    if (problem.qkv_fp8 or quantize_q) and rows <= 64 and not (problem.batch_invariant or tuning.sm90_tile or two_level):
+        # (two-level: O twice does not fit the registers of two CTAs a SM)
+        fp8_decode = config.fp8_qkv_decode_tile(d, d_v, problem.page_size, problem.leftpad_k)
+        if fp8_decode is not None:
+            (fp8_tile, ctas_per_sm), split_ctas = fp8_decode, 1
+    if quantize_q and tuning.sm90_fp8_kv is None and fp8_decode is None:
+        # Outside decode (two CTAs a SM) the default quantizes q only where the FP8 kernel
+        # reads whole blocks by TMA: its one-CTA row gathers (pages of 1 and 16,
+        # cache_leftpad) were slower than widening. H100, 2026-12-05, b64 x 4096 h32/8 d128
+        # decode, us (bench_fp8_decode.py, one run): pages of 1 452.7 quantized q against
+        # 258.3 widened, pages of 16 402.9 against 258.2 (``fp8_qkv_decode_tile``: 248.1 and
+        # 214.7). FLASH_ATTN_CUTE_SM90_FP8_KV=quantize_q still takes it there.
         quantize_q = not config.gathers_kv(fp8_tile[1], problem.page_size, problem.leftpad_k)
     widen = problem.kv_fp8 and not quantize_q
-    ctas_per_sm = _CTAS_PER_SM
-    # The CTAs per SM the split heuristic counts: the 16-bit two-CTA decode tile is split as
-    # for one (H200 b1 x 131072 h32/8 d128: 16 splits 139.1 us, 32 splits, two a SM, 142.4).
-    split_ctas = None
     if sixteen_bit and rows <= 64 and not problem.batch_invariant and not tuning.sm90_tile:
         tile, ctas_per_sm = config.decode_two_ctas(d, d_v, tile)
         split_ctas = 1
@@ -144,9 +150,11 @@ def quantizes_q(problem: FwdProblem, tuning: Tuning = NO_TUNING) -> bool:
     in shared memory and runs bf16 wgmma. H100, 2026-12-05, h32/8 d128 decode, keys/s
     against our bf16 kernel (``bench_fp8_decode.py``, one run): b1 x 131072 1.68x (widening
     1.55x; FA3's FP8 decode 1.49x), b64 x 4096 contiguous 1.80x (1.66x), pages of 64 1.71x
-    (1.66x). At gathered pages (1, 16, cache_leftpad) ``plan`` keeps the widening kernel
-    unless the knob names this one (H100, 2026-12-06: 1.10x and 1.35x there with K and V
-    gathered by a warp each, ``WarpRoles.split_gather``, against the widening 1.46x and 1.45x).
+    (1.66x). Decode runs two CTAs a SM (``config.fp8_qkv_decode_tile``; H100, 2026-12-06,
+    against our bf16: pages of 1 1.50x, 16 1.72x, widening 1.46x and 1.45x). Outside decode,
+    at gathered pages (1, 16, cache_leftpad) ``plan`` keeps the widening kernel unless the
+    knob names this one (its one-CTA row gathers were slower there in decode; unmeasured at
+    prefill shapes).
 
     The widening kernel stays where the queries may not be quantized, or cannot be here:
     ``tuning.sm90_fp8_kv`` "widen" (FLASH_ATTN_CUTE_SM90_FP8_KV, for A/B measurements); an

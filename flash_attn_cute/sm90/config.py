@@ -176,6 +176,26 @@ def fp8_qkv_tile(d: int, dv: int, tile: tuple, page_size: int = 0, causal: bool 
     return m, n, stages, tile[3]
 
 
+def fp8_qkv_decode_tile(d: int, dv: int, page_size: int = 0, leftpad_k: bool = False):
+    """(tile, CTAs per SM) of FP8 Q, K, V decode (at most 64 packed rows, not batch
+    invariant, d and d_v <= 128; None otherwise): two CTAs per SM, so that one CTA's chain
+    of Q K^T, softmax, V transposes and P V runs while the other's loads wait. Where blocks
+    come by TMA, (64, 128, 2) (``fp8_qkv_tile`` fits tile_n to a page of 64); where rows
+    are gathered (pages of 1 and 16, cache_leftpad), (64, 64, 3): a warp gathers half as
+    many rows a block, with a third stage in flight. H100, 2026-12-06, h32/8 d128, bf16 q
+    quantized in the kernel, us (``bench_fp8_decode.py --sm90-tiles``, one run): b1 x
+    131072 108.8 against 110.1 on (64, 128, 3) one CTA; b64 x 4096 contiguous 198.9 / 198.5,
+    pages of 64 197.5 / 213.5; pages of 16 (64, 64, 3) 214.7 against 274.5 (and (64, 128,
+    2) 220.9), pages of 1 248.1 against 337.8 (255.5); the widening kernel 255.0 at both."""
+    if max(d, dv) > 128:
+        return None
+    gathered = page_size % 64 != 0 or leftpad_k if page_size else False
+    tile = fp8_qkv_tile(d, dv, (64, 64, 3, 0) if gathered else (64, 128, 2, 0), page_size, measured=False,
+                        leftpad_k=leftpad_k)
+    assert fp8_qkv_smem_bytes(d, dv, *tile[:3]) + 3072 <= TWO_CTAS_SMEM, tile
+    return tile, 2
+
+
 # Under two-level accumulation (``fp8_two_level_interval``) a consumer thread of the FP8 Q,
 # K, V kernel holds O twice (d_v fp32 values), S (tile_n / 2) and P (tile_n / 8 words):
 # their sum that stays clear of local memory with 3, 2 and 1 consumer warpgroups (160, 232
