@@ -231,6 +231,30 @@ def quantize_q_ref(q):
     return (x / scale).to(torch.float8_e4m3fn).float() * scale
 
 
+@contextlib.contextmanager
+def recorded_plans():
+    """Within it, the plan of every forward or MLA launch (a mixed plan: both parts) is
+    appended to the yielded list, so that a test takes its reference from the kernel the
+    call ran (e.g. ``plan.config.quantize_q``: the SM90 kernel quantized 16-bit queries)
+    instead of restating the planner's rules."""
+    from flash_attn_cute import seam
+
+    plans, run = [], seam.run_resolved
+
+    def recording(resolved, problem, tensors):
+        part = resolved
+        while part is not None:
+            plans.append(part.plan)
+            part = part.then
+        return run(resolved, problem, tensors)
+
+    seam.run_resolved = recording
+    try:
+        yield plans
+    finally:
+        seam.run_resolved = run
+
+
 def attention_kvcache_ref(q, k_cache, v_cache, cache_seqlens, page_table=None, cache_leftpad=None, **kwargs):
     """Decode/append attention over the first cache_seqlens[b] keys of each cache row,
     causal/windows aligned to the bottom-right of (seqlen_q, cache_seqlens[b]).

@@ -13,9 +13,10 @@ from a set of features on top of a base of bf16, batch 2, 4 query heads over 2 K
   ALiBi-like slope), mask_mod (head h drops keys kv % (h + 3) == 1), block_mask (a
   document mask with row bounds; with mask_mod: the block mask of that mask_mod),
   learnable_sink, split (3 splits), pack_gqa (True), fp8 (e4m3 K/V with per-tensor
-  descales, bf16 queries; the SM90 kernel quantizes those queries to e4m3 itself,
-  ``quantizes_q``: its reference takes them quantized, and PyTorch's error is that of its
-  FP8 algorithm, ``PairCall.mult`` 3 as in test_fp8_attention_gpu);
+  descales, bf16 queries; where the SM90 kernel quantized those queries to e4m3 itself
+  (the launch's plan, ``testing.recorded_plans``), its reference takes them quantized, and
+  PyTorch's error is that of its FP8 algorithm, ``PairCall.mult`` 3 as in
+  test_fp8_attention_gpu);
 - paged (pages of 16 keys, vLLM's block size, in a shuffled pool) runs
   ``flash_attn_with_kvcache`` over 300 and 180 cached keys; varlen runs
   ``flash_attn_varlen_func`` over packed sequences of (70, 33) queries and (300, 180) keys;
@@ -62,8 +63,10 @@ def pair_mask_mod(b, h, q_idx, kv_idx, aux):
 
 @dataclass
 class PairCall:
-    """One call: ``fn(*args, **kwargs)`` returns (out, lse); ``reference(dtype)`` is the
-    same attention in ``dtype`` (fp64: the reference; bf16: PyTorch's own error)."""
+    """One call: ``fn(*args, **kwargs)`` returns (out, lse); ``reference(dtype,
+    quantized_q)`` is the same attention in ``dtype`` (fp64: the reference; bf16: PyTorch's
+    own error), on the queries quantized to e4m3 as the SM90 kernel quantizes them where
+    ``quantized_q`` (the launch's ``plan.config.quantize_q``)."""
 
     name: str
     fn: Callable
@@ -71,7 +74,11 @@ class PairCall:
     kwargs: dict
     reference: Callable
     refusal: Optional[tuple]
-    mult: float = 2.0  # the kernel's error bound in multiples of PyTorch's (check_close)
+
+    @staticmethod
+    def mult(quantized_q: bool) -> float:
+        """The kernel's error bound in multiples of PyTorch's (``check_close``)."""
+        return 3.0 if quantized_q else 2.0
 
 
 def _doc_ids(batch: int, seqlen: int, device) -> torch.Tensor:
@@ -83,19 +90,6 @@ def _fp8(x: torch.Tensor):
     """(e4m3 x / descale, descale (1,) fp32): one per-tensor scale, amax at 448."""
     scale = (x.float().abs().amax() / 448.0).clamp(min=1e-12).reshape(1)
     return (x.float() / scale).to(torch.float8_e4m3fn), scale
-
-
-def quantizes_q(features, backend: Optional[str]) -> bool:
-    """Whether the call's kernel quantizes its bf16 queries to e4m3: the SM90 kernel over an
-    e4m3 cache (``sm90.quantizes_q``; the pairs are never batch invariant) where it reads
-    blocks by TMA and runs no user variant (``sm90.plan``, ``sm90.quantizes_q``: pages of 16
-    and user variants widen by default), or anywhere under
-    FLASH_ATTN_CUTE_SM90_FP8_KV=quantize_q; =widen keeps the widening kernel."""
-    knob = os.environ.get("FLASH_ATTN_CUTE_SM90_FP8_KV")
-    if "fp8" not in features or backend != "sm90" or knob == "widen":
-        return False
-    user_variant = {"score_mod", "mask_mod", "block_mask"} & set(features)
-    return knob == "quantize_q" or ("paged" not in features and not user_variant)
 
 
 def _cu(lens, device) -> torch.Tensor:
@@ -181,9 +175,7 @@ def make_pair_call(features, backend: Optional[str], device, seed: int = 0) -> P
                                      cu_seqlens_k=cu_k, seqused_k=seqused_k, page_table=page_table, upcast=False,
                                      **ref_kwargs, **extra)
 
-    quantized_q = quantizes_q(f, backend)
-
-    def reference(dtype):
+    def reference(dtype, quantized_q: bool):
         if not quantized_q:
             return attend(q, dtype)
         qq = quantize_q_ref(q)  # the queries the kernel attends with
@@ -193,7 +185,7 @@ def make_pair_call(features, backend: Optional[str], device, seed: int = 0) -> P
         # of its row max), the LSE in bf16.
         return attend(qq, torch.float32, p_fp8=True)[0], attend(qq, dtype)[1]
 
-    return PairCall("-".join(sorted(f)), fn, args, kwargs, reference, REFUSED.get(f), 3.0 if quantized_q else 2.0)
+    return PairCall("-".join(sorted(f)), fn, args, kwargs, reference, REFUSED.get(f))
 
 
 # The arch each backend's kernels are compiled for in the CPU sweep: the one the GPU sweep

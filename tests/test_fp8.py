@@ -252,7 +252,9 @@ def test_fp8_attention_tiles(d, d_v, page_size):
             m, n, stages = config[:3]
             assert n % 32 == 0 and (not page_size or page_size % n == 0) and stages >= 2, config
             assert sm90.config.fp8_qkv_smem_bytes(d, d_v, m, n, stages) <= sm90.config.SMEM_LIMIT
-            assert not config.gather_kv and not config.persistent
+            assert not config.gather_kv
+            # persistent: non-causal prefill over d 128 where it fits (sm90.fp8_persistent)
+            assert config.persistent == (rows > 1 and not causal and max(d, d_v) > 128 and m // 64 < 3), config
             # decode (one row) at d <= 128: two CTAs a SM (config.fp8_qkv_decode_tile)
             two = rows == 1 and max(d, d_v) <= 128
             assert config.ctas_per_sm == (2 if two else 1), config

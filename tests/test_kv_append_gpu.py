@@ -25,7 +25,6 @@ fails by orders of magnitude.
 """
 
 import math
-import os
 from dataclasses import dataclass
 
 import pytest
@@ -923,17 +922,6 @@ E2E_FP8 = [
 ]
 
 
-def quantizes_q(backend, c) -> bool:
-    """Whether the attention quantizes 16-bit queries to e4m3: the SM90 kernel over an e4m3
-    cache (``sm90.quantizes_q``) where it reads blocks by TMA (``sm90.plan``: a contiguous
-    cache, pages of a multiple of 64 without cache_leftpad), or anywhere under
-    FLASH_ATTN_CUTE_SM90_FP8_KV=quantize_q; =widen keeps the widening kernel."""
-    knob = os.environ.get("FLASH_ATTN_CUTE_SM90_FP8_KV")
-    if backend != "sm90" or c.cache != E4M3 or c.q_fp8 or knob == "widen":
-        return False
-    return knob == "quantize_q" or not c.page_size or (c.page_size % 64 == 0 and not c.leftpad)
-
-
 def e2e_id(cfg):
     return "-".join(f"{k}={str(v).replace('torch.', '')}" for k, v in cfg.items())
 
@@ -960,13 +948,18 @@ def test_fp8_append_then_attend(backend, cfg):
     out = torch.full((*q.shape[:-1], c.d_v), float("nan"), dtype=out_dtype, device=DEVICE)
     before = {name: bufs[name].clone() for name in ("k_cache", "v_cache")}
     cu = t["cu_k"] if c.varlen else None
-    res = _api().flash_attn_with_kvcache(
-        q, t["k_cache"], t["v_cache"], k=t["k_new"], v=t["v_new"], rotary_cos=t["cos"], rotary_sin=t["sin"],
-        cache_seqlens=t["seqlens"], cache_batch_idx=t["batch_idx"], cache_leftpad=t["leftpad"],
-        page_table=t["page_table"], cu_seqlens_q=cu, max_seqlen_q=c.s_new if c.varlen else None,
-        rotary_interleaved=c.rotary == "gptj", q_descale=t["qd"], k_descale=t["kd"], v_descale=t["vd"],
-        causal=causal, num_splits=num_splits, return_lse=True, out=out, backend=backend)
+    from flash_attn_cute.testing import recorded_plans
+
+    with recorded_plans() as plans:
+        res = _api().flash_attn_with_kvcache(
+            q, t["k_cache"], t["v_cache"], k=t["k_new"], v=t["v_new"], rotary_cos=t["cos"], rotary_sin=t["sin"],
+            cache_seqlens=t["seqlens"], cache_batch_idx=t["batch_idx"], cache_leftpad=t["leftpad"],
+            page_table=t["page_table"], cu_seqlens_q=cu, max_seqlen_q=c.s_new if c.varlen else None,
+            rotary_interleaved=c.rotary == "gptj", q_descale=t["qd"], k_descale=t["kd"], v_descale=t["vd"],
+            causal=causal, num_splits=num_splits, return_lse=True, out=out, backend=backend)
     torch.cuda.synchronize()
+    # 16-bit queries the SM90 kernel quantized to e4m3 over the e4m3 cache (sm90.quantizes_q)
+    quantized_q = any(getattr(p.config, "quantize_q", False) for p in plans)
     assert res[0] is out
     check_guards(before, {name: bufs[name] for name in before})
     none = torch.zeros(t["v_cache"].shape, dtype=torch.bool, device=DEVICE)
@@ -987,7 +980,7 @@ def test_fp8_append_then_attend(backend, cfg):
         bf = lambda x: x.to(torch.bfloat16)
         _, lse_pt = attend_ref(bf(q32), bf(k), bf(v), ends, t["leftpad"], cu, upcast=False, **kw)
         mult = 3.0
-    elif quantizes_q(backend, c):
+    elif quantized_q:
         from flash_attn_cute.testing import quantize_q_ref
 
         qq = quantize_q_ref(q_att)  # the queries the kernel attends with

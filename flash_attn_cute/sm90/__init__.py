@@ -134,13 +134,30 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
                                            tile_m=tile[0], tile_n=tile[1], ctas_per_sm=split_ctas or ctas_per_sm,
                                            tolerance=_SPLIT_TOLERANCE)
     gather_kv = config.gathers_kv(tile[1], problem.page_size, problem.leftpad_k)
-    fits = config.persistent_fits(d, d_v, tile, problem.qhead_per_kvhead if pack_gqa else 1,
-                                  problem.varlen_q, num_splits > 1 or split_blocks > 0, gather_kv,
-                                  problem.has_seqused_q)
-    fits = fits and not problem.kv_fp8 and not problem.qkv_fp8  # persistent_fits counts 16-bit stages
+    if problem.qkv_fp8 or quantize_q:
+        fits = config.fp8_qkv_persistent_fits(d, d_v, tile, gather_kv) and ctas_per_sm == 1
+        persist = fits and (tuning.sm90_persistent != "0" if tuning.sm90_persistent is not None
+                            else fp8_persistent(problem, d, d_v, rows))
+    else:  # (the widening kernel: not built persistent)
+        fits = not widen and config.persistent_fits(d, d_v, tile, problem.qhead_per_kvhead if pack_gqa else 1,
+                                                    problem.varlen_q, num_splits > 1 or split_blocks > 0, gather_kv,
+                                                    problem.has_seqused_q)
+        persist = persistent(problem, fits, tuning.sm90_persistent)
     two_level = two_level if problem.qkv_fp8 or quantize_q else 0  # (the gathered pages' gate may widen)
-    return FwdPlan(NAME, Sm90Config(*tile, gather_kv, persistent(problem, fits, tuning.sm90_persistent),
-                                    split_blocks, ctas_per_sm, quantize_q, two_level), pack_gqa, num_splits)
+    return FwdPlan(NAME, Sm90Config(*tile, gather_kv, persist, split_blocks, ctas_per_sm, quantize_q, two_level),
+                   pack_gqa, num_splits)
+
+
+def fp8_persistent(problem: FwdProblem, d: int, d_v: int, rows: int) -> bool:
+    """Whether the FP8 Q, K, V kernel runs persistent by default where it fits
+    (``config.fp8_qkv_persistent_fits``: two consumer warpgroups, one CTA per SM): prefill
+    (more than 64 packed rows; decode unmeasured) at head dims over 128 without a mask, whose
+    long tiles gain the next tile's loads under this one's epilogue. H100, 2026-12-06, b4 s8192 h8 d256, TFLOP/s, one CTA per tile / persistent,
+    two runs each (``FLASH_ATTN_CUTE_SM90_PERSISTENT``): non-causal 981-1014 / 1038-1040;
+    causal 933-938 / 777-779 (the static order of the LPT tiles leaves SMs idle: not
+    taken). Local windows and user masks (unmeasured in FP8) stay one CTA per tile."""
+    masked = problem.causal or problem.local or problem.variant is not None
+    return rows > 64 and max(d, d_v) > 128 and not masked
 
 
 def quantizes_q(problem: FwdProblem, tuning: Tuning = NO_TUNING) -> bool:

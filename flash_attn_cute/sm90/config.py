@@ -252,6 +252,15 @@ def persistent_fits(d: int, dv: int, tile: tuple, pack: int, varlen_q: bool, is_
     return smem_bytes(d, dv, m, n, stages) + (2 * m * dv if uses_tma_o else 0) <= SMEM_LIMIT
 
 
+def fp8_qkv_persistent_fits(d: int, dv: int, tile: tuple, gather_kv: bool) -> bool:
+    """``persistent_fits`` for the FP8 Q, K, V kernel: its O leaves from registers (no
+    buffer of its own), so the stages alone must fit; the same register limits."""
+    m, n, stages = tile[:3]
+    if m // 64 >= 3 or (gather_kv and m // 64 >= 2):
+        return False
+    return fp8_qkv_smem_bytes(d, dv, m, n, stages) <= SMEM_LIMIT
+
+
 def key_extra(gather_kv: bool, persistent: bool, ctas_per_sm: int, quantize_q: bool, two_level: int = 0) -> tuple:
     """The forward key's SM90 fields after the common ones: gather_kv, persistent, then
     ctas_per_sm where it is 2, ``keys.QUANTIZE_Q`` where the kernel quantizes 16-bit
