@@ -10,9 +10,7 @@ row (>= 1.8 is the target). FP8 rows for each of our kernels that runs here (SM8
 with the call's default arguments: on SM90 the kernel quantizes the 16-bit queries to e4m3
 itself and runs both GEMMs in fp8 wgmma (``device/q_quant.py``); ``ours_sm90 fp8 widen``:
 the same call on the SM90 kernel that widens the cache to 16 bits instead
-(FLASH_ATTN_CUTE_SM90_FP8_KV=widen, the A/B of the two in one run; at pages of 1 and 16,
-where the default call widens, ``ours_sm90 fp8 quantize_q`` is the quantizing kernel by
-that knob); ``ours_sm90 fp8 q``:
+(FLASH_ATTN_CUTE_SM90_FP8_KV=widen, the A/B of the two in one run); ``ours_sm90 fp8 q``:
 FP8 attention, the caller quantizing the queries (one descale per batch and KV head,
 FA3's fp8 decode). ``correctness`` of a row whose kernel quantizes q: against the fp32
 reference on the queries quantized as the kernel quantizes them
@@ -140,9 +138,6 @@ def main(argv=None):
         if "sm90" in our_backends("all"):
             os.environ["FLASH_ATTN_CUTE_SM90_FP8_KV"] = "widen"
             record("ours_sm90 fp8 widen", fp8_call("sm90"), 1)
-            if page % 64:  # gathered pages: the default call widens; the quantizing kernel by its knob
-                os.environ["FLASH_ATTN_CUTE_SM90_FP8_KV"] = "quantize_q"
-                record("ours_sm90 fp8 quantize_q", fp8_call("sm90"), 1, refs=refs_qq)
             os.environ.pop("FLASH_ATTN_CUTE_SM90_FP8_KV")
             record("ours_sm90 fp8 q", lambda: fa.flash_attn_with_kvcache(
                 q8, k8p, v8p, seqlens, page_table=table, q_descale=qd, k_descale=kd, v_descale=vd, backend="sm90"), 1,
@@ -159,7 +154,7 @@ def main(argv=None):
             os.environ["FLASH_ATTN_CUTE_SM90_TILE"] = tile
             if mode:
                 os.environ["FLASH_ATTN_CUTE_SM90_FP8_KV"] = mode
-            widened = mode == "widen" or (not mode and page % 64)
+            widened = mode == "widen"
             record(f"ours_sm90 fp8 [{spec}]", lambda s=int(splits or 0) if B == 1 else 0: fa.flash_attn_with_kvcache(
                 q, k8p, v8p, seqlens, page_table=table, k_descale=kd, v_descale=vd, backend="sm90", num_splits=s), 1,
                    refs=None if widened else refs_qq)
