@@ -254,7 +254,10 @@ def test_fp8_attention_tiles(d, d_v, page_size):
             assert sm90.config.fp8_qkv_smem_bytes(d, d_v, m, n, stages) <= sm90.config.SMEM_LIMIT
             assert not config.gather_kv
             # persistent: non-causal prefill over d 128 where it fits (sm90.fp8_persistent)
-            assert config.persistent == (rows > 1 and not causal and max(d, d_v) > 128 and m // 64 < 3), config
+            fp8_persistent = rows > 1 and not causal and max(d, d_v) > 128 and m // 64 < 3
+            assert config.persistent == (fp8_persistent and sm90.FP8_PERSISTENT_DEFAULT), config
+            knob = sm90.plan(p, 1, None, 132, tuning=Tuning(sm90_persistent="1")).config
+            assert knob.persistent == (m // 64 < 3 and knob.ctas_per_sm == 1), knob
             # decode (one row) at d <= 128: two CTAs a SM (config.fp8_qkv_decode_tile)
             two = rows == 1 and max(d, d_v) <= 128
             assert config.ctas_per_sm == (2 if two else 1), config

@@ -148,16 +148,24 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
                    pack_gqa, num_splits)
 
 
+# The FP8 Q, K, V kernel's persistent CTAs (``fp8_persistent``) by default: off until a GPU
+# test has run CTAs that loop over several tiles (``test_fp8_attention_persistent``; the
+# shapes of the other GPU tests give every CTA one tile).
+FP8_PERSISTENT_DEFAULT = False
+
+
 def fp8_persistent(problem: FwdProblem, d: int, d_v: int, rows: int) -> bool:
-    """Whether the FP8 Q, K, V kernel runs persistent by default where it fits
-    (``config.fp8_qkv_persistent_fits``: two consumer warpgroups, one CTA per SM): prefill
-    (more than 64 packed rows; decode unmeasured) at head dims over 128 without a mask, whose
-    long tiles gain the next tile's loads under this one's epilogue. H100, 2026-12-06, b4 s8192 h8 d256, TFLOP/s, one CTA per tile / persistent,
-    two runs each (``FLASH_ATTN_CUTE_SM90_PERSISTENT``): non-causal 981-1014 / 1038-1040;
-    causal 933-938 / 777-779 (the static order of the LPT tiles leaves SMs idle: not
-    taken). Local windows and user masks (unmeasured in FP8) stay one CTA per tile."""
+    """Whether the FP8 Q, K, V kernel runs persistent where it fits
+    (``config.fp8_qkv_persistent_fits``: two consumer warpgroups, one CTA per SM) and no knob
+    decides: prefill (more than 64 packed rows; decode unmeasured) at head dims over 128
+    without a mask, whose long tiles gain the next tile's loads under this one's epilogue;
+    while ``FP8_PERSISTENT_DEFAULT`` is off, only by FLASH_ATTN_CUTE_SM90_PERSISTENT=1.
+    H100, 2026-12-06, b4 s8192 h8 d256, TFLOP/s, one CTA per tile / persistent, two runs
+    each (``FLASH_ATTN_CUTE_SM90_PERSISTENT`` 0 / 1): non-causal 981-1014 / 1038-1040; causal
+    933-938 / 777-779 (the static order of the LPT tiles leaves SMs idle: not taken). Local
+    windows and user masks (unmeasured in FP8) stay one CTA per tile."""
     masked = problem.causal or problem.local or problem.variant is not None
-    return rows > 64 and max(d, d_v) > 128 and not masked
+    return FP8_PERSISTENT_DEFAULT and rows > 64 and max(d, d_v) > 128 and not masked
 
 
 def quantizes_q(problem: FwdProblem, tuning: Tuning = NO_TUNING) -> bool:
