@@ -255,6 +255,12 @@ def recorded_plans():
         seam.run_resolved = run
 
 
+def any_quantized_q(plans) -> bool:
+    """Whether any of ``recorded_plans``' plans quantized 16-bit queries to e4m3 (the SM90
+    kernel over an e4m3 cache, ``sm90.quantizes_q``; other kernels' configs have no such field)."""
+    return any(getattr(p.config, "quantize_q", False) for p in plans)
+
+
 def attention_kvcache_ref(q, k_cache, v_cache, cache_seqlens, page_table=None, cache_leftpad=None, **kwargs):
     """Decode/append attention over the first cache_seqlens[b] keys of each cache row,
     causal/windows aligned to the bottom-right of (seqlen_q, cache_seqlens[b]).

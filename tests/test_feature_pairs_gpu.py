@@ -10,7 +10,7 @@ import pytest
 import torch
 from feature_pairs import PAIRS, make_pair_call
 
-from flash_attn_cute.testing import backends_on_this_gpu, check_close, check_lse, recorded_plans
+from flash_attn_cute.testing import any_quantized_q, backends_on_this_gpu, check_close, check_lse, recorded_plans
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,7 +31,7 @@ def test_feature_pair(backend, pair):
     out = torch.full((*q.shape[:-1], v.shape[-1]), float("nan"), device=q.device, dtype=torch.bfloat16)
     with recorded_plans() as plans:
         out, lse = call.fn(*call.args, **call.kwargs, out=out)
-    quantized_q = any(getattr(p.config, "quantize_q", False) for p in plans)
+    quantized_q = any_quantized_q(plans)
     ref_out, ref_lse = call.reference(torch.float64, quantized_q)
     pt_out, pt_lse = call.reference(torch.bfloat16, quantized_q)
     check_close(out, ref_out, pt_out, mult=call.mult(quantized_q))

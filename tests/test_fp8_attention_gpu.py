@@ -264,9 +264,10 @@ QQ_PAGED = [
 def test_quantized_q_over_fp8_cache(page_size, seqlen_q, h, hkv, causal, num_splits, qdtype, monkeypatch):
     """flash_attn_with_kvcache(bf16 / fp16 q, e4m3 cache): the default call (at pages of 1
     and 16, where the default leaves a prefill chunk's row gathers to the widening kernel,
-    the knob names the quantizing one; decode quantizes there by default). Lengths not a multiple of any tile, NaN bytes past each length, output
-    poisoned with NaN; sequence 1's queries all zero (zero amax: its tiles' scale takes the
-    clamp, no division) and one head of sequence 0 zero (a zero row in a tile with others)."""
+    the knob names the quantizing one; decode quantizes there by default). Lengths not a
+    multiple of any tile, NaN bytes past each length, output poisoned with NaN; sequence 1's
+    queries all zero (zero amax: its tiles' scale takes the clamp, no division) and one head
+    of sequence 0 zero (a zero row in a tile with others)."""
     if page_size in (1, 16):
         monkeypatch.setenv(WIDEN_KNOB, "quantize_q")
     torch.manual_seed(20)

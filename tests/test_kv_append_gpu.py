@@ -948,7 +948,7 @@ def test_fp8_append_then_attend(backend, cfg):
     out = torch.full((*q.shape[:-1], c.d_v), float("nan"), dtype=out_dtype, device=DEVICE)
     before = {name: bufs[name].clone() for name in ("k_cache", "v_cache")}
     cu = t["cu_k"] if c.varlen else None
-    from flash_attn_cute.testing import recorded_plans
+    from flash_attn_cute.testing import any_quantized_q, recorded_plans
 
     with recorded_plans() as plans:
         res = _api().flash_attn_with_kvcache(
@@ -958,8 +958,7 @@ def test_fp8_append_then_attend(backend, cfg):
             rotary_interleaved=c.rotary == "gptj", q_descale=t["qd"], k_descale=t["kd"], v_descale=t["vd"],
             causal=causal, num_splits=num_splits, return_lse=True, out=out, backend=backend)
     torch.cuda.synchronize()
-    # 16-bit queries the SM90 kernel quantized to e4m3 over the e4m3 cache (sm90.quantizes_q)
-    quantized_q = any(getattr(p.config, "quantize_q", False) for p in plans)
+    quantized_q = any_quantized_q(plans)
     assert res[0] is out
     check_guards(before, {name: bufs[name] for name in before})
     none = torch.zeros(t["v_cache"].shape, dtype=torch.bool, device=DEVICE)

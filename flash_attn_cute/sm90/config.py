@@ -189,7 +189,7 @@ def fp8_qkv_decode_tile(d: int, dv: int, page_size: int = 0, leftpad_k: bool = F
     2) 220.9), pages of 1 248.1 against 337.8 (255.5); the widening kernel 255.0 at both."""
     if max(d, dv) > 128:
         return None
-    gathered = page_size % 64 != 0 or leftpad_k if page_size else False
+    gathered = gathers_kv(64, page_size, leftpad_k)  # (no page holds a whole block)
     tile = fp8_qkv_tile(d, dv, (64, 64, 3, 0) if gathered else (64, 128, 2, 0), page_size, measured=False,
                         leftpad_k=leftpad_k)
     assert fp8_qkv_smem_bytes(d, dv, *tile[:3]) + 3072 <= TWO_CTAS_SMEM, tile
@@ -246,19 +246,23 @@ def persistent_fits(d: int, dv: int, tile: tuple, pack: int, varlen_q: bool, is_
     accesses, 0 one CTA per tile), nor those of a gathering producer at 40 (two consumer
     warpgroups: 10, 2 one CTA per tile). Those stay one CTA per tile."""
     m, n, stages = tile[:3]
-    if m // 64 >= 3 or (gather_kv and m // 64 >= 2):
+    if not persistent_registers_fit(m, gather_kv):
         return False
     uses_tma_o = pack == 1 and not varlen_q and not is_split and not seqused_q
     return smem_bytes(d, dv, m, n, stages) + (2 * m * dv if uses_tma_o else 0) <= SMEM_LIMIT
+
+
+def persistent_registers_fit(tile_m: int, gather_kv: bool) -> bool:
+    """The register limits of ``persistent_fits``: at most two consumer warpgroups, one
+    where a producer gathers rows."""
+    return tile_m // 64 < 3 and not (gather_kv and tile_m // 64 >= 2)
 
 
 def fp8_qkv_persistent_fits(d: int, dv: int, tile: tuple, gather_kv: bool) -> bool:
     """``persistent_fits`` for the FP8 Q, K, V kernel: its O leaves from registers (no
     buffer of its own), so the stages alone must fit; the same register limits."""
     m, n, stages = tile[:3]
-    if m // 64 >= 3 or (gather_kv and m // 64 >= 2):
-        return False
-    return fp8_qkv_smem_bytes(d, dv, m, n, stages) <= SMEM_LIMIT
+    return persistent_registers_fit(m, gather_kv) and fp8_qkv_smem_bytes(d, dv, m, n, stages) <= SMEM_LIMIT
 
 
 def key_extra(gather_kv: bool, persistent: bool, ctas_per_sm: int, quantize_q: bool, two_level: int = 0) -> tuple:
