@@ -5,7 +5,9 @@ registers)."""
 
 import cutlass
 import cutlass.cute as cute
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
+from cutlass.cutlass_dsl import dsl_user_op
 
 
 def swizzle_atom_cols(cols: int) -> int:
@@ -26,10 +28,25 @@ def gmem_tiled_copy(dtype, cols: int, num_threads: int):
 
 
 def aligned_row_ptr(row: cute.Tensor, col, align_bytes: int):
-    """Pointer to row[col] with the alignment the row layout guarantees (a dynamic
-    column offset would otherwise drop it to one element)."""
+    """Pointer to row[col] (global or shared) with the alignment the row layout guarantees
+    (a dynamic column offset would otherwise drop it to one element)."""
     ptr = row.iterator + col
-    return cute.make_ptr(row.element_type, ptr.toint(), cute.AddressSpace.gmem, assumed_align=align_bytes)
+    return cute.make_ptr(row.element_type, ptr.toint(), ptr.memspace, assumed_align=align_bytes)
+
+
+@dsl_user_op
+def bulk_store_row(g_row: cute.Tensor, s_row: cute.Tensor, nbytes: int, *, loc=None, ip=None):
+    """One thread: the first ``nbytes`` of shared row ``s_row`` to global row ``g_row`` by
+    one bulk copy (``cp.async.bulk`` into this thread's bulk group; no tensor map, so any
+    row stride). Both rows 16-byte aligned, ``nbytes`` a multiple of 16. The writers of
+    ``s_row`` fence it for the async proxy and meet the issuing thread first; the issuer
+    commits and waits (``cp_async_bulk_wait_group(0, read=True)``) before the shared
+    memory is written again or the CTA exits."""
+    assert nbytes % 16 == 0, nbytes
+    llvm.inline_asm(None, [g_row.iterator.toint().ir_value(loc=loc, ip=ip),
+                           s_row.iterator.toint().ir_value(loc=loc, ip=ip)],
+                    f"cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], {nbytes};", "l,r",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 @cute.jit

@@ -35,6 +35,7 @@ class Sm90MlaTmaBarrier(enum.IntEnum):
     SUMS = 6  # both warpgroups' row sums written
     VT0 = 7  # fp8: warpgroup 0 wrote its half of V^T (its 128 threads; VT0 + 1: warpgroup 1's)
     VT1 = 8
+    O_STAGED = 9  # O written to shared memory for the bulk row stores
 
 
 class Sm80MlaBarrier(enum.IntEnum):

@@ -92,24 +92,33 @@ listings summarised in ``benchmarks/results/sass_mla_flashmla_vs_tma_2026-12-05_
 instructions here against its 7,488. What it does per 64 keys that this kernel does not:
 Q's rotary chunk lives in registers (an RS wgmma for the ninth chunk: a ninth less of S's
 shared-memory A traffic, which sits at the 128 bytes a cycle shared memory serves), with
-sP1 over that chunk's shared memory; O leaves through shared memory and TMA stores
-(UTMASTG 8) instead of 64 register stores a thread; a metadata kernel hands each SM a
-length-balanced run of (sequence, block) work (persistent CTAs: no partial last wave, no
-even-split rounding), and the combine starts under PDL. What this kernel does that it does
-not: the row max is published before the exponentials (see the seesaw above).
+sP1 over that chunk's shared memory; a metadata kernel hands each SM a length-balanced run
+of (sequence, block) work (persistent CTAs: no partial last wave, no even-split rounding),
+and the combine starts under PDL. What this kernel does that it does not: the row max is
+published before the exponentials (see the seesaw above).
 
-Measured (H100 SXM, 2026-12-05, CUDA-graph replays, FlashMLA in the same process,
+The epilogue, as FlashMLA's: O (or a split's fp32 partial) goes to shared memory over Q and
+the buffers, rows padded by 16 (32) bytes, and leaves a row a thread by one bulk copy
+(``cp.async.bulk``, 1 or 2 KB; no tensor map, so any row stride). From registers it took 64
+pair stores a thread over eight rows each; ncu showed the LSU queue full (128 heads 128 x
+2048: lg_throttle 0.64 and drain 0.12 stalls per issue, none for FlashMLA). H100, 2026-12-06,
+CUDA-graph replays, three runs of the register epilogue against one of this (us): 128 x 1024
+78.0-78.5 -> 74.4 (fp8 58.5-58.9 -> 53.3), 128 x 2048 126.8-127.3 -> 123.6 (fp8 87.1-87.7 ->
+82.6), 128 heads 128 x 2048 165.5-166.2 -> 158.9 (fp8 146.9-147.8 -> 138.2); the split rows
+(fp32 partials: 64 x 1024, 64 x 2048, 32 x 8192, 1 x 32768) within -0.6 to +1.6 %.
+
+Measured (H100 SXM, 2026-12-06, CUDA-graph replays, FlashMLA in the same process,
 ``benchmarks/bench_mla.py``, table and CSV in ``benchmarks/RESULTS.md`` "MLA decode beside
-FlashMLA"; the H200 was not lent that day), ours / FlashMLA: bf16 at 64 heads 0.90-0.98x on the
-64- and 128-sequence rows, 1.02x and 1.08x at 768 x 1024 and 768 x 2048, 1.26x at 1 x 32768, 1.06x
-at 16 heads; 128 heads 0.86-0.88x (438-482 against 504-551 TFLOP/s). An e4m3 cache: 1.04-1.58x
-our bf16 tokens per second, 0.77-0.97x FlashMLA's FP8 mode (e4m3 queries: 0.88-1.01x). Against
-FlashMLA in ncu (``results/ncu/ncu_mla_*_h100_2026-12-05_s15.txt``): at 128 heads the tensor
-pipe is active 49 % of the time against its 58 %, with more barrier stalls (2.39 against 1.48
-per issue) and 256 CTAs (1.94 waves) against 132 persistent ones that share the work evenly; at
-64 x 1024 the kernels are 48.2 and 46.0 us (0.955x; graph-timed 0.916x: the rest lies outside
-the kernel, in the combine of two splits by elimination, not profiled). The fp8
-profile showed the loading warps waiting on page-table reads (``_TileLoader.page``).
+FlashMLA"), ours / FlashMLA: bf16 at 64 heads 0.89-0.96x on the 64- and 128-sequence rows but
+128 x 2048 (1.01x), 1.04x and 1.09x at 768 x 1024 and 768 x 2048, 1.06x at 16 heads; 128
+heads 0.85-0.90x (446-488 TFLOP/s). An e4m3 cache: 1.15-1.51x our bf16 tokens per second,
+0.88-1.03x FlashMLA's FP8 mode (e4m3 queries: 0.89-1.11x). Against FlashMLA in ncu
+(``results/ncu/ncu_mla_*_h100_2026-12-05_s15.txt``, before the staged epilogue): at 128 heads
+the tensor pipe is active 49 % of the time against its 58 %, with more barrier stalls (2.39
+against 1.48 per issue) and 256 CTAs (1.94 waves) against 132 persistent ones that share the
+work evenly; at 64 x 1024 the kernels are 48.2 and 46.0 us (0.955x; graph-timed 0.916x: the
+rest lies outside the kernel, in the combine of two splits by elimination, not profiled). The
+fp8 profile showed the loading warps waiting on page-table reads (``_TileLoader.page``).
 """
 
 from dataclasses import dataclass
@@ -121,6 +130,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from flash_attn_cute.device.block_info import BlockInfo
+from flash_attn_cute.device.copy_utils import bulk_store_row
 from flash_attn_cute.device.cute_utils import launch_ctas
 from flash_attn_cute.device.epilogue import store_lse, store_o
 from flash_attn_cute.device.fwd_kernel import zero_rows_from
@@ -142,6 +152,7 @@ TILE_N = 64  # keys per tile: one TMA box row count, a page's sub-block
 THREADS = 256
 WG_THREADS = 128
 HALF_BYTES = TILE_N * D_CKV // 2  # an fp8 half of V (64 x 256), or of V^T (256 x 64): 16 KB
+O_STAGE_COLS = D_CKV + 8  # staged O's row pitch in elements (16 bytes of padding, 32 for fp32)
 
 
 @dataclass(frozen=True)
@@ -222,6 +233,12 @@ class MlaDecodeSm90Tma:
             sVt: vt_field
             sP0: p0_field
 
+        # Staged O lies over Q, the buffers and (fp8) V^T: contiguous fields of 1 KB multiples.
+        over = [layouts[0], layouts[1], layouts[2], layouts[3]] + ([layouts[4], layouts[5]] if self.fp8 else [])
+        dtypes = [op_dtype, op_dtype, kv_dtype, kv_dtype] + ([op_dtype, kv_dtype] if self.fp8 else [])
+        assert all(cute.cosize(l) * d.width // 8 % 1024 == 0 for l, d in zip(over, dtypes))
+        assert TILE_M * O_STAGE_COLS * self.out_dtype.width // 8 <= sum(
+            cute.cosize(l) * d.width // 8 for l, d in zip(over, dtypes)), "staged O fits over Q and the buffers"
         # TMA views (page_size, d, [h_kv,] num_pages): a tile is (64, chunk) boxes of one page.
         modes = [1, 3, 2, 0] if args.kv_heads else [1, 2, 0]
         tma_op = cpasync.CopyBulkTensorTileG2SOp()
@@ -295,6 +312,11 @@ class MlaDecodeSm90Tma:
             storage.sCorr.get_tensor(cute.make_layout((TILE_M, 2))),
             storage.sSums.get_tensor(cute.make_layout((TILE_M, 2))),
             storage.sAmax.get_tensor(cute.make_layout(THREADS // 32)),
+            # O staged for the bulk row stores, over Q and the buffers (free once the last
+            # P V is waited for); rows padded by 16 or 32 bytes, so the pair stores of a
+            # warp's eight rows fall on different banks (at most two ways for fp32).
+            cute.make_tensor(cute.recast_ptr(storage.sQn.data_ptr(), dtype=self.out_dtype),
+                             cute.make_layout((TILE_M, D_CKV), stride=(O_STAGE_COLS, 1))),
             mbar, sC_addr, sVt_addr,
         )
         tile = MlaTile.create(
@@ -729,7 +751,17 @@ class MlaDecodeSm90Tma:
         row0 = tile.m_block * TILE_M
         o_rows = tile.out_rows(args.mO, packed, self.is_split, False)
         tOcO_mn = acc_mn_view(ops.mma_pv.get_slice(tidx).partition_C(cute.make_identity_tensor((TILE_M, D_CKV))))
-        store_o(acc_O, self.out_dtype, tOcO_mn, o_rows, row0, tile.rows_valid, cols_from_first=True)
+        # O leaves through shared memory, a row a thread by one bulk copy (FlashMLA stores
+        # by TMA): from registers, a warp's pair stores touch eight rows each, 64 stores a
+        # thread, and the LSU queue stalls (ncu, 128 heads 128 x 2048, H100: lg_throttle 0.64
+        # and drain 0.12 stalls per issue, against none for FlashMLA).
+        store_o(acc_O, self.out_dtype, tOcO_mn, smem.sO, 0, TILE_M, cols_from_first=True)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(Sm90MlaTmaBarrier.O_STAGED), number_of_threads=THREADS)
+        if tidx < tile.rows_valid and tidx < TILE_M:
+            bulk_store_row(o_rows[row0 + tidx, None], smem.sO[tidx, None], D_CKV * self.out_dtype.width // 8)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
         if cutlass.const_expr(args.mLSE is not None):
             store_lse(lse, ops.tScS_mn, tile.lse_rows(args.mLSE, packed, self.is_split, False), row0,
                       tile.rows_valid, group_writes=wg_idx == 0)
@@ -773,6 +805,7 @@ class _Smem:
     sCorr: cute.Tensor  # (64, 2) the corrections of S_a, S_b
     sSums: cute.Tensor  # (64, 2) the warpgroups' row sums
     sAmax: cute.Tensor  # (8,) fp8: each warp's amax of Q
+    sO: cute.Tensor  # (64, 512) O in the output dtype, rows O_STAGE_COLS apart, over sQn onwards
     mbar: cute.Pointer  # 2 x (ckv chunks + 1) chunk mbarriers
     sC_addr: Int32  # fp8: shared-window addresses of sC and sVt, for the transposes; else None
     sVt_addr: Int32
