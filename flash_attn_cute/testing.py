@@ -20,6 +20,7 @@ Conventions (those of FlashAttention):
 
 import contextlib
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -231,34 +232,66 @@ def quantize_q_ref(q):
     return (x / scale).to(torch.float8_e4m3fn).float() * scale
 
 
+class RecordedLaunch(NamedTuple):
+    """One launch ``recorded_plans`` saw: its problem (a mixed plan's part carries
+    ``q_class``, the sequences it computes) and its plan."""
+
+    problem: object
+    plan: object
+
+
 @contextlib.contextmanager
 def recorded_plans():
-    """Within it, the plan of every forward or MLA launch (a mixed plan: both parts) is
-    appended to the yielded list, so that a test takes its reference from the kernel the
-    call ran (e.g. ``plan.config.quantize_q``: the SM90 kernel quantized 16-bit queries)
-    instead of restating the planner's rules."""
+    """Within it, every forward or MLA launch (a mixed plan: both parts, ``seam.mixed_parts``)
+    is appended to the yielded list as a ``RecordedLaunch``, so that a test takes its
+    reference from the kernel that computed each row (e.g. ``plan.config.quantize_q``: the
+    SM90 kernel quantized 16-bit queries) instead of restating the planner's rules."""
     from flash_attn_cute import seam
 
-    plans, run = [], seam.run_resolved
+    launches, run = [], seam.run_resolved
 
     def recording(resolved, problem, tensors):
         part = resolved
-        while part is not None:
-            plans.append(part.plan)
+        for part_problem, _ in seam.mixed_parts(problem, resolved.plan.num_splits):
+            launches.append(RecordedLaunch(part_problem, part.plan))
             part = part.then
         return run(resolved, problem, tensors)
 
     seam.run_resolved = recording
     try:
-        yield plans
+        yield launches
     finally:
         seam.run_resolved = run
 
 
-def any_quantized_q(plans) -> bool:
-    """Whether any of ``recorded_plans``' plans quantized 16-bit queries to e4m3 (the SM90
+def _quantizes_q(launch: RecordedLaunch) -> bool:
+    return getattr(launch.plan.config, "quantize_q", False)
+
+
+def any_quantized_q(launches) -> bool:
+    """Whether any of ``recorded_plans``' launches quantized 16-bit queries to e4m3 (the SM90
     kernel over an e4m3 cache, ``sm90.quantizes_q``; other kernels' configs have no such field)."""
-    return any(getattr(p.config, "quantize_q", False) for p in plans)
+    return any(_quantizes_q(launch) for launch in launches)
+
+
+def attended_q(q, launches, cu_seqlens_q=None):
+    """The queries each row of ``q`` was attended with, fp32: ``quantize_q_ref(q)`` where the
+    launch that computed its sequence quantized them, else ``q``. Dense q ``(batch, seqlen,
+    h, d)``: one launch computes every row. Varlen q ``(total, h, d)`` with ``cu_seqlens_q``:
+    a mixed plan's two launches take the sequences by query count (``q_class``: n > 0 those
+    of at most n queries, -n those of more), and may differ (decode rows quantized, prefill
+    rows not)."""
+    qf, qq = q.float(), quantize_q_ref(q)
+    if cu_seqlens_q is None:
+        return qq if any_quantized_q(launches) else qf
+    lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    quantized = torch.zeros_like(lens, dtype=torch.bool)
+    for launch in launches:
+        n = launch.problem.q_class
+        if _quantizes_q(launch):
+            quantized |= (lens <= n) if n > 0 else (lens > -n) if n < 0 else torch.ones_like(quantized)
+    rows = torch.repeat_interleave(quantized, lens, output_size=q.shape[0])
+    return torch.where(rows.view(-1, *([1] * (q.dim() - 1))), qq, qf)
 
 
 def attention_kvcache_ref(q, k_cache, v_cache, cache_seqlens, page_table=None, cache_leftpad=None, **kwargs):

@@ -64,9 +64,10 @@ def pair_mask_mod(b, h, q_idx, kv_idx, aux):
 @dataclass
 class PairCall:
     """One call: ``fn(*args, **kwargs)`` returns (out, lse); ``reference(dtype,
-    quantized_q)`` is the same attention in ``dtype`` (fp64: the reference; bf16: PyTorch's
+    launches)`` is the same attention in ``dtype`` (fp64: the reference; bf16: PyTorch's
     own error), on the queries quantized to e4m3 as the SM90 kernel quantizes them where
-    ``quantized_q`` (the launch's ``plan.config.quantize_q``)."""
+    the launch that computed a row did (``launches``: ``testing.recorded_plans``' list;
+    ``testing.attended_q``)."""
 
     name: str
     fn: Callable
@@ -101,7 +102,7 @@ def make_pair_call(features, backend: Optional[str], device, seed: int = 0) -> P
     ``device`` (never zeros), ``backend=backend``."""
     from flash_attn_cute import (create_block_mask, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache,
                                  mods)
-    from flash_attn_cute.testing import attention_serving_ref, quantize_q_ref
+    from flash_attn_cute.testing import any_quantized_q, attended_q, attention_serving_ref
 
     f = frozenset(features)
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -175,10 +176,10 @@ def make_pair_call(features, backend: Optional[str], device, seed: int = 0) -> P
                                      cu_seqlens_k=cu_k, seqused_k=seqused_k, page_table=page_table, upcast=False,
                                      **ref_kwargs, **extra)
 
-    def reference(dtype, quantized_q: bool):
-        if not quantized_q:
+    def reference(dtype, launches):
+        if not any_quantized_q(launches):
             return attend(q, dtype)
-        qq = quantize_q_ref(q)  # the queries the kernel attends with
+        qq = attended_q(q, launches, cu_q)  # the queries the kernel attends with, row by row
         if dtype == torch.float64:
             return attend(qq, dtype)
         # PyTorch's own error on them: O by its FP8 algorithm (fp32 scores, P in e4m3 at 2^8

@@ -32,7 +32,7 @@ def test_feature_pair(backend, pair):
     with recorded_plans() as plans:
         out, lse = call.fn(*call.args, **call.kwargs, out=out)
     quantized_q = any_quantized_q(plans)
-    ref_out, ref_lse = call.reference(torch.float64, quantized_q)
-    pt_out, pt_lse = call.reference(torch.bfloat16, quantized_q)
+    ref_out, ref_lse = call.reference(torch.float64, plans)
+    pt_out, pt_lse = call.reference(torch.bfloat16, plans)
     check_close(out, ref_out, pt_out, mult=call.mult(quantized_q))
     check_lse(lse, ref_lse, pt_lse)

@@ -980,9 +980,10 @@ def test_fp8_append_then_attend(backend, cfg):
         _, lse_pt = attend_ref(bf(q32), bf(k), bf(v), ends, t["leftpad"], cu, upcast=False, **kw)
         mult = 3.0
     elif quantized_q:
-        from flash_attn_cute.testing import quantize_q_ref
+        from flash_attn_cute.testing import attended_q
 
-        qq = quantize_q_ref(q_att)  # the queries the kernel attends with
+        # the queries the kernel attends with: a mixed plan's prefill rows are not quantized
+        qq = attended_q(q_att, plans, cu)
         out_ref, lse_ref = attend_ref(qq, k, v, ends, t["leftpad"], cu, **kw)
         out_pt, _ = attend_ref(qq, k, v, ends, t["leftpad"], cu, p_fp8=True, **kw)
         bf = lambda x: x.to(torch.bfloat16)

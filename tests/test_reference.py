@@ -228,3 +228,33 @@ def test_check_lse_minus_inf_must_match():
         check_lse(torch.tensor([0.0, 1.0, 2.0]), lse_ref, lse_ref)
     with pytest.raises(AssertionError):  # -inf where a finite value is expected
         check_lse(torch.tensor([float("-inf"), float("-inf"), 2.0]), lse_ref, lse_ref)
+
+
+def test_attended_q_follows_each_launch():
+    """A mixed plan's decode launch quantized its sequences' queries, the prefill launch did
+    not: the reference takes each row as the launch that computed it took it."""
+    from types import SimpleNamespace
+
+    from flash_attn_cute.testing import RecordedLaunch, any_quantized_q, attended_q, quantize_q_ref
+
+    def launch(q_class, quantize):
+        plan = SimpleNamespace(config=SimpleNamespace(quantize_q=quantize))
+        return RecordedLaunch(SimpleNamespace(q_class=q_class), plan)
+
+    gen = torch.Generator().manual_seed(0)
+    lens = [3, 20, 1, 40, 16]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    q = torch.randn(sum(lens), 4, 32, generator=gen).to(torch.bfloat16)
+    qq, qf = quantize_q_ref(q), q.float()
+    assert not torch.equal(qq, qf)
+    mixed = [launch(16, True), launch(-16, False)]
+    got = attended_q(q, mixed, cu)
+    for b, n in enumerate(lens):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        assert torch.equal(got[rows], (qq if n <= 16 else qf)[rows]), (b, n)
+    assert any_quantized_q(mixed) and not any_quantized_q([launch(0, False)])
+    assert torch.equal(attended_q(q, [launch(0, True)], cu), qq)
+    assert torch.equal(attended_q(q, [launch(-16, True)], cu)[:3], qf[:3])
+    dense = q.view(1, -1, 4, 32)
+    assert torch.equal(attended_q(dense, [launch(0, True)]), quantize_q_ref(dense))
+    assert torch.equal(attended_q(dense, [launch(0, False)]), dense.float())
