@@ -253,8 +253,8 @@ def test_fp8_attention_tiles(d, d_v, page_size):
             assert n % 32 == 0 and (not page_size or page_size % n == 0) and stages >= 2, config
             assert sm90.config.fp8_qkv_smem_bytes(d, d_v, m, n, stages) <= sm90.config.SMEM_LIMIT
             assert not config.gather_kv
-            # persistent: non-causal prefill over d 128 where it fits (sm90.fp8_persistent)
-            fp8_persistent = rows > 1 and not causal and max(d, d_v) > 128 and m // 64 < 3
+            # persistent: non-causal dense prefill over d 128 where it fits (sm90.fp8_persistent)
+            fp8_persistent = rows > 1 and not causal and max(d, d_v) > 128 and m // 64 < 3 and not page_size
             assert config.persistent == (fp8_persistent and sm90.FP8_PERSISTENT_DEFAULT), config
             knob = sm90.plan(p, 1, None, 132, tuning=Tuning(sm90_persistent="1")).config
             assert knob.persistent == (m // 64 < 3 and knob.ctas_per_sm == 1), knob

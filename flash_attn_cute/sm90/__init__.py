@@ -148,10 +148,11 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
                    pack_gqa, num_splits)
 
 
-# The FP8 Q, K, V kernel's persistent CTAs (``fp8_persistent``) by default: off until a GPU
-# test has run CTAs that loop over several tiles (``test_fp8_attention_persistent``; the
-# shapes of the other GPU tests give every CTA one tile).
-FP8_PERSISTENT_DEFAULT = False
+# The FP8 Q, K, V kernel's persistent CTAs (``fp8_persistent``) by default: on since its GPU
+# test ran CTAs that loop over several tiles (``test_fp8_attention_persistent``, H100,
+# 2026-12-06: dense d256, splits 1 and 3); ragged or paged keys and varlen queries stay one
+# CTA per tile until a GPU test has run them persistent in FP8.
+FP8_PERSISTENT_DEFAULT = True
 
 
 def fp8_persistent(problem: FwdProblem, d: int, d_v: int, rows: int) -> bool:
@@ -163,9 +164,12 @@ def fp8_persistent(problem: FwdProblem, d: int, d_v: int, rows: int) -> bool:
     H100, 2026-12-06, b4 s8192 h8 d256, TFLOP/s, one CTA per tile / persistent, two runs
     each (``FLASH_ATTN_CUTE_SM90_PERSISTENT`` 0 / 1): non-causal 981-1014 / 1038-1040; causal
     933-938 / 777-779 (the static order of the LPT tiles leaves SMs idle: not taken). Local
-    windows and user masks (unmeasured in FP8) stay one CTA per tile."""
+    windows and user masks (unmeasured in FP8) stay one CTA per tile, as do the shapes no GPU
+    test has run persistent in FP8 (``FP8_PERSISTENT_DEFAULT``)."""
     masked = problem.causal or problem.local or problem.variant is not None
-    return FP8_PERSISTENT_DEFAULT and rows > 64 and max(d, d_v) > 128 and not masked
+    dense = not (problem.varlen_q or problem.varlen_k or problem.has_seqused_k or problem.page_size
+                 or problem.leftpad_k)
+    return FP8_PERSISTENT_DEFAULT and rows > 64 and max(d, d_v) > 128 and not masked and dense
 
 
 def quantizes_q(problem: FwdProblem, tuning: Tuning = NO_TUNING) -> bool:
