@@ -1,5 +1,6 @@
 """The register epilogue every kernel that ends with O in registers shares: O and the LSE
-stored straight from the accumulator to their global rows.
+stored straight from the accumulator to their global rows; and, from sm_90 on, O staged
+in shared memory and stored a row a thread by bulk copies (``store_o_staged``).
 
 An accumulator fragment is seen through ``layout_utils.acc_mn_view`` (rows x cols per
 thread, mma.sync and wgmma alike); the matching view of the identity tensor gives each
@@ -13,7 +14,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from flash_attn_cute.device.copy_utils import aligned_row_ptr
+from flash_attn_cute.device.copy_utils import aligned_row_ptr, bulk_store_row
 from flash_attn_cute.device.layout_utils import acc_mn_view
 
 
@@ -88,6 +89,46 @@ def _store_pair(store_atom, rO_mn: cute.Tensor, rO_pairs: cute.Tensor, tOcO_mn: 
         cute.copy(store_atom, pair, dst)
     else:
         cute.copy(store_atom, rO_pairs[None, j], dst)
+
+
+# Staged O's row padding in elements: 16 bytes for 16-bit O, 32 for fp32, so that the pair
+# stores of a warp's eight rows fall on different banks (at most two ways for fp32).
+O_STAGE_PAD = 8
+
+
+def staged_o_bytes(out_dtype, rows: int, cols: int) -> int:
+    """Shared memory that ``staged_o`` lays a (rows, cols) tile over."""
+    return rows * (cols + O_STAGE_PAD) * out_dtype.width // 8
+
+
+def staged_o(smem_ptr, out_dtype, rows: int, cols: int) -> cute.Tensor:
+    """A (rows, cols) tile of ``out_dtype`` at ``smem_ptr`` (16-byte aligned, free shared
+    memory of ``staged_o_bytes``), rows padded by ``O_STAGE_PAD``: the staging of
+    ``store_o_staged``."""
+    return cute.make_tensor(cute.recast_ptr(smem_ptr, dtype=out_dtype),
+                            cute.make_layout((rows, cols), stride=(cols + O_STAGE_PAD, 1)))
+
+
+@cute.jit
+def store_o_staged(acc_O: cute.Tensor, out_dtype: cutlass.Constexpr, tOcO_mn: cute.Tensor, sO: cute.Tensor,
+                   mO_rows: cute.Tensor, row0: Int32, rows_valid: Int32, tidx: Int32,
+                   num_threads: cutlass.Constexpr[int], barrier_id: cutlass.Constexpr[int]):
+    """``store_o``'s result through shared memory (sm_90 on): acc_O converted into ``sO``
+    (``staged_o``; its whole rows, by the ``num_threads`` threads that hold acc_O, ``tidx``
+    in [0, num_threads)), which meet at named barrier ``barrier_id``; then thread ``tidx``
+    stores row ``tidx`` (below ``rows_valid``) to ``mO_rows[row0 + tidx]`` by one bulk copy
+    and waits until it has read it. From registers a warp's pair stores touch eight rows
+    each and queue up in the LSU (MLA decode, ncu: lg_throttle 0.64 stalls per issue at 128
+    heads, none for FlashMLA's TMA stores). ``sO`` must not be written or read by anyone
+    else until every thread passed this."""
+    rows, cols = cute.size(sO, mode=[0]), cute.size(sO, mode=[1])
+    store_o(acc_O, out_dtype, tOcO_mn, sO, 0, rows, cols_from_first=True)
+    cute.arch.fence_view_async_shared()
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
+    if tidx < rows_valid and tidx < rows:
+        bulk_store_row(mO_rows[row0 + tidx, None], sO[tidx, None], cols * out_dtype.width // 8)
+        cute.arch.cp_async_bulk_commit_group()
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
 @cute.jit

@@ -130,9 +130,8 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from flash_attn_cute.device.block_info import BlockInfo
-from flash_attn_cute.device.copy_utils import bulk_store_row
 from flash_attn_cute.device.cute_utils import launch_ctas
-from flash_attn_cute.device.epilogue import store_lse, store_o
+from flash_attn_cute.device.epilogue import staged_o, staged_o_bytes, store_lse, store_o_staged
 from flash_attn_cute.device.fwd_kernel import zero_rows_from
 from flash_attn_cute.device.layout_utils import acc_mn_view, acc_to_operand_a, row_major_smem_layout, select, \
     transpose_view
@@ -152,7 +151,6 @@ TILE_N = 64  # keys per tile: one TMA box row count, a page's sub-block
 THREADS = 256
 WG_THREADS = 128
 HALF_BYTES = TILE_N * D_CKV // 2  # an fp8 half of V (64 x 256), or of V^T (256 x 64): 16 KB
-O_STAGE_COLS = D_CKV + 8  # staged O's row pitch in elements (16 bytes of padding, 32 for fp32)
 
 
 @dataclass(frozen=True)
@@ -237,7 +235,7 @@ class MlaDecodeSm90Tma:
         over = [layouts[0], layouts[1], layouts[2], layouts[3]] + ([layouts[4], layouts[5]] if self.fp8 else [])
         dtypes = [op_dtype, op_dtype, kv_dtype, kv_dtype] + ([op_dtype, kv_dtype] if self.fp8 else [])
         assert all(cute.cosize(l) * d.width // 8 % 1024 == 0 for l, d in zip(over, dtypes))
-        assert TILE_M * O_STAGE_COLS * self.out_dtype.width // 8 <= sum(
+        assert staged_o_bytes(self.out_dtype, TILE_M, D_CKV) <= sum(
             cute.cosize(l) * d.width // 8 for l, d in zip(over, dtypes)), "staged O fits over Q and the buffers"
         # TMA views (page_size, d, [h_kv,] num_pages): a tile is (64, chunk) boxes of one page.
         modes = [1, 3, 2, 0] if args.kv_heads else [1, 2, 0]
@@ -313,10 +311,8 @@ class MlaDecodeSm90Tma:
             storage.sSums.get_tensor(cute.make_layout((TILE_M, 2))),
             storage.sAmax.get_tensor(cute.make_layout(THREADS // 32)),
             # O staged for the bulk row stores, over Q and the buffers (free once the last
-            # P V is waited for); rows padded by 16 or 32 bytes, so the pair stores of a
-            # warp's eight rows fall on different banks (at most two ways for fp32).
-            cute.make_tensor(cute.recast_ptr(storage.sQn.data_ptr(), dtype=self.out_dtype),
-                             cute.make_layout((TILE_M, D_CKV), stride=(O_STAGE_COLS, 1))),
+            # P V is waited for).
+            staged_o(storage.sQn.data_ptr(), self.out_dtype, TILE_M, D_CKV),
             mbar, sC_addr, sVt_addr,
         )
         tile = MlaTile.create(
@@ -752,16 +748,9 @@ class MlaDecodeSm90Tma:
         o_rows = tile.out_rows(args.mO, packed, self.is_split, False)
         tOcO_mn = acc_mn_view(ops.mma_pv.get_slice(tidx).partition_C(cute.make_identity_tensor((TILE_M, D_CKV))))
         # O leaves through shared memory, a row a thread by one bulk copy (FlashMLA stores
-        # by TMA): from registers, a warp's pair stores touch eight rows each, 64 stores a
-        # thread, and the LSU queue stalls (ncu, 128 heads 128 x 2048, H100: lg_throttle 0.64
-        # and drain 0.12 stalls per issue, against none for FlashMLA).
-        store_o(acc_O, self.out_dtype, tOcO_mn, smem.sO, 0, TILE_M, cols_from_first=True)
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=int(Sm90MlaTmaBarrier.O_STAGED), number_of_threads=THREADS)
-        if tidx < tile.rows_valid and tidx < TILE_M:
-            bulk_store_row(o_rows[row0 + tidx, None], smem.sO[tidx, None], D_CKV * self.out_dtype.width // 8)
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        # by TMA; the module docstring has the measurement).
+        store_o_staged(acc_O, self.out_dtype, tOcO_mn, smem.sO, o_rows, row0, tile.rows_valid, tidx, THREADS,
+                       int(Sm90MlaTmaBarrier.O_STAGED))
         if cutlass.const_expr(args.mLSE is not None):
             store_lse(lse, ops.tScS_mn, tile.lse_rows(args.mLSE, packed, self.is_split, False), row0,
                       tile.rows_valid, group_writes=wg_idx == 0)
@@ -805,7 +794,7 @@ class _Smem:
     sCorr: cute.Tensor  # (64, 2) the corrections of S_a, S_b
     sSums: cute.Tensor  # (64, 2) the warpgroups' row sums
     sAmax: cute.Tensor  # (8,) fp8: each warp's amax of Q
-    sO: cute.Tensor  # (64, 512) O in the output dtype, rows O_STAGE_COLS apart, over sQn onwards
+    sO: cute.Tensor  # (64, 512) O in the output dtype (``epilogue.staged_o``), over sQn onwards
     mbar: cute.Pointer  # 2 x (ckv chunks + 1) chunk mbarriers
     sC_addr: Int32  # fp8: shared-window addresses of sC and sVt, for the transposes; else None
     sVt_addr: Int32
