@@ -106,6 +106,33 @@ def test_fp8_attention_persistent(persistent, num_splits, monkeypatch):
     check_lse(res[1], lse_ref, lse_torch)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fp8_attention_persistent_varlen(num_splits, monkeypatch):
+    """Persistent CTAs (FLASH_ATTN_CUTE_SM90_PERSISTENT=1; the default keeps varlen one CTA
+    per tile, ``sm90.fp8_persistent``) over packed d 256 sequences of different lengths, an
+    empty and a one-query one among them: 268 tiles of 128 packed rows (GQA 4), so that CTAs
+    loop over tiles of different sequences and lengths."""
+    monkeypatch.setenv("FLASH_ATTN_CUTE_SM90_PERSISTENT", "1")
+    lens_q, lens_k = [2048, 0, 1, 1500, 700], [1800, 40, 300, 1500, 2100]
+    q8, k8, v8, qd, kd, vd = _inputs(1, sum(lens_q), sum(lens_k), 8, 2, 256, seed=11)
+    q8, k8, v8 = q8[0], k8[0], v8[0]
+    b = len(lens_q)
+    qd, kd, vd = (x.expand(b, 2).contiguous() for x in (qd, kd, vd))
+    cu_q = _i32([0] + torch.tensor(lens_q).cumsum(0).tolist())
+    cu_k = _i32([0] + torch.tensor(lens_k).cumsum(0).tolist())
+    out = torch.full(q8.shape, float("nan"), device=DEVICE, dtype=torch.bfloat16)
+    _, lse = flash_attn_varlen_func(q8, k8, v8, cu_q, cu_k, max(lens_q), max(lens_k), num_splits=num_splits,
+                                    q_descale=qd, k_descale=kd, v_descale=vd, return_lse=True, out=out,
+                                    backend="sm90")
+    # One descale per KV head (the batch's rows repeat the first's).
+    q = q8.float() * qd[0].repeat_interleave(4).view(1, 8, 1)
+    k, v = k8.float() * kd[0].view(1, 2, 1), v8.float() * vd[0].view(1, 2, 1)
+    out_ref, lse_ref = attention_varlen_ref(q, k, v, cu_q, cu_k)
+    out_torch, lse_torch = _torch(lambda *a, **kw: attention_varlen_ref(*a, cu_q, cu_k, **kw), q, k, v)
+    check_close(out, out_ref, out_torch, mult=MULT)
+    check_lse(lse, lse_ref, lse_torch)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fp8_attention_dims_sink_no_descale(backend):
     """d 192 / d_v 128 (tile_n 96), a learnable sink, and no descales (all 1)."""
