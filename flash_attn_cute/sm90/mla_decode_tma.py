@@ -60,8 +60,9 @@ warpgroup's P V reads them. Causal (and context-parallel) masks on the tiles out
 unmasked run, as every kernel (``BlockInfo``).
 
 Shared memory: Q 72 KB, two 72 KB buffers, sP1 8 KB, the row statistics and 18
-mbarriers: 225.4 KB of the 227. 256 threads, 1 CTA per SM, no setmaxnreg (255 registers
-each: O 128 + S 32 + P 16; 225 used, no local memory).
+mbarriers: 225.4 KB of the 227 (O's staging, 65 KB or 130 KB for fp32 partials, lies over Q
+and the buffers once the last P V landed). 256 threads, 1 CTA per SM, no setmaxnreg (255
+registers each: O 128 + S 32 + P 16; 225 used, no local memory).
 
 An e4m3 cache (FlashMLA's FP8 recipe, the same seesaw): both products in fp8 wgmma
 (QGMMA 64 x 64 x 32 and 64 x 256 x 32), half the bytes per key (36.9 KB a tile) and twice
