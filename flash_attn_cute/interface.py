@@ -53,7 +53,8 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
                     s_aux=None, sinks=None, softcap=0.0, num_splits=1, pack_gqa=None, return_lse=False, out=None,
                     backend=None, batch_invariant=False, score_mod=None, mask_mod=None, aux_tensors=None,
                     block_mask=None, q_descale=None, k_descale=None, v_descale=None, fp8_two_level_interval=0,
-                    cp_world_size=1, cp_rank=0, cp_tot_seqused_k=None, cp_kv_interleave=1):
+                    cp_world_size=1, cp_rank=0, cp_tot_seqused_k=None, cp_kv_interleave=1, sm_margin=0,
+                    deterministic=False, return_attn_probs=False, qv=None, attention_chunk=0):
     """Attention over a dense batch.
 
     q ``(batch, seqlen_q, nheads, d)``, k ``(batch, seqlen_k, nheads_kv, d)``, v
@@ -71,8 +72,9 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     keeps a score where True (ANDed with causal / window_size), ``aux_tensors`` (<= 4
     tensors) is their ``aux``, ``block_mask`` (``create_block_mask``) lets the kernel skip
     empty blocks and the predicate on full ones. ``s_aux`` (vLLM) and ``sinks`` (SGLang)
-    are aliases of ``learnable_sink``. Context parallelism (``cp_*``): as in
-    ``flash_attn_varlen_func``."""
+    are aliases of ``learnable_sink``. Context parallelism (``cp_*``) and FA3's keywords
+    (``sm_margin``, ``deterministic``, ``return_attn_probs``, ``qv``, ``attention_chunk``):
+    as in ``flash_attn_varlen_func``."""
     return run(forward.FUNC, locals())
 
 
@@ -83,7 +85,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
                            num_splits=1, pack_gqa=None, return_lse=False, out=None, backend=None,
                            batch_invariant=False, score_mod=None, mask_mod=None, aux_tensors=None, block_mask=None,
                            q_descale=None, k_descale=None, v_descale=None, fp8_two_level_interval=0,
-                           cp_world_size=1, cp_rank=0, cp_tot_seqused_k=None, cp_kv_interleave=1):
+                           cp_world_size=1, cp_rank=0, cp_tot_seqused_k=None, cp_kv_interleave=1, sm_margin=0,
+                           deterministic=False, return_attn_probs=False, qv=None, attention_chunk=0):
     """Attention over variable-length sequences: the general call (FA3/FA4 names and semantics).
 
     Queries: packed ``(total_q, nheads, d)`` with ``cu_seqlens_q`` ``(batch + 1,)`` int32
@@ -148,7 +151,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     each sequence's key count over every rank, required with causal or a window (their
     limits are taken on global positions, the queries being the last of the global keys).
     A rank that holds no key of a sequence returns out 0 and lse -inf. Not with user
-    variants, ``learnable_sink`` (the merge adds it once) or a KV-cache append."""
+    variants, ``learnable_sink`` (the merge adds it once) or a KV-cache append.
+
+    FA3's keywords: ``sm_margin`` (an int >= 0, default 0) leaves that many SMs free, for
+    kernels that run beside this one (communication): the split heuristic and persistent
+    grids count the others. ``deterministic`` is accepted (the forward is deterministic:
+    fixed split and combine orders, no atomics), ``return_attn_probs`` is FA3's name for
+    ``return_lse``; ``qv``, ``attention_chunk > 0`` (and for ``flash_attn_with_kvcache``
+    ``rotary_seqlens``) are refused with NotImplementedError; ``scheduler_metadata`` is
+    accepted and not needed (plans come from shapes, on the host)."""
     return run(forward.VARLEN, locals())
 
 
@@ -162,7 +173,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             backend=None, check_cache_bounds=False, batch_invariant=False, score_mod=None,
                             mask_mod=None, aux_tensors=None, block_mask=None, q_descale=None, k_descale=None,
                             v_descale=None, fp8_two_level_interval=0, cp_world_size=1, cp_rank=0,
-                            cp_tot_seqused_k=None, cp_kv_interleave=1):
+                            cp_tot_seqused_k=None, cp_kv_interleave=1, sm_margin=0, scheduler_metadata=None,
+                            qv=None, rotary_seqlens=None, attention_chunk=0):
     """Attention of new queries against a KV cache (decode, speculative decode, chunked
     prefill), FA2/FA3's call: optionally appends new keys and values to the cache and
     applies rotary embedding, then attends.
@@ -221,7 +233,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     ``return_softmax_lse`` is FA2/FA3's name for ``return_lse``. User variants as in
     ``flash_attn_func``: ``q_idx`` counts the new queries from 0 and ``kv_idx`` the cache
     positions. Context parallelism (``cp_world_size``, ``cp_rank``, ``cp_tot_seqused_k``,
-    ``cp_kv_interleave``): as in ``flash_attn_varlen_func``, without an append."""
+    ``cp_kv_interleave``): as in ``flash_attn_varlen_func``, without an append. FA3's
+    ``sm_margin``, ``scheduler_metadata``, ``qv``, ``rotary_seqlens`` and
+    ``attention_chunk``: as in ``flash_attn_varlen_func``."""
     args = forward.prepare_kvcache(fold_aliases(locals()))
     return run(kv_cache_ops.APPEND if forward.appends(args) else forward.KVCACHE, args)
 

@@ -247,6 +247,15 @@ FUNC_CASES = [
     ("out_strided", lambda a: a.update(out=torch.zeros(2, 5, 64, 4, dtype=F16).transpose(2, 3)), ValueError,
      "out must have a contiguous last dimension"),
     ("backend_unknown", lambda a: a.update(backend="sm75"), ValueError, "backend must be one of"),
+    # FA3's keywords: accepted at what changes nothing here, refused where they ask for more
+    ("qv_given", lambda a: a.update(qv=torch.zeros(2, 5, 4, 64, dtype=F16)), NotImplementedError,
+     "qv .* not supported: MLA decode is flash_attn_cute.flash_mla_decode"),
+    ("attention_chunk", lambda a: a.update(attention_chunk=128), NotImplementedError,
+     r"attention_chunk=128 \(chunked local attention\) is not supported"),
+    ("attention_chunk_negative", lambda a: a.update(attention_chunk=-1), ValueError, "attention_chunk must be in"),
+    ("deterministic_str", lambda a: a.update(deterministic="yes"), TypeError, "deterministic must be a bool"),
+    ("sm_margin_negative", lambda a: a.update(sm_margin=-1), ValueError, "sm_margin must be in"),
+    ("sm_margin_float", lambda a: a.update(sm_margin=1.5), TypeError, "sm_margin must be an int"),
     ("cpu_tensors", lambda a: None, ValueError, "q must be a CUDA tensor"),
 ]
 
@@ -521,6 +530,33 @@ def test_combine_split_groups_plumbing(fake_gpu, batch_invariant):
     close(out, attention_ref(q, k, v)[0], 2e-2)
     assert fake_gpu.kernel.calls[-1]["num_splits"] == (32 if batch_invariant else 128)
     assert fake_gpu.combine.split_groups == [1 if batch_invariant else 8]
+
+
+def test_fa3_keywords_plumbing(fake_gpu):
+    """FA3's keywords: ``return_attn_probs`` returns the LSE as ``return_lse`` does;
+    ``deterministic``, ``qv=None``, ``attention_chunk=0`` and ``scheduler_metadata`` change
+    nothing; ``sm_margin`` leaves SMs to other kernels: the split heuristic counts the others
+    (one decode row of 131072 keys, 2 heads: 128 splits on 132 SMs, 31 on the 32 left)."""
+    q, k, v = make_qkv(b=1, sq=1, sk=131072, h=2, hk=2, d=64, dtype=BF16)
+    out, lse = flash_attn_func(q, k, v, num_splits=0, return_lse=True)
+    splits = fake_gpu.kernel.calls[-1]["num_splits"]
+    out2, lse2 = flash_attn_func(q, k, v, num_splits=0, return_attn_probs=True, deterministic=True, qv=None,
+                                 attention_chunk=0)
+    assert fake_gpu.kernel.calls[-1]["num_splits"] == splits
+    close(out2, out, 0)
+    close(lse2, lse, 0)
+    flash_attn_func(q, k, v, num_splits=0, sm_margin=100)
+    fewer = fake_gpu.kernel.calls[-1]["num_splits"]
+    assert (splits, fewer) == (128, 31)  # 2 CTAs x 128 splits on 132 SMs; 2 x 31 on the 32 left
+    cache_seqlens = torch.full((1,), 131072, dtype=torch.int32)
+    md = torch.zeros(8, dtype=torch.int32)
+    o3 = flash_attn_with_kvcache(q, k, v, cache_seqlens=cache_seqlens, scheduler_metadata=md, sm_margin=0,
+                                 rotary_seqlens=None, qv=None, attention_chunk=0)
+    close(o3, out, 0)
+    with pytest.raises(NotImplementedError, match="rotary_seqlens"):
+        flash_attn_with_kvcache(q, k, v, cache_seqlens=cache_seqlens, rotary_seqlens=cache_seqlens)
+    with pytest.raises(TypeError, match="scheduler_metadata must be a tensor"):
+        flash_attn_with_kvcache(q, k, v, cache_seqlens=cache_seqlens, scheduler_metadata=[1, 2])
 
 
 # (seqlen_q, qhead_per_kvhead, varlen, expected): decode and short queries pack; MHA,

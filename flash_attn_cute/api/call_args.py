@@ -11,7 +11,7 @@ with an argument depends only on its row here (``ARGS``):
   the value and its type: flags, scalars, functions, block masks) or ``"window"`` (a
   ``(left, right)`` pair, compared element-wise with its types);
 - ``aliases``: other names of the same argument (vLLM's ``block_table``, ``s_aux``,
-  SGLang's ``sinks``, FA2's ``return_softmax_lse``); ``either``: an alias that may be
+  SGLang's ``sinks``, FA2's ``return_softmax_lse``, FA3's ``return_attn_probs``); ``either``: an alias that may be
   given beside the name (a flag: either one set sets it), else giving both is an error;
 - ``slot``: the field of the forward kernels' tensor list (``FwdTensors``) it fills;
 - ``flag``: the ``FwdProblem`` field its presence sets (a compile-key input).
@@ -72,7 +72,11 @@ ARGS = {a.name: a for a in (
     # planning and outputs
     Arg("num_splits"), Arg("pack_gqa"), Arg("backend"), Arg("batch_invariant"),
     Arg("fp8_two_level_interval"),  # the FP8 P V product in two levels (FwdProblem.fp8_two_level_interval)
-    Arg("return_lse", aliases=("return_softmax_lse",), either=True),
+    Arg("return_lse", aliases=("return_softmax_lse", "return_attn_probs"), either=True),
+    Arg("sm_margin"),  # SMs left free (FA3): the split heuristic and persistent grids (``seam.resolve``)
+    # FA3's keywords that change nothing here, or are refused (``checks.fa3_keywords``)
+    Arg("qv", "tensor"), Arg("rotary_seqlens", "tensor"), Arg("scheduler_metadata", "tensor"),
+    Arg("attention_chunk"), Arg("deterministic"),
     # context parallelism (the FA3 fork's keywords; ``checks.context_parallel``): the kernels get
     # the global lengths and a rank tensor where their masks need them (``cp_tensors``)
     Arg("cp_world_size"), Arg("cp_rank"), Arg("cp_tot_seqused_k", "tensor"), Arg("cp_kv_interleave"),

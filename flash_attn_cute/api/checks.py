@@ -192,6 +192,10 @@ def cache_lengths(cache_seqlens, batch: int, capacity: int, room: int, device) -
     return cache_seqlens, None
 
 
+# FA3 keywords that change nothing here or are refused (``fa3_keywords``)
+FA3_ARGS = ("qv", "attention_chunk", "rotary_seqlens", "deterministic", "scheduler_metadata")
+
+
 class Options(NamedTuple):
     softmax_scale: float
     softcap: float
@@ -203,10 +207,11 @@ class Options(NamedTuple):
     backend: Optional[str]
     batch_invariant: bool = False
     fp8_two_level_interval: int = 0
+    sm_margin: int = 0
 
 
 def options(d: int, scale, causal, window_size, softcap, num_splits, pack_gqa, backend,
-            batch_invariant=False, fp8_two_level_interval=0) -> Options:
+            batch_invariant=False, fp8_two_level_interval=0, sm_margin=0) -> Options:
     """Validate and normalise the keyword arguments shared by the forward entry points."""
     scale = softmax_scale(scale, d ** -0.5)
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
@@ -220,7 +225,31 @@ def options(d: int, scale, causal, window_size, softcap, num_splits, pack_gqa, b
         raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__}")
     return Options(scale, float(softcap), causal, window_left, window_right, pack_gqa,
                    int_arg("num_splits", num_splits, 0, MAX_SPLITS), backend_name(backend), batch_invariant,
-                   two_level_interval(fp8_two_level_interval))
+                   two_level_interval(fp8_two_level_interval), int_arg("sm_margin", sm_margin, 0, INT32_MAX))
+
+
+def fa3_keywords(qv=None, attention_chunk=0, rotary_seqlens=None, deterministic=False, scheduler_metadata=None):
+    """FA3's keywords with no effect here, accepted at their defaults so that FA3 calls run
+    unchanged: ``deterministic`` (the forward is deterministic: fixed split and combine
+    orders, no atomics; FA3's flag chooses a backward) and ``scheduler_metadata`` (FA3's
+    ``get_scheduler_metadata`` result; not needed: plans come from shapes, on the host).
+    Those asking for what is not built are refused: ``qv`` (FA3's extra query-value
+    product of absorbed MLA; MLA decode is ``flash_mla_decode``), ``attention_chunk > 0``
+    (chunked local attention) and ``rotary_seqlens`` (rotary positions apart from the
+    cache lengths)."""
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    if scheduler_metadata is not None and not isinstance(scheduler_metadata, torch.Tensor):
+        raise TypeError(f"scheduler_metadata must be a tensor or None, got {type(scheduler_metadata).__name__}")
+    if qv is not None:
+        raise NotImplementedError("qv (FA3's query-value product of absorbed MLA) is not supported: MLA decode is "
+                                  "flash_attn_cute.flash_mla_decode")
+    if int_arg("attention_chunk", attention_chunk, 0, INT32_MAX):
+        raise NotImplementedError(f"attention_chunk={attention_chunk} (chunked local attention) is not supported; "
+                                  "pass 0")
+    if rotary_seqlens is not None:
+        raise NotImplementedError("rotary_seqlens (rotary positions apart from cache_seqlens) is not supported: "
+                                  "the keys and queries are rotated at their cache positions")
 
 
 def two_level_interval(n) -> int:

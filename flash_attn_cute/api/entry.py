@@ -49,6 +49,7 @@ class Checked(NamedTuple):
     num_splits: int = 0
     pack_gqa: Optional[bool] = None
     extra: object = None
+    sm_margin: int = 0  # SMs the call leaves free (FA3's keyword; ``seam.resolve``)
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ def run(spec: Spec, args: dict):
         return spec.empty(checked)
     problem = checked.problem
     resolved = seam.resolve(problem, checked.requested, checked.num_splits, checked.pack_gqa,
-                            checked.args[spec.device_arg].device, tuning.from_env())
+                            checked.args[spec.device_arg].device, tuning.from_env(), checked.sm_margin)
     entry = call_cache.Entry(problem, resolved, checked.out_shape, checked.lse_shape, checked.extra)
     result = launch(spec, entry, checked.args)
     call_cache.store(call_cache.same(key, tuple(args.get(n) for n in spec.inputs),

@@ -28,7 +28,7 @@ Q3 = "(total_q, nheads, headdim)"
 # Cache-key arguments shared by the forward entry points (beyond their tensors).
 OPTION_ARGS = ("softmax_scale", "causal", "softcap", "num_splits", "pack_gqa", "return_lse", "backend",
             "batch_invariant", "score_mod", "mask_mod", "block_mask", "window_size", *checks.CP_ARGS,
-            "fp8_two_level_interval")
+            "fp8_two_level_interval", "sm_margin", *checks.FA3_ARGS)
 VARIANT_ARGS = ("q_descale", "k_descale", "v_descale", "aux_tensors")
 
 
@@ -91,7 +91,7 @@ def checked(args: dict, dims: Dims, opts: checks.Options, variant, seqlens_fill=
     problem = None if empty else fwd_problem(args, dims, opts, variant, flags, cp)
     block_ranges = None if variant is None else variant[2]
     return Checked(args, problem, out_shape, lse_shape, opts.backend, opts.num_splits, opts.pack_gqa,
-                   FwdExtra(seqlens_fill, block_ranges, append))
+                   FwdExtra(seqlens_fill, block_ranges, append), opts.sm_margin)
 
 
 def launch_tensors(entry, args: dict, out, lse, **given):
@@ -146,11 +146,13 @@ def user_variant_of(args: dict, opts: checks.Options, dims: Dims, max_seqlen_k: 
 
 
 def options_of(args: dict, d: int) -> checks.Options:
-    """``checks.options`` of the call's softmax and planning arguments."""
+    """``checks.options`` of the call's softmax and planning arguments (FA3's keywords that
+    change nothing checked too, ``checks.fa3_keywords``)."""
+    checks.fa3_keywords(**{n: args[n] for n in checks.FA3_ARGS if n in args})
     return checks.options(d, args.get("softmax_scale"), args.get("causal", False), args.get("window_size", (-1, -1)),
                           args.get("softcap", 0.0), args.get("num_splits", 1), args.get("pack_gqa"),
                           args.get("backend"), args.get("batch_invariant", False),
-                          args.get("fp8_two_level_interval", 0))
+                          args.get("fp8_two_level_interval", 0), args.get("sm_margin", 0))
 
 
 def _device(args: dict, names: tuple) -> None:
@@ -165,6 +167,7 @@ def traced(kind: str):
         refuse_untraceable(args)
         # The op does not carry it (it only changes FP8 kernels, which are not traced): checked here.
         checks.two_level_interval(args.get("fp8_two_level_interval", 0))
+        checks.fa3_keywords(**{n: args[n] for n in checks.FA3_ARGS if n in args})
         return traced_call(kind, args)
 
     return call
@@ -182,6 +185,9 @@ def refuse_untraceable(args: dict) -> None:
                                   "yet: call flash_attn_cute outside the compiled region")
     if args.get("cp_world_size", 1) != 1:
         raise NotImplementedError("cp_world_size > 1 is not traceable by torch.compile yet: call flash_attn_cute "
+                                  "outside the compiled region")
+    if args.get("sm_margin", 0) != 0:
+        raise NotImplementedError("sm_margin > 0 is not traceable by torch.compile yet: call flash_attn_cute "
                                   "outside the compiled region")
     if any(args.get(n) is not None for n in ("k_new", "v_new", "rotary_cos", "rotary_sin", "cache_batch_idx",
                                              "cache_leftpad")):

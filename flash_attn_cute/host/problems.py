@@ -217,6 +217,9 @@ class FwdPlan(NamedTuple):
     config: tuple
     pack_gqa: bool
     num_splits: int
+    # SMs the call leaves free (FA3's ``sm_margin``): the split heuristic and persistent grids
+    # count the others (set by ``seam.resolve``; not a compile-key input)
+    sm_margin: int = 0
 
     @property
     def is_split(self) -> bool:

@@ -171,18 +171,18 @@ def clear_plan_cache() -> None:
 
 
 def _resolve(problem, requested: Optional[str], num_splits: int, pack_gqa: Optional[bool], device,
-             tuning: Tuning) -> Resolved:
+             tuning: Tuning, sm_margin: int) -> Resolved:
     parts = mixed_parts(problem, num_splits)
     if len(parts) == 2:
         (short, short_splits), (rest, rest_splits) = parts
-        return _resolve(short, requested, short_splits, pack_gqa, device, tuning)._replace(
-            then=_resolve(rest, requested, rest_splits, pack_gqa, device, tuning))
+        return _resolve(short, requested, short_splits, pack_gqa, device, tuning, sm_margin)._replace(
+            then=_resolve(rest, requested, rest_splits, pack_gqa, device, tuning, sm_margin))
     name, module = select_backend(requested, problem, device)
-    num_sms = heuristics.num_sms(device) if num_splits == 0 else None
+    num_sms = max(1, heuristics.num_sms(device) - sm_margin) if num_splits == 0 else None
     # The arch the launcher compiles for, from the call's device: a planner whose config
     # depends on it (SM100's sm_103 rule, SM80's shared memory) plans what it compiles.
     arch = arch_of_capability(torch.cuda.get_device_capability(device))
-    plan = module.plan(problem, num_splits, pack_gqa, num_sms, tuning=tuning, arch=arch)
+    plan = module.plan(problem, num_splits, pack_gqa, num_sms, tuning=tuning, arch=arch)._replace(sm_margin=sm_margin)
     combine = None
     if plan.is_split:
         combine = combine_launcher(problem.out_dtype, problem.d_v, problem.has_lse, problem.has_sink,
@@ -191,13 +191,15 @@ def _resolve(problem, requested: Optional[str], num_splits: int, pack_gqa: Optio
 
 
 def resolve(problem, requested: Optional[str], num_splits: int, pack_gqa: Optional[bool], device,
-            tuning: Tuning = NO_TUNING) -> Resolved:
+            tuning: Tuning = NO_TUNING, sm_margin: int = 0) -> Resolved:
     """Backend, plan, bound launcher and combine for a problem of any kind, cached per
-    distinct call (the tuning overrides are part of the key)."""
-    cache_key = (problem, requested, num_splits, pack_gqa, device, tuning)
+    distinct call (the tuning overrides are part of the key). ``sm_margin``: SMs the call
+    leaves free (FA3's keyword, for kernels that run beside it, e.g. communication): the
+    split heuristic (``num_splits=0``) and persistent grids count the others."""
+    cache_key = (problem, requested, num_splits, pack_gqa, device, tuning, sm_margin)
     hit = _plan_cache.get(cache_key)
     if hit is None:
-        hit = _resolve(problem, requested, num_splits, pack_gqa, device, tuning)
+        hit = _resolve(problem, requested, num_splits, pack_gqa, device, tuning, sm_margin)
         if len(_plan_cache) >= _PLAN_CACHE_SIZE:
             _plan_cache.clear()
         _plan_cache[cache_key] = hit

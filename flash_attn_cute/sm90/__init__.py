@@ -219,7 +219,8 @@ def persistent(problem: FwdProblem, fits: bool, override: Optional[str] = None) 
 def _extra_scalars(problem: FwdProblem, plan: FwdPlan, device) -> tuple:
     """``l2_heads`` (the LPT order's L2 section) and ``max_ctas`` (the persistent grid's
     bound: the SM count of the call's device; 1 where it is unused or there is no GPU)."""
-    max_ctas = heuristics.num_sms(device) if plan.config.persistent and device is not None else 1
+    max_ctas = max(1, heuristics.num_sms(device) - plan.sm_margin) if plan.config.persistent and device is not None \
+        else 1
     return int(heuristics.l2_heads_for(problem.max_seqlen_k, problem.d, problem.d_v)), max_ctas
 
 
