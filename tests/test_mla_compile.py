@@ -180,8 +180,9 @@ def test_mla_head_counts_and_kv_heads_compile(tmp_path):
 # The SM90 TMA kernel (sm90/mla_decode_tma.py, pages of a multiple of 64, 16-bit caches):
 # 64 x 64 S and 64 x 256 P V wgmma, bulk-tensor loads (UTMALDG) arriving on mbarriers
 # (SYNCS), O staged in shared memory and stored a row a thread by bulk copies (UBLKCP),
-# no local memory (O 128 + S 32 + P 16 of 255 registers; 207 at the time of writing), and the wgmma waits of its schedule (17: three or fewer per step and
-# instantiation, never one per HGMMA).
+# no local memory (O 128 + S 32 + P 16 of 255 registers; 207 at the time of writing), and
+# the wgmma waits of its schedule (17: three or fewer per step and instantiation, never one
+# per HGMMA).
 TMA_CONFIGS = [("bf16", 64, False, False, False, 0), ("fp16", 128, True, True, True, 0),
                ("bf16", "2/hkv", True, True, True, 128), ("bf16", 100, "cp", False, True, 0)]
 TMA_SASS_EXPECT = ["HGMMA.64x64x16.F32", "HGMMA.64x256x16.F32", "UTMALDG", "MUFU.EX2", "SYNCS", "STSM", "UBLKCP"]
