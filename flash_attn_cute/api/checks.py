@@ -228,15 +228,17 @@ def options(d: int, scale, causal, window_size, softcap, num_splits, pack_gqa, b
                    two_level_interval(fp8_two_level_interval), int_arg("sm_margin", sm_margin, 0, INT32_MAX))
 
 
-def fa3_keywords(qv=None, attention_chunk=0, rotary_seqlens=None, deterministic=False, scheduler_metadata=None):
-    """FA3's keywords with no effect here, accepted at their defaults so that FA3 calls run
-    unchanged: ``deterministic`` (the forward is deterministic: fixed split and combine
+def fa3_keywords(args: dict) -> None:
+    """The ``FA3_ARGS`` of a call's arguments (absent ones at their defaults). FA3's keywords
+    with no effect here are accepted so that FA3 calls run unchanged: ``deterministic`` (the forward is deterministic: fixed split and combine
     orders, no atomics; FA3's flag chooses a backward) and ``scheduler_metadata`` (FA3's
     ``get_scheduler_metadata`` result; not needed: plans come from shapes, on the host).
     Those asking for what is not built are refused: ``qv`` (FA3's extra query-value
     product of absorbed MLA; MLA decode is ``flash_mla_decode``), ``attention_chunk > 0``
     (chunked local attention) and ``rotary_seqlens`` (rotary positions apart from the
     cache lengths)."""
+    qv, attention_chunk, rotary_seqlens = args.get("qv"), args.get("attention_chunk", 0), args.get("rotary_seqlens")
+    deterministic, scheduler_metadata = args.get("deterministic", False), args.get("scheduler_metadata")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     if scheduler_metadata is not None and not isinstance(scheduler_metadata, torch.Tensor):

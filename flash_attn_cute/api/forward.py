@@ -148,7 +148,7 @@ def user_variant_of(args: dict, opts: checks.Options, dims: Dims, max_seqlen_k: 
 def options_of(args: dict, d: int) -> checks.Options:
     """``checks.options`` of the call's softmax and planning arguments (FA3's keywords that
     change nothing checked too, ``checks.fa3_keywords``)."""
-    checks.fa3_keywords(**{n: args[n] for n in checks.FA3_ARGS if n in args})
+    checks.fa3_keywords(args)
     return checks.options(d, args.get("softmax_scale"), args.get("causal", False), args.get("window_size", (-1, -1)),
                           args.get("softcap", 0.0), args.get("num_splits", 1), args.get("pack_gqa"),
                           args.get("backend"), args.get("batch_invariant", False),
@@ -167,7 +167,7 @@ def traced(kind: str):
         refuse_untraceable(args)
         # The op does not carry it (it only changes FP8 kernels, which are not traced): checked here.
         checks.two_level_interval(args.get("fp8_two_level_interval", 0))
-        checks.fa3_keywords(**{n: args[n] for n in checks.FA3_ARGS if n in args})
+        checks.fa3_keywords(args)
         return traced_call(kind, args)
 
     return call

@@ -136,8 +136,7 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     gather_kv = config.gathers_kv(tile[1], problem.page_size, problem.leftpad_k)
     if problem.qkv_fp8 or quantize_q:
         fits = config.fp8_qkv_persistent_fits(d, d_v, tile, gather_kv) and ctas_per_sm == 1
-        persist = fits and (tuning.sm90_persistent != "0" if tuning.sm90_persistent is not None
-                            else fp8_persistent(problem, d, d_v, rows))
+        persist = persistent(problem, fits, tuning.sm90_persistent, fp8_persistent(problem, d, d_v, rows))
     else:  # (the widening kernel: not built persistent)
         fits = not widen and config.persistent_fits(d, d_v, tile, problem.qhead_per_kvhead if pack_gqa else 1,
                                                     problem.varlen_q, num_splits > 1 or split_blocks > 0, gather_kv,
@@ -201,7 +200,7 @@ def quantizes_q(problem: FwdProblem, tuning: Tuning = NO_TUNING) -> bool:
     return tuning.sm90_fp8_kv == "quantize_q" or (problem.variant is None and not problem.cp)
 
 
-def persistent(problem: FwdProblem, fits: bool, override: Optional[str] = None) -> bool:
+def persistent(problem: FwdProblem, fits: bool, override: Optional[str] = None, rule: Optional[bool] = None) -> bool:
     """One CTA per SM looping over the tiles (``PersistentScheduler``), where it fits
     (``config.persistent_fits``) and was measured faster: a local window or a user mask
     (mask_mod, block mask), whose short tiles otherwise pay their pipeline fill and epilogue
@@ -209,9 +208,12 @@ def persistent(problem: FwdProblem, fits: bool, override: Optional[str] = None) 
     sliding window 1024 465 vs 435, document mask (block mask) 262 vs 259; plain causal
     583 vs 594 and non-causal 637 vs 682 are slower (long tiles, little fill to hide; not
     analysed further), decode (B64, 4096 keys, GQA 4) 4.25 vs 4.20 TB/s: left off.
-    ``override`` "0" / "1" (``tuning.sm90_persistent``) replaces the rule where it fits."""
+    ``override`` "0" / "1" (``tuning.sm90_persistent``) replaces the rule where it fits;
+    ``rule``: another kernel's own rule in place of this one (``fp8_persistent``)."""
     if override is not None:
         return fits and override != "0"
+    if rule is not None:
+        return fits and rule
     user_mask = problem.variant is not None and (problem.variant.mask_mod is not None or problem.variant.block_q > 0)
     return fits and (problem.local or user_mask)
 

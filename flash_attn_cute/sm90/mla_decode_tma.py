@@ -233,11 +233,11 @@ class MlaDecodeSm90Tma:
             sP0: p0_field
 
         # Staged O lies over Q, the buffers and (fp8) V^T: contiguous fields of 1 KB multiples.
-        over = [layouts[0], layouts[1], layouts[2], layouts[3]] + ([layouts[4], layouts[5]] if self.fp8 else [])
-        dtypes = [op_dtype, op_dtype, kv_dtype, kv_dtype] + ([op_dtype, kv_dtype] if self.fp8 else [])
-        assert all(cute.cosize(l) * d.width // 8 % 1024 == 0 for l, d in zip(over, dtypes))
-        assert staged_o_bytes(self.out_dtype, TILE_M, D_CKV) <= sum(
-            cute.cosize(l) * d.width // 8 for l, d in zip(over, dtypes)), "staged O fits over Q and the buffers"
+        over = [(layouts[0], op_dtype), (layouts[1], op_dtype), (layouts[2], kv_dtype), (layouts[3], kv_dtype)]
+        over += [(layouts[4], op_dtype), (layouts[5], kv_dtype)] if self.fp8 else []
+        field_bytes = [cute.cosize(layout) * dtype.width // 8 for layout, dtype in over]
+        assert all(b % 1024 == 0 for b in field_bytes) and staged_o_bytes(self.out_dtype, TILE_M, D_CKV) <= sum(
+            field_bytes), "staged O fits over Q and the buffers"
         # TMA views (page_size, d, [h_kv,] num_pages): a tile is (64, chunk) boxes of one page.
         modes = [1, 3, 2, 0] if args.kv_heads else [1, 2, 0]
         tma_op = cpasync.CopyBulkTensorTileG2SOp()
