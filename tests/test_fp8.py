@@ -256,6 +256,10 @@ def test_fp8_attention_tiles(d, d_v, page_size):
             # persistent: non-causal dense prefill over d 128 where it fits (sm90.fp8_persistent)
             fp8_persistent = rows > 1 and not causal and max(d, d_v) > 128 and m // 64 < 3 and not page_size
             assert config.persistent == (fp8_persistent and sm90.FP8_PERSISTENT_DEFAULT), config
+            # 16-bit queries over the e4m3 cache (quantized in the kernel): one tile per CTA
+            p16 = p._replace(dtype=torch.bfloat16, kv_dtype=E4M3)
+            assert not sm90.plan(p16, 1, None, 132).config.persistent
+            assert not sm90.plan(p16, 1, None, 132, tuning=Tuning(sm90_persistent="1")).config.persistent
             knob = sm90.plan(p, 1, None, 132, tuning=Tuning(sm90_persistent="1")).config
             assert knob.persistent == (m // 64 < 3 and knob.ctas_per_sm == 1), knob
             # decode (one row) at d <= 128: two CTAs a SM (config.fp8_qkv_decode_tile)

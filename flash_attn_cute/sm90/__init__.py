@@ -135,7 +135,8 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
                                            tolerance=_SPLIT_TOLERANCE)
     gather_kv = config.gathers_kv(tile[1], problem.page_size, problem.leftpad_k)
     if problem.qkv_fp8 or quantize_q:
-        fits = config.fp8_qkv_persistent_fits(d, d_v, tile, gather_kv) and ctas_per_sm == 1
+        # (16-bit queries quantized in the kernel: one tile per CTA, ``flash_fwd``)
+        fits = config.fp8_qkv_persistent_fits(d, d_v, tile, gather_kv) and ctas_per_sm == 1 and not quantize_q
         persist = persistent(problem, fits, tuning.sm90_persistent, fp8_persistent(problem, d, d_v, rows))
     else:  # (the widening kernel: not built persistent)
         fits = not widen and config.persistent_fits(d, d_v, tile, problem.qhead_per_kvhead if pack_gqa else 1,
