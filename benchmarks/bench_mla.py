@@ -76,27 +76,37 @@ def parse_args(argv=None):
     p.add_argument("--heads", default=None, help="head counts (comma list) to run each row at, instead of its own")
     p.add_argument("--peers", default=",".join(ALL_PEERS), help="peers to run (comma list): flashmla, fa3, fa2")
     p.add_argument("--no-peers", action="store_true", help="run no peer")
+    p.add_argument("--schedule", action="store_true",
+                   help="also our SM90 rows over a device schedule (get_mla_metadata, once a row, untimed)")
+    p.add_argument("--skewed", action="store_true",
+                   help="lengths drawn uniformly from [1, 2 x seqlen) per sequence instead of seqlen each")
     p.add_argument("--no-md", action="store_true")
     p.add_argument("--csv", default=None)
     return p.parse_args(argv)
 
 
-def make_inputs(batch, seqlen, page, heads, dtype):
+def make_inputs(batch, seqlen, page, heads, dtype, skewed=False):
+    """A row's tensors; ``skewed``: lengths uniform in [1, 2 seqlen) (seeded), the table
+    sized for the longest."""
     import torch
 
     torch.manual_seed(0)
-    pages_per_seq = -(-seqlen // page)
+    lengths = torch.randint(1, 2 * seqlen, (batch,), dtype=torch.int32) if skewed else None
+    pages_per_seq = -(-(2 * seqlen if skewed else seqlen) // page)
     q_nope, q_pe = randn(batch, 1, heads, 512, dtype=dtype), randn(batch, 1, heads, 64, dtype=dtype)
     ckv = randn(batch * pages_per_seq, page, 512, dtype=dtype)
     kpe = randn(batch * pages_per_seq, page, 64, dtype=dtype)
     table = torch.randperm(batch * pages_per_seq, device=common.DEVICE).view(batch, -1).to(torch.int32)
-    seqlens = torch.full((batch,), seqlen, dtype=torch.int32, device=common.DEVICE)
+    seqlens = torch.full((batch,), seqlen, dtype=torch.int32, device=common.DEVICE) if lengths is None else \
+        lengths.to(common.DEVICE)
     return q_nope, q_pe, ckv, kpe, seqlens, table
 
 
-def row_bytes_flops(batch, seqlen, heads, cache_elem=2):
-    nbytes = batch * seqlen * (512 + 64) * cache_elem + batch * heads * (512 + 64 + 512) * 2
-    return nbytes, 2 * batch * heads * seqlen * (576 + 512)
+def row_bytes_flops(batch, seqlen, heads, cache_elem=2, keys=None):
+    """(bytes, flops) of a row; ``keys``: the batch's total cached length (default batch x seqlen)."""
+    keys = batch * seqlen if keys is None else keys
+    nbytes = keys * (512 + 64) * cache_elem + batch * heads * (512 + 64 + 512) * 2
+    return nbytes, 2 * heads * keys * (576 + 512)
 
 
 def flashinfer_call(inputs, page, heads, peer, workspace=None):
@@ -207,7 +217,7 @@ def references(inputs, fp8_wgmma=False, quantize_q=False, **kw):
     cache): the reference on the queries as quantized (``quantize_q``: by the kernel), and
     PyTorch's FP8 algorithm there (P rounded to e4m3), 3x (as ``tests/test_mla_gpu.py``)."""
     q_nope, _, _, _, seqlens, table = inputs
-    if q_nope.shape[0] * int(seqlens[0]) * q_nope.shape[2] > REF_LIMIT:
+    if q_nope.shape[0] * int(seqlens.max()) * q_nope.shape[2] > REF_LIMIT:
         return None
     import torch
 
@@ -234,8 +244,9 @@ def fp8_peer_inputs(fa, inputs):
     return (q_nope, q_pe, both[..., 0, :512].contiguous(), both[..., 0, 512:].contiguous(), seqlens, table), descale
 
 
-def one_row(fa, backend, inputs, page, heads, refs, fp8=False):
-    """``refs``: the 16-bit row's ``references`` (an FP8 row computes its own)."""
+def one_row(fa, backend, inputs, page, heads, refs, fp8=False, schedule=False):
+    """``refs``: the 16-bit row's ``references`` (an FP8 row computes its own);
+    ``schedule``: over ``get_mla_metadata``'s schedule, made once before the timing."""
     import torch
 
     from flash_attn_cute import seam
@@ -246,6 +257,8 @@ def one_row(fa, backend, inputs, page, heads, refs, fp8=False):
     batch, pages_per_seq = table.shape
     seqlen = int(seqlens[0])
     kw, cache_elem = {}, 2
+    if schedule:
+        kw["scheduler_metadata"] = fa.get_mla_metadata(seqlens, heads)
     if fp8:  # one scale for a token's 576 values
         both, kw["kv_descale"] = fa.quantize_fp8(torch.cat([ckv, kpe], -1).unsqueeze(2), granularity="tensor")
         ckv, kpe, cache_elem = both[..., 0, :512].contiguous(), both[..., 0, 512:].contiguous(), 1
@@ -256,7 +269,7 @@ def one_row(fa, backend, inputs, page, heads, refs, fp8=False):
     args = (q_nope, q_pe, ckv, kpe, seqlens, table)
     fn = lambda: fa.flash_mla_decode(*args, backend=backend, **kw)
     ms = bench(fn, graph=True)
-    nbytes, flops = row_bytes_flops(batch, seqlen, heads, cache_elem)
+    nbytes, flops = row_bytes_flops(batch, seqlen, heads, cache_elem, int(seqlens.sum()))
     wgmma8 = backend == "sm90" and page % 64 == 0  # fp8 wgmma (``sm90.mla.uses_tma``)
     if fp8 == "q":  # the reference on the dequantized queries
         q_deq = torch.cat([q_nope, q_pe], -1).float() * kw["q_descale"]
@@ -268,6 +281,10 @@ def one_row(fa, backend, inputs, page, heads, refs, fp8=False):
     problem = MlaProblem(dtype=q_nope.dtype, batch=batch, max_seqlen_q=1, max_seqlen_k=pages_per_seq * page,
                          nheads=heads, page_size=page, softmax_scale=576 ** -0.5, causal=False, has_lse=False,
                          kv_dtype=ckv.dtype if fp8 else None)
+    if schedule:
+        from flash_attn_cute.host.mla_schedule import parts_of
+
+        problem = problem._replace(schedule_parts=parts_of(kw["scheduler_metadata"].numel(), batch))
     plan = seam.resolve(problem, backend, 0, None, q_nope.device, tuning.from_env()).plan
     return ms, nbytes / (ms * 1e-3) / 1e12, flops / (ms * 1e-3) / 1e12, correct, f"splits={plan.num_splits}"
 
@@ -308,41 +325,44 @@ def main(argv=None):
     rows = []
     peers = [] if args.no_peers else args.peers.split(",")
     for batch, seqlen, page, heads in picked:
-        inputs = make_inputs(batch, seqlen, page, heads, dtype)
-        nbytes, _ = row_bytes_flops(batch, seqlen, heads)
+        inputs = make_inputs(batch, seqlen, page, heads, dtype, args.skewed)
+        keys = int(inputs[4].sum())
+        nbytes, _ = row_bytes_flops(batch, seqlen, heads, keys=keys)
         refs = references(inputs)
         fi_peers = [p for p in peers if p in PEERS]
         peer_ms, peer_ok = flashinfer_times(inputs, page, heads, fi_peers, refs) if fi_peers else ({}, {})
         peer_tbps = {p: nbytes / (ms * 1e-3) / 1e12 for p, ms in peer_ms.items()}
         mla_ms = {False: flashmla_time(inputs, page, heads, refs) if "flashmla" in peers else (None, None)}
-        base_us = None  # the backend's 16-bit row, for the FP8 rows' vs_16bit
-        for backend, fp8 in ((b, f) for b in backends for f in (False, True, "q")[:1 + 2 * args.fp8]):
+        base_us = {}  # the backend's 16-bit rows (by schedule), for the FP8 rows' vs_16bit
+        combos = [(b, f, s) for b in backends for f in (False, True, "q")[:1 + 2 * args.fp8]
+                  for s in (False, True)[:1 + (args.schedule and b == "sm90" and page % 64 == 0)]]
+        for backend, fp8, sched in combos:
             mode = os.environ.get("FLASH_ATTN_CUTE_MLA_SM90_QK") if backend == "sm90" else None
             if fp8 == "q" and backend != "sm90":
                 continue  # FP8 queries: the SM90 TMA kernel alone
             row = dict(impl=f"flash_attn_cute {backend}" + (f" qk={mode}" if mode else "")
-                       + {False: "", True: " fp8", "q": " fp8 q"}[fp8],
+                       + {False: "", True: " fp8", "q": " fp8 q"}[fp8] + (" sched" if sched else ""),
                        batch=batch, seqlen=seqlen, page=page, heads=heads,
                        fi_fa3=peer_tbps.get("fa3"), fi_fa2=peer_tbps.get("fa2"),
                        fi_correct="/".join(f"{p} {peer_ok[p]}" for p in PEERS if p in peer_ok))
             try:
-                ms, tbps, tflops, correct, note = one_row(fa, backend, inputs, page, heads, refs, fp8)
+                ms, tbps, tflops, correct, note = one_row(fa, backend, inputs, page, heads, refs, fp8, sched)
                 row.update(time_us=ms * 1e3, tbps=tbps, tflops=tflops, correct=correct, note=note)
                 if fp8 and "flashmla" in peers and True not in mla_ms:
                     fp8_inputs, descale = fp8_peer_inputs(fa, inputs)
                     mla_ms[True] = flashmla_time(fp8_inputs, page, heads, kv_descale=descale)
                 peer_time, peer_correct = mla_ms.get(bool(fp8), (None, None))
                 if peer_time:
-                    peer_bytes = row_bytes_flops(batch, seqlen, heads, 1 if fp8 else 2)[0]
+                    peer_bytes = row_bytes_flops(batch, seqlen, heads, 1 if fp8 else 2, keys)[0]
                     row["flashmla"] = peer_bytes / (peer_time * 1e-3) / 1e12
                     row["x_flashmla"] = peer_time / ms
                     if peer_correct is not None:
                         row["fi_correct"] = "/".join(x for x in (row["fi_correct"], f"flashmla {peer_correct}") if x)
                 if fp8:  # FP8 TB/s count the cache at a byte a value: no ratio to 16-bit peers
-                    if base_us:  # the 16-bit row before, same shape
-                        row["vs_16bit"] = base_us / row["time_us"]
+                    if base_us.get(sched):  # the 16-bit row before, same shape and schedule
+                        row["vs_16bit"] = base_us[sched] / row["time_us"]
                 else:
-                    base_us = row["time_us"]
+                    base_us[sched] = row["time_us"]
                     for p in PEERS:
                         if row[f"fi_{p}"]:
                             row[f"x_{p}"] = tbps / row[f"fi_{p}"]

@@ -14,7 +14,7 @@ from flash_attn_cute.interface import (BACKENDS, MAX_SPLITS, SUPPORTED_DTYPES, S
 from flash_attn_cute import mods
 from flash_attn_cute.host.block_mask import BlockMask, create_block_mask
 from flash_attn_cute.host.fp8 import quantize_fp8
-from flash_attn_cute.mla import flash_mla_decode
+from flash_attn_cute.mla import flash_mla_decode, get_mla_metadata
 from flash_attn_cute.host.user_variants import VariantCompileError
 
 try:
@@ -28,6 +28,7 @@ __all__ = [
     "flash_attn_with_kvcache",
     "flash_attn_combine",
     "flash_mla_decode",
+    "get_mla_metadata",
     "create_block_mask",
     "quantize_fp8",
     "BlockMask",

@@ -21,13 +21,42 @@ from flash_attn_cute.host.constants import D_CKV, D_KPE, MLA_MAX_NHEADS, MLA_NHE
 from flash_attn_cute.host.problems import MlaProblem
 from flash_attn_cute.host.registry import MLA_BACKENDS
 
-__all__ = ["flash_mla_decode", "MlaProblem", "MLA_BACKENDS", "MLA_NHEADS", "MLA_MAX_NHEADS", "D_CKV", "D_KPE"]
+__all__ = ["flash_mla_decode", "get_mla_metadata", "MlaProblem", "MLA_BACKENDS", "MLA_NHEADS", "MLA_MAX_NHEADS", "D_CKV", "D_KPE"]
+
+
+def get_mla_metadata(cache_seqlens, nheads: int, nheads_kv: int = 1, seqlen_q: int = 1, num_sms=None):
+    """A length-balanced split schedule for ``flash_mla_decode(..., scheduler_metadata=)``
+    (FlashMLA's ``get_mla_metadata``), computed on the device from ``cache_seqlens``
+    ``(batch,)`` int32 by one small kernel, with no host sync (CUDA-graph safe): call it once
+    per decode step, after the lengths are set, and hand the result to every layer's call.
+    ``nheads`` (query heads), ``nheads_kv`` and ``seqlen_q`` as the decode calls have them;
+    ``num_sms``: the SMs to spread over (default: the device's). Returns an int32 tensor.
+
+    The SM90 MLA kernel over pages of a multiple of 64 runs it: each sequence is cut into
+    pieces by its length so that the pieces of the whole batch fill the SMs evenly
+    (``host/mla_schedule.py``); a sequence of one piece is written whole, the others are
+    merged by the combine. Other kernels, an explicit ``num_splits``, ``batch_invariant``
+    and context parallelism plan their splits on the host and ignore it. A schedule made
+    from other lengths than the call's gives wrong results (as FlashMLA's)."""
+    import torch
+
+    from flash_attn_cute.host import heuristics
+    from flash_attn_cute.host.mla_schedule import schedule_numel, schedule_parts
+    from flash_attn_cute.kernels.mla_schedule import launch_schedule
+
+    mla_call.check_schedule_args(cache_seqlens, nheads, nheads_kv, seqlen_q)
+    slices = -(-seqlen_q * (nheads // nheads_kv) // 64) * nheads_kv
+    parts = schedule_parts(num_sms or heuristics.num_sms(cache_seqlens.device), slices)
+    batch = cache_seqlens.shape[0]
+    schedule = torch.empty(schedule_numel(parts, batch), dtype=torch.int32, device=cache_seqlens.device)
+    launch_schedule(cache_seqlens, schedule, 2**31 - 1, parts)  # the kernels clamp lengths to their tables
+    return schedule
 
 
 def flash_mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_table, *, softmax_scale=None,
                      causal=False, num_splits=0, return_lse=False, out=None, backend=None, batch_invariant=False,
-                     kv_descale=None, q_descale=None, cp_world_size=1, cp_rank=0, cp_tot_seqused_k=None,
-                     cp_kv_interleave=1):
+                     kv_descale=None, q_descale=None, scheduler_metadata=None, cp_world_size=1, cp_rank=0,
+                     cp_tot_seqused_k=None, cp_kv_interleave=1):
     """MLA decode against a paged latent cache.
 
     q_nope ``(batch, seqlen_q, nheads, 512)``, q_pe ``(batch, seqlen_q, nheads, 64)``;
@@ -47,6 +76,9 @@ def flash_mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, page_tab
     ``num_splits``: 0 = heuristic from the shapes, 1 = none, n = n KV splits.
     ``batch_invariant=True``: a sequence's output and LSE are bitwise the same whatever else
     is in the batch (a fixed number of keys per KV split; ``num_splits`` is then ignored).
+    ``scheduler_metadata``: ``get_mla_metadata(cache_seqlens, ...)`` of this step's lengths
+    (FlashMLA's ``tile_scheduler_metadata``): the KV splits follow each sequence's length
+    instead of the table's capacity (SM90, pages of a multiple of 64; see there).
 
     FP8 latent cache: ``ckv_cache`` and ``kpe_cache`` both ``float8_e4m3fn`` (or
     ``float8_e5m2``), the queries fp16/bf16, and ``kv_descale`` fp32 (one element, or

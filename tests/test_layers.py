@@ -130,7 +130,8 @@ def test_host_tensor_lists_are_the_kernels_argument_lists(kernel_args, path, hos
 
     snake = {"mQ": "q", "mK": "k", "mV": "v", "mO": "out", "mLSE": "lse", "mSeqUsedK": "seqused_k",
              "mSeqUsedQ": "seqused_q", "mQn": "q_nope", "mQp": "q_pe", "mCkv": "ckv", "mKpe": "kpe",
-             "mSeqlens": "cache_seqlens", "mKvDescale": "kv_descale", "mCpTotSeqlenK": "cp_tot_seqused_k"}
+             "mSeqlens": "cache_seqlens", "mKvDescale": "kv_descale", "mCpTotSeqlenK": "cp_tot_seqused_k",
+             "mOPartial": "o_partial", "mLSEPartial": "lse_partial"}
 
     def name(field):
         if field in snake:

@@ -184,7 +184,8 @@ def test_mla_head_counts_and_kv_heads_compile(tmp_path):
 # the wgmma waits of its schedule (17: three or fewer per step and instantiation, never one
 # per HGMMA).
 TMA_CONFIGS = [("bf16", 64, False, False, False, 0), ("fp16", 128, True, True, True, 0),
-               ("bf16", "2/hkv", True, True, True, 128), ("bf16", 100, "cp", False, True, 0)]
+               ("bf16", "2/hkv", True, True, True, 128), ("bf16", 100, "cp", False, True, 0),
+               ("bf16", 128, True, "schedule", True, 0)]  # a device schedule (kernels/mla_schedule.py)
 TMA_SASS_EXPECT = ["HGMMA.64x64x16.F32", "HGMMA.64x256x16.F32", "UTMALDG", "MUFU.EX2", "SYNCS", "STSM", "UBLKCP"]
 
 
@@ -200,7 +201,8 @@ def test_mla_sm90_tma_compiles_and_sass(tmp_path):
 # queries, "e4m3/e4m3", loaded as they are); no local memory (222 registers at the time of
 # writing), the same 17 waits.
 TMA_FP8_CONFIGS = [("bf16/e4m3", 64, False, False, False, 0), ("fp16/e4m3", "2/hkv", True, True, True, 128),
-                   ("bf16/e4m3", 100, "cp", True, True, 0), ("e4m3/e4m3", 128, True, True, True, 0)]
+                   ("bf16/e4m3", 100, "cp", True, True, 0), ("e4m3/e4m3", 128, True, True, True, 0),
+                   ("bf16/e4m3", 64, False, "schedule", False, 0)]
 TMA_FP8_SASS_EXPECT = ["QGMMA.64x64x32.F32.E4M3.E4M3", "QGMMA.64x256x32.F32.E4M3.E4M3", "UTMALDG", "LDSM", "PRMT",
                        "STSM", "MUFU.EX2", "SYNCS", "UBLKCP"]
 

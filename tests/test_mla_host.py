@@ -219,7 +219,7 @@ def test_sm90_seam_key_roles_and_selection(monkeypatch):
     assert plan.backend == "sm90" and plan.num_splits == 3
     default = sm90.compile_key(p, plan, "sm_90a")
     assert default[:8] == ("mla_sm90", "sm_90a", "bf16", 128, True, True, True, 0)
-    assert default[8] == (32, 4, "seesaw") and plan.config == (32, 4, "seesaw", 0, 0)
+    assert default[8] == (32, 4, "seesaw") and plan.config == (32, 4, "seesaw", 0, 0, False)
     one = sm90.plan(p, 3, None, None, tuning=Tuning(mla_sm90_qk="one"))
     assert sm90.compile_key(p, one, "sm_90a")[8] == (32, 4, "one")
     split = sm90.plan(p, 3, None, None, tuning=Tuning(mla_sm90_qk="split"))

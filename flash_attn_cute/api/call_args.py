@@ -175,6 +175,11 @@ class MlaTensors(NamedTuple):
     q_descale: Optional[torch.Tensor] = None  # the same for FP8 queries
     cp_tot_seqused_k: Optional[torch.Tensor] = None  # context parallelism (``cp_tensors``)
     cp_info: Optional[torch.Tensor] = None
+    # a device-computed schedule (``scheduler_metadata``) and, on a scheduled plan, the fp32
+    # partials beside out / lse (``MlaProblem.scheduled_partials``)
+    schedule: Optional[torch.Tensor] = None
+    o_partial: Optional[torch.Tensor] = None
+    lse_partial: Optional[torch.Tensor] = None
 
 
 FLAGS = {arg.slot: arg.flag for arg in ARGS.values() if arg.flag}

@@ -129,6 +129,36 @@ def kv_descale_view(problem: MlaProblem, kv_descale, device, fp8: bool = None):
     return kv_descale.reshape(problem.batch, -1).expand(problem.batch, problem.nheads_kv)
 
 
+def check_schedule_args(cache_seqlens, nheads, nheads_kv, seqlen_q) -> None:
+    """``get_mla_metadata``'s arguments."""
+    checks.int32_vector("cache_seqlens", cache_seqlens, cache_seqlens.shape[0] if isinstance(
+        cache_seqlens, torch.Tensor) else 0, "(batch,)")
+    checks.check_device({"cache_seqlens": cache_seqlens})
+    for name, value, low in (("nheads", nheads, 1), ("nheads_kv", nheads_kv, 1), ("seqlen_q", seqlen_q, 1)):
+        checks.int_arg(name, value, low, 1 << 30)
+    if nheads % nheads_kv:
+        raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_kv ({nheads_kv})")
+
+
+def _schedule_parts(schedule, batch: int, device) -> int:
+    """The CTAs per grid slice ``scheduler_metadata`` (``get_mla_metadata``) was made for;
+    0 without one."""
+    if schedule is None:
+        return 0
+    from flash_attn_cute.host.mla_schedule import parts_of
+
+    if not isinstance(schedule, torch.Tensor) or schedule.dtype != torch.int32 or schedule.dim() != 1 \
+            or not schedule.is_contiguous():
+        raise TypeError("scheduler_metadata must be the int32 tensor get_mla_metadata returns")
+    parts = parts_of(schedule.numel(), batch)
+    if parts < 1:
+        raise ValueError(f"scheduler_metadata has {schedule.numel()} elements: not a get_mla_metadata schedule "
+                         f"for a batch of {batch}")
+    if schedule.device != device:
+        raise ValueError(f"scheduler_metadata is on {schedule.device} but q_nope is on {device}")
+    return parts
+
+
 def _validate(args: dict) -> Checked:
     q_nope, q_pe, ckv_cache, kpe_cache, out, scale, num_splits, name = _check(
         args["q_nope"], args["q_pe"], args["ckv_cache"], args["kpe_cache"], args["cache_seqlens"],
@@ -140,6 +170,7 @@ def _validate(args: dict) -> Checked:
     out_shape, lse_shape = (batch, seqlen_q, nheads, D_CKV), (batch, nheads, seqlen_q)
     capacity = args["page_table"].shape[1] * ckv_cache.shape[1]
     cp = checks.context_parallel(args, batch, bool(args.get("causal")), q_nope.device)
+    schedule_parts = _schedule_parts(args.get("scheduler_metadata"), batch, q_nope.device)
     problem = None
     if batch and capacity and ckv_cache.shape[0]:
         problem = MlaProblem(
@@ -147,7 +178,7 @@ def _validate(args: dict) -> Checked:
             page_size=ckv_cache.shape[1], softmax_scale=scale, causal=bool(args.get("causal")),
             has_lse=bool(args.get("return_lse")), batch_invariant=bool(args.get("batch_invariant")),
             kv_dtype=ckv_cache.dtype if ckv_cache.dtype in checks.FP8_DTYPES else None,
-            nheads_kv=ckv_cache.shape[2] if ckv_cache.dim() == 4 else 1, cp=cp)
+            nheads_kv=ckv_cache.shape[2] if ckv_cache.dim() == 4 else 1, cp=cp, schedule_parts=schedule_parts)
     return Checked(args, problem, out_shape, lse_shape, name, num_splits, None)
 
 
@@ -155,10 +186,12 @@ def _tensors(entry, args: dict, out, lse) -> MlaTensors:
     problem = entry.problem
     ckv, kpe = _kernel_caches(problem, args["ckv_cache"], args["kpe_cache"])
     device = args["q_nope"].device
+    # The schedule only where the plan runs it (another kernel plans its splits on the host).
+    schedule = args.get("scheduler_metadata") if entry.resolved.plan.scheduled else None
     return MlaTensors(args["q_nope"], args["q_pe"], ckv, kpe, out, lse, args["cache_seqlens"], args["page_table"],
                       kv_descale_view(problem, args.get("kv_descale"), device),
                       kv_descale_view(problem, args.get("q_descale"), device, problem.q_fp8),
-                      **cp_tensors(problem, args, device))
+                      **cp_tensors(problem, args, device), schedule=schedule)
 
 
 def _empty(c: Checked):
@@ -175,6 +208,6 @@ def _empty(c: Checked):
 
 MLA = Spec("mla", ("q_nope", "q_pe", "ckv_cache", "kpe_cache", "cache_seqlens", "page_table", "out", "kv_descale",
                    "q_descale", "softmax_scale", "causal", "num_splits", "return_lse", "backend", "batch_invariant",
-                   *checks.CP_ARGS),
+                   "scheduler_metadata", *checks.CP_ARGS),
            _validate, _tensors, _empty, lambda args: _out_dtype(args["q_nope"].dtype), device_arg="q_nope",
            inputs=("q_nope", "q_pe", "ckv_cache", "kpe_cache", "out"))

@@ -113,7 +113,7 @@ def compile_fwd(kernel, dtype, d: int, dv: int, arch: str, *, is_split: bool, ha
 
 
 def fake_mla_tensors(dtype, nheads: int, *, is_split: bool, has_lse: bool, kv_dtype=None,
-                     kv_heads: bool = False, cp: bool = False) -> tuple:
+                     kv_heads: bool = False, cp: bool = False, scheduled: bool = False) -> tuple:
     """The MLA kernels' tensor arguments as fake tensors, in their order (``mla_kernel.MlaArgs``):
     q_nope, q_pe, ckv, kpe, O, LSE (None when absent), cache lengths, page table, the
     cache's descale (``kv_dtype`` fp8: fp32 (batch,) of any stride, a broadcast scalar has
@@ -123,7 +123,8 @@ def fake_mla_tensors(dtype, nheads: int, *, is_split: bool, has_lse: bool, kv_dt
     KV-head mode (num_pages, page_size, nheads_kv, d), ``nheads`` then the query heads per KV
     head (the query head count, nheads_kv times it, symbolic like nheads_kv) and the descale
     (batch, nheads_kv). ``cp``: context parallelism's global lengths (b,) and rank (1,),
-    int32 (else None)."""
+    int32 (else None). ``scheduled``: a device-computed schedule (int32, flat) and the
+    fp32 partials beside the output (``mla_kernel.MlaArgs``; else three None)."""
     kv_dtype = kv_dtype or dtype
     split_mode = (None,) if is_split else ()
     out_dtype = cutlass.Float32 if is_split else (cutlass.BFloat16 if dtype.width == 8 else dtype)
@@ -145,16 +146,19 @@ def fake_mla_tensors(dtype, nheads: int, *, is_split: bool, has_lse: bool, kv_dt
         if dtype.width == 8 else None,
         fake_tensor(cutlass.Int32, 1, align=4) if cp else None,
         fake_tensor(cutlass.Int32, 1, align=4) if cp else None,
+        fake_tensor(cutlass.Int32, 1, align=4) if scheduled else None,
+        fake_tensor(cutlass.Float32, 5, shape=(None, None, None, q_heads, D_CKV)) if scheduled else None,
+        fake_tensor(cutlass.Float32, 4, align=4) if scheduled else None,
     )
 
 
 def compile_mla(kernel, dtype, nheads: int, arch: str, *, is_split: bool, has_lse: bool, kv_dtype=None,
-                kv_heads: bool = False, cp: bool = False):
+                kv_heads: bool = False, cp: bool = False, scheduled: bool = False):
     """``cute.compile`` of an MLA kernel on its fake arguments: the tensors of
     ``fake_mla_tensors``, then softmax_scale, num_splits, max_seqlen_q, batch (runtime
     values; placeholders here), then the stream."""
-    tensors = fake_mla_tensors(dtype, nheads, is_split=is_split, has_lse=has_lse, kv_dtype=kv_dtype,
-                               kv_heads=kv_heads, cp=cp)
+    tensors = fake_mla_tensors(dtype, nheads, is_split=is_split is True, has_lse=has_lse, kv_dtype=kv_dtype,
+                               kv_heads=kv_heads, cp=cp, scheduled=scheduled)
     F32, I32 = cutlass.Float32, cutlass.Int32
     return cute.compile(kernel, *tensors, F32(1.0), I32(1), I32(1), I32(1), fake_stream(), options=compile_options(arch))
 

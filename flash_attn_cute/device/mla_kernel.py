@@ -42,7 +42,7 @@ from flash_attn_cute.device.layout_utils import row_major_smem_layout
 from flash_attn_cute.host.keys import parse_mla_key
 from flash_attn_cute.device.paged_kv import page_lookups
 from flash_attn_cute.device.seqlen_info import SeqlenInfo
-from flash_attn_cute.device.tile_scheduler import SingleTileScheduler, TileDivisors
+from flash_attn_cute.device.tile_scheduler import SingleTileScheduler, TileDivisors, WorkTile
 from flash_attn_cute.device.user_variant_kernel import make_variant
 from flash_attn_cute.device.variants import AttnCtx, VariantParams, cp_ctx
 
@@ -67,10 +67,21 @@ class MlaArgs(NamedTuple):
     # world and interleave (3,)
     mCpTotSeqlenK: Optional[cute.Tensor]
     mCpInfo: Optional[cute.Tensor]
+    # A device-computed schedule (``kernels/mla_schedule.py``; SM90 TMA kernel): int32, its
+    # work items then the combine's per-sequence slots; fp32 partials (slots, b, s_q, h, 512)
+    # and (slots, b, h, s_q), of batch stride 0 (a slot is one piece of one sequence), for
+    # the items of a sequence in several pieces; mO / mLSE for the others. Else None.
+    mSchedule: Optional[cute.Tensor]
+    mOPartial: Optional[cute.Tensor]
+    mLSEPartial: Optional[cute.Tensor]
     softmax_scale: Float32
-    num_splits: Int32
+    num_splits: Int32  # splits; with a schedule, its partial slots (2 x its parts)
     max_seqlen_q: Int32
     batch_size: Int32
+
+    def num_items(self) -> Int32:
+        """The schedule's work items, the grid's outer mode (``mla_schedule.max_items``)."""
+        return self.num_splits // 2 + self.batch_size
 
     def num_m_blocks(self, tile_m: int, qhead_per_kvhead: int) -> Int32:
         """M blocks of ``tile_m`` packed rows (query position x head of one KV head) per
@@ -97,10 +108,14 @@ class MlaArgs(NamedTuple):
                              mKvDescale=head(self.mKvDescale), mQDescale=head(self.mQDescale))
 
 
-def set_mla_config(kernel, dtype, qhead_per_kvhead: int, causal, is_split: bool, split_blocks: int) -> None:
+def set_mla_config(kernel, dtype, qhead_per_kvhead: int, causal, is_split, split_blocks: int) -> None:
     """The static configuration both MLA kernel classes hold, set on ``kernel``
     (``split_blocks``: as the forward kernels', ``fwd_kernel.set_fwd_config``; ``causal``:
-    a bool, or ``"cp"``: causal over a context-parallel shard)."""
+    a bool, or ``"cp"``: causal over a context-parallel shard; ``is_split`` a bool, or
+    ``"schedule"``: work items from a device-computed schedule, each writing the output or
+    a partial, ``MlaArgs.mSchedule``)."""
+    kernel.scheduled = is_split == "schedule"
+    is_split = is_split is True
     kernel.dtype = dtype
     # split partials are fp32; FP8 queries give bf16 (FlashMLA's FP8 mode)
     kernel.out_dtype = Float32 if is_split else (cutlass.BFloat16 if dtype.width == 8 else dtype)
@@ -114,12 +129,14 @@ def set_mla_config(kernel, dtype, qhead_per_kvhead: int, causal, is_split: bool,
 def mla_call(self, mQn: cute.Tensor, mQp: cute.Tensor, mCkv: cute.Tensor, mKpe: cute.Tensor, mO: cute.Tensor,
              mLSE: Optional[cute.Tensor], mSeqlens: cute.Tensor, mPageTable: cute.Tensor,
              mKvDescale: Optional[cute.Tensor], mQDescale: Optional[cute.Tensor], mCpTotSeqlenK: Optional[cute.Tensor],
-             mCpInfo: Optional[cute.Tensor],
+             mCpInfo: Optional[cute.Tensor], mSchedule: Optional[cute.Tensor], mOPartial: Optional[cute.Tensor],
+             mLSEPartial: Optional[cute.Tensor],
              softmax_scale: Float32, num_splits: Int32, max_seqlen_q: Int32, batch_size: Int32, stream):
     """The compiled entry point of both MLA kernel classes (``__call__ = mla_call``):
     ``MlaArgs`` in order, then the stream, handed to the class's ``launch(args, stream)``."""
     self.launch(MlaArgs(mQn, mQp, mCkv, mKpe, mO, mLSE, mSeqlens, mPageTable, mKvDescale, mQDescale, mCpTotSeqlenK,
-                        mCpInfo, softmax_scale, num_splits, max_seqlen_q, batch_size), stream)
+                        mCpInfo, mSchedule, mOPartial, mLSEPartial, softmax_scale, num_splits, max_seqlen_q,
+                        batch_size), stream)
 
 
 def compile_mla_from_key(key: tuple, make_kernel: Callable):
@@ -134,7 +151,7 @@ def compile_mla_from_key(key: tuple, make_kernel: Callable):
     kernel = make_kernel(dtype, f.qhead_per_kvhead, f.causal, f.is_split, f.split_blocks, *f.config)
     return compile_mla(kernel, dtype, f.qhead_per_kvhead, f.arch, is_split=f.is_split, has_lse=f.has_lse,
                        kv_dtype=CUTE_DTYPE_BY_NAME[kv_name or q_name], kv_heads=f.kv_heads,
-                       cp=f.causal == "cp")
+                       cp=f.causal == "cp", scheduled=f.is_split == "schedule")
 
 
 @dataclass(frozen=True)
@@ -157,15 +174,31 @@ class MlaTile(FwdTile):
         """This CTA's tile from the grid position (``SingleTileScheduler``, ``divisors`` the
         kernel's ``tile_divisors`` argument); ``block_info`` carries the kernel's tile
         shape, the heads packed per query position and the variant (causal or none: MLA has
-        no window or softcap)."""
-        work = SingleTileScheduler.get_work(divisors, args.batch_size)
+        no window or softcap). With a schedule (``args.mSchedule``) the grid's outer index
+        is a work item: its sequence, its KV blocks [lo, hi) (within the tile's own range)
+        and its partial slot as ``split_idx`` (-1: it writes the output); an item past the
+        last has no rows."""
+        scheduled = cutlass.const_expr(args.mSchedule is not None)
+        work = SingleTileScheduler.get_work(divisors, args.num_items() if scheduled else args.batch_size)
+        item_batch, lo, hi, slot = work.batch, Int32(0), Int32(0), Int32(0)
+        if cutlass.const_expr(scheduled):
+            row = 4 * work.batch  # mla_schedule.ITEM_FIELDS
+            item_batch, lo, hi, slot = (args.mSchedule[row], args.mSchedule[row + 1], args.mSchedule[row + 2],
+                                        args.mSchedule[row + 3])
+            work = WorkTile(work.m_block, work.head, Int32(0), cutlass.max(item_batch, 0), work.in_batch)
         capacity = args.mPageTable.shape[1] * args.mCkv.shape[1]
         seqlen = SeqlenInfo.create(work.batch, args.mQn.shape[1], capacity, None, None, args.mSeqlens, capacity)
         no_window = VariantParams(Int32(-1), Int32(0), Float32(0.0), Float32(0.0))
         head_kv = work.head if cutlass.const_expr(args.kv_heads) else Int32(0)
         ctx = AttnCtx(work.batch, head_kv, seqlen.seqlen_q, seqlen.seqlen_k, no_window,
                       cp=cp_ctx(args.mCpInfo, args.mCpTotSeqlenK, work.batch))
-        tile = FwdTile.of_work(work, ctx, seqlen, head_kv, args.softmax_scale, args.num_splits, block_info, is_split)
+        tile = FwdTile.of_work(work, ctx, seqlen, head_kv, args.softmax_scale, args.num_splits, block_info,
+                               is_split and not scheduled)
+        if cutlass.const_expr(scheduled):
+            rows_valid = tile.rows_valid if item_batch >= 0 else Int32(0)
+            tile = replace(tile, split_idx=slot, rows_valid=rows_valid,
+                           n_block_min=cutlass.max(tile.n_block_min, lo),
+                           n_block_max=cutlass.min(tile.n_block_max, hi))
         n_mid_hi, n_mid_lo = tile.n_block_runs(block_info)
         return MlaTile(*(getattr(tile, f.name) for f in fields(FwdTile)),
                        cutlass.max(tile.n_block_max - tile.n_block_min, 0), n_mid_hi, n_mid_lo)

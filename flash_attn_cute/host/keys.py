@@ -180,10 +180,12 @@ def mla_key(name: str, arch: str, dtype_name: str, heads, causal, is_split: bool
     """An MLA compile key: ``("mla_<name>", arch, dtype, heads, causal, is_split, has_lse,
     split_blocks, *config)``, ``heads`` a ``mla_heads_key`` (or an int: nheads over one
     latent head), ``config`` in the backend's key form; ``causal`` a bool, or ``"cp"``
-    (``MlaProblem.cp``): causal over a context-parallel shard."""
+    (``MlaProblem.cp``): causal over a context-parallel shard; ``is_split`` a bool, or
+    ``"schedule"``: work items of a device-computed schedule (``kernels/mla_schedule.py``)."""
     heads = mla_heads_key(*parse_mla_heads(heads))
     causal = causal if causal == "cp" else bool(causal)
-    return (f"mla_{name}", arch, dtype_name, heads, causal, bool(is_split), bool(has_lse),
+    is_split = is_split if is_split == "schedule" else bool(is_split)
+    return (f"mla_{name}", arch, dtype_name, heads, causal, is_split, bool(has_lse),
             int(split_blocks), *config)
 
 
@@ -193,7 +195,7 @@ class MlaKeyFields(NamedTuple):
     qhead_per_kvhead: int  # query heads packed per KV head (nheads, with one latent head)
     kv_heads: bool  # the caches have a KV-head mode (nheads_kv > 1)
     causal: object  # a bool, or "cp": causal over a context-parallel shard
-    is_split: bool
+    is_split: object  # a bool, or "schedule"
     has_lse: bool
     split_blocks: int
     config: tuple
@@ -204,7 +206,10 @@ def parse_mla_key(key: tuple) -> MlaKeyFields:
     return MlaKeyFields(key[1], key[2], *parse_mla_heads(key[3]), *key[4:8], tuple(key[8:]))
 
 
-def combine_key(out_dtype_name: str, head_dim_v: int, has_lse: bool, arch: str, has_sink: bool = False) -> tuple:
+def combine_key(out_dtype_name: str, head_dim_v: int, has_lse: bool, arch: str, has_sink: bool = False,
+                split_info: bool = False) -> tuple:
     """The split-KV combine kernel's key (``combine.compile_combine``): ``("combine", dtype,
-    d_v, has_lse, has_sink, arch)``; ``has_sink``: it adds a learnable sink per head."""
-    return ("combine", out_dtype_name, head_dim_v, bool(has_lse), bool(has_sink), arch)
+    d_v, has_lse, has_sink, arch)``; ``has_sink``: it adds a learnable sink per head;
+    ``split_info``: per-sequence (slot_base, splits) of a device schedule, one more field."""
+    key = ("combine", out_dtype_name, head_dim_v, bool(has_lse), bool(has_sink), arch)
+    return key + ("split_info",) if split_info else key

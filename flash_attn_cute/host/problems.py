@@ -158,6 +158,9 @@ class MlaProblem(NamedTuple):
     kv_dtype: Optional[torch.dtype] = None  # an FP8 latent cache (with kv_descale); None: q's dtype
     nheads_kv: int = 1  # KV heads of the caches (nheads a multiple of it)
     cp: bool = False  # causal over a context-parallel shard: as ``FwdProblem.cp``
+    # a device-computed split schedule (``scheduler_metadata``, ``kernels/mla_schedule.py``) for
+    # this many CTAs per grid slice; 0: none (the host plans the splits)
+    schedule_parts: int = 0
 
     @property
     def kv_fp8(self) -> bool:
@@ -199,6 +202,16 @@ class MlaProblem(NamedTuple):
     def partial_shapes(self, num_splits: int, out_shape: tuple) -> tuple:
         return _partials(num_splits, out_shape, self.lse_shape(out_shape))
 
+    def scheduled_partials(self, out_partial, lse_partial, tensors):
+        """A scheduled plan's kernel tensors (``FwdPlan.scheduled``): the output and LSE kept,
+        the fp32 partials (slots, 1, ...) beside them with a batch mode of stride 0 (a slot
+        holds one piece of one sequence), and the combine's arguments."""
+        batch = tensors.out.shape[0]
+        o = out_partial.expand(out_partial.shape[0], batch, *out_partial.shape[2:])
+        lse = lse_partial.expand(lse_partial.shape[0], batch, *lse_partial.shape[2:])
+        info = tensors.schedule[tensors.schedule.numel() - 2 * batch:].view(batch, 2)
+        return tensors._replace(o_partial=o, lse_partial=lse), (o, lse, tensors.out, tensors.lse, None, info)
+
     rows_unwritten = False  # every query row is computed
 
     def combine_views(self, out_partial, lse_partial, tensors) -> tuple:
@@ -220,6 +233,12 @@ class FwdPlan(NamedTuple):
     # SMs the call leaves free (FA3's ``sm_margin``): the split heuristic and persistent grids
     # count the others (set by ``seam.resolve``; not a compile-key input)
     sm_margin: int = 0
+
+    @property
+    def scheduled(self) -> bool:
+        """MLA work items from a device-computed schedule (``kernels/mla_schedule.py``):
+        ``num_splits`` is then its partial slots."""
+        return bool(getattr(self.config, "scheduled", False))
 
     @property
     def is_split(self) -> bool:

@@ -97,6 +97,11 @@ class FlashAttnCombine:
         mLSE: Optional[cute.Tensor],  # (batch, nheads, seqlen) fp32, or None
         mSink: Optional[cute.Tensor],  # (nheads,) fp32 learnable sinks, or None
         split_groups: Int32,  # G: a power of two <= tile_m (heuristics.combine_split_groups)
+        # (batch, 2) int32 (slot_base, splits) of a device schedule (``mla_schedule``): batch
+        # b merges the partials [slot_base, slot_base + splits) (the partials' batch stride
+        # is 0), and a sequence of one split (written whole by its kernel) is skipped; None:
+        # every sequence merges all num_splits partials
+        mSplitInfo: Optional[cute.Tensor],
         stream,
     ):
         # num_splits <= max_splits is the caller's to check: the LSE smem is sized for it.
@@ -129,7 +134,7 @@ class FlashAttnCombine:
         num_m_blocks = cute.ceil_div(cute.size(mO.shape[1]), rows_per_cta)
         grid_x, grid_z = fold_batch(num_m_blocks, cute.size(mO.shape[0]))
         grid = [grid_x, cute.ceil_div(self.head_dim_v, self.k_block), grid_z]
-        self.kernel(mOPartial, mLSEPartial, mO, mLSE, mSink, sLSE_layout, sO_layout,
+        self.kernel(mOPartial, mLSEPartial, mO, mLSE, mSink, mSplitInfo, sLSE_layout, sO_layout,
                     m_blocks_divisor(num_m_blocks), split_groups, rows_per_cta).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream
         )
@@ -142,6 +147,7 @@ class FlashAttnCombine:
         mO: cute.Tensor,  # (batch, row, d_v)
         mLSE: Optional[cute.Tensor],  # (batch, row)
         mSink: Optional[cute.Tensor],  # (nheads,)
+        mSplitInfo: Optional[cute.Tensor],  # (batch, 2)
         sLSE_layout: cute.Layout,
         sO_layout: cute.Layout,
         m_blocks: cute.FastDivmodDivisorV2,  # row tiles per sequence (tile_scheduler.m_blocks_divisor)
@@ -149,17 +155,25 @@ class FlashAttnCombine:
         rows_per_cta: Int32,  # tile_m / split_groups
     ):
         m_block, batch_idx, in_batch = unfold_batch(m_blocks, cute.size(mO.shape[0]))
+        num_splits = mOPartial.shape[0]
+        if const_expr(mSplitInfo is not None):
+            # This sequence's slots; one split (or none) means its kernel wrote it whole.
+            base = mSplitInfo[batch_idx, 0]
+            num_splits = mSplitInfo[batch_idx, 1]
+            in_batch = in_batch and num_splits > 1
+            mOPartial = cute.domain_offset((base, 0, 0, 0), mOPartial)
+            mLSEPartial = cute.domain_offset((base, 0, 0), mLSEPartial)
         if in_batch:
             self.combine_rows(mOPartial, mLSEPartial, mO, mLSE, mSink, sLSE_layout, sO_layout, m_block, batch_idx,
-                              split_groups, rows_per_cta)
+                              num_splits, split_groups, rows_per_cta)
 
     @cute.jit
     def combine_rows(self, mOPartial, mLSEPartial, mO, mLSE, mSink, sLSE_layout, sO_layout, m_block, batch_idx,
-                     split_groups: Int32, rows_per_cta: Int32):
-        """The CTA's rows of sequence ``batch_idx``, its column slice ``blockIdx.y``."""
+                     num_splits: Int32, split_groups: Int32, rows_per_cta: Int32):
+        """The CTA's rows of sequence ``batch_idx``, its column slice ``blockIdx.y``, over
+        ``num_splits`` partials."""
         tidx, _, _ = cute.arch.thread_idx()
         k_block_idx = cute.arch.block_idx()[1]
-        num_splits = mOPartial.shape[0]
         seqlen = mO.shape[1][0]
         num_rows = cute.size(mO.shape[1])
 
@@ -377,7 +391,8 @@ class FlashAttnCombine:
 def compile_combine(key: tuple):
     """Compile for ``key`` = combine_key(...). Pure function of the key: sizes and leading
     strides are symbolic, so no shape ever recompiles; needs no GPU."""
-    name, out_dtype_name, head_dim_v, has_lse, has_sink, arch = key
+    name, out_dtype_name, head_dim_v, has_lse, has_sink, arch = key[:6]
+    split_info = key[6:] == ("split_info",)
     assert name == "combine"
     dtype = CUTE_DTYPE_BY_NAME[out_dtype_name]
     mOPartial = fake_tensor(Float32, 5, shape=(None, None, None, None, head_dim_v))
@@ -387,12 +402,13 @@ def compile_combine(key: tuple):
     mLSE = fake_tensor(Float32, 3, align=4, contiguous_last=False) if has_lse else None
     mSink = fake_tensor(Float32, 1, align=4) if has_sink else None
     kernel = FlashAttnCombine(dtype, head_dim_v)
-    return cute.compile(kernel, mOPartial, mLSEPartial, mO, mLSE, mSink, Int32(1), fake_stream(),
+    mSplitInfo = fake_tensor(Int32, 2, align=4, shape=(None, 2)) if split_info else None
+    return cute.compile(kernel, mOPartial, mLSEPartial, mO, mLSE, mSink, Int32(1), mSplitInfo, fake_stream(),
                         options=compile_options(arch))
 
 
 def combine_launcher(out_dtype, head_dim_v: int, has_lse: bool, has_sink: bool = False, split_groups: int = 1,
-                     arch: Optional[str] = None):
+                     arch: Optional[str] = None, split_info: bool = False):
     """The compiled combine for an output dtype (torch), d_v, LSE on/off and sink on/off:
     called as ``fn(out_partial, lse_partial, out, lse, sink)`` with out_partial
     (num_splits, b, s, h, d_v) fp32, lse_partial (num_splits, b, h, s) fp32, out (b, s, h,

@@ -120,12 +120,12 @@ def select_backend(requested: Optional[str], problem, device) -> tuple:
 
 
 def combine_launcher(out_dtype: torch.dtype, d_v: int, has_lse: bool, has_sink: bool = False,
-                     split_groups: int = 1, arch: Optional[str] = None) -> Callable:
+                     split_groups: int = 1, arch: Optional[str] = None, split_info: bool = False) -> Callable:
     """The compiled split-KV combine for ``arch`` (see ``combine.combine_launcher``);
     imported lazily."""
     from flash_attn_cute.kernels.combine import combine_launcher as launcher
 
-    return launcher(out_dtype, d_v, has_lse, has_sink, split_groups, arch)
+    return launcher(out_dtype, d_v, has_lse, has_sink, split_groups, arch, split_info)
 
 
 class Resolved(NamedTuple):
@@ -184,7 +184,11 @@ def _resolve(problem, requested: Optional[str], num_splits: int, pack_gqa: Optio
     arch = arch_of_capability(torch.cuda.get_device_capability(device))
     plan = module.plan(problem, num_splits, pack_gqa, num_sms, tuning=tuning, arch=arch)._replace(sm_margin=sm_margin)
     combine = None
-    if plan.is_split:
+    if plan.scheduled:  # lane groups for the splits a sequence has on average
+        combine = combine_launcher(problem.out_dtype, problem.d_v, problem.has_lse, problem.has_sink,
+                                   heuristics.combine_split_groups(-(-plan.num_splits // problem.batch)), arch,
+                                   split_info=True)
+    elif plan.is_split:
         combine = combine_launcher(problem.out_dtype, problem.d_v, problem.has_lse, problem.has_sink,
                                    heuristics.combine_split_groups(plan.num_splits, problem.batch_invariant), arch)
     return Resolved(plan, module.launcher(problem, plan, device), combine)
@@ -251,7 +255,11 @@ def _run_one(resolved: Resolved, problem, tensors, rows_unwritten: bool) -> None
     if not resolved.plan.is_split:
         resolved.launch(tensors)
         return
-    o_shape, lse_shape = problem.partial_shapes(resolved.plan.num_splits, tuple(tensors.out.shape))
+    scheduled = resolved.plan.scheduled
+    # A schedule's slots hold pieces of any sequence: a batch mode of 1 (``scheduled_partials``).
+    out_shape = tuple(tensors.out.shape)
+    o_shape, lse_shape = problem.partial_shapes(resolved.plan.num_splits, (1,) + out_shape[1:] if scheduled else
+                                                out_shape)
     # One allocation for both partials (host time: one allocator call less per call).
     o_numel = math.prod(o_shape)
     partials = tensors.out.new_empty((o_numel + math.prod(lse_shape),), dtype=torch.float32)
@@ -259,5 +267,10 @@ def _run_one(resolved: Resolved, problem, tensors, rows_unwritten: bool) -> None
     lse_partial = partials[o_numel:].view(lse_shape)
     if rows_unwritten:
         lse_partial.fill_(-math.inf)
+    if scheduled:
+        kernel_tensors, combine_args = problem.scheduled_partials(out_partial, lse_partial, tensors)
+        resolved.launch(kernel_tensors)
+        resolved.combine(*combine_args)
+        return
     resolved.launch(tensors._replace(out=out_partial, lse=lse_partial))
     resolved.combine(*problem.combine_views(out_partial, lse_partial, tensors))

@@ -169,7 +169,8 @@ def mla_entry_points(name: str, kernel_module: str, compile_fn: str, key_config:
     def key(problem: MlaProblem, plan: FwdPlan, arch: str) -> tuple:
         return mla_key(name, arch, dtype_key(problem.dtype, problem.kv_dtype),
                        mla_heads_key(problem.qhead_per_kvhead, problem.kv_heads), problem.causal_key,
-                       plan.is_split, problem.has_lse or plan.is_split, plan.config.split_blocks,
+                       "schedule" if plan.scheduled else plan.is_split,
+                       problem.has_lse or (plan.is_split and not plan.scheduled), plan.config.split_blocks,
                        key_config(plan.config))
 
     def scalars(problem: MlaProblem, plan: FwdPlan, device) -> tuple:

@@ -49,6 +49,7 @@ class MlaSm90Config(NamedTuple):
     qk: str  # how the consumer warpgroups share Q K^T (``config.MlaRoles.qk``), or "tma" (mla_decode_tma)
     split_blocks: int = 0  # batch invariant: KV blocks per split (backend_kit.invariant_splits)
     fp8_stages: int = 0  # an FP8 cache's staging depth (``config.MlaRoles.fp8_stages``); 0: 16 bits
+    scheduled: bool = False  # the TMA kernel over a device-computed schedule (``plan``)
 
 
 def runs_on(capability: tuple) -> bool:
@@ -104,14 +105,24 @@ def plan(problem: MlaProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     CTAs per query position (two 64-row tiles, the cache read through L2 twice). ``num_splits`` 0 = the
     package's wave-efficiency heuristic on this grid (shapes only; batch invariant: fixed
     keys per split). Pages of a multiple of 64 keys over a 16-bit cache: the TMA kernel
-    (``uses_tma``; 64-key tiles). ``tuning.mla_sm90_qk`` overrides the Q K^T mode of the
+    (``uses_tma``; 64-key tiles), which runs a device-computed schedule where the call
+    gives one (``scheduler_metadata``; not with an explicit ``num_splits``, batch
+    invariance or context parallelism, which plan on the host as the other kernel does). ``tuning.mla_sm90_qk`` overrides the Q K^T mode of the
     gathering kernel, and a mode of it also replaces the TMA kernel (A/B runs, and the
     GPU tests of each)."""
     rows = problem.max_seqlen_q * problem.qhead_per_kvhead  # packed rows of one KV head
     r = roles(tuning.mla_sm90_qk, problem.kv_fp8, tuning.mla_fp8_stages)
     tile_n, stages, qk, fp8_stages = r.tile_n, r.stages, r.qk, r.fp8_stages
-    if uses_tma(problem, tuning.mla_sm90_qk):
+    tma = uses_tma(problem, tuning.mla_sm90_qk)
+    if tma:
         (tile_n, stages, qk), fp8_stages = TMA_CONFIG, 0
+    if tma and problem.schedule_parts and num_splits == 0 and not problem.batch_invariant and not problem.cp:
+        # A device-computed schedule (``scheduler_metadata``): its work items and partial
+        # slots replace the host's splits (``kernels/mla_schedule.py``).
+        from flash_attn_cute.host.mla_schedule import max_slots
+
+        return FwdPlan(NAME, MlaSm90Config(tile_n, stages, qk, 0, fp8_stages, True), True,
+                       max_slots(problem.schedule_parts))
     num_splits, split_blocks = plan_splits(problem, num_splits, num_sms, problem.nheads_kv, rows, tile_m=r.tile_m,
                                            tile_n=tile_n, ctas_per_sm=_CTAS_PER_SM, tolerance=_SPLIT_TOLERANCE)
     return FwdPlan(NAME, MlaSm90Config(tile_n, stages, qk, split_blocks, fp8_stages), True, num_splits)

@@ -236,7 +236,8 @@ class MlaDecodeSm90Tma:
         over = [(layouts[0], op_dtype), (layouts[1], op_dtype), (layouts[2], kv_dtype), (layouts[3], kv_dtype)]
         over += [(layouts[4], op_dtype), (layouts[5], kv_dtype)] if self.fp8 else []
         field_bytes = [cute.cosize(layout) * dtype.width // 8 for layout, dtype in over]
-        assert all(b % 1024 == 0 for b in field_bytes) and staged_o_bytes(self.out_dtype, TILE_M, D_CKV) <= sum(
+        staged_dtype = Float32 if self.scheduled else self.out_dtype  # a schedule's items may write partials
+        assert all(b % 1024 == 0 for b in field_bytes) and staged_o_bytes(staged_dtype, TILE_M, D_CKV) <= sum(
             field_bytes), "staged O fits over Q and the buffers"
         # TMA views (page_size, d, [h_kv,] num_pages): a tile is (64, chunk) boxes of one page.
         modes = [1, 3, 2, 0] if args.kv_heads else [1, 2, 0]
@@ -261,10 +262,13 @@ class MlaDecodeSm90Tma:
             op_dtype, kv_dtype, k_major, v_major, Float32, atom_layout_mnk=(1, 2, 1),
             tiler_mn=(TILE_M, D_CKV // 2))
         num_m_blocks = args.num_m_blocks(TILE_M, self.qhead_per_kvhead_packed)
-        launch_ctas(self.kernel(args, tile_divisors(num_m_blocks, args.num_splits), (tma_atom_C, tma_atom_Kp),
+        # A schedule's work items take the place of the (sequence, split) pairs.
+        grid_splits, grid_outer = (Int32(1), args.num_items()) if self.scheduled else (args.num_splits,
+                                                                                      args.batch_size)
+        launch_ctas(self.kernel(args, tile_divisors(num_m_blocks, grid_splits), (tma_atom_C, tma_atom_Kp),
                                 (tma_C, tma_Kp), layouts, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_ss,
                                 SharedStorage),
-                    SingleTileScheduler.grid(num_m_blocks, args.num_kv_heads(), args.num_splits, args.batch_size),
+                    SingleTileScheduler.grid(num_m_blocks, args.num_kv_heads(), grid_splits, grid_outer),
                     THREADS, SharedStorage, stream)
 
     @cute.kernel
@@ -312,8 +316,9 @@ class MlaDecodeSm90Tma:
             storage.sSums.get_tensor(cute.make_layout((TILE_M, 2))),
             storage.sAmax.get_tensor(cute.make_layout(THREADS // 32)),
             # O staged for the bulk row stores, over Q and the buffers (free once the last
-            # P V is waited for).
+            # P V is waited for); a schedule's partials in fp32 over the same bytes.
             staged_o(storage.sQn.data_ptr(), self.out_dtype, TILE_M, D_CKV),
+            staged_o(storage.sQn.data_ptr(), Float32, TILE_M, D_CKV) if self.scheduled else None,
             mbar, sC_addr, sVt_addr,
         )
         tile = MlaTile.create(
@@ -744,17 +749,33 @@ class MlaDecodeSm90Tma:
         self.rescale(acc_O, ops, inv)
         if cutlass.const_expr(self.fp8):
             tile.descale_o(args.for_kv_head(tile.head_kv), acc_O)
-        packed = self.qhead_per_kvhead_packed
         row0 = tile.m_block * TILE_M
-        o_rows = tile.out_rows(args.mO, packed, self.is_split, False)
         tOcO_mn = acc_mn_view(ops.mma_pv.get_slice(tidx).partition_C(cute.make_identity_tensor((TILE_M, D_CKV))))
-        # O leaves through shared memory, a row a thread by one bulk copy (FlashMLA stores
-        # by TMA; the module docstring has the measurement).
-        store_o_staged(acc_O, self.out_dtype, tOcO_mn, smem.sO, o_rows, row0, tile.rows_valid, tidx, THREADS,
-                       int(Sm90MlaTmaBarrier.O_STAGED))
-        if cutlass.const_expr(args.mLSE is not None):
-            store_lse(lse, ops.tScS_mn, tile.lse_rows(args.mLSE, packed, self.is_split, False), row0,
-                      tile.rows_valid, group_writes=wg_idx == 0)
+        if cutlass.const_expr(self.scheduled):
+            # A piece of a sequence in several (a slot) writes fp32 partials, a whole one its
+            # output; uniform over the CTA.
+            if tile.split_idx >= 0:
+                self.store(tile, smem.sO_partial, Float32, args.mOPartial, args.mLSEPartial, True, acc_O, lse,
+                           tOcO_mn, ops, row0, tidx, wg_idx)
+            else:
+                self.store(tile, smem.sO, self.out_dtype, args.mO, args.mLSE, False, acc_O, lse, tOcO_mn, ops, row0,
+                           tidx, wg_idx)
+        else:
+            self.store(tile, smem.sO, self.out_dtype, args.mO, args.mLSE, self.is_split, acc_O, lse, tOcO_mn, ops,
+                       row0, tidx, wg_idx)
+
+    @cute.jit
+    def store(self, tile, sO, out_dtype: cutlass.Constexpr, mO, mLSE, is_split: cutlass.Constexpr[bool], acc_O, lse,
+              tOcO_mn, ops, row0, tidx, wg_idx):
+        """O (normalised) and the LSE to ``mO`` / ``mLSE`` (a split's partial slot when
+        ``is_split``). O leaves through shared memory, a row a thread by one bulk copy
+        (FlashMLA stores by TMA; the module docstring has the measurement)."""
+        packed = self.qhead_per_kvhead_packed
+        store_o_staged(acc_O, out_dtype, tOcO_mn, sO, tile.out_rows(mO, packed, is_split, False), row0,
+                       tile.rows_valid, tidx, THREADS, int(Sm90MlaTmaBarrier.O_STAGED))
+        if cutlass.const_expr(mLSE is not None):
+            store_lse(lse, ops.tScS_mn, tile.lse_rows(mLSE, packed, is_split, False), row0, tile.rows_valid,
+                      group_writes=wg_idx == 0)
 
 
 def _row_max(row: cute.Tensor) -> Float32:
@@ -796,6 +817,7 @@ class _Smem:
     sSums: cute.Tensor  # (64, 2) the warpgroups' row sums
     sAmax: cute.Tensor  # (8,) fp8: each warp's amax of Q
     sO: cute.Tensor  # (64, 512) O in the output dtype (``epilogue.staged_o``), over sQn onwards
+    sO_partial: cute.Tensor  # the same bytes as fp32 partials, with a schedule (else None)
     mbar: cute.Pointer  # 2 x (ckv chunks + 1) chunk mbarriers
     sC_addr: Int32  # fp8: shared-window addresses of sC and sVt, for the transposes; else None
     sVt_addr: Int32
