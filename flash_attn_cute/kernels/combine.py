@@ -414,10 +414,15 @@ def combine_launcher(out_dtype, head_dim_v: int, has_lse: bool, has_sink: bool =
     (num_splits, b, s, h, d_v) fp32, lse_partial (num_splits, b, h, s) fp32, out (b, s, h,
     d_v), lse (b, h, s) fp32 or None, sink (h,) fp32 or None, and ``split_groups`` lane
     groups per row (``heuristics.combine_split_groups``; a runtime argument, not in the
-    key). Shapes are validated by the public API. Runs on torch's current stream."""
+    key). Shapes are validated by the public API. Runs on torch's current stream.
+    ``split_info``: the launcher takes a sixth argument, the (batch, 2) int32 slots of a
+    device schedule (``FlashAttnCombine.__call__``'s ``mSplitInfo``)."""
     assert split_groups in (1, 2, 4, 8), split_groups  # a power of two <= tile_m (>= 8)
-    key = combine_key(DTYPE_NAMES[out_dtype], head_dim_v, has_lse, target_arch(), has_sink)
+    key = combine_key(DTYPE_NAMES[out_dtype], head_dim_v, has_lse, arch or target_arch(), has_sink, split_info)
     fn = jit_cache.get_or_compile("combine", key, lambda: compile_combine(key))
+    if split_info:
+        return lambda out_partial, lse_partial, out, lse, sink, info: fn(out_partial, lse_partial, out, lse, sink,
+                                                                         split_groups, info)
     return lambda out_partial, lse_partial, out, lse, sink: fn(out_partial, lse_partial, out, lse, sink,
-                                                               split_groups)
+                                                               split_groups, None)
 
