@@ -24,6 +24,12 @@ out) in KV blocks, as FlashMLA's metadata does; ``MIN_BLOCKS`` keeps pieces from
 overhead. On uniform lengths this plans what the host heuristic plans (64 x 1024: two
 pieces a sequence; 128 x 2048: one).
 
+Measured (H200, 2026-12-06, CUDA-graph replays, ``bench_mla.py --schedule [--skewed]``): 64
+sequences of lengths uniform in [1, 2048), 64 heads: 56.7 against 62.2 us for the host's even
+splits (1.10x; FlashMLA takes 0.80x of that time); where no sequence needs cutting (uniform 128 x 2048,
+or 128 heads over mixed lengths up to 4096) 0.95-0.97x the host plan: the grid's items past the
+last, and the combine launched for sequences it then skips.
+
 The tensor (int32, flat): ``max_items`` rows of (batch, block_lo, block_hi, slot) (slot -1:
 the output itself; batch -1: no work, past the last item), then ``batch`` rows of
 (slot_base, s_b). One CTA of ``THREADS`` threads computes it: a sum over the batch, then

@@ -95,7 +95,11 @@ Q's rotary chunk lives in registers (an RS wgmma for the ninth chunk: a ninth le
 shared-memory A traffic, which sits at the 128 bytes a cycle shared memory serves), with
 sP1 over that chunk's shared memory; a metadata kernel hands each SM a length-balanced run
 of (sequence, block) work (persistent CTAs: no partial last wave, no even-split rounding),
-and the combine starts under PDL. What this kernel does that it does not: the row max is
+and the combine starts under PDL. This kernel takes a device-computed schedule too
+(``scheduler_metadata``, ``kernels/mla_schedule.py``): length-balanced pieces, one CTA each
+(not persistent), a whole sequence written directly, pieces as fp32 partials in compact
+slots (H200, 2026-12-06: 1.10x the host's even splits at 64 x mixed lengths ~1024, 0.95-0.97x
+where nothing needs cutting; ``benchmarks/RESULTS.md``). What this kernel does that it does not: the row max is
 published before the exponentials (see the seesaw above).
 
 The epilogue, as FlashMLA's: O (or a split's fp32 partial) goes to shared memory over Q and
