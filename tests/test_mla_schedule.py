@@ -138,5 +138,6 @@ def test_schedule_validation(fake_device):
             torch.randn(4, 64, 64).to(BF16), torch.full((b,), 5, dtype=torch.int32), torch.zeros(b, 2, dtype=torch.int32))
     with pytest.raises(TypeError, match="scheduler_metadata must be the int32 tensor"):
         flash_mla_decode(*args, scheduler_metadata=torch.zeros(ms.schedule_numel(4, b), dtype=torch.int64))
-    with pytest.raises(ValueError, match="not a get_mla_metadata schedule for a batch of 2"):
-        flash_mla_decode(*args, scheduler_metadata=torch.zeros(5, dtype=torch.int32))
+    for numel in (5, ms.schedule_numel(ms.MAX_SPLITS, b)):  # no schedule's size; too many parts
+        with pytest.raises(ValueError, match="not a get_mla_metadata schedule for a batch of 2"):
+            flash_mla_decode(*args, scheduler_metadata=torch.zeros(numel, dtype=torch.int32))

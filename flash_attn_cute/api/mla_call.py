@@ -151,7 +151,7 @@ def _schedule_parts(schedule, batch: int, device) -> int:
             or not schedule.is_contiguous():
         raise TypeError("scheduler_metadata must be the int32 tensor get_mla_metadata returns")
     parts = parts_of(schedule.numel(), batch)
-    if parts < 1:
+    if not 1 <= parts < MAX_SPLITS:
         raise ValueError(f"scheduler_metadata has {schedule.numel()} elements: not a get_mla_metadata schedule "
                          f"for a batch of {batch}")
     if schedule.device != device:

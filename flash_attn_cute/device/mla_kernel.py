@@ -185,7 +185,12 @@ class MlaTile(FwdTile):
             row = 4 * work.batch  # mla_schedule.ITEM_FIELDS
             item_batch, lo, hi, slot = (args.mSchedule[row], args.mSchedule[row + 1], args.mSchedule[row + 2],
                                         args.mSchedule[row + 3])
-            work = WorkTile(work.m_block, work.head, Int32(0), cutlass.max(item_batch, 0), work.in_batch)
+            # A schedule made for another batch (a wrong result, as stale lengths give) never
+            # reads or writes out of bounds: items naming no sequence of this call or no partial
+            # slot of its buffer compute nothing.
+            live = item_batch >= 0 and item_batch < args.batch_size and slot < args.num_splits
+            work = WorkTile(work.m_block, work.head, Int32(0), cutlass.min(cutlass.max(item_batch, 0),
+                                                                           args.batch_size - 1), work.in_batch)
         capacity = args.mPageTable.shape[1] * args.mCkv.shape[1]
         seqlen = SeqlenInfo.create(work.batch, args.mQn.shape[1], capacity, None, None, args.mSeqlens, capacity)
         no_window = VariantParams(Int32(-1), Int32(0), Float32(0.0), Float32(0.0))
@@ -195,7 +200,7 @@ class MlaTile(FwdTile):
         tile = FwdTile.of_work(work, ctx, seqlen, head_kv, args.softmax_scale, args.num_splits, block_info,
                                is_split and not scheduled)
         if cutlass.const_expr(scheduled):
-            rows_valid = tile.rows_valid if item_batch >= 0 else Int32(0)
+            rows_valid = tile.rows_valid if live else Int32(0)
             tile = replace(tile, split_idx=slot, rows_valid=rows_valid,
                            n_block_min=cutlass.max(tile.n_block_min, lo),
                            n_block_max=cutlass.min(tile.n_block_max, hi))

@@ -158,8 +158,9 @@ class FlashAttnCombine:
         num_splits = mOPartial.shape[0]
         if const_expr(mSplitInfo is not None):
             # This sequence's slots; one split (or none) means its kernel wrote it whole.
-            base = mSplitInfo[batch_idx, 0]
-            num_splits = mSplitInfo[batch_idx, 1]
+            # (clamped into the slots: a schedule of another batch never reads past them)
+            base = cutlass.min(cutlass.max(mSplitInfo[batch_idx, 0], 0), num_splits)
+            num_splits = cutlass.min(mSplitInfo[batch_idx, 1], num_splits - base)
             in_batch = in_batch and num_splits > 1
             mOPartial = cute.domain_offset((base, 0, 0, 0), mOPartial)
             mLSEPartial = cute.domain_offset((base, 0, 0), mLSEPartial)
