@@ -57,6 +57,9 @@ optional, and a field given as a list expands to one description per combination
     fp8_two_level_interval
                       int >= 0 (default 0): the keyword of that name (dtype e4m3 or kv_fp8;
                       ignored, as at runtime, elsewhere)
+    schedule          bool (default false), api mla: calls with ``scheduler_metadata``
+                      (``get_mla_metadata``): its kernel, and the kernel and combine that
+                      run it where the runtime would (num_splits 0)
 
 Each description becomes a problem (``FwdProblem``, ``MlaProblem``); the backend the runtime would pick for the
 arch (or ``--backend``) turns it into a key through its ``plan`` and ``compile_key``,
@@ -123,7 +126,7 @@ _DEFAULTS = {"api": "func", "dtype": "bf16", "d": 128, "d_v": None, "qhead_per_k
              "batch": 1, "seqlen_q": 1, "seqlen_k": 4096, "causal": False, "window": [-1, -1], "softcap": 0.0,
              "page_size": 0, "has_lse": False, "num_splits": 1, "num_sms": None, "pack_gqa": None,
              "learnable_sink": False, "seqused_q": False, "batch_invariant": False, "kv_fp8": False,
-             "fp8_two_level_interval": 0}
+             "fp8_two_level_interval": 0, "schedule": False}
 _APIS = {"func": (False, False, False), "varlen": (True, True, False), "kvcache": (False, False, True),
          "serving": (True, False, True), "mla": (False, False, True)}
 _DTYPES = ("bf16", "fp16", "e4m3")
@@ -203,6 +206,7 @@ def _validate(one: dict) -> None:
         need(one["nheads_kv"] * one["qhead_per_kvhead"] in MLA_NHEADS,
              f"api mla: nheads_kv * qhead_per_kvhead (the query heads) in 1..{MLA_MAX_NHEADS}")
         need(not (one["learnable_sink"] or one["seqused_q"]), "api mla has no learnable_sink or seqused_q")
+    need(not one["schedule"] or one["api"] == "mla", "schedule (scheduler_metadata) is for api mla")
     need(is_int(one["num_splits"]) and one["num_splits"] >= 0, "num_splits must be an int >= 0")
     need(is_int(one["fp8_two_level_interval"]) and one["fp8_two_level_interval"] >= 0,
          "fp8_two_level_interval must be an int >= 0")
@@ -225,7 +229,8 @@ def problem_of(one: dict):
                           page_size=max(1, one["page_size"]),
                           softmax_scale=576 ** -0.5, causal=one["causal"], has_lse=one["has_lse"],
                           batch_invariant=one["batch_invariant"],
-                          kv_dtype=torch.float8_e4m3fn if one["kv_fp8"] else None)
+                          kv_dtype=torch.float8_e4m3fn if one["kv_fp8"] else None,
+                          schedule_parts=1 if one["schedule"] else 0)  # (its parts: no compile-key input)
     causal, window_left, window_right = normalize_window(one["causal"], tuple(one["window"]))
     varlen_q, varlen_k, seqused_k = _APIS[one["api"]]
     d, d_v = one["d"], one["d_v"] or one["d"]
@@ -265,6 +270,7 @@ def entries_for(descriptions: list, arch: str, backend: Optional[str] = None) ->
     order, and a line per expanded description that no backend runs."""
     from flash_attn_cute import seam
     from flash_attn_cute.host.keys import DTYPE_NAMES, combine_key
+    from flash_attn_cute.host.mla_schedule import schedule_key
 
     arch_capability(arch)  # refuses a malformed arch before any work
     entries, skipped = {}, []
@@ -286,9 +292,13 @@ def entries_for(descriptions: list, arch: str, backend: Optional[str] = None) ->
                 entries.setdefault((key[0], key), AotEntry(key[0], key, target))
                 if plan.is_split:
                     ckey = combine_key(DTYPE_NAMES[problem.out_dtype], problem.d_v, problem.has_lse, arch,
-                                       problem.has_sink)
+                                       problem.has_sink, plan.scheduled)
                     entries.setdefault(("combine", ckey),
                                        AotEntry("combine", ckey, "flash_attn_cute.kernels.combine:compile_combine"))
+                if one.get("schedule"):  # get_mla_metadata's kernel, whichever kernel runs the call
+                    skey = schedule_key(arch)
+                    entries.setdefault((skey[0], skey), AotEntry(skey[0], skey, "flash_attn_cute.kernels.mla_schedule:"
+                                                                                 "compile_from_key"))
     return list(entries.values()), skipped
 
 

@@ -341,3 +341,25 @@ def test_dry_run_lists_entries(capsys):
     assert not Path("/nonexistent").exists()
     with pytest.raises(SystemExit):
         aot.main(["--arch", "sm_80", "--preset", "nope", "--out", "/nonexistent"])
+
+
+def test_mla_schedule_is_described():
+    # schedule (scheduler_metadata): get_mla_metadata's kernel on every arch; on Hopper, pages of
+    # 64 and num_splits 0, the TMA kernel's "schedule" key and the combine with per-sequence slots
+    one = {"api": "mla", "qhead_per_kvhead": 64, "nheads_kv": 1, "page_size": 64, "schedule": True,
+           "num_splits": 0, "num_sms": 132}
+    from flash_attn_cute.host.mla_schedule import schedule_key
+
+    hopper, skipped = aot.entries_for([one], "sm_90a")
+    assert skipped == []
+    by_name = {e.name: e for e in hopper}
+    assert set(by_name) == {"mla_sm90", "combine", "mla_schedule"}
+    assert by_name["mla_sm90"].key[5] == "schedule"
+    assert by_name["combine"].key == combine.combine_key("bf16", 512, False, "sm_90a", split_info=True)
+    assert by_name["mla_schedule"].key == schedule_key("sm_90a")
+    assert by_name["mla_schedule"].target == "flash_attn_cute.kernels.mla_schedule:compile_from_key"
+    ampere, _ = aot.entries_for([one], "sm_80")  # planned on the host there: no scheduled key
+    assert {e.name for e in ampere} >= {"mla_sm80", "mla_schedule"}
+    assert all(e.key[5] != "schedule" for e in ampere if e.name == "mla_sm80")
+    with pytest.raises(ValueError, match="schedule"):
+        aot.entries_for([{"api": "func", "schedule": True}], "sm_80")

@@ -47,6 +47,14 @@ ITEM_FIELDS = 4  # batch, block_lo, block_hi, slot
 INFO_FIELDS = 2  # slot_base, pieces
 
 
+THREADS = 512  # the schedule kernel's CTA (``kernels/mla_schedule.py``)
+
+
+def schedule_key(arch: str) -> tuple:
+    """The schedule kernel's compile key (its JIT cache name is the first field)."""
+    return ("mla_schedule", THREADS, OVERHEAD_BLOCKS, MIN_BLOCKS, arch)
+
+
 def max_items(parts: int, batch: int) -> int:
     return parts + batch
 

@@ -11,9 +11,9 @@ from cutlass import Int32
 
 from flash_attn_cute.host import jit_cache
 from flash_attn_cute.host.keys import target_arch
-from flash_attn_cute.host.mla_schedule import INFO_FIELDS, ITEM_FIELDS, MIN_BLOCKS, OVERHEAD_BLOCKS, TILE_N
+from flash_attn_cute.host.mla_schedule import INFO_FIELDS, ITEM_FIELDS, MIN_BLOCKS, OVERHEAD_BLOCKS, THREADS, TILE_N, \
+    schedule_key
 
-THREADS = 512
 WARPS = THREADS // 32
 
 
@@ -102,24 +102,22 @@ class MlaSchedule:
         return total, before
 
 
-_kernel = None
-
-
-def _compiled(arch: str):
+def compile_from_key(key: tuple):
+    """Compiles the schedule kernel for ``key`` (``schedule_key``) on fake tensors (no GPU)."""
     from flash_attn_cute.device.cute_utils import compile_options, fake_stream, fake_tensor
 
-    key = ("mla_schedule", THREADS, OVERHEAD_BLOCKS, MIN_BLOCKS, arch)
-    return jit_cache.get_or_compile("mla_schedule", key, lambda: cute.compile(
-        MlaSchedule(), fake_tensor(Int32, 1, align=4), fake_tensor(Int32, 1, align=4), Int32(1), Int32(1),
-        fake_stream(), options=compile_options(arch)))
+    assert key == schedule_key(key[-1]), key
+    return cute.compile(MlaSchedule(), fake_tensor(Int32, 1, align=4), fake_tensor(Int32, 1, align=4), Int32(1),
+                        Int32(1), fake_stream(), options=compile_options(key[-1]))
 
 
 def compile_schedule(arch: str):
-    """The compiled schedule kernel for ``arch`` (no GPU needed)."""
-    return _compiled(arch)
+    """The compiled schedule kernel for ``arch``, through the JIT cache."""
+    key = schedule_key(arch)
+    return jit_cache.get_or_compile(key[0], key, lambda: compile_from_key(key))
 
 
 def launch_schedule(cache_seqlens: torch.Tensor, schedule: torch.Tensor, capacity: int, parts: int) -> None:
     """Fill ``schedule`` (int32, ``schedule_numel(parts, batch)``) on torch's current stream."""
-    fn = _compiled(target_arch(cache_seqlens.device))
+    fn = compile_schedule(target_arch(cache_seqlens.device))
     fn(cache_seqlens, schedule, capacity, parts)
