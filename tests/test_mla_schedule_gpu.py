@@ -20,8 +20,13 @@ pytestmark = [
 SKEWED = (9000, 1, 0, 300, 64, 2049, 77, 4096)
 
 
+MANY = tuple(9000 if i % 500 == 7 else (i * 37) % 300 for i in range(1500))  # three cut, past 512 threads
+
+
+# (the last: more sequences than the kernel's 512 threads, so its prefix sums carry over chunks)
 @pytest.mark.parametrize("seqlens,nheads,num_sms", [(SKEWED, 64, None), (SKEWED, 128, 24), ((5000,), 16, None),
-                                                    (tuple(range(0, 6000, 61)), 64, 132)])
+                                                    (tuple(range(0, 6000, 61)), 64, 132),
+                                                    (MANY, 64, 132)])
 def test_schedule_matches_reference(seqlens, nheads, num_sms):
     import flash_attn_cute
     from flash_attn_cute.host import heuristics
