@@ -18,8 +18,6 @@ pytestmark = [
 
 # one long sequence among short and empty ones: it is cut into many pieces, the others not
 SKEWED = (9000, 1, 0, 300, 64, 2049, 77, 4096)
-
-
 MANY = tuple(9000 if i % 500 == 7 else (i * 37) % 300 for i in range(1500))  # three cut, past 512 threads
 
 
