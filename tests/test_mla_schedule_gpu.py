@@ -42,14 +42,16 @@ def test_schedule_matches_reference(seqlens, nheads, num_sms):
     assert [tuple(got[i:i + 2]) for i in range(n, len(got), 2)] == info
 
 
-def _inputs(seqlens, nheads, page_size, seqlen_q=1, seed=0, fp8=False):
+def _inputs(seqlens, nheads, page_size, seqlen_q=1, seed=0, fp8=False, nheads_kv=None):
+    """Gaussian inputs over a shuffled pool; ``nheads_kv``: caches with a KV-head mode."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     batch = len(seqlens)
     max_pages = max(1, -(-max(seqlens) // page_size)) + 1
     num_pages = batch * max_pages + 2
     randn = lambda *s: torch.randn(*s, generator=g, device="cuda").to(torch.bfloat16)
     q_nope, q_pe = randn(batch, seqlen_q, nheads, 512), randn(batch, seqlen_q, nheads, 64)
-    ckv, kpe = randn(num_pages, page_size, 512), randn(num_pages, page_size, 64)
+    heads = () if nheads_kv is None else (nheads_kv,)
+    ckv, kpe = randn(num_pages, page_size, *heads, 512), randn(num_pages, page_size, *heads, 64)
     table = torch.randperm(num_pages, generator=g, device="cuda")[: batch * max_pages].to(torch.int32)
     inputs = [q_nope, q_pe, ckv, kpe, torch.tensor(seqlens, dtype=torch.int32, device="cuda"),
               table.view(batch, max_pages)]
@@ -60,17 +62,21 @@ def _inputs(seqlens, nheads, page_size, seqlen_q=1, seed=0, fp8=False):
         both, descale = quantize_fp8(torch.cat([ckv, kpe], -1).unsqueeze(2), granularity="tensor")
         inputs[2], inputs[3] = both[..., 0, :512].contiguous(), both[..., 0, 512:].contiguous()
         descale = descale.float()
+        assert nheads_kv is None, "one latent head"
+
     return inputs, descale
 
 
-@pytest.mark.parametrize("nheads,page_size,seqlen_q,causal,return_lse,fp8", [
-    (64, 64, 1, False, False, False), (128, 128, 2, True, True, False), (16, 64, 1, False, True, False),
-    (64, 64, 1, False, True, True), (128, 64, 2, True, False, True)])
-def test_scheduled_decode(nheads, page_size, seqlen_q, causal, return_lse, fp8):
+@pytest.mark.parametrize("nheads,page_size,seqlen_q,causal,return_lse,fp8,nheads_kv", [
+    (64, 64, 1, False, False, False, None), (128, 128, 2, True, True, False, None),
+    (16, 64, 1, False, True, False, None), (64, 64, 1, False, True, True, None), (128, 64, 2, True, False, True, None),
+    (16, 64, 2, True, True, False, 2)])
+def test_scheduled_decode(nheads, page_size, seqlen_q, causal, return_lse, fp8, nheads_kv):
     import flash_attn_cute
 
-    inputs, descale = _inputs(SKEWED, nheads, page_size, seqlen_q, seed=nheads + seqlen_q, fp8=fp8)
-    schedule = flash_attn_cute.get_mla_metadata(inputs[4], nheads, seqlen_q=seqlen_q)
+    inputs, descale = _inputs(SKEWED, nheads, page_size, seqlen_q, seed=nheads + seqlen_q, fp8=fp8,
+                              nheads_kv=nheads_kv)
+    schedule = flash_attn_cute.get_mla_metadata(inputs[4], nheads, nheads_kv=nheads_kv or 1, seqlen_q=seqlen_q)
     out = torch.full(inputs[0].shape, float("nan"), dtype=torch.bfloat16, device="cuda")
     kw = dict(causal=causal, return_lse=return_lse, kv_descale=descale)
     res = flash_attn_cute.flash_mla_decode(*inputs, out=out, scheduler_metadata=schedule, **kw)
