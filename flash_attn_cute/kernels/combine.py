@@ -160,7 +160,7 @@ class FlashAttnCombine:
             # This sequence's slots; one split (or none) means its kernel wrote it whole.
             # (clamped into the slots: a schedule of another batch never reads past them)
             base = cutlass.min(cutlass.max(mSplitInfo[batch_idx, 0], 0), num_splits)
-            num_splits = cutlass.min(mSplitInfo[batch_idx, 1], num_splits - base)
+            num_splits = cutlass.min(cutlass.min(mSplitInfo[batch_idx, 1], num_splits - base), self.max_splits)
             in_batch = in_batch and num_splits > 1
             mOPartial = cute.domain_offset((base, 0, 0, 0), mOPartial)
             mLSEPartial = cute.domain_offset((base, 0, 0), mLSEPartial)
