@@ -44,7 +44,7 @@ def get_mla_metadata(cache_seqlens, nheads: int, nheads_kv: int = 1, seqlen_q: i
     import torch
 
     from flash_attn_cute.host import heuristics
-    from flash_attn_cute.host.mla_schedule import schedule_numel, schedule_parts
+    from flash_attn_cute.host.mla_schedule import NO_CAPACITY, schedule_numel, schedule_parts
     from flash_attn_cute.kernels.mla_schedule import launch_schedule
 
     mla_call.check_schedule_args(cache_seqlens, nheads, nheads_kv, seqlen_q)
@@ -52,7 +52,7 @@ def get_mla_metadata(cache_seqlens, nheads: int, nheads_kv: int = 1, seqlen_q: i
     parts = schedule_parts(num_sms or heuristics.num_sms(cache_seqlens.device), slices)
     batch = cache_seqlens.shape[0]
     schedule = torch.empty(schedule_numel(parts, batch), dtype=torch.int32, device=cache_seqlens.device)
-    launch_schedule(cache_seqlens, schedule, 2**31 - 1, parts)  # the kernels clamp lengths to their tables
+    launch_schedule(cache_seqlens, schedule, NO_CAPACITY, parts)
     return schedule
 
 

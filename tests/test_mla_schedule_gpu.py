@@ -28,14 +28,14 @@ MANY = tuple(9000 if i % 500 == 7 else (i * 37) % 300 for i in range(1500))  # t
 def test_schedule_matches_reference(seqlens, nheads, num_sms):
     import flash_attn_cute
     from flash_attn_cute.host import heuristics
-    from flash_attn_cute.host.mla_schedule import ITEM_FIELDS, reference_schedule, schedule_parts
+    from flash_attn_cute.host.mla_schedule import ITEM_FIELDS, NO_CAPACITY, reference_schedule, schedule_parts
 
     lens = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
     schedule = flash_attn_cute.get_mla_metadata(lens, nheads)
     parts = schedule_parts(num_sms or heuristics.num_sms(lens.device), -(-nheads // 64))
     if num_sms is not None:
         schedule = flash_attn_cute.get_mla_metadata(lens, nheads, num_sms=num_sms)
-    items, info = reference_schedule(list(seqlens), 2**31 - 1, parts)
+    items, info = reference_schedule(list(seqlens), NO_CAPACITY, parts)
     got = schedule.cpu().tolist()
     n = ITEM_FIELDS * len(items)
     assert [tuple(got[i:i + 4]) for i in range(0, n, 4)] == items

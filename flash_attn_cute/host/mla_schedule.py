@@ -47,6 +47,9 @@ ITEM_FIELDS = 4  # batch, block_lo, block_hi, slot
 INFO_FIELDS = 2  # slot_base, pieces
 
 
+# get_mla_metadata's capacity (it has no page table; the kernels clamp lengths to theirs):
+# the largest a block count of 64 keys rounds up from without overflowing int32
+NO_CAPACITY = 2**31 - TILE_N
 THREADS = 512  # the schedule kernel's CTA (``kernels/mla_schedule.py``)
 
 
