@@ -295,7 +295,7 @@ def entries_for(descriptions: list, arch: str, backend: Optional[str] = None) ->
                                        problem.has_sink, plan.scheduled)
                     entries.setdefault(("combine", ckey),
                                        AotEntry("combine", ckey, "flash_attn_cute.kernels.combine:compile_combine"))
-                if one.get("schedule"):  # get_mla_metadata's kernel, whichever kernel runs the call
+                if one["schedule"]:  # get_mla_metadata's kernel, whichever kernel runs the call
                     skey = schedule_key(arch)
                     entries.setdefault((skey[0], skey), AotEntry(skey[0], skey, "flash_attn_cute.kernels.mla_schedule:"
                                                                                  "compile_from_key"))

@@ -21,7 +21,8 @@ from flash_attn_cute.host.constants import D_CKV, D_KPE, MLA_MAX_NHEADS, MLA_NHE
 from flash_attn_cute.host.problems import MlaProblem
 from flash_attn_cute.host.registry import MLA_BACKENDS
 
-__all__ = ["flash_mla_decode", "get_mla_metadata", "MlaProblem", "MLA_BACKENDS", "MLA_NHEADS", "MLA_MAX_NHEADS", "D_CKV", "D_KPE"]
+__all__ = ["flash_mla_decode", "get_mla_metadata", "MlaProblem", "MLA_BACKENDS", "MLA_NHEADS", "MLA_MAX_NHEADS",
+           "D_CKV", "D_KPE"]
 
 
 def get_mla_metadata(cache_seqlens, nheads: int, nheads_kv: int = 1, seqlen_q: int = 1, num_sms=None):

@@ -84,8 +84,8 @@ def fake_device(monkeypatch):
     monkeypatch.setattr(checks, "check_device", lambda tensors: None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(heuristics, "num_sms", lambda device: 132)
-    monkeypatch.setattr(seam, "combine_launcher", lambda out_dtype, d_v, has_lse, has_sink=False, split_groups=1, arch=None,
-                        split_info=False: lambda *tensors: None)
+    monkeypatch.setattr(seam, "combine_launcher", lambda out_dtype, d_v, has_lse, has_sink=False, split_groups=1,
+                        arch=None, split_info=False: lambda *tensors: None)
     monkeypatch.delenv("FLASH_ATTN_CUTE_BACKEND", raising=False)
     yield lambda backend_module: monkeypatch.setattr(seam, "backend_module", backend_module)
     call_cache.clear()

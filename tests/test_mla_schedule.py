@@ -134,8 +134,9 @@ def test_scheduled_run_path(fake_device, monkeypatch):
 
 def test_schedule_validation(fake_device):
     b = 2
-    args = (torch.randn(b, 1, 16, 512).to(BF16), torch.randn(b, 1, 16, 64).to(BF16), torch.randn(4, 64, 512).to(BF16),
-            torch.randn(4, 64, 64).to(BF16), torch.full((b,), 5, dtype=torch.int32), torch.zeros(b, 2, dtype=torch.int32))
+    args = (torch.randn(b, 1, 16, 512).to(BF16), torch.randn(b, 1, 16, 64).to(BF16),
+            torch.randn(4, 64, 512).to(BF16), torch.randn(4, 64, 64).to(BF16), torch.full((b,), 5, dtype=torch.int32),
+            torch.zeros(b, 2, dtype=torch.int32))
     with pytest.raises(TypeError, match="scheduler_metadata must be the int32 tensor"):
         flash_mla_decode(*args, scheduler_metadata=torch.zeros(ms.schedule_numel(4, b), dtype=torch.int64))
     for numel in (5, ms.schedule_numel(ms.MAX_SPLITS, b)):  # no schedule's size; too many parts

@@ -230,9 +230,10 @@ def options(d: int, scale, causal, window_size, softcap, num_splits, pack_gqa, b
 
 def fa3_keywords(args: dict) -> None:
     """The ``FA3_ARGS`` of a call's arguments (absent ones at their defaults). FA3's keywords
-    with no effect here are accepted so that FA3 calls run unchanged: ``deterministic`` (the forward is deterministic: fixed split and combine
-    orders, no atomics; FA3's flag chooses a backward) and ``scheduler_metadata`` (FA3's
-    ``get_scheduler_metadata`` result; not needed: plans come from shapes, on the host).
+    with no effect here are accepted so that FA3 calls run unchanged: ``deterministic``
+    (the forward is deterministic: fixed split and combine orders, no atomics; FA3's flag
+    chooses a backward) and ``scheduler_metadata`` (FA3's ``get_scheduler_metadata``
+    result; not needed: plans come from shapes, on the host).
     Those asking for what is not built are refused: ``qv`` (FA3's extra query-value
     product of absorbed MLA; MLA decode is ``flash_mla_decode``), ``attention_chunk > 0``
     (chunked local attention) and ``rotary_seqlens`` (rotary positions apart from the

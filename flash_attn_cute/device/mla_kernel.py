@@ -40,6 +40,7 @@ from flash_attn_cute.device.cute_utils import CUTE_DTYPE_BY_NAME, compile_mla
 from flash_attn_cute.device.fwd_kernel import FwdTile
 from flash_attn_cute.device.layout_utils import row_major_smem_layout
 from flash_attn_cute.host.keys import parse_mla_key
+from flash_attn_cute.host.mla_schedule import ITEM_FIELDS
 from flash_attn_cute.device.paged_kv import page_lookups
 from flash_attn_cute.device.seqlen_info import SeqlenInfo
 from flash_attn_cute.device.tile_scheduler import SingleTileScheduler, TileDivisors, WorkTile
@@ -182,7 +183,7 @@ class MlaTile(FwdTile):
         work = SingleTileScheduler.get_work(divisors, args.num_items() if scheduled else args.batch_size)
         item_batch, lo, hi, slot = work.batch, Int32(0), Int32(0), Int32(0)
         if cutlass.const_expr(scheduled):
-            row = 4 * work.batch  # mla_schedule.ITEM_FIELDS
+            row = ITEM_FIELDS * work.batch
             item_batch, lo, hi, slot = (args.mSchedule[row], args.mSchedule[row + 1], args.mSchedule[row + 2],
                                         args.mSchedule[row + 3])
             # A schedule made for another batch (a wrong result, as stale lengths give) never

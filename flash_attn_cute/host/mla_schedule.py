@@ -70,6 +70,11 @@ def schedule_numel(parts: int, batch: int) -> int:
     return ITEM_FIELDS * max_items(parts, batch) + INFO_FIELDS * batch
 
 
+def info_view(schedule, batch: int):
+    """The (batch, INFO_FIELDS) rows (slot_base, pieces) at the tail of a schedule tensor."""
+    return schedule[schedule.numel() - INFO_FIELDS * batch:].view(batch, INFO_FIELDS)
+
+
 def parts_of(numel: int, batch: int) -> int:
     """The ``parts`` a schedule tensor of ``numel`` elements was made for (``schedule_numel``
     inverted; -1 when none)."""

@@ -14,6 +14,7 @@ import torch
 
 from flash_attn_cute.host.constants import D_CKV, D_KPE
 from flash_attn_cute.host.fp8 import FP8_DTYPES
+from flash_attn_cute.host.mla_schedule import info_view
 
 
 def out_dtype(q_dtype: torch.dtype) -> torch.dtype:
@@ -209,7 +210,7 @@ class MlaProblem(NamedTuple):
         batch = tensors.out.shape[0]
         o = out_partial.expand(out_partial.shape[0], batch, *out_partial.shape[2:])
         lse = lse_partial.expand(lse_partial.shape[0], batch, *lse_partial.shape[2:])
-        info = tensors.schedule[tensors.schedule.numel() - 2 * batch:].view(batch, 2)
+        info = info_view(tensors.schedule, batch)
         return tensors._replace(o_partial=o, lse_partial=lse), (o, lse, tensors.out, tensors.lse, None, info)
 
     rows_unwritten = False  # every query row is computed

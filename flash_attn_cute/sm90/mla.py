@@ -107,7 +107,8 @@ def plan(problem: MlaProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     keys per split). Pages of a multiple of 64 keys over a 16-bit cache: the TMA kernel
     (``uses_tma``; 64-key tiles), which runs a device-computed schedule where the call
     gives one (``scheduler_metadata``; not with an explicit ``num_splits``, batch
-    invariance or context parallelism, which plan on the host as the other kernel does). ``tuning.mla_sm90_qk`` overrides the Q K^T mode of the
+    invariance or context parallelism, which plan on the host as the other kernel does).
+    ``tuning.mla_sm90_qk`` overrides the Q K^T mode of the
     gathering kernel, and a mode of it also replaces the TMA kernel (A/B runs, and the
     GPU tests of each)."""
     rows = problem.max_seqlen_q * problem.qhead_per_kvhead  # packed rows of one KV head

@@ -99,8 +99,8 @@ and the combine starts under PDL. This kernel takes a device-computed schedule t
 (``scheduler_metadata``, ``kernels/mla_schedule.py``): length-balanced pieces, one CTA each
 (not persistent), a whole sequence written directly, pieces as fp32 partials in compact
 slots (H200, 2026-12-06: 1.10x the host's even splits at 64 x mixed lengths ~1024, 0.95-0.97x
-where nothing needs cutting; ``benchmarks/RESULTS.md``). What this kernel does that it does not: the row max is
-published before the exponentials (see the seesaw above).
+where nothing needs cutting; ``benchmarks/RESULTS.md``). What this kernel does that it does
+not: the row max is published before the exponentials (see the seesaw above).
 
 The epilogue, as FlashMLA's: O (or a split's fp32 partial) goes to shared memory over Q and
 the buffers, rows padded by 16 (32) bytes, and leaves a row a thread by one bulk copy
