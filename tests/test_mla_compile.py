@@ -182,7 +182,7 @@ def test_mla_head_counts_and_kv_heads_compile(tmp_path):
 # (SYNCS), O staged in shared memory and stored a row a thread by bulk copies (UBLKCP),
 # no local memory (O 128 + S 32 + P 16 of 255 registers; 207 at the time of writing), and
 # the wgmma waits of its schedule (17: three or fewer per step and instantiation, never one
-# per HGMMA).
+# per HGMMA). S's rotary chunk reads Q from registers (an RS wgmma: A is a register).
 TMA_CONFIGS = [("bf16", 64, False, False, False, 0), ("fp16", 128, True, True, True, 0),
                ("bf16", "2/hkv", True, True, True, 128), ("bf16", 100, "cp", False, True, 0),
                ("bf16", 128, True, "schedule", True, 0)]  # a device schedule (kernels/mla_schedule.py)
@@ -194,6 +194,7 @@ def test_mla_sm90_tma_compiles_and_sass(tmp_path):
     keys_tma = [mla_key("sm90", "sm_90a", *c, ((64, 2, "tma"),)) for c in TMA_CONFIGS]
     for key, sass in zip(keys_tma, compile_sm90(keys_tma, tmp_path, "mla sm90 tma sm_90a", TMA_SASS_EXPECT, 20)):
         assert "USETMAXREG" not in sass, key  # two warpgroups of equal roles: no register trade
+        assert re.search(r"HGMMA\.64x64x16\.F32\.\w+ R\d+, R\d+", sass), key  # Q's rotary chunk in registers
 
 
 # The same kernel over an e4m3 cache: QGMMA (fp8 wgmma) for both products, V transposed by
@@ -213,3 +214,4 @@ def test_mla_sm90_tma_fp8_compiles_and_sass(tmp_path):
     for key, sass in zip(keys_fp8, compile_sm90(keys_fp8, tmp_path, "mla sm90 tma fp8 sm_90a", TMA_FP8_SASS_EXPECT,
                                                 20)):
         assert "HGMMA" not in sass and "USETMAXREG" not in sass, key
+        assert re.search(r"QGMMA\.64x64x32\.F32\.E4M3\.E4M3 R\d+, R\d+", sass), key  # the rotary chunk's RS S

@@ -80,7 +80,7 @@ def pow2_scales(amax: Float32, *, loc=None, ip=None) -> tuple:
 
 @cute.jit
 def quantize_q_tile(parts: tuple, row0: Int32, sAmax: cute.Tensor, rows_valid: Int32, cols_valid: cutlass.Constexpr,
-                    tidx: Int32, num_threads: cutlass.Constexpr[int], sync) -> Float32:
+                    tidx: Int32, num_threads: cutlass.Constexpr[int], sync, after_loads=None) -> Float32:
     """Q rows [row0, row0 + rows) of each part ``(q_rows, sQ)`` (``q_rows``: (rows, cols)
     16-bit gmem, packed under GQA; ``sQ``: its (rows, cols) e4m3 tile) stored as Q / 2^e,
     one 2^e for all the parts (MLA's q_nope and q_pe add into one score); returns 2^e.
@@ -88,7 +88,9 @@ def quantize_q_tile(parts: tuple, row0: Int32, sAmax: cute.Tensor, rows_valid: I
     tile rows at or past ``rows_valid`` and columns at or past ``cols_valid`` (a padded head
     dim; None: none) are zeros. ``sAmax``: one fp32 word per warp; ``sync()``: a barrier of
     the ``num_threads`` threads (run twice: the warps' amaxes written, then the tiles
-    written and fenced for wgmma)."""
+    written and fenced for wgmma). ``after_loads()``, where given, runs once every load is
+    issued and before any is used: a kernel's own first loads (the MLA TMA kernel's first
+    KV tiles) then queue behind Q's, and the amax runs under their latency."""
     views = []  # per part: (thread's smem partition, its 16-bit registers, which chunks are real)
     for q_rows, sQ in parts:
         rows, cols = cute.size(sQ, mode=[0]), cute.size(sQ, mode=[1])
@@ -118,6 +120,8 @@ def quantize_q_tile(parts: tuple, row0: Int32, sAmax: cute.Tensor, rows_valid: I
                                   rQ[None, m, k])
                 real.append(ok)
         views.append((tQsQ, rQ, real))
+    if cutlass.const_expr(after_loads is not None):
+        after_loads()
     # Four interleaved max chains (|x| is an operand modifier of FMNMX), then the warp's. The
     # fp32 values are made chunk by chunk, here and for the stores: only the 16-bit ones
     # stay live across the barrier.

@@ -90,17 +90,32 @@ Beside FlashMLA (its SM90 dense decode as sglang-kernel 0.4.4 builds it; both SA
 listings summarised in ``benchmarks/results/sass_mla_flashmla_vs_tma_2026-12-05_s13.txt``,
 ``benchmarks/sass_summary.py``). Per kernel the same mix: 196 HGMMA (64 x 64 x 16 for S,
 64 x 256 x 16 for P V), 59 bulk-tensor loads, 17 wgmma waits, about 205 MUFU.EX2; 7,784
-instructions here against its 7,488. What it does per 64 keys that this kernel does not:
-Q's rotary chunk lives in registers (an RS wgmma for the ninth chunk: a ninth less of S's
-shared-memory A traffic, which sits at the 128 bytes a cycle shared memory serves), with
-sP1 over that chunk's shared memory; a metadata kernel hands each SM a length-balanced run
-of (sequence, block) work (persistent CTAs: no partial last wave, no even-split rounding),
-and the combine starts under PDL. This kernel takes a device-computed schedule too
+instructions here against its 7,488. Q's rotary chunk lives in registers in both (an RS
+wgmma for S's ninth chunk: a ninth less of S's shared-memory A traffic, which sits at the
+128 bytes a cycle shared memory serves; FlashMLA puts sP1 over that chunk's shared memory,
+this kernel keeps it: nothing else needs the 8 KB). What it does that this kernel does not:
+a metadata kernel hands each SM a length-balanced run of (sequence, block) work (persistent
+CTAs: no partial last wave, no even-split rounding, and the next item's loads under the
+last one's epilogue), and the combine starts under PDL. This kernel takes a device-computed schedule too
 (``scheduler_metadata``, ``kernels/mla_schedule.py``): length-balanced pieces, one CTA each
 (not persistent), a whole sequence written directly, pieces as fp32 partials in compact
 slots (H200, 2026-12-06: 1.10x the host's even splits at 64 x mixed lengths ~1024, 0.95-0.97x
 where nothing needs cutting; ``benchmarks/RESULTS.md``). What this kernel does that it does
 not: the row max is published before the exponentials (see the seesaw above).
+
+A CTA's first bytes. Its first two tiles wait for a page-table read, then their TMA, two
+memory round trips under a loaded memory system, whatever the order; Q's loads need one.
+Warp 0 issues the tiles once its loads of Q are out (``first_loads``), so that quantizing Q
+(an e4m3 cache under 16-bit queries: Q in registers, its amax across the CTA, Q / 2^e to
+shared memory) runs while the tiles are in flight, not after them: the quantizing call was
+4-13 % slower than the same cache with e4m3 queries at 64 heads. H200, 2026-12-06, two
+alternating passes of ``benchmarks/ab_run.sh`` (``results/mla_ab_h200_2026-12-06_s22.txt``),
+this order and the rotary chunk in registers against neither, time ratios: an e4m3 cache
+1.022x (64 x 1024), 1.047x (768 x 1024), 1.046x (128 x 2048), 1.021x and 1.013x (128 heads
+128 x 2048, 32 x 8192); bf16 1.024x (64 x 1024), 1.002-1.006x elsewhere; e4m3 queries
+1.002-1.019x. At 64+ heads the quantizing call now trails the e4m3 queries by 0.6-4.4 % on
+the rows of one split, 8-12 % at 64 x 1024 and 64 x 2048 (splits of eight and sixteen tiles,
+where a CTA's start weighs most; the profile that would split that time is not yet taken).
 
 The epilogue, as FlashMLA's: O (or a split's fp32 partial) goes to shared memory over Q and
 the buffers, rows padded by 16 (32) bytes, and leaves a row a thread by one bulk copy
@@ -112,12 +127,13 @@ CUDA-graph replays, three runs of the register epilogue against one of this (us)
 82.6), 128 heads 128 x 2048 165.5-166.2 -> 158.9 (fp8 146.9-147.8 -> 138.2); the split rows
 (fp32 partials: 64 x 1024, 64 x 2048, 32 x 8192, 1 x 32768) within -0.6 to +1.6 %.
 
-Measured (H100 SXM, 2026-12-06, CUDA-graph replays, FlashMLA in the same process,
+Measured (H200, 2026-12-06, CUDA-graph replays, FlashMLA in the same process,
 ``benchmarks/bench_mla.py``, table and CSV in ``benchmarks/RESULTS.md`` "MLA decode beside
-FlashMLA"), ours / FlashMLA: bf16 at 64 heads 0.89-0.96x on the 64- and 128-sequence rows but
-128 x 2048 (1.01x), 1.04x and 1.09x at 768 x 1024 and 768 x 2048, 1.06x at 16 heads; 128
-heads 0.85-0.90x (446-488 TFLOP/s). An e4m3 cache: 1.15-1.51x our bf16 tokens per second,
-0.88-1.03x FlashMLA's FP8 mode (e4m3 queries: 0.89-1.11x). Against FlashMLA in ncu
+FlashMLA"), ours / FlashMLA: bf16 at 64 heads 0.91-0.95x on the 64-sequence rows and 128 x
+1024, 1.01-1.10x at 768 x 1024, 128 x 2048 and 768 x 2048, 1.12x at 16 heads; 128 heads
+0.85-0.88x (473-512 TFLOP/s). An e4m3 cache: 1.07-1.28x our bf16 tokens per second,
+0.87-1.07x FlashMLA's FP8 mode (e4m3 queries: 0.92-1.09x). The H100 run of the same day
+(before the two changes above): bf16 0.85-1.09x, fp8 1.15-1.51x our bf16. Against FlashMLA in ncu
 (``results/ncu/ncu_mla_*_h100_2026-12-05_s15.txt``, before the staged epilogue): at 128 heads
 the tensor pipe is active 49 % of the time against its 58 %, with more barrier stalls (2.39
 against 1.48 per issue) and 256 CTAs (1.94 waves) against 132 persistent ones that share the
@@ -256,6 +272,10 @@ class MlaDecodeSm90Tma:
         k_major, mn_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             op_dtype, kv_dtype, k_major, k_major, Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(TILE_M, TILE_N))
+        # The rotary chunk of S reads Q from registers (``issue_s``).
+        tiled_mma_qk_rs = sm90_utils.make_trivial_tiled_mma(
+            op_dtype, kv_dtype, k_major, k_major, Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(TILE_M, TILE_N),
+            a_source=warpgroup.OperandSource.RMEM)
         # O: the two warpgroups side by side along N, 64 x 256 each; P from registers (its own
         # tile) or from shared memory (the other's). 8-bit wgmma reads B K-major only: V^T.
         v_major = k_major if self.fp8 else mn_major
@@ -270,8 +290,8 @@ class MlaDecodeSm90Tma:
         grid_splits, grid_outer = (Int32(1), args.num_items()) if self.scheduled else (args.num_splits,
                                                                                       args.batch_size)
         launch_ctas(self.kernel(args, tile_divisors(num_m_blocks, grid_splits), (tma_atom_C, tma_atom_Kp),
-                                (tma_C, tma_Kp), layouts, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_ss,
-                                SharedStorage),
+                                (tma_C, tma_Kp), layouts, (tiled_mma_qk, tiled_mma_qk_rs), tiled_mma_pv,
+                                tiled_mma_pv_ss, SharedStorage),
                     SingleTileScheduler.grid(num_m_blocks, args.num_kv_heads(), grid_splits, grid_outer),
                     THREADS, SharedStorage, stream)
 
@@ -283,7 +303,7 @@ class MlaDecodeSm90Tma:
         tma_atoms: tuple,  # ckv, kpe
         tma_views: tuple,  # ckv, kpe: (page_size, d, [h_kv,] num_pages) coordinate tensors
         smem_layouts: tuple,  # Qn, Qp, ckv, kpe, P, V^T
-        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_qk: tuple,  # S's MMA: Q from shared memory, and (the rotary chunk) from registers
         tiled_mma_pv: cute.TiledMma,
         tiled_mma_pv_ss: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
@@ -332,17 +352,27 @@ class MlaDecodeSm90Tma:
         cute.arch.sync_threads()  # the mbarriers are initialised
         if tile.rows_valid > 0:
             loader = _TileLoader.create(args, tile, tma_atoms, tma_views, smem, self.chunks)
-            if warp_idx == 0:
-                if n_tiles > 0:
-                    loader.load(loader.page(0), 0, 0, self.chunks.chunks)
-                if n_tiles > 1:
-                    loader.load(loader.page(1), 1, 0, self.chunks.chunks)
-            self.mma(tile, n_tiles, smem, loader, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_ss, args, tidx)
+            pages = (loader.page(0), loader.page(1))  # read now, used once Q's loads are out
+            first_loads = lambda: self.first_loads(loader, pages, n_tiles, warp_idx)
+            self.mma(tile, n_tiles, smem, loader, first_loads, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_ss, args,
+                     tidx)
 
     @cute.jit
-    def mma(self, tile, n_tiles, smem, loader, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_ss, args: MlaArgs, tidx):
-        """Both warpgroups: Q, the row max, their operands, the seesaw (``wg0`` / ``wg1``), the
-        row sums and the epilogue."""
+    def first_loads(self, loader, pages, n_tiles, warp_idx):
+        """Tiles 0 and 1 by warp 0, issued (``mma``) once this thread's loads of Q are: a
+        fresh CTA's first bytes then arrive Q first, and quantizing Q (an FP8 cache under
+        16-bit queries) runs while the tiles are in flight rather than after them."""
+        if warp_idx == 0:
+            if n_tiles > 0:
+                loader.load(pages[0], 0, 0, self.chunks.chunks)
+            if n_tiles > 1:
+                loader.load(pages[1], 1, 0, self.chunks.chunks)
+
+    @cute.jit
+    def mma(self, tile, n_tiles, smem, loader, first_loads, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_ss,
+            args: MlaArgs, tidx):
+        """Both warpgroups: Q (then ``first_loads()``), the row max, their operands, the seesaw
+        (``wg0`` / ``wg1``), the row sums and the epilogue."""
         wg_idx = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         t = tidx % WG_THREADS
         scale = tile.softmax_scale
@@ -358,7 +388,8 @@ class MlaDecodeSm90Tma:
             q_scale = quantize_q_tile(
                 ((tile.q_rows(args.mQn, packed, False), smem.sQn), (tile.q_rows(args.mQp, packed, False), smem.sQp)),
                 row0, smem.sAmax, tile.rows_valid, None, tidx, THREADS,
-                lambda: cute.arch.barrier(barrier_id=int(Sm90MlaTmaBarrier.Q), number_of_threads=THREADS))
+                lambda: cute.arch.barrier(barrier_id=int(Sm90MlaTmaBarrier.Q), number_of_threads=THREADS),
+                first_loads)
             scale = tile.softmax_scale * q_scale
         else:
             # 16-bit Q and cache, or FP8 queries (their q_descale and the cache's descale
@@ -368,6 +399,7 @@ class MlaDecodeSm90Tma:
                 scale = tile.softmax_scale
             load_q_rows(tile, smem.sQn, smem.sQp, args, self.dtype, self.qhead_per_kvhead_packed, TILE_M, THREADS,
                         tidx)
+            first_loads()
             if tidx < TILE_M:
                 smem.sM[tidx] = -Float32.inf
             cute.arch.cp_async_commit_group()
@@ -375,7 +407,14 @@ class MlaDecodeSm90Tma:
             cute.arch.fence_view_async_shared()  # Q's cp.async and zero rows, read by wgmma
             cute.arch.barrier(barrier_id=int(Sm90MlaTmaBarrier.Q), number_of_threads=THREADS)
         # wgmma operands are warpgroup-wide descriptors: partition by the first thread.
+        tiled_mma_qk, tiled_mma_qk_rs = tiled_mma_qk
         wg_qk = tiled_mma_qk.get_slice(0)
+        # Q's rotary chunk in registers (16 words a thread in 16 bits, 8 in e4m3) for S's last
+        # chunk: 8 KB (4 KB) less shared-memory A traffic a tile, as FlashMLA. Q is in shared
+        # memory and fenced (the Q barrier above).
+        thr_qk_rs = tiled_mma_qk_rs.get_slice(t)
+        tSrQp = thr_qk_rs.make_fragment_A(thr_qk_rs.partition_A(smem.sQp))
+        cute.autovec_copy(thr_qk_rs.partition_A(smem.sQp), tSrQp)
         wg_pv = tiled_mma_pv.get_slice(wg_idx * WG_THREADS)
         wg_pv_ss = tiled_mma_pv_ss.get_slice(wg_idx * WG_THREADS)
         if cutlass.const_expr(self.fp8):
@@ -391,8 +430,8 @@ class MlaDecodeSm90Tma:
             thr_stsm = cute.make_tiled_copy_C(stsm, tiled_mma_qk).get_slice(t)
             p_store = (thr_stsm, thr_stsm.partition_D(smem.sP0), thr_stsm.partition_D(smem.sP1))
         ops = _Ops(
-            tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_ss,
-            wg_qk.make_fragment_A(wg_qk.partition_A(smem.sQn)), wg_qk.make_fragment_A(wg_qk.partition_A(smem.sQp)),
+            tiled_mma_qk, tiled_mma_qk_rs, tiled_mma_pv, tiled_mma_pv_ss,
+            wg_qk.make_fragment_A(wg_qk.partition_A(smem.sQn)), tSrQp,
             wg_qk.make_fragment_B(wg_qk.partition_B(smem.sC)), wg_qk.make_fragment_B(wg_qk.partition_B(smem.sKp)),
             tOrVt,
             wg_pv_ss.make_fragment_A(wg_pv_ss.partition_A(smem.sP0)),
@@ -610,7 +649,8 @@ class MlaDecodeSm90Tma:
         for c in cutlass.range_constexpr(lo, hi):
             cute.arch.mbarrier_wait(smem.mbar + buf * ch.chunks + c, phase)
             warpgroup.fence()
-            atom = cute.make_mma_atom(ops.mma_qk.op)  # fresh: its ACCUMULATE field is rewritten
+            # fresh: its ACCUMULATE field is rewritten; the rotary chunk reads Q from registers
+            atom = cute.make_mma_atom(ops.mma_qk.op if c < ch.c_chunks else ops.mma_qk_rs.op)
             atom.set(warpgroup.Field.ACCUMULATE, c > 0)
             slices = ch.slices if c < ch.c_chunks else ch.kpe_slices
             for k in cutlass.range_constexpr(slices):
@@ -832,10 +872,11 @@ class _Ops:
     """The warpgroups' MMAs, wgmma operand fragments (descriptors), P stores and S coordinates."""
 
     mma_qk: cute.TiledMma
+    mma_qk_rs: cute.TiledMma  # S's rotary chunk: Q from registers (``tSrQp``)
     mma_pv: cute.TiledMma
     mma_pv_ss: cute.TiledMma
     tSrQn: cute.Tensor
-    tSrQp: cute.Tensor
+    tSrQp: cute.Tensor  # this thread's share of Q's rotary chunk, in registers
     tSrC: cute.Tensor  # (.., 2 buffers)
     tSrKp: cute.Tensor
     tOrVt: cute.Tensor  # this warpgroup's 256 columns of V^T, (.., 2 buffers)
