@@ -320,38 +320,6 @@ def test_quantized_q_over_fp8_cache(page_size, seqlen_q, h, hkv, causal, num_spl
                        dequantize_kv(k8, kd), dequantize_kv(v8, vd), causal=causal)
 
 
-@pytest.mark.parametrize("page_size", [None, 64])
-def test_quantized_q_nan_query(page_size):
-    """A NaN in one query head (decode, GQA packed: one 64-row tile holds the four heads of a
-    KV head) spoils that head's output alone: the tile's amax ignores it, so its tile-mates
-    are quantized as if it were absent (the reference: the same q with that head zeroed;
-    ``q_quant``'s NaN rule, under the packed 16-bit max of its amax)."""
-    torch.manual_seed(24)
-    batch, capacity, h, hkv, d = 2, 512, 32, 8, 128
-    q = torch.randn(batch, 1, h, d, device=DEVICE).to(torch.bfloat16)
-    q[0, :, 1, 5] = float("nan")
-    k8, kd = _cache8(batch, capacity, hkv, d)
-    v8, vd = _cache8(batch, capacity, hkv, d, scale=3.0)
-    lens = _i32([500, 77])
-    k8p, v8p, table = k8, v8, None
-    if page_size is not None:
-        pages = batch * capacity // page_size
-        table = torch.randperm(pages, device=DEVICE).view(batch, capacity // page_size).int()
-        k8p, v8p = _pool(k8, table, page_size, pages), _pool(v8, table, page_size, pages)
-    out = torch.full(q.shape, float("nan"), device=DEVICE, dtype=torch.bfloat16)
-    _, lse = flash_attn_with_kvcache(q, k8p, v8p, cache_seqlens=lens, page_table=table, k_descale=kd, v_descale=vd,
-                                     return_lse=True, out=out)
-    others = torch.arange(h, device=DEVICE) != 1
-    assert not torch.isnan(out[0, :, others]).any() and not torch.isnan(out[1]).any()
-    q0 = q.clone()
-    q0[0, :, 1] = 0
-    k, v = dequantize_kv(k8, kd), dequantize_kv(v8, vd)
-    ref_fn = lambda *a, **kw: attention_kvcache_ref(*a, lens, **kw)
-    out_ref, lse_ref = ref_fn(quantize_q_ref(q0), k, v)
-    out[0, :, 1], lse[0, 1] = out_ref[0, :, 1].to(out.dtype), lse_ref[0, 1]  # the NaN head's own rows: anything
-    _check_quantized_q(out, lse, q0, ref_fn, k, v)
-
-
 @pytest.mark.parametrize("d,causal,kw", [(64, True, {}), (256, False, {}),
                                          (80, True, dict(window_size=(100, 0), softcap=20.0))],
                          ids=["d64-causal", "d256", "d80-local-softcap"])

@@ -272,26 +272,6 @@ def test_mla_fp8_nan_past_the_end(backend, page_size):
         check_fp8(backend, inputs, descale, out, None)
 
 
-def test_mla_fp8_nan_query(backend):
-    # A NaN in one head's q_nope (64 heads: one 64-row tile) spoils that head's output alone:
-    # the kernel's amax of the tile ignores it (q_quant), so the other heads are quantized as
-    # if it were absent (the reference: the same queries with that head zeroed).
-    import flash_attn_cute
-
-    inputs, descale = fp8_inputs((300, 129), 64, 64, seed=14)
-    q_nope, q_pe = inputs[0].clone(), inputs[1]
-    q_nope[0, 0, 3, 7] = float("nan")
-    out = flash_attn_cute.flash_mla_decode(q_nope, q_pe, *inputs[2:], backend=backend, kv_descale=descale)
-    others = torch.arange(64, device="cuda") != 3
-    assert not torch.isnan(out[0, 0, others]).any() and not torch.isnan(out[1]).any()
-    q0 = q_nope.clone()
-    q0[0, 0, 3] = 0
-    zeroed = (q0, *inputs[1:])
-    quantize = fp8_wgmma(backend, inputs[2])
-    out[0, 0, 3] = mla_decode_ref(*zeroed, kv_descale=descale, quantize_q=quantize)[0][0, 0, 3].to(out.dtype)
-    check_fp8(backend, zeroed, descale, out, None)  # (the NaN head's own row: anything)
-
-
 def test_mla_fp8_split_many_empty_and_long(backend):
     # An FP8 cache with a zero-length sequence (out 0, lse -inf) and splits holding no key:
     # CTAs without tiles still look their first gather's page up (key 0, never past the table).

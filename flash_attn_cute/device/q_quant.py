@@ -29,12 +29,9 @@ largest finite 448 (no saturation).
   is exact (2^e changes the exponent only).
 - e comes from the amax's exponent bits (``pow2_scales``): no division; an amax of 0 (a
   tile of zero queries) or below 2^-57 takes the clamp 2^-e = 2^64 (zeros stay zeros; the
-  softmax scale times 2^-64 stays a normal fp32). The amax is a chain of packed 16-bit
-  max(|a|, |b|) (``max.xorsign.abs``, one instruction a pair of values: the 144 values a
-  thread holds in the MLA kernel took about 430 instructions as fp32 conversions, selects and
-  max.f32, 68 so), which like max.f32 ignores NaN: a NaN query spoils its own rows only, as
-  in the 16-bit kernel (``test_quantized_q_nan_query``, ``test_mla_fp8_nan_query``; an
-  infinite one, whose rows are NaN anyway, flushes its tile-mates to 0).
+  softmax scale times 2^-64 stays a normal fp32). The amax is a max.f32 chain, which
+  ignores NaN: a NaN query spoils its own rows only, as in the 16-bit kernel (an infinite
+  one, whose rows are NaN anyway, flushes its tile-mates to 0).
 
 Because the small elements depend on the tile (its rows, hence tile_m and GQA packing),
 the kernel is not bitwise batch invariant: ``batch_invariant`` calls keep the widening
@@ -47,7 +44,7 @@ distance from them.
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Uint32
+from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -79,29 +76,6 @@ def pow2_scales(amax: Float32, *, loc=None, ip=None) -> tuple:
         "shl.b32 $1, s, 23;\n\t}",
         "=f,=f,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
     return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(2))
-
-
-@dsl_user_op
-def _absmax2(a: Uint32, b: Uint32, bf16: bool, *, loc=None, ip=None) -> Uint32:
-    """Per 16-bit half of two packed pairs: max(|a|, |b|) (the sign bit is the two signs'
-    xor: ``_abs_halves_max`` drops it). A NaN half yields the other, as max.f32 does."""
-    return Uint32(llvm.inline_asm(
-        T.i32(), [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
-        f"max.xorsign.abs.{'bf16x2' if bf16 else 'f16x2'} $0, $1, $2;", "=r,r,r", has_side_effects=False,
-        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@dsl_user_op
-def _abs_halves_max(w: Uint32, bf16: bool, *, loc=None, ip=None) -> Float32:
-    """max(|lo|, |hi|) of a packed pair of 16-bit floats, in fp32 (bf16: the half as an
-    fp32's high bits; fp16: cvt)."""
-    widen = ("mov.b32 lo, {z, l};\n\tmov.b32 hi, {z, h};" if bf16 else
-             "cvt.f32.f16 lo, l;\n\tcvt.f32.f16 hi, h;")
-    return Float32(llvm.inline_asm(
-        T.f32(), [Uint32(w).ir_value(loc=loc, ip=ip)],
-        "{\n\t.reg .b16 l, h, z;\n\t.reg .f32 lo, hi;\n\tmov.b16 z, 0;\n\tmov.b32 {l, h}, $1;\n\t" + widen
-        + "\n\tabs.f32 lo, lo;\n\tabs.f32 hi, hi;\n\tmax.f32 $0, lo, hi;\n\t}", "=f,r", has_side_effects=False,
-        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 @cute.jit
@@ -148,24 +122,25 @@ def quantize_q_tile(parts: tuple, row0: Int32, sAmax: cute.Tensor, rows_valid: I
         views.append((tQsQ, rQ, real))
     if cutlass.const_expr(after_loads is not None):
         after_loads()
-    # Four interleaved max chains over 16-bit pairs (``_absmax2``: one instruction a pair, no
-    # conversion; the chunks past the tile hold copies of real ones, which leave the max as
-    # it is), then the warp's. The fp32 values of the stores are made chunk by chunk: only
-    # the 16-bit ones stay live across the barrier.
+    # Four interleaved max chains (|x| is an operand modifier of FMNMX), then the warp's. The
+    # fp32 values are made chunk by chunk, here and for the stores: only the 16-bit ones
+    # stay live across the barrier.
     chains = []
-    for _, rQ, _ in views:
-        bf16 = rQ.element_type == cutlass.BFloat16
+    for _, rQ, real in views:
         for m in cutlass.range_constexpr(cute.size(rQ, mode=[1])):
             for k in cutlass.range_constexpr(cute.size(rQ, mode=[2])):
-                words = cute.recast_tensor(rQ[None, m, k], Uint32)
-                for i in cutlass.range_constexpr(cute.size(words)):
+                ok = real[m * cute.size(rQ, mode=[2]) + k]
+                x = cute.make_fragment_like(rQ[None, m, k], Float32)
+                x.store(rQ[None, m, k].load().to(Float32))
+                for i in cutlass.range_constexpr(cute.size(x)):
+                    a = cutlass.select_(ok, cute.math.absf(x[i]), Float32(0.0))
                     if cutlass.const_expr(len(chains) < 4):
-                        chains.append(words[i])
+                        chains.append(a)
                     else:
-                        chains[i % 4] = _absmax2(chains[i % 4], words[i], bf16)
+                        chains[i % 4] = cute.arch.fmax(chains[i % 4], a)
     amax = Float32(0.0)
     for c in chains:
-        amax = cute.arch.fmax(amax, _abs_halves_max(c, bf16))
+        amax = cute.arch.fmax(amax, c)
     amax = cute.arch.warp_reduction_max(amax, threads_in_group=32)
     warp, lane = tidx // 32, tidx % 32
     if lane == 0:
@@ -181,12 +156,10 @@ def quantize_q_tile(parts: tuple, row0: Int32, sAmax: cute.Tensor, rows_valid: I
             for k in cutlass.range_constexpr(cute.size(rQ, mode=[2])):
                 ok = real[m * cute.size(rQ, mode=[2]) + k]
                 x = cute.make_fragment_like(rQ[None, m, k], Float32)
-                x.store(rQ[None, m, k].load().to(Float32) * inv_scale)
+                x.store(rQ[None, m, k].load().to(Float32))
+                for i in cutlass.range_constexpr(cute.size(x)):
+                    x[i] = cutlass.select_(ok, x[i] * inv_scale, Float32(0.0))
                 r8[None, m, k].store(x.load().to(tQsQ.element_type))
-                # A chunk past the tile is zeroed as packed e4m3 words (a select a word).
-                words = cute.recast_tensor(r8[None, m, k], Uint32)
-                for i in cutlass.range_constexpr(cute.size(words)):
-                    words[i] = cutlass.select_(ok, words[i], Uint32(0))
         cute.autovec_copy(r8, tQsQ)
     # Generic-proxy stores, read next by wgmma (async proxy), by every consumer warpgroup.
     cute.arch.fence_view_async_shared()
