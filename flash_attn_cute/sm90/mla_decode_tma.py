@@ -303,7 +303,7 @@ class MlaDecodeSm90Tma:
         tma_atoms: tuple,  # ckv, kpe
         tma_views: tuple,  # ckv, kpe: (page_size, d, [h_kv,] num_pages) coordinate tensors
         smem_layouts: tuple,  # Qn, Qp, ckv, kpe, P, V^T
-        tiled_mma_qk: tuple,  # S's MMA: Q from shared memory, and (the rotary chunk) from registers
+        tiled_mmas_qk: tuple,  # S's MMAs: Q from shared memory, and (the rotary chunk) from registers
         tiled_mma_pv: cute.TiledMma,
         tiled_mma_pv_ss: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
@@ -352,9 +352,9 @@ class MlaDecodeSm90Tma:
         cute.arch.sync_threads()  # the mbarriers are initialised
         if tile.rows_valid > 0:
             loader = _TileLoader.create(args, tile, tma_atoms, tma_views, smem, self.chunks)
-            pages = (loader.page(0), loader.page(1))  # read now, used once Q's loads are out
+            pages = (loader.page(0), loader.page(1))  # (ptxas issues these reads after Q's loads, in warp 0)
             first_loads = lambda: self.first_loads(loader, pages, n_tiles, warp_idx)
-            self.mma(tile, n_tiles, smem, loader, first_loads, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_ss, args,
+            self.mma(tile, n_tiles, smem, loader, first_loads, tiled_mmas_qk, tiled_mma_pv, tiled_mma_pv_ss, args,
                      tidx)
 
     @cute.jit
@@ -369,7 +369,7 @@ class MlaDecodeSm90Tma:
                 loader.load(pages[1], 1, 0, self.chunks.chunks)
 
     @cute.jit
-    def mma(self, tile, n_tiles, smem, loader, first_loads, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_ss,
+    def mma(self, tile, n_tiles, smem, loader, first_loads, tiled_mmas_qk, tiled_mma_pv, tiled_mma_pv_ss,
             args: MlaArgs, tidx):
         """Both warpgroups: Q (then ``first_loads()``), the row max, their operands, the seesaw
         (``wg0`` / ``wg1``), the row sums and the epilogue."""
@@ -407,14 +407,15 @@ class MlaDecodeSm90Tma:
             cute.arch.fence_view_async_shared()  # Q's cp.async and zero rows, read by wgmma
             cute.arch.barrier(barrier_id=int(Sm90MlaTmaBarrier.Q), number_of_threads=THREADS)
         # wgmma operands are warpgroup-wide descriptors: partition by the first thread.
-        tiled_mma_qk, tiled_mma_qk_rs = tiled_mma_qk
+        tiled_mma_qk, tiled_mma_qk_rs = tiled_mmas_qk
         wg_qk = tiled_mma_qk.get_slice(0)
         # Q's rotary chunk in registers (16 words a thread in 16 bits, 8 in e4m3) for S's last
         # chunk: 8 KB (4 KB) less shared-memory A traffic a tile, as FlashMLA. Q is in shared
         # memory and fenced (the Q barrier above).
         thr_qk_rs = tiled_mma_qk_rs.get_slice(t)
-        tSrQp = thr_qk_rs.make_fragment_A(thr_qk_rs.partition_A(smem.sQp))
-        cute.autovec_copy(thr_qk_rs.partition_A(smem.sQp), tSrQp)
+        tSsQp = thr_qk_rs.partition_A(smem.sQp)
+        tSrQp = thr_qk_rs.make_fragment_A(tSsQp)
+        cute.autovec_copy(tSsQp, tSrQp)
         wg_pv = tiled_mma_pv.get_slice(wg_idx * WG_THREADS)
         wg_pv_ss = tiled_mma_pv_ss.get_slice(wg_idx * WG_THREADS)
         if cutlass.const_expr(self.fp8):
