@@ -3,8 +3,9 @@
 The call runs ``--calls`` times (the first compiles and warms; ncu skips the first two
 launches of the kernel it filters and profiles the third):
 
-    prefill: --impl ours|ours-fp8|fa4 --D 128 [--causal]  (b4 s8192, H = 2048 / D; ours = SM90;
-             ours-fp8: q, k, v in e4m3 with per (batch, head) descales)
+    prefill: --impl ours|ours-fp8|fa4|fa3-fp8 --D 128 [--causal]  (b4 s8192, H = 2048 / D; ours = SM90;
+             ours-fp8 / fa3-fp8: q, k, v in e4m3 with per (batch, head) descales, ours or
+             FA3's Hopper kernel on the same values, with .peers: ../shared/gpu/README.md)
     mla:     --impl sm80|sm90[-fp8]|fi-fa3|fi-fa2|flashmla --batch 768 --seqlen 2048 [--page 1] [--heads 64]
              (-fp8: an e4m3 latent cache, one kv_descale; fi-*: FlashInfer's MLA wrapper,
              flashmla[-fp8]: FlashMLA's dense decode (pages of 64; -fp8 its FP8 mode), on the same values as
@@ -19,7 +20,7 @@ import argparse
 import sys
 
 import common
-from common import load_fa4, randn
+from common import load_fa3, load_fa4, randn
 
 HEADS_FOR_DIM = {64: 32, 128: 16, 256: 8}
 
@@ -37,6 +38,14 @@ def prefill_fn(args):
             return lambda: flash_attn_cute.flash_attn_func(q, k, v, causal=args.causal, q_descale=qd, k_descale=kd,
                                                            v_descale=vd, backend="sm90")
         return lambda: flash_attn_cute.flash_attn_func(q, k, v, causal=args.causal, backend="sm90")
+    if args.impl == "fa3-fp8":
+        import flash_attn_cute
+
+        fa3, why = load_fa3()
+        if fa3 is None:
+            sys.exit(f"FA3 unavailable: {why}")
+        (q, qd), (k, kd), (v, vd) = (flash_attn_cute.quantize_fp8(x) for x in (q, k, v))
+        return lambda: fa3.flash_attn_func(q, k, v, causal=args.causal, q_descale=qd, k_descale=kd, v_descale=vd)
     fa4, why = load_fa4()
     if fa4 is None:
         sys.exit(f"FA4 unavailable: {why}")
@@ -105,7 +114,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("kind", choices=["prefill", "mla", "variant", "decode"])
     p.add_argument("--variant", default="document")
-    p.add_argument("--impl", required=True, help="prefill: ours | fa4; mla: sm80 | sm90 | fi-fa3 | fi-fa2")
+    p.add_argument("--impl", required=True, help="prefill: ours | ours-fp8 | fa4 | fa3-fp8; mla: sm80 | sm90 | fi-fa3 | fi-fa2")
     p.add_argument("--B", type=int, default=4)
     p.add_argument("--S", type=int, default=8192)
     p.add_argument("--D", type=int, default=128)
