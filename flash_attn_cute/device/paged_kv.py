@@ -46,20 +46,25 @@ def page_and_row(mPageTable: cute.Tensor, batch: Int32, t: Int32, page_size: Int
 @cute.jit
 def page_lookups(mPageTable: cute.Tensor, batch: Int32, tXcX: cute.Tensor, t0: Int32, last: Int32,
                  first: cutlass.Constexpr[int], count: cutlass.Constexpr[int], page_size: Int32, num_pages: Int32,
-                 key_start: Optional[Int32] = None):
+                 key_start: Optional[Int32] = None, clamp: cutlass.Constexpr[bool] = True):
     """(pages, rows in page): two (count,) register tensors for the partition rows [first,
     first + count) of a KV block whose first key is ``t0`` (``tXcX``: a thread's (CPY, M,
     chunks) coordinates of the block). The lookups are issued together, before any copy
     needs one, so their latencies overlap (one after another, page size 1 read 1.65 TB/s
     on the H200). Keys past ``last``, the sequence's last, look ``last`` up: a real page.
-    ``key_start``: the cache position of key 0 (``SeqlenInfo.leftpad_k``)."""
+    ``key_start``: the cache position of key 0 (``SeqlenInfo.leftpad_k``). ``clamp=False``:
+    the entries as stored (``page_entry``), for lookups issued a block ahead of their use,
+    which clamps them (``clamp_page``; a clamp here would wait for the read at once)."""
     tPrPage = cute.make_rmem_tensor((count,), Int32)
     tPrRow = cute.make_rmem_tensor((count,), Int32)
     for i in cutlass.range_constexpr(count):
         t = cutlass.min(t0 + tXcX[0, first + i, 0][0], last)
         if cutlass.const_expr(key_start is not None):
             t = t + key_start
-        tPrPage[i], tPrRow[i] = page_and_row(mPageTable, batch, t, page_size, num_pages)
+        if cutlass.const_expr(clamp):
+            tPrPage[i], tPrRow[i] = page_and_row(mPageTable, batch, t, page_size, num_pages)
+        else:
+            tPrPage[i], tPrRow[i] = page_entry(mPageTable, batch, t, page_size)
     return tPrPage, tPrRow
 
 

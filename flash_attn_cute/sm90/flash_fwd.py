@@ -62,7 +62,7 @@ from flash_attn_cute.device.fwd_kernel import (FwdArgs, FwdTile, compile_from_ke
 from flash_attn_cute.device.layout_utils import (acc_mn_view, acc_to_operand_a, row_major_smem_layout, select,
                                                  transpose_view)
 from flash_attn_cute.device.named_barrier import Sm90FwdBarrier
-from flash_attn_cute.device.paged_kv import page_and_row, page_lookups
+from flash_attn_cute.device.paged_kv import clamp_page, page_and_row, page_lookups
 from flash_attn_cute.sm90.config import TWO_CTAS_SMEM, WarpRoles, parse_key_extra
 from flash_attn_cute.sm90.fp8_operands import FP8TileGeometry, TwoLevelPV, p_to_fp8, transpose_v_block
 from flash_attn_cute.device.q_quant import quantize_q_tile
@@ -448,8 +448,43 @@ class FlashAttnFwdSm90:
         return q_state, state
 
     @cute.jit
+    def load_q_tma(self, io: "_Io", args: FwdArgs, tile: FwdTile, q_state, warp_idx):
+        """Q by TMA from warp 0 (``use_tma_q``), once the consumers freed the last tile's."""
+        if warp_idx == 0:
+            if cutlass.const_expr(args.varlen_q):
+                mQ_cur = cute.domain_offset((tile.seqlen.offset_q, 0), io.tma_Q[None, None, tile.ctx.head])
+            else:
+                mQ_cur = io.tma_Q[None, None, tile.ctx.head, tile.ctx.batch]
+            gQ = cute.local_tile(mQ_cur, (self.tile_m, self.head_dim), (tile.m_block, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(
+                io.tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(io.sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+            )
+            # Waits (persistent) until every consumer warp finished the last tile's Q K^T.
+            io.pipeline_q.producer_acquire(q_state)
+            cute.copy(io.tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=io.pipeline_q.producer_get_barrier(q_state))
+        q_state.advance()
+        return q_state
+
+    @cute.jit
     def load_blocks(self, args: FwdArgs, io: "_Io", tile: FwdTile, q_state, state, warp_idx, tidx,
                     parts: cutlass.Constexpr[str]):
+        if cutlass.const_expr(self.roles.split_gather and self.gathers_ahead()):
+            # Lookups a block ahead at pages of 1 only (the page size is not in the key: one
+            # uniform branch). H100, 2026-12-07, b64 x 4096 h32/8 d128 decode over an e4m3
+            # cache, us, same-machine A/B (``ab_run.sh``): pages of 1 249.0 -> 218.3 (bf16 q
+            # quantized), 251.2 -> 219.6 (e4m3 q); pages of 16 215.0 -> 220.6, 216.5 -> 222.0.
+            if io.tma_K.shape[1] == 1:
+                q_state, state = self.gather_blocks_ahead(args, io, tile, q_state, state, warp_idx, tidx, parts)
+            else:
+                q_state, state = self.load_blocks_in_turn(args, io, tile, q_state, state, warp_idx, tidx, parts)
+            return q_state, state
+        return self.load_blocks_in_turn(args, io, tile, q_state, state, warp_idx, tidx, parts)
+
+    @cute.jit
+    def load_blocks_in_turn(self, args: FwdArgs, io: "_Io", tile: FwdTile, q_state, state, warp_idx, tidx,
+                            parts: cutlass.Constexpr[str]):
+        """K and V blocks in the consumers' order (last to first: K of the next block, then
+        V of this one), each loaded once its stage is free."""
         if cutlass.const_expr(self.gather_kv):
             load_k, load_v = self.kv_gatherers(args, io, tile, tidx)
         else:
@@ -461,19 +496,7 @@ class FlashAttnFwdSm90:
         n_block_min, n_block_max = tile.n_block_min, tile.n_block_max
         load_k(n_block_max - 1, state)
         if cutlass.const_expr(self.use_tma_q and parts != "v"):
-            if warp_idx == 0:
-                if cutlass.const_expr(args.varlen_q):
-                    mQ_cur = cute.domain_offset((tile.seqlen.offset_q, 0), io.tma_Q[None, None, tile.ctx.head])
-                else:
-                    mQ_cur = io.tma_Q[None, None, tile.ctx.head, tile.ctx.batch]
-                gQ = cute.local_tile(mQ_cur, (self.tile_m, self.head_dim), (tile.m_block, 0))
-                tQsQ, tQgQ = cpasync.tma_partition(
-                    io.tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(io.sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-                )
-                # Waits (persistent) until every consumer warp finished the last tile's Q K^T.
-                io.pipeline_q.producer_acquire(q_state)
-                cute.copy(io.tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=io.pipeline_q.producer_get_barrier(q_state))
-            q_state.advance()
+            q_state = self.load_q_tma(io, args, tile, q_state, warp_idx)
         for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
             n_block = n_block_max - 2 - i
             state_v = state.clone()
@@ -531,6 +554,58 @@ class FlashAttnFwdSm90:
             src = tXgX[None, n_block]
         cute.copy(tma_atom, src, tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
 
+    def gathers_ahead(self) -> bool:
+        """Whether ``split_gather`` warps look a block's pages up a block ahead: where a warp's
+        rows of a block are at most 16 (the decode tiles, tile_n 64: two blocks' entries in
+        32 registers). sm_90a SASS, (64, 96, 2) with cache_leftpad (24 rows a thread): 102
+        local-memory loads ahead, none without."""
+        return self.tile_n * max(self.head_dim, self.head_dim_v) // (16 * self.roles.gather_threads) <= 16
+
+    @cute.jit
+    def gather_blocks_ahead(self, args: FwdArgs, io: "_Io", tile: FwdTile, q_state, state, warp_idx, tidx,
+                            parts: cutlass.Constexpr[str]):
+        """``split_gather`` (FP8 Q, K, V over gathered rows): this warp's K or V blocks, each
+        block's page lookups issued a block ahead (before the stage wait and the copies of
+        the block before it), so that one warp keeps its copies going instead of waiting a
+        page-table round trip per block. The blocks and stages in the order ``load_blocks``
+        gives them (block n_block_max - 1 - j in stage j)."""
+        if cutlass.const_expr(parts == "k"):
+            mX, sX, cols, cols_valid, pipe = io.tma_K, io.sK, self.head_dim, self.head_dim_valid, io.pipeline_k
+        else:
+            mX, sX, cols, cols_valid, pipe = io.tma_V, io.sV, self.head_dim_v, self.head_dim_v_valid, io.pipeline_v
+        tiled_copy = gmem_tiled_copy(args.mK.element_type, cols, self.roles.gather_threads)
+        thr_copy = tiled_copy.get_slice(tidx)
+        tXsX = thr_copy.partition_D(sX)
+        tXcX = thr_copy.partition_S(cute.make_identity_tensor((self.tile_n, cols)))
+        mX_h = mX[None, None, tile.head_kv, None]  # (num_pages, page_size, cols)
+        rows = cute.size(tXsX, mode=[1])
+        n_block_min, n_block_max = tile.n_block_min, tile.n_block_max
+        last, batch, key_start = tile.seqlen.seqlen_k - 1, tile.ctx.batch, tile.seqlen.leftpad_k
+        page_size, num_pages = mX_h.shape[1], mX_h.shape[0]
+        # The page-table entries alone are carried (the rows in page are recomputed at their use:
+        # carrying both, the warp spilled 40 words to local memory).
+        lookups = lambda n: page_lookups(args.mPageTable, batch, tXcX, cutlass.max(n, n_block_min) * self.tile_n,
+                                         last, 0, rows, page_size, num_pages, key_start, clamp=False)[0]
+        gather = lambda n, st, ahead: self.gather_kv_block(tiled_copy, tXsX, tXcX, mX_h, args.mPageTable, batch,
+                                                           pipe, n, st, tile.seqlen.seqlen_k, key_start, cols_valid,
+                                                           ahead)
+        cur = lookups(n_block_max - 1)
+        nxt = lookups(n_block_max - 2)
+        gather(n_block_max - 1, state, cur)
+        if cutlass.const_expr(self.use_tma_q and parts != "v"):
+            q_state = self.load_q_tma(io, args, tile, q_state, warp_idx)
+        for j in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+            for i in cutlass.range_constexpr(rows):
+                cur[i] = nxt[i]
+            state.advance()
+            # The block after this one: read now, used an iteration later.
+            ahead = lookups(n_block_max - 3 - j)
+            for i in cutlass.range_constexpr(rows):
+                nxt[i] = ahead[i]
+            gather(n_block_max - 2 - j, state, cur)
+        state.advance()
+        return q_state, state
+
     def kv_gatherers(self, args: FwdArgs, io: "_Io", tile: FwdTile, tidx):
         """(load_k, load_v) for ``gather_kv``: each gathering thread (the producer warpgroup;
         fp8 Q, K, V: warp 0 for K, warp 1 for V, ``split_gather``) copies its 16-byte chunks of the
@@ -552,14 +627,15 @@ class FlashAttnFwdSm90:
 
     @cute.jit
     def gather_kv_block(self, tiled_copy, tXsX, tXcX, mX_h, mPageTable, batch, pipe, n_block, state, seqlen_k,
-                        key_start=None, cols_valid: cutlass.Constexpr = None):
+                        key_start=None, cols_valid: cutlass.Constexpr = None, ahead=None):
         """cp.async of this thread's chunks of block n_block, then a cp.async arrive on the
         stage's full barrier (it fires when they land). The page lookups of a group of rows
         are issued before its first copy (``paged_kv.page_lookups``; ``key_start``: the
         sequence's first cache position with cache_leftpad, else None). Rows past the
         sequence end are not read: their scores are masked, and the consumers zero the V
         tail (``zero_v_tail``). ``cols_valid``: a padded head dim's columns (the rest
-        zero-filled)."""
+        zero-filled). ``ahead``: the rows' page-table entries, looked up a block ahead
+        (``gather_blocks_ahead``; clamped here, at their use, and the rows in page computed)."""
         page_size, num_pages = mX_h.shape[1], mX_h.shape[0]
         tXsX_s = tXsX[None, None, None, state.index]
         rows = cute.size(tXsX_s, mode=[1])
@@ -568,10 +644,21 @@ class FlashAttnFwdSm90:
         group = rows if cutlass.const_expr(self.roles.producer_regs >= 96) else min(rows, 4)
         t0 = n_block * self.tile_n
         last = seqlen_k - 1
+        if cutlass.const_expr(ahead is not None):
+            group = rows
         for g in cutlass.range_constexpr(cute.ceil_div(rows, group)):
             count = min(group, rows - g * group)
-            tPrPage, tPrRow = page_lookups(mPageTable, batch, tXcX, t0, last, g * group, count, page_size, num_pages,
-                                           key_start)
+            if cutlass.const_expr(ahead is None):
+                tPrPage, tPrRow = page_lookups(mPageTable, batch, tXcX, t0, last, g * group, count, page_size,
+                                               num_pages, key_start)
+            else:
+                tPrPage, tPrRow = ahead, cute.make_rmem_tensor((count,), Int32)
+                for i in cutlass.range_constexpr(count):
+                    t = cutlass.min(t0 + tXcX[0, g * group + i, 0][0], last)
+                    if cutlass.const_expr(key_start is not None):
+                        t = t + key_start
+                    tPrRow[i] = t - (t // page_size) * page_size
+                    tPrPage[i] = clamp_page(tPrPage[i], num_pages)
             if cutlass.const_expr(g == 0):
                 pipe.producer_acquire(state)
             for i in cutlass.range_constexpr(count):
