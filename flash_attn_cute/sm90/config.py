@@ -186,7 +186,9 @@ def fp8_qkv_decode_tile(d: int, dv: int, page_size: int = 0, leftpad_k: bool = F
     quantized in the kernel, us (``bench_fp8_decode.py --sm90-tiles``, one run): b1 x
     131072 108.8 against 110.1 on (64, 128, 3) one CTA; b64 x 4096 contiguous 198.9 / 198.5,
     pages of 64 197.5 / 213.5; pages of 16 (64, 64, 3) 214.7 against 274.5 (and (64, 128,
-    2) 220.9), pages of 1 248.1 against 337.8 (255.5); the widening kernel 255.0 at both."""
+    2) 220.9), pages of 1 248.1 against 337.8 (255.5); the widening kernel 255.0 at both.
+    Pages of 64 with four stages ((64, 64, 4): as many bytes in flight as (64, 128, 2),
+    still two CTAs a SM): H100, 2026-12-07, same run, 201.2 against 197.8 us: kept two."""
     if max(d, dv) > 128:
         return None
     gathered = gathers_kv(64, page_size, leftpad_k)  # (no page holds a whole block)

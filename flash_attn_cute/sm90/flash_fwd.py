@@ -542,8 +542,10 @@ class FlashAttnFwdSm90:
 
     @cute.jit
     def load_kv(self, tma_atom, tXgX, tXsX, pipe, n_block, state, mPageTable, batch):
-        """TMA of KV block n_block into the stage of ``state``, once the consumers freed it."""
-        pipe.producer_acquire(state)
+        """TMA of KV block n_block into the stage of ``state``, once the consumers freed it.
+        A page's entry is read before the wait for the stage: ptxas does not move a global
+        load above an mbarrier wait, and the entry's round trip would otherwise come after
+        the stage frees, on every block, before its TMA can start."""
         if cutlass.const_expr(mPageTable is not None):
             # Page size is a multiple of tile_n: block n is sub-block `sub` of one page (the
             # page table maps blocks like keys, in units of page_size / tile_n blocks).
@@ -552,6 +554,7 @@ class FlashAttnFwdSm90:
             src = tXgX[None, sub, page]
         else:
             src = tXgX[None, n_block]
+        pipe.producer_acquire(state)
         cute.copy(tma_atom, src, tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
 
     def gathers_ahead(self) -> bool:
