@@ -3,7 +3,7 @@
 # $OUT/ncu_<kind>_<impl>_<config>.txt. Needs hardware counters (ncu works on the
 # Firecracker runtime of the H200 machines, not on gVisor).
 #   bash benchmarks/ncu_profile.sh prefill "128 64c"       # D, trailing c = causal: ours (SM90) and FA4
-#   IMPLS="ours-fp8:FlashAttnFwdSm90 fa3-fp8:FlashAttnFwdSm90" bash benchmarks/ncu_profile.sh prefill 256  # FP8 q, k, v, FA3 beside
+#   IMPLS="ours-fp8:FlashAttnFwdSm90 fa3-fp8:device_kernel" bash benchmarks/ncu_profile.sh prefill 256  # FP8 q, k, v, FA3 beside
 #   bash benchmarks/ncu_profile.sh mla "768x2048 64x1024"  # batch x seqlen, page 1, 64 heads: SM80 and SM90
 #   bash benchmarks/ncu_profile.sh variant "document causal"  # bench_variants definitions, ours (SM90)
 #   bash benchmarks/ncu_profile.sh decode 1x131072         # batch x seqlen, h32/8 d128: SM90 on bf16 and fp8 caches
