@@ -471,8 +471,8 @@ class FlashAttnFwdSm90:
         if cutlass.const_expr(self.roles.split_gather and self.gathers_ahead()):
             # Lookups a block ahead at pages of 1 only (the page size is not in the key: one
             # uniform branch). H100, 2026-12-07, b64 x 4096 h32/8 d128 decode over an e4m3
-            # cache, us, same-machine A/B (``ab_run.sh``): pages of 1 249.0 -> 218.3 (bf16 q
-            # quantized), 251.2 -> 219.6 (e4m3 q); pages of 16 215.0 -> 220.6, 216.5 -> 222.0.
+            # cache with e4m3 q, us, same-machine A/B (``ab_run.sh``): pages of 1 251.2 ->
+            # 219.6, pages of 16 216.5 -> 222.0.
             if io.tma_K.shape[1] == 1:
                 q_state, state = self.gather_blocks_ahead(args, io, tile, q_state, state, warp_idx, tidx, parts)
             else:
