@@ -551,9 +551,13 @@ class FlashAttnFwdSm100:
 
     @cute.jit
     def _load_block(self, tma_atom, src, pipe, state, n_block, mPageTable, batch):
+        """TMA of block ``n_block`` into the stage of ``state`` once it is free. A paged
+        block's page entry is read before the wait (as the SM90 kernel's ``load_kv``): a global
+        load is not moved above an mbarrier wait, so its round trip would follow every release."""
         tXsX, block = src
+        gX = block(n_block)
         pipe.producer_acquire(state)
-        cute.copy(tma_atom, block(n_block), tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
+        cute.copy(tma_atom, gX, tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
 
     # -----------------------------------------------------------------------------------
     # Widening warps (FP8 K/V)
