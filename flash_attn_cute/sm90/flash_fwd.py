@@ -558,10 +558,11 @@ class FlashAttnFwdSm90:
         cute.copy(tma_atom, src, tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
 
     def gathers_ahead(self) -> bool:
-        """Whether ``split_gather`` warps look a block's pages up a block ahead: where a warp's
-        rows of a block are at most 16 (the decode tiles, tile_n 64: two blocks' entries in
-        32 registers). sm_90a SASS, (64, 96, 2) with cache_leftpad (24 rows a thread): 102
-        local-memory loads ahead, none without."""
+        """Whether ``split_gather`` warps may look a block's pages up a block ahead (compiled
+        in; ``load_blocks`` takes it at pages of 1 only): where a warp's rows of a block are at
+        most 16 (the decode tiles, tile_n 64: two blocks' entries in 32 registers). sm_90a SASS,
+        (64, 96, 2) with cache_leftpad (24 rows a thread): 102 local-memory loads ahead, none
+        without."""
         return self.tile_n * max(self.head_dim, self.head_dim_v) // (16 * self.roles.gather_threads) <= 16
 
     @cute.jit
