@@ -7,7 +7,10 @@ Per matching function: instruction count, the opcodes that say what a mainloop d
 (wgmma, TMA, cp.async, ldmatrix/stmatrix, exponentials, barriers, shared and global
 memory, local memory) and the most frequent opcodes. Static counts: a loop body counts
 once; ``--loops`` also prints each backward branch's body size (the instructions between
-its target and itself), where the steady state is.
+its target and itself), where the steady state is; ``--order START:END`` (hex addresses, as
+``--loops`` prints them) prints that range's opcodes in issue order, runs of one opcode
+merged, and how many exponentials each wgmma wait (``WARPGROUP.DEPBAR``) has before it: where
+ptxas put a warpgroup's softmax against the wait for its previous P V.
 """
 
 import argparse
@@ -84,12 +87,37 @@ def summary(name: str, lines, top: int, loops: bool) -> str:
     return "\n".join(lines_out)
 
 
+def order(lines, start: int, end: int) -> str:
+    """The opcodes of [start, end] in issue order (predicates dropped, modifiers cut at the
+    first dot), runs of one opcode merged as ``OP xN``; then each ``WARPGROUP.DEPBAR`` with
+    the count of ``MUFU.EX2`` before it in the range."""
+    insns, _ = parse(lines)
+    ops = [op for a, op, _ in insns if start <= a <= end]
+    runs = []
+    for op in ops:
+        short = op.split(".")[0]
+        if runs and runs[-1][0] == short:
+            runs[-1][1] += 1
+        else:
+            runs.append([short, 1])
+    out = [f"  order {start:#x}..{end:#x}: {len(ops)} instructions",
+           "  " + ", ".join(f"{op} x{n}" if n > 1 else op for op, n in runs)]
+    ex2 = 0
+    for op in ops:
+        if op.startswith("MUFU.EX2"):
+            ex2 += 1
+        elif op.startswith("WARPGROUP.DEPBAR"):
+            out.append(f"  {op}: after {ex2} of the range's {sum(o.startswith('MUFU.EX2') for o in ops)} MUFU.EX2")
+    return "\n".join(out)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sass")
     p.add_argument("--match", default="", help="substring of the function names to summarise")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--loops", action="store_true")
+    p.add_argument("--order", default="", help="START:END, hex addresses: that range's opcodes in issue order")
     args = p.parse_args(argv)
     text = open(args.sass, errors="replace").read()
     found = [(n, b) for n, b in functions(text) if args.match in n]
@@ -97,6 +125,9 @@ def main(argv=None):
         sys.exit(f"no function matching {args.match!r} in {args.sass}")
     for name, body in found:
         print(summary(name, body, args.top, args.loops))
+        if args.order:
+            start, end = (int(x, 16) for x in args.order.split(":"))
+            print(order(body, start, end))
 
 
 if __name__ == "__main__":
