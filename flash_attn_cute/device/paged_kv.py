@@ -44,6 +44,28 @@ def page_and_row(mPageTable: cute.Tensor, batch: Int32, t: Int32, page_size: Int
 
 
 @cute.jit
+def lookup_key(tXcX: cute.Tensor, t0: Int32, last: Int32, m: cutlass.Constexpr[int], key_start: Optional[Int32] = None):
+    """The cache position ``page_lookups`` looks up for partition row ``m`` of the block whose
+    first key is ``t0``: its key, at most ``last``, plus ``key_start`` (None: nothing)."""
+    t = cutlass.min(t0 + tXcX[0, m, 0][0], last)
+    if cutlass.const_expr(key_start is not None):
+        t = t + key_start
+    return t
+
+
+@cute.jit
+def rows_in_page(tXcX: cute.Tensor, t0: Int32, last: Int32, first: cutlass.Constexpr[int],
+                 count: cutlass.Constexpr[int], page_size: Int32, key_start: Optional[Int32] = None):
+    """The rows in page ``page_lookups`` returns, without reading the table: for entries
+    looked up ahead (``clamp=False``) whose rows are recomputed where they are used."""
+    tPrRow = cute.make_rmem_tensor((count,), Int32)
+    for i in cutlass.range_constexpr(count):
+        t = lookup_key(tXcX, t0, last, first + i, key_start)
+        tPrRow[i] = t - (t // page_size) * page_size
+    return tPrRow
+
+
+@cute.jit
 def page_lookups(mPageTable: cute.Tensor, batch: Int32, tXcX: cute.Tensor, t0: Int32, last: Int32,
                  first: cutlass.Constexpr[int], count: cutlass.Constexpr[int], page_size: Int32, num_pages: Int32,
                  key_start: Optional[Int32] = None, clamp: cutlass.Constexpr[bool] = True):
@@ -58,9 +80,7 @@ def page_lookups(mPageTable: cute.Tensor, batch: Int32, tXcX: cute.Tensor, t0: I
     tPrPage = cute.make_rmem_tensor((count,), Int32)
     tPrRow = cute.make_rmem_tensor((count,), Int32)
     for i in cutlass.range_constexpr(count):
-        t = cutlass.min(t0 + tXcX[0, first + i, 0][0], last)
-        if cutlass.const_expr(key_start is not None):
-            t = t + key_start
+        t = lookup_key(tXcX, t0, last, first + i, key_start)
         if cutlass.const_expr(clamp):
             tPrPage[i], tPrRow[i] = page_and_row(mPageTable, batch, t, page_size, num_pages)
         else:

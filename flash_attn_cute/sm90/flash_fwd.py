@@ -62,7 +62,7 @@ from flash_attn_cute.device.fwd_kernel import (FwdArgs, FwdTile, compile_from_ke
 from flash_attn_cute.device.layout_utils import (acc_mn_view, acc_to_operand_a, row_major_smem_layout, select,
                                                  transpose_view)
 from flash_attn_cute.device.named_barrier import Sm90FwdBarrier
-from flash_attn_cute.device.paged_kv import clamp_page, page_and_row, page_lookups
+from flash_attn_cute.device.paged_kv import clamp_page, page_and_row, page_lookups, rows_in_page
 from flash_attn_cute.sm90.config import TWO_CTAS_SMEM, WarpRoles, parse_key_extra
 from flash_attn_cute.sm90.fp8_operands import FP8TileGeometry, TwoLevelPV, p_to_fp8, transpose_v_block
 from flash_attn_cute.device.q_quant import quantize_q_tile
@@ -656,12 +656,9 @@ class FlashAttnFwdSm90:
                 tPrPage, tPrRow = page_lookups(mPageTable, batch, tXcX, t0, last, g * group, count, page_size,
                                                num_pages, key_start)
             else:
-                tPrPage, tPrRow = ahead, cute.make_rmem_tensor((count,), Int32)
+                tPrPage = ahead
+                tPrRow = rows_in_page(tXcX, t0, last, g * group, count, page_size, key_start)
                 for i in cutlass.range_constexpr(count):
-                    t = cutlass.min(t0 + tXcX[0, g * group + i, 0][0], last)
-                    if cutlass.const_expr(key_start is not None):
-                        t = t + key_start
-                    tPrRow[i] = t - (t // page_size) * page_size
                     tPrPage[i] = clamp_page(tPrPage[i], num_pages)
             if cutlass.const_expr(g == 0):
                 pipe.producer_acquire(state)
