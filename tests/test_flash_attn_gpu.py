@@ -436,6 +436,39 @@ def test_decode_gqa_pack(page_size, num_splits):
     _run_kvcache(cfg, 1, page_size, cache_seqlens=[None, 3001], capacity=4224)
 
 
+@pytest.mark.parametrize("mode", ["boxes", "gather"])
+@pytest.mark.parametrize("page_size,seqlen_q", [(16, 1), (32, 4), (48, 133)])
+def test_paged_boxes_nan_past_the_end(page_size, seqlen_q, mode, monkeypatch):
+    # Pages of a multiple of 16 keys that hold no whole KV block (SM90 with
+    # FLASH_ATTN_CUTE_SM90_PAGED_KV=boxes: TMA boxes of 16 or 32 rows, one page lookup each;
+    # 48: three boxes a page; "gather": row gathers): lengths that end inside a box, a page
+    # and a block, a sequence of one key (a block's later boxes start past its end), and NaN
+    # in every row past each length (whole boxes read there, by the masks and the V tail's
+    # zeroing taken out).
+    monkeypatch.setenv("FLASH_ATTN_CUTE_SM90_PAGED_KV", mode)
+    cfg = Cfg("boxes", causal=True, **GQA, pack_gqa=True, num_splits=0, paged=True)
+    torch.manual_seed(5)
+    lens = [1, 517, 64, 300]
+    k_cache, v_cache, page_table, capacity = _make_caches(cfg, len(lens), 600, page_size)
+    cache_seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    ref_args_clean = (k_cache.clone(), v_cache.clone())
+    pages_per_seq = page_table.shape[1]
+    for b, n in enumerate(lens):
+        for p in range(pages_per_seq):
+            start = p * page_size
+            if start + page_size > n:
+                rows = slice(max(0, n - start), page_size)
+                k_cache[page_table[b, p], rows] = float("nan")
+                v_cache[page_table[b, p], rows] = float("nan")
+    q = _randn(len(lens), seqlen_q, cfg.nheads, cfg.d, dtype=cfg.dtype)
+    ref_args = (q, *ref_args_clean, cache_seqlens, page_table)
+    out_ref, lse_ref = attention_kvcache_ref(*ref_args, **cfg.mask_kwargs())
+    out_pt, lse_pt = attention_kvcache_ref(*ref_args, **cfg.mask_kwargs(), upcast=False)
+    out, lse = _api().flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, **cfg.api_kwargs(),
+                                              page_table=page_table, return_lse=True)
+    _check_against_ref(out, lse, out_ref, lse_ref, out_pt, lse_pt, cfg.dtype)
+
+
 def test_kvcache_zero_length_row():
     # cache_seqlens 0: either refused cleanly, or the row's output is 0 and its lse -inf
     fa = _api()

@@ -222,13 +222,20 @@ def test_fp8_attention_refusals(launches, monkeypatch):
         flash_attn_func(q8.float().to(torch.float8_e5m2), k8, v8)
     with pytest.raises(TypeError, match="k and v in"):
         flash_attn_func(q8, k8.to(torch.float8_e5m2), v8.to(torch.float8_e5m2))
-    pool = torch.randn(8, 16, 2, 64).to(E4M3)
-    table = torch.arange(8, dtype=torch.int32).view(2, 4)
-    # Pages of 16 (vLLM's): gathered rows on one consumer warpgroup (config.fp8_qkv_tile).
-    launches.clear()
-    flash_attn_with_kvcache(q8, pool, pool, cache_seqlens=torch.tensor([60, 3], dtype=torch.int32), page_table=table)
-    config = launches[-1].plan.config
-    assert config.gather_kv and config.tile_m == 64
+    # Pages of 16 (vLLM's): gathered rows on one consumer warpgroup (config.fp8_qkv_tile), or
+    # with FLASH_ATTN_CUTE_SM90_PAGED_KV=boxes TMA boxes of 16 rows, one page lookup each
+    # (config.kv_box_rows); pages of 8: gathered either way.
+    for page_size, knob, gathered, box in ((16, None, True, 0), (16, "boxes", False, 16), (8, "boxes", True, 0)):
+        if knob:
+            monkeypatch.setenv("FLASH_ATTN_CUTE_SM90_PAGED_KV", knob)
+        pool = torch.randn(64 // page_size * 2, page_size, 2, 64).to(E4M3)
+        table = torch.arange(64 // page_size * 2, dtype=torch.int32).view(2, -1)
+        launches.clear()
+        flash_attn_with_kvcache(q8, pool, pool, cache_seqlens=torch.tensor([60, 3], dtype=torch.int32),
+                                page_table=table)
+        config = launches[-1].plan.config
+        assert (config.gather_kv, config.kv_box) == (gathered, box) and config.tile_m == 64, config
+    monkeypatch.delenv("FLASH_ATTN_CUTE_SM90_PAGED_KV")
     with pytest.raises(ValueError, match=r"multiple of 16 in \[16, 256\] \(FP8 tensors\), got 40"):
         flash_attn_func(*(torch.randn(2, 8, 2, 40).to(E4M3) for _ in range(3)))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
@@ -293,12 +300,14 @@ def test_fp8_cache_quantizes_q_on_sm90():
     assert config.quantize_q and config[:3] == (64, 128, 2) and config.ctas_per_sm == 2 and not config.persistent
     key = sm90.compile_key(decode, plan, "sm_90a")
     assert key[2] == "bf16/e4m3" and key[-1] == QUANTIZE_Q and key[-2] == 2 and key[-4:-2] == (False, False)
-    assert sm90.config.parse_key_extra(key[-2:]) == dict(ctas_per_sm=2, quantize_q=True, two_level=0)
+    assert sm90.config.parse_key_extra(key[-2:]) == dict(ctas_per_sm=2, quantize_q=True, two_level=0, kv_box=0)
     # the knob keeps the widening kernel, its own key
     widen = sm90.plan(decode, 1, True, 132, tuning=WIDEN)
     assert not widen.config.quantize_q and widen.config[:3] == (64, 64, 3) and widen.config.ctas_per_sm == 2
     assert sm90.compile_key(decode, widen, "sm_90a")[-1] == 2
-    assert sm90.config.parse_key_extra((2,)) == dict(ctas_per_sm=2, quantize_q=False, two_level=0)
+    assert sm90.config.parse_key_extra((2,)) == dict(ctas_per_sm=2, quantize_q=False, two_level=0, kv_box=0)
+    assert sm90.config.parse_key_extra((2, QUANTIZE_Q, "kv_box16")) == dict(ctas_per_sm=2, quantize_q=True,
+                                                                              two_level=0, kv_box=16)
     with pytest.raises(ValueError, match="FLASH_ATTN_CUTE_SM90_FP8_KV='bf16'"):
         sm90.plan(decode, 1, True, 132, tuning=Tuning(sm90_fp8_kv="bf16"))
     # fp16 queries too; the tiles are FP8 attention's (a prefill chunk: the measured (192, 96))
@@ -318,9 +327,18 @@ def test_fp8_cache_quantizes_q_on_sm90():
             p = decode._replace(page_size=page, max_seqlen_q=rows)
             c = sm90.plan(p, 1, None, 132, tuning=QUANTIZE).config
             assert c.quantize_q and c.gather_kv == gather and (c.tile_m == 64 or not gather), (page, rows, c)
+            assert c.kv_box == 0, (page, rows, c)
             assert rows > 1 or (c.tile_n == tile_n and c.ctas_per_sm == 2 and c.num_stages == (3 if gather else 2)), \
                 (page, c)
             assert sm90.plan(p, 1, None, 132).config.quantize_q == (rows == 1 or not gather), (page, rows)
+    # FLASH_ATTN_CUTE_SM90_PAGED_KV=boxes: pages of 16 by TMA boxes of 16 rows; decode on the
+    # TMA decode tile, a prefill chunk quantizing by default (no one-CTA gathers to avoid)
+    boxes = Tuning(sm90_paged_kv="boxes")
+    for rows, tile in ((1, (64, 128, 2)), (2048, (192, 96, 2))):
+        c = sm90.plan(decode._replace(page_size=16, max_seqlen_q=rows), 1, None, 132, tuning=boxes).config
+        assert c.quantize_q and not c.gather_kv and c.kv_box == 16 and c[:3] == tile, (rows, c)
+    with pytest.raises(ValueError, match="FLASH_ATTN_CUTE_SM90_PAGED_KV='box'"):
+        sm90.plan(decode._replace(page_size=16), 1, None, 132, tuning=Tuning(sm90_paged_kv="box"))
     for rows, quantized in ((1, True), (2048, False)):
         lp = decode._replace(page_size=64, leftpad_k=True, max_seqlen_q=rows)
         c = sm90.plan(lp, 1, True, 132, tuning=QUANTIZE).config
@@ -381,7 +399,7 @@ def test_two_level_plans_and_keys():
         assert plan.config.two_level == 4 and key[-1] == "two_level4" and key[-1 - len(tail):-1] == tail
         fields = parse_key(key, 4)  # (the key round trip: the kernel's keyword arguments)
         assert sm90.config.parse_key_extra(fields.extra[2:]) == dict(ctas_per_sm=1, quantize_q=bool(tail),
-                                                                     two_level=4)
+                                                                     two_level=4, kv_box=0)
         # 0 (the default): the key of today's kernel, no field
         off_plan, off = _key(problem._replace(fp8_two_level_interval=0), pack_gqa=problem.max_seqlen_q == 1)
         assert off == _key(problem, pack_gqa=problem.max_seqlen_q == 1)[1] and not any(

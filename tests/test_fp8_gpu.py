@@ -178,11 +178,13 @@ def test_fp8_head_dims_and_gqa_packing(backend, d):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("page_size", [16, 64])
-def test_fp8_paged_nan_tails(backend, page_size):
+@pytest.mark.parametrize("page_size,mode", [(16, "gather"), (16, "boxes"), (32, "boxes"), (64, "gather")])
+def test_fp8_paged_nan_tails(backend, page_size, mode, monkeypatch):
     # The pages of a sequence past its length hold NaN bytes (a serving pool's stale or
-    # unwritten slots): TMA pages (64) read them in the block, row gathers (16) may not,
-    # and either way no NaN may reach O.
+    # unwritten slots): TMA pages (64) and boxes of pages smaller than a block (SM90 with
+    # FLASH_ATTN_CUTE_SM90_PAGED_KV=boxes: 16, 32) read them in the block, row gathers may
+    # not, and either way no NaN may reach O.
+    monkeypatch.setenv("FLASH_ATTN_CUTE_SM90_PAGED_KV", mode)
     torch.manual_seed(4)
     batch, pages_per_seq, h, hkv, d = 3, 640 // page_size, 16, 4, 128
     q = torch.randn(batch, 1, h, d, device=DEVICE, dtype=torch.bfloat16)

@@ -19,7 +19,7 @@ from compile_harness import compile_entries, covering_subset
 from sass_sweep import sass_histogram
 
 from flash_attn_cute import seam
-from flash_attn_cute.host.keys import QUANTIZE_Q, parse_key
+from flash_attn_cute.host.keys import QUANTIZE_Q, parse_key, parse_kv_box
 from flash_attn_cute.host.tuning import NO_TUNING, Tuning
 
 BF16 = torch.bfloat16
@@ -69,6 +69,10 @@ def spill_bound(backend, key):
         # FP8 K/V at d 192: the softmax warpgroup keeps 6 tile scalars on the stack (the
         # same key with 16-bit K/V has none); compile-verified only, not measured.
         return 12
+    if backend == "sm90" and any(parse_kv_box(x) for x in f.extra):
+        # Pages read in TMA boxes (keys.kv_box_field): with three consumer warpgroups the
+        # producer (32 registers) keeps one value on the stack per tile.
+        return 2
     if backend == "sm90" and f.extra[0]:
         # A gathering producer at 40 registers keeps one value on the stack per block, and one
         # more per tile since the grid may fold the batch (tile_scheduler.unfold_batch): a
@@ -260,9 +264,41 @@ def sm80_extra_keys(arch):
     return fp8_keys(arch)
 
 
+BOXES = Tuning(sm90_paged_kv="boxes")
+
+
+def box_problems():
+    """(name, problem, TMA boxes a K block): pages of a multiple of 16 keys read by TMA boxes
+    (FLASH_ATTN_CUTE_SM90_PAGED_KV=boxes): 16-bit decode over pages of 16 (two CTAs a SM,
+    (64, 64): four boxes), an e4m3 cache under bf16 queries and FP8 q, k, v decode ((64,
+    128): eight), 16-bit prefill over pages of 16 at d 128 ((128, 128), two consumer
+    warpgroups: eight boxes) and d 64 ((192, 128), three: eight), FP8 prefill over pages of
+    16 at d 128 ((192, 96): six) and of 32 at d 256 ((128, 96): boxes of 32, three)."""
+    dec = seam.FwdProblem(dtype=BF16, batch=64, max_seqlen_q=1, max_seqlen_k=4096, nheads=32, nheads_kv=8, d=128,
+                         d_v=128, softmax_scale=128 ** -0.5, causal=False, window_left=-1, window_right=-1,
+                         softcap=0.0, varlen_q=False, varlen_k=False, has_seqused_k=True, page_size=16, has_lse=False)
+    prefill = dec._replace(batch=2, max_seqlen_q=2048, has_seqused_k=False)
+    e4m3 = torch.float8_e4m3fn
+    return [("bf16_decode", dec, 4), ("e4m3_cache_decode", dec._replace(kv_dtype=e4m3), 8),
+            ("fp8_decode", dec._replace(dtype=e4m3), 8),
+            ("bf16_prefill", prefill._replace(causal=True, window_right=0), 8),
+            ("bf16_prefill_d64", prefill._replace(d=64, d_v=64, causal=True, window_right=0), 8),
+            ("fp8_prefill", prefill._replace(dtype=e4m3), 6),
+            ("fp8_prefill_d256_page32", prefill._replace(dtype=e4m3, d=256, d_v=256, page_size=32), 3)]
+
+
+def box_keys(arch):
+    """The SM90 keys of ``box_problems`` (sm_90a only)."""
+    if arch != "sm_90a":
+        return []
+    module = seam.backend_module("sm90")
+    return [module.compile_key(p, module.plan(p, 0, p.max_seqlen_q == 1 or None, 132, tuning=BOXES), arch)
+            for _, p, _ in box_problems()]
+
+
 EXTRA_KEYS = {"sm100": sm100_extra_keys, "sm80": sm80_extra_keys,
               "sm90": lambda arch: (fp8_keys(arch, "sm90") + fp8_attention_keys(arch) + quantized_q_keys(arch)
-                                    + [k for pair in two_level_pairs(arch) for k in pair])}
+                                    + [k for pair in two_level_pairs(arch) for k in pair] + box_keys(arch))}
 
 
 def sm100_cache_tail_zeroed(key) -> bool:
@@ -470,7 +506,7 @@ def test_quantized_q_sass(artifacts):
     assert len(qkeys) == len(set(qkeys)) == len(quantized_q_problems())
     for key in qkeys:
         f = fields("sm90", key)
-        assert f.extra[-1] == QUANTIZE_Q and "/e4m3" in f.dtype_name, key
+        assert QUANTIZE_Q in f.extra and "/e4m3" in f.dtype_name, key
         sass_files = list((out_dir / f"k{keys.index(key)}").glob("*.sass"))
         if not sass_files:
             pytest.skip("no usable nvdisasm (pip install nvidia-cuda-nvdisasm): no SASS to check")
@@ -482,6 +518,30 @@ def test_quantized_q_sass(artifacts):
         assert not re.search(r"\bHGMMA\b", sass), key
         assert (out_pack in sass) != f.is_split, key
         assert len(re.findall(r"\b(LDL|STL)\b", sass)) == 0, ("local memory", key)
+
+
+@pytest.mark.slow
+def test_box_sass(artifacts):
+    # Pages smaller than a KV block read by TMA boxes: each K and V block is boxes x the
+    # 128-byte-wide TMAs of a row (16-bit d 128, e4m3 d 256: two) of bulk-tensor loads, every one after its
+    # own page-table entry; the KV rows never by cp.async (LDGSTS only for packed Q rows);
+    # local memory within the bound (``spill_bound``).
+    keys, out_dir, _ = artifacts("sm90", "sm_90a")
+    for (name, problem, boxes), key in zip(box_problems(), box_keys("sm_90a")):
+        f = fields("sm90", key)
+        assert not f.extra[0] and any(parse_kv_box(x) for x in f.extra), (name, key)
+        sass_files = list((out_dir / f"k{keys.index(key)}").glob("*.sass"))
+        if not sass_files:
+            pytest.skip("no usable nvdisasm (pip install nvidia-cuda-nvdisasm): no SASS to check")
+        sass = sass_files[0].read_text()
+        per_row = max(1, problem.d * (1 if problem.kv_fp8 or problem.qkv_fp8 else 2) // 128)  # 128-byte TMAs
+        loads = len(re.findall(r"\bUTMALDG\b", sass))
+        # K and V of the first block, then the loop's K and V (its body unrolled once or not):
+        # at least two blocks' boxes each for K and V, Q's TMA aside.
+        assert loads >= 4 * boxes * per_row, (name, loads, boxes)
+        assert "ARRIVES.LDGSTSBAR" not in sass, name
+        assert f.qhead_per_kvhead_packed > 1 or QUANTIZE_Q in f.extra or "LDGSTS" not in sass, name
+        assert len(re.findall(r"\b(LDL|STL)\b", sass)) <= spill_bound("sm90", key), ("local memory", name)
 
 
 def test_plan_is_what_the_launcher_compiles():

@@ -93,13 +93,20 @@ def test_tuning_overrides_are_plan_arguments():
 
 def test_sm90_decode_tiles_and_ctas_per_sm():
     """16-bit decode rows of d <= 128: (64, 64, 2), two CTAs per SM, whatever the page size
-    (pages of 64 or 128 by TMA, others by row gathers); batch invariant, d256, FP8 caches,
-    prefill: one CTA. A tile override names its CTAs in a fifth field."""
-    for d, page, want, ctas, gather in ((128, 0, (64, 64, 2), 2, False), (64, 16, (64, 64, 2), 2, True),
-                                        (128, 128, (64, 64, 2), 2, False), (256, 0, (64, 80, 2), 1, False)):
+    (pages of 64 or 128 by one TMA a block, others by row gathers; with
+    FLASH_ATTN_CUTE_SM90_PAGED_KV=boxes, 16 and 48 by 16-row TMA boxes, 8 still gathered);
+    batch invariant, d256, FP8 caches, prefill: one CTA. A tile override names its CTAs in a
+    fifth field."""
+    boxes = tuning.Tuning(sm90_paged_kv="boxes")
+    for d, page, want, ctas, gather, box, knob in (
+            (128, 0, (64, 64, 2), 2, False, 0, tuning.NO_TUNING), (64, 16, (64, 64, 2), 2, True, 0, tuning.NO_TUNING),
+            (64, 16, (64, 64, 2), 2, False, 16, boxes), (64, 48, (64, 64, 2), 2, False, 16, boxes),
+            (64, 8, (64, 64, 2), 2, True, 0, boxes), (128, 128, (64, 64, 2), 2, False, 0, boxes),
+            (256, 0, (64, 80, 2), 1, False, 0, tuning.NO_TUNING)):
         p = _problem(d=d, d_v=d, max_seqlen_q=1, nheads_kv=4, page_size=page, has_seqused_k=page > 0)
-        config = sm90.plan(p, 1, None, 132).config
-        assert (config[:3], config.ctas_per_sm, config.gather_kv) == (want, ctas, gather), (d, page, config)
+        config = sm90.plan(p, 1, None, 132, tuning=knob).config
+        assert (config[:3], config.ctas_per_sm, config.gather_kv, config.kv_box) == (want, ctas, gather, box), \
+            (d, page, config)
         assert sm90.config.smem_bytes(d, d, *config[:3]) + 3072 <= (sm90.config.TWO_CTAS_SMEM if ctas == 2 else
                                                                     sm90.config.SMEM_LIMIT)
     decode = _problem(max_seqlen_q=1, nheads_kv=4)

@@ -87,18 +87,59 @@ QUANTIZE_Q = "quantize_q"
 # blocks (``FwdProblem.fp8_two_level_interval``): ``"two_level<n>"``, absent for 0 (off),
 # so that every other key stays what it was.
 TWO_LEVEL = "two_level"
+# The SM90 forward key's field of a paged cache read by TMA boxes of n < tile_n rows (pages of a
+# multiple of 16 keys that hold no whole KV block): ``"kv_box<n>"``, absent otherwise.
+KV_BOX = "kv_box"
+
+
+def count_field(name: str, n: int) -> str:
+    """The key field of a count n > 0 under ``name`` (``TWO_LEVEL``, ``KV_BOX``): ``"<name><n>"``."""
+    assert n > 0, (name, n)
+    return f"{name}{int(n)}"
+
+
+def parse_count_field(name: str, field) -> int:
+    """The count a key field holds under ``name`` (``count_field``'s inverse), 0 for any other field."""
+    if isinstance(field, str) and field.startswith(name):
+        return int(field[len(name):])
+    return 0
 
 
 def two_level_field(interval: int) -> str:
     """The key field of a two-level interval n > 0 (``"two_level4"``)."""
-    assert interval > 0, interval
-    return f"{TWO_LEVEL}{int(interval)}"
+    return count_field(TWO_LEVEL, interval)
 
 
 def parse_two_level(field) -> int:
     """The interval a key field holds (``two_level_field``'s inverse), 0 for any other field."""
-    if isinstance(field, str) and field.startswith(TWO_LEVEL):
-        return int(field[len(TWO_LEVEL):])
+    return parse_count_field(TWO_LEVEL, field)
+
+
+def kv_box_field(rows: int) -> str:
+    """The key field of TMA boxes of ``rows`` rows (``"kv_box16"``)."""
+    return count_field(KV_BOX, rows)
+
+
+def parse_kv_box(field) -> int:
+    """The box rows a key field holds (``kv_box_field``'s inverse), 0 for any other field."""
+    return parse_count_field(KV_BOX, field)
+
+
+# The SM90 forward key's field of a paged cache read by TMA boxes of n < tile_n rows (pages of a
+# multiple of 16 keys that hold no whole KV block): ``"kv_box<n>"``, absent otherwise.
+KV_BOX = "kv_box"
+
+
+def kv_box_field(rows: int) -> str:
+    """The key field of TMA boxes of ``rows`` rows (``"kv_box16"``)."""
+    assert rows > 0, rows
+    return f"{KV_BOX}{int(rows)}"
+
+
+def parse_kv_box(field) -> int:
+    """The box rows a key field holds (``kv_box_field``'s inverse), 0 for any other field."""
+    if isinstance(field, str) and field.startswith(KV_BOX):
+        return int(field[len(KV_BOX):])
     return 0
 
 

@@ -29,13 +29,18 @@ class Tuning(NamedTuple):
     sm90_fp8_kv: Optional[str] = None
     # SM100, the same choice: "widen" (the default until measured on Blackwell) / "quantize_q"
     sm100_fp8_kv: Optional[str] = None
+    # SM90, pages of a multiple of 16 keys that hold no whole KV block: "gather" (rows by
+    # cp.async: the default until the TMA boxes are measured on a GPU) / "boxes" (TMA boxes
+    # of 16-64 rows, one page-table entry each: ``sm90.config.kv_box_rows``)
+    sm90_paged_kv: Optional[str] = None
 
 
 NO_TUNING = Tuning()
 
 _ENV = ("FLASH_ATTN_CUTE_BACKEND", "FLASH_ATTN_CUTE_SM80_TILE", "FLASH_ATTN_CUTE_SM90_TILE",
         "FLASH_ATTN_CUTE_SM90_PERSISTENT", "FLASH_ATTN_CUTE_MLA_STAGES", "FLASH_ATTN_CUTE_MLA_SM90_QK",
-        "FLASH_ATTN_CUTE_MLA_FP8_STAGES", "FLASH_ATTN_CUTE_SM90_FP8_KV", "FLASH_ATTN_CUTE_SM100_FP8_KV")
+        "FLASH_ATTN_CUTE_MLA_FP8_STAGES", "FLASH_ATTN_CUTE_SM90_FP8_KV", "FLASH_ATTN_CUTE_SM100_FP8_KV",
+        "FLASH_ATTN_CUTE_SM90_PAGED_KV")
 # The values of sm90_fp8_kv / sm100_fp8_kv.
 FP8_KV_MODES = ("quantize_q", "widen")
 
@@ -48,6 +53,20 @@ def fp8_kv_mode(value: Optional[str], default: str, variable: str) -> str:
     if mode not in FP8_KV_MODES:
         raise ValueError(f"{variable}={mode!r}: one of {FP8_KV_MODES}")
     return mode
+# The values of sm90_paged_kv.
+PAGED_KV_MODES = ("gather", "boxes")
+
+
+def paged_kv_boxes(value: Optional[str]) -> bool:
+    """Whether ``sm90_paged_kv`` (FLASH_ATTN_CUTE_SM90_PAGED_KV) names TMA boxes for pages of a
+    multiple of 16 keys that hold no whole KV block ("gather", the default: row gathers);
+    anything but ``PAGED_KV_MODES`` is refused."""
+    mode = value or "gather"
+    if mode not in PAGED_KV_MODES:
+        raise ValueError(f"FLASH_ATTN_CUTE_SM90_PAGED_KV={mode!r}: one of {PAGED_KV_MODES}")
+    return mode == "boxes"
+
+
 # os.environ.get encodes its key on every call: 10 us for seven of these on the CI machine.
 # CPython's POSIX environ keeps a dict of bytes, read here with pre-encoded keys (0.5 us).
 _ENV_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None

@@ -16,7 +16,7 @@ from flash_attn_cute.host import heuristics
 from flash_attn_cute.seam.backend_kit import (feature_refusal, fwd_entry_points, head_dim_refusal, head_groups,
                                               plan_rows, plan_splits, tile_head_dims)
 from flash_attn_cute.host.problems import FwdPlan, FwdProblem
-from flash_attn_cute.host.tuning import NO_TUNING, Tuning, fp8_kv_mode
+from flash_attn_cute.host.tuning import NO_TUNING, Tuning, fp8_kv_mode, paged_kv_boxes
 from flash_attn_cute.sm90 import config
 
 NAME = "sm90"
@@ -50,6 +50,10 @@ class Sm90Config(NamedTuple):
     # FP8 Q, K, V kernel (qkv_fp8 or quantize_q): P V accumulated in two levels, every n KV
     # blocks (FwdProblem.fp8_two_level_interval; 0: off, and always 0 for the other kernels).
     two_level: int = 0
+    # Pages of a multiple of 16 keys that hold no whole tile_n block: each block is read in
+    # TMA boxes of this many rows, one page-table entry each (``config.kv_box_rows``; 0:
+    # one box per block, or gathered rows).
+    kv_box: int = 0
 
 
 def runs_on(capability: tuple) -> bool:
@@ -79,6 +83,9 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     d, d_v = tile_head_dims(problem, HEAD_DIM_PAIRS)  # the kernel's tile widths (padded head dims)
     sixteen_bit = not problem.kv_fp8 and not problem.qkv_fp8
     quantize_q = quantizes_q(problem, tuning)
+    # Pages of a multiple of 16 keys that hold no whole block: TMA boxes where the knob names
+    # them (``config.kv_box_rows``; compile-verified, not yet run on a GPU), else row gathers.
+    boxes = paged_kv_boxes(tuning.sm90_paged_kv)
     # Plain 16-bit attention: no mask, no softcap, no user variant (``select_tile``).
     plain = sixteen_bit and not (problem.causal or problem.local or problem.softcap or problem.variant is not None)
     tile = config.select_tile(d, d_v, rows, causal=problem.causal, local=problem.local,
@@ -89,10 +96,10 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     if problem.qkv_fp8 or quantize_q:
         fp8_tile = config.fp8_qkv_tile(d, d_v, tile, problem.page_size, problem.causal or problem.local,
                                        measured=not tuning.sm90_tile and not problem.batch_invariant,
-                                       leftpad_k=problem.leftpad_k)
+                                       leftpad_k=problem.leftpad_k, boxes=boxes, keep_n=bool(tuning.sm90_tile))
     two_level = problem.fp8_two_level_interval if problem.qkv_fp8 or quantize_q else 0
     if two_level and not tuning.sm90_tile:  # (a tuning override's tile is taken as it is)
-        fp8_tile = config.fp8_two_level_tile(d, d_v, fp8_tile, problem.page_size, problem.leftpad_k)
+        fp8_tile = config.fp8_two_level_tile(d, d_v, fp8_tile, problem.page_size, problem.leftpad_k, boxes)
         if fp8_tile is None:
             # d_v > 192: O twice does not fit the registers. 16-bit queries over an e4m3
             # cache take the widening kernel (16-bit MMAs, no fp8 accumulation to split);
@@ -106,17 +113,17 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     fp8_decode = None
     if (problem.qkv_fp8 or quantize_q) and rows <= 64 and not (problem.batch_invariant or tuning.sm90_tile or two_level):
         # (two-level: O twice does not fit the registers of two CTAs a SM)
-        fp8_decode = config.fp8_qkv_decode_tile(d, d_v, problem.page_size, problem.leftpad_k)
+        fp8_decode = config.fp8_qkv_decode_tile(d, d_v, problem.page_size, problem.leftpad_k, boxes)
         if fp8_decode is not None:
             (fp8_tile, ctas_per_sm), split_ctas = fp8_decode, 1
     if quantize_q and tuning.sm90_fp8_kv is None and fp8_decode is None:
         # Outside decode (two CTAs a SM) the default quantizes q only where the FP8 kernel
-        # reads whole blocks by TMA: its one-CTA row gathers (pages of 1 and 16,
-        # cache_leftpad) were slower than widening. H100, 2026-12-05, b64 x 4096 h32/8 d128
+        # reads blocks by TMA (whole, or in boxes: pages of 16): its one-CTA row gathers
+        # (pages of 1, cache_leftpad) were slower than widening. H100, 2026-12-05, b64 x 4096 h32/8 d128
         # decode, us (bench_fp8_decode.py, one run): pages of 1 452.7 quantized q against
         # 258.3 widened, pages of 16 402.9 against 258.2 (``fp8_qkv_decode_tile``: 248.1 and
         # 214.7). FLASH_ATTN_CUTE_SM90_FP8_KV=quantize_q still takes it there.
-        quantize_q = not config.gathers_kv(fp8_tile[1], problem.page_size, problem.leftpad_k)
+        quantize_q = not config.gathers_kv(fp8_tile[1], problem.page_size, problem.leftpad_k, boxes)
     widen = problem.kv_fp8 and not quantize_q
     if sixteen_bit and rows <= 64 and not problem.batch_invariant and not tuning.sm90_tile:
         tile, ctas_per_sm = config.decode_two_ctas(d, d_v, tile)
@@ -133,7 +140,8 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     num_splits, split_blocks = plan_splits(problem, num_splits, num_sms, head_groups(problem, pack_gqa), rows,
                                            tile_m=tile[0], tile_n=tile[1], ctas_per_sm=split_ctas or ctas_per_sm,
                                            tolerance=_SPLIT_TOLERANCE)
-    gather_kv = config.gathers_kv(tile[1], problem.page_size, problem.leftpad_k)
+    gather_kv = config.gathers_kv(tile[1], problem.page_size, problem.leftpad_k, boxes)
+    kv_box = config.kv_box_rows(tile[1], problem.page_size or 0, problem.leftpad_k, boxes)
     if problem.qkv_fp8 or quantize_q:
         # (16-bit queries quantized in the kernel: one tile per CTA, ``flash_fwd``)
         fits = config.fp8_qkv_persistent_fits(d, d_v, tile, gather_kv) and ctas_per_sm == 1 and not quantize_q
@@ -144,7 +152,8 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
                                                     problem.has_seqused_q)
         persist = persistent(problem, fits, tuning.sm90_persistent)
     two_level = two_level if problem.qkv_fp8 or quantize_q else 0  # (the gathered pages' gate may widen)
-    return FwdPlan(NAME, Sm90Config(*tile, gather_kv, persist, split_blocks, ctas_per_sm, quantize_q, two_level),
+    return FwdPlan(NAME, Sm90Config(*tile, gather_kv, persist, split_blocks, ctas_per_sm, quantize_q, two_level,
+                                    kv_box),
                    pack_gqa, num_splits)
 
 
@@ -181,7 +190,7 @@ def quantizes_q(problem: FwdProblem, tuning: Tuning = NO_TUNING) -> bool:
     1.55x; FA3's FP8 decode 1.49x), b64 x 4096 contiguous 1.80x (1.66x), pages of 64 1.71x
     (1.66x). Decode runs two CTAs a SM (``config.fp8_qkv_decode_tile``; H100, 2026-12-06,
     against our bf16: pages of 1 1.50x, 16 1.72x, widening 1.46x and 1.45x). Outside decode,
-    at gathered pages (1, 16, cache_leftpad) ``plan`` keeps the widening kernel unless the
+    at gathered pages (1, cache_leftpad) ``plan`` keeps the widening kernel unless the
     knob names this one (its one-CTA row gathers were slower there in decode; unmeasured at
     prefill shapes).
 
@@ -232,5 +241,6 @@ def _extra_scalars(problem: FwdProblem, plan: FwdPlan, device) -> tuple:
 # (, keys.QUANTIZE_Q where set) (, keys.two_level_field where set) last (``config.key_extra``).
 compile_key, compile, launcher = fwd_entry_points(
     NAME, "flash_attn_cute.sm90.flash_fwd", "compile_fwd_sm90", key_tile=lambda c: tuple(c[:4]),
-    key_extra=lambda c: config.key_extra(c.gather_kv, c.persistent, c.ctas_per_sm, c.quantize_q, c.two_level),
+    key_extra=lambda c: config.key_extra(c.gather_kv, c.persistent, c.ctas_per_sm, c.quantize_q, c.two_level,
+                                         c.kv_box),
     extra_scalars=_extra_scalars)

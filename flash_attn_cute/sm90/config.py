@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from flash_attn_cute.host.constants import D_CKV, D_KPE
-from flash_attn_cute.host.keys import QUANTIZE_Q, parse_two_level, two_level_field
+from flash_attn_cute.host.keys import QUANTIZE_Q, kv_box_field, parse_kv_box, parse_two_level, two_level_field
 
 SMEM_LIMIT = 227 * 1024  # sm_90 opt-in shared memory per block
 
@@ -134,7 +134,7 @@ def fp8_qkv_smem_bytes(d: int, dv: int, tile_m: int, tile_n: int, stages: int) -
 
 
 def fp8_qkv_tile(d: int, dv: int, tile: tuple, page_size: int = 0, causal: bool = False,
-                 measured: bool = True, leftpad_k: bool = False) -> tuple:
+                 measured: bool = True, leftpad_k: bool = False, boxes: bool = True, keep_n: bool = False) -> tuple:
     """The tile of FP8 Q, K and V from the 16-bit one: tile_n a multiple of 32 (an 8-bit
     wgmma's k-block, the unit of the V transposes) that divides a page of a multiple of 64
     keys (one TMA per block; other pages are gathered) and fits two stages, and the stages
@@ -151,7 +151,11 @@ def fp8_qkv_tile(d: int, dv: int, tile: tuple, page_size: int = 0, causal: bool 
     1007-1010 / 916; (128, 128) (FA3's tile; fits since the unused stand-ins lost their
     alignment) 932-947 / 861-866 (consumer spills at 232 registers), 969-995 / 916-928 with
     (24, 240) budgets; FA3's ping-pong at d256 FP8 976-980 / 903-907 (128, 96), 971-975 /
-    922-924 (128, 128). Kept (128, 96), no ping-pong."""
+    922-924 (128, 128). Kept (128, 96), no ping-pong.
+
+    ``boxes``: pages of another multiple of 16 are read by TMA boxes (``kv_box_rows``), not
+    gathered. ``keep_n`` (a tuning override's tile): a tile_n that a page of a multiple of 64
+    does not divide is kept where boxes read it, for measuring them there."""
     m, n, stages = tile[:3]
     if measured and m > 64:
         dmax = max(d, dv)
@@ -161,27 +165,32 @@ def fp8_qkv_tile(d: int, dv: int, tile: tuple, page_size: int = 0, causal: bool 
             m, n = 192, 96
         elif dmax > 192:
             n = 96
-    # A page of a multiple of 64 keys holds whole blocks (one TMA each); other pages (1, 16,
-    # ...) are gathered row by row (``gathers_kv``) by producer warps 0 (K) and 1 (V; warps
-    # 2-3 transpose V), which needs the registers of a one-consumer-warpgroup tile: tile_m 64.
-    # sm_90a SASS, pages of 16, causal prefill, local-memory accesses: d 128 (128, 128) 316,
-    # (128, 96) 265, (64, 128) 0; d 64 (128, 128) 277; d 256 (128, 96) 225, (64, 96) 0.
+    # A page of a multiple of 64 keys holds whole blocks (one TMA each); other pages of a
+    # multiple of 16 keys are read in boxes of 16 or 32 rows (``kv_box_rows``: tile_n is a
+    # multiple of 32 here); the rest (1, 8, ...) are gathered row by row (``gathers_kv``) by
+    # producer warps 0 (K) and 1 (V; warps 2-3 transpose V), which needs the registers of a
+    # one-consumer-warpgroup tile: tile_m 64. sm_90a SASS, pages of 16 gathered, causal
+    # prefill, local-memory accesses: d 128 (128, 128) 316, (128, 96) 265, (64, 128) 0; d 64
+    # (128, 128) 277; d 256 (128, 96) 225, (64, 96) 0.
     tma_pages = page_size and page_size % 64 == 0 and not leftpad_k  # cache_leftpad: gathered (gathers_kv)
-    if page_size and not tma_pages:
+    boxed = boxes and page_size and not (tma_pages or leftpad_k) and page_size % min(KV_BOX_ROWS) == 0
+    if page_size and not (tma_pages or boxed):
         m = 64
-    fits = lambda t: (not tma_pages or page_size % t == 0) and fp8_qkv_smem_bytes(d, dv, m, t, 2) <= SMEM_LIMIT
+    divides = lambda t: page_size % t == 0 or (keep_n and kv_box_rows(t, page_size, leftpad_k, boxes) > 0)
+    fits = lambda t: (not tma_pages or divides(t)) and fp8_qkv_smem_bytes(d, dv, m, t, 2) <= SMEM_LIMIT
     n = next(t for t in range(n - n % 32, 31, -32) if fits(t))
     while stages > 2 and fp8_qkv_smem_bytes(d, dv, m, n, stages) > SMEM_LIMIT:
         stages -= 1
     return m, n, stages, tile[3]
 
 
-def fp8_qkv_decode_tile(d: int, dv: int, page_size: int = 0, leftpad_k: bool = False):
+def fp8_qkv_decode_tile(d: int, dv: int, page_size: int = 0, leftpad_k: bool = False, boxes: bool = True):
     """(tile, CTAs per SM) of FP8 Q, K, V decode (at most 64 packed rows, not batch
     invariant, d and d_v <= 128; None otherwise): two CTAs per SM, so that one CTA's chain
     of Q K^T, softmax, V transposes and P V runs while the other's loads wait. Where blocks
-    come by TMA, (64, 128, 2) (``fp8_qkv_tile`` fits tile_n to a page of 64); where rows
-    are gathered (pages of 1 and 16, cache_leftpad), (64, 64, 3): a warp gathers half as
+    come by TMA, whole or in boxes of ``kv_box_rows`` (pages of 16), (64, 128, 2)
+    (``fp8_qkv_tile`` fits tile_n to a page of 64); where rows are gathered (pages of 1,
+    cache_leftpad), (64, 64, 3): a warp gathers half as
     many rows a block, with a third stage in flight. H100, 2026-12-06, h32/8 d128, bf16 q
     quantized in the kernel, us (``bench_fp8_decode.py --sm90-tiles``, one run): b1 x
     131072 108.8 against 110.1 on (64, 128, 3) one CTA; b64 x 4096 contiguous 198.9 / 198.5,
@@ -191,9 +200,9 @@ def fp8_qkv_decode_tile(d: int, dv: int, page_size: int = 0, leftpad_k: bool = F
     still two CTAs a SM): H100, 2026-12-07, same run, 201.2 against 197.8 us: kept two."""
     if max(d, dv) > 128:
         return None
-    gathered = gathers_kv(64, page_size, leftpad_k)  # (no page holds a whole block)
+    gathered = gathers_kv(64, page_size, leftpad_k, boxes)  # (no page holds a whole block)
     tile = fp8_qkv_tile(d, dv, (64, 64, 3, 0) if gathered else (64, 128, 2, 0), page_size, measured=False,
-                        leftpad_k=leftpad_k)
+                        leftpad_k=leftpad_k, boxes=boxes)
     assert fp8_qkv_smem_bytes(d, dv, *tile[:3]) + 3072 <= TWO_CTAS_SMEM, tile
     return tile, 2
 
@@ -213,7 +222,8 @@ def two_level_fits(dv: int, tile_m: int, tile_n: int) -> bool:
     return dv + tile_n // 2 + tile_n // 8 <= TWO_LEVEL_REGS[tile_m // 64]
 
 
-def fp8_two_level_tile(d: int, dv: int, tile: tuple, page_size: int = 0, leftpad_k: bool = False):
+def fp8_two_level_tile(d: int, dv: int, tile: tuple, page_size: int = 0, leftpad_k: bool = False,
+                       boxes: bool = True):
     """The FP8 Q, K, V tile (``fp8_qkv_tile``'s) under two-level accumulation: the same
     where ``two_level_fits``; else, from its tile_m down, 64 rows (one consumer warpgroup)
     at a time, the widest tile_n (a multiple of 32, <= the tile's, or <= max(its, 128) once
@@ -228,15 +238,36 @@ def fp8_two_level_tile(d: int, dv: int, tile: tuple, page_size: int = 0, leftpad
         cap = n if rows == m else max(n, 128)
         t = next((t for t in range(cap - cap % 32, 31, -32) if two_level_fits(dv, rows, t)), 0)
         if t >= (32 if rows == 64 else 96):
-            return fp8_qkv_tile(d, dv, (rows, t, stages, ex2), page_size, measured=False, leftpad_k=leftpad_k)
+            return fp8_qkv_tile(d, dv, (rows, t, stages, ex2), page_size, measured=False, leftpad_k=leftpad_k,
+                                boxes=boxes)
     return None
 
 
-def gathers_kv(tile_n: int, page_size: int, leftpad_k: bool = False) -> bool:
+# The rows of a TMA box over pages that hold no whole KV block: from the largest (fewest
+# boxes a block) down; a page of a multiple of 16 keys takes boxes of 16 at least.
+KV_BOX_ROWS = (64, 32, 16)
+
+
+def kv_box_rows(tile_n: int, page_size: int, leftpad_k: bool = False, boxes: bool = True) -> int:
+    """Rows of the TMA boxes a paged cache is read by where its pages hold no whole tile_n
+    block (0: one box per block, or no boxes at all, ``gathers_kv``): the largest of
+    ``KV_BOX_ROWS`` that divides both the page and the block, so that a box lies inside
+    one page and a block is tile_n / rows boxes, each through its own page-table entry.
+    None of them divides the page (pages of 1, 8, 24, ...), or a sequence starts inside a
+    page (``leftpad_k``), or ``boxes`` is off (``tuning.paged_kv_boxes``): 0, and rows are
+    gathered."""
+    if not boxes or not page_size or page_size % tile_n == 0 or leftpad_k:
+        return 0
+    return next((r for r in KV_BOX_ROWS if page_size % r == 0 and tile_n % r == 0), 0)
+
+
+def gathers_kv(tile_n: int, page_size: int, leftpad_k: bool = False, boxes: bool = True) -> bool:
     """Whether a paged cache (page_size > 0) is read by cp.async row gathers: its pages
-    do not hold whole tile_n blocks, so no TMA box spans one; or its sequences start at a
-    per-sequence position (``leftpad_k``: cache_leftpad), so a block starts inside a page."""
-    return page_size > 0 and (page_size % tile_n != 0 or leftpad_k)
+    hold neither whole tile_n blocks (one TMA box each) nor boxes of ``kv_box_rows`` rows;
+    or its sequences start at a per-sequence position (``leftpad_k``: cache_leftpad), so a
+    block starts inside a page."""
+    return page_size > 0 and (page_size % tile_n != 0 or leftpad_k) and not kv_box_rows(tile_n, page_size, leftpad_k,
+                                                                                         boxes)
 
 
 def persistent_fits(d: int, dv: int, tile: tuple, pack: int, varlen_q: bool, is_split: bool,
@@ -267,23 +298,28 @@ def fp8_qkv_persistent_fits(d: int, dv: int, tile: tuple, gather_kv: bool) -> bo
     return persistent_registers_fit(m, gather_kv) and fp8_qkv_smem_bytes(d, dv, m, n, stages) <= SMEM_LIMIT
 
 
-def key_extra(gather_kv: bool, persistent: bool, ctas_per_sm: int, quantize_q: bool, two_level: int = 0) -> tuple:
+def key_extra(gather_kv: bool, persistent: bool, ctas_per_sm: int, quantize_q: bool, two_level: int = 0,
+              kv_box: int = 0) -> tuple:
     """The forward key's SM90 fields after the common ones: gather_kv, persistent, then
     ctas_per_sm where it is 2, ``keys.QUANTIZE_Q`` where the kernel quantizes 16-bit
-    queries and ``keys.two_level_field`` where the FP8 P V product is accumulated in two
-    levels (each absent otherwise: the keys from before either existed keep their form)."""
+    queries, ``keys.two_level_field`` where the FP8 P V product is accumulated in two
+    levels and ``keys.kv_box_field`` where pages are read in boxes of fewer than tile_n
+    rows (each absent otherwise: the keys from before either existed keep their form)."""
     return (gather_kv, persistent) + ((ctas_per_sm,) if ctas_per_sm > 1 else ()) + \
-        ((QUANTIZE_Q,) if quantize_q else ()) + ((two_level_field(two_level),) if two_level else ())
+        ((QUANTIZE_Q,) if quantize_q else ()) + ((two_level_field(two_level),) if two_level else ()) + \
+        ((kv_box_field(kv_box),) if kv_box else ())
 
 
 def parse_key_extra(rest: tuple) -> dict:
-    """The kernel's keyword arguments (ctas_per_sm, quantize_q, two_level) from the fields
-    ``key_extra`` put after gather_kv and persistent."""
-    flags = [x for x in rest if x == QUANTIZE_Q or parse_two_level(x)]
+    """The kernel's keyword arguments (ctas_per_sm, quantize_q, two_level, kv_box) from the
+    fields ``key_extra`` put after gather_kv and persistent."""
+    flags = [x for x in rest if x == QUANTIZE_Q or parse_two_level(x) or parse_kv_box(x)]
     ctas = [x for x in rest if x not in flags]
-    assert len(ctas) <= 1 and len(flags) == len(set(flags)) <= 2, rest
+    assert len(ctas) <= 1 and len(flags) == len(set(flags)) <= 3, rest
     two_level = max([parse_two_level(x) for x in flags] + [0])
-    return dict(ctas_per_sm=ctas[0] if ctas else 1, quantize_q=QUANTIZE_Q in rest, two_level=two_level)
+    kv_box = max([parse_kv_box(x) for x in flags] + [0])
+    return dict(ctas_per_sm=ctas[0] if ctas else 1, quantize_q=QUANTIZE_Q in rest, two_level=two_level,
+                kv_box=kv_box)
 
 
 def unsupported_reason(d: int, dv: int) -> Optional[str]:
@@ -349,7 +385,7 @@ class WarpRoles(WarpgroupRoles):
 
     @staticmethod
     def for_consumers(num_consumer_wgs: int, gather_kv: bool = False, ctas_per_sm: int = 1,
-                      transpose_v: bool = False) -> "WarpRoles":
+                      transpose_v: bool = False, kv_boxes: bool = False) -> "WarpRoles":
         # A gathering producer holds a page and a row per gathered row (8 of each at
         # tile_n 128) to overlap their lookups: with one consumer warpgroup the register
         # file has room for 96 (56 spilled); with two, 40, paid for by the consumers
@@ -357,7 +393,11 @@ class WarpRoles(WarpgroupRoles):
         # setmaxnreg redistributes: producer + consumers <= 512, 504, 512 for 1, 2, 3.
         # Transposing producer warps (FP8 Q, K, V) hold four words of V and their
         # transposes per step: the gathering producer's budgets.
-        busy = gather_kv or transpose_v
+        # A producer reading a block in TMA boxes (``kv_box_rows``) holds a page-table
+        # entry per box (8 at tile_n 128, pages of 16) across the wait for the stage: the
+        # gathering producer's budgets (sm_90a SASS, 16-bit d128 prefill over pages of 16,
+        # (128, 128): 36 local-memory instructions at 24 registers, none at 40).
+        busy = gather_kv or transpose_v or kv_boxes
         regs = {1: (96 if busy else 56, 256), 2: (40, 232) if busy else (24, 240),
                 3: (32, 160)}[num_consumer_wgs]
         if ctas_per_sm == 2:  # two CTAs of one consumer warpgroup share the file: 256 per pair

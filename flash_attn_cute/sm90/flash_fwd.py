@@ -62,7 +62,7 @@ from flash_attn_cute.device.fwd_kernel import (FwdArgs, FwdTile, compile_from_ke
 from flash_attn_cute.device.layout_utils import (acc_mn_view, acc_to_operand_a, row_major_smem_layout, select,
                                                  transpose_view)
 from flash_attn_cute.device.named_barrier import Sm90FwdBarrier
-from flash_attn_cute.device.paged_kv import clamp_page, page_and_row, page_lookups, rows_in_page
+from flash_attn_cute.device.paged_kv import clamp_page, page_and_row, page_entry, page_lookups, rows_in_page
 from flash_attn_cute.sm90.config import TWO_CTAS_SMEM, WarpRoles, parse_key_extra
 from flash_attn_cute.sm90.fp8_operands import FP8TileGeometry, TwoLevelPV, p_to_fp8, transpose_v_block
 from flash_attn_cute.device.q_quant import quantize_q_tile
@@ -78,7 +78,8 @@ class FlashAttnFwdSm90:
     def __init__(self, dtype, head_dim: int, head_dim_v: int, tile_m: int, tile_n: int, num_stages: int,
                  variant: AttentionVariant, qhead_per_kvhead_packed: int = 1, is_split: bool = False,
                  ex2_emulate_every: int = 0, gather_kv: bool = False, persistent: bool = False, split_blocks: int = 0,
-                 q_class: int = 0, ctas_per_sm: int = 1, quantize_q: bool = False, two_level: int = 0):
+                 q_class: int = 0, ctas_per_sm: int = 1, quantize_q: bool = False, two_level: int = 0,
+                 kv_box: int = 0):
         set_fwd_config(self, dtype, head_dim, head_dim_v, variant, qhead_per_kvhead_packed, is_split, split_blocks,
                        q_class)
         # 16-bit Q over an e4m3 cache: Q is quantized to e4m3 in the kernel (``q_quant``) and
@@ -97,10 +98,14 @@ class FlashAttnFwdSm90:
         # at d=64 the MUFU unit, not the tensor cores, bounds the loop. Off by default:
         # k = 4, 8, 16 measured no faster on the H200 (486 / 506 / 516 vs 513 TFLOP/s).
         self.ex2_emulate_every = ex2_emulate_every
-        # Paged KV whose pages do not hold whole tile_n blocks (page size 1, 16, ...): no TMA
-        # box spans a block, so the producer warpgroup gathers rows with cp.async, one page
+        # Paged KV whose pages hold neither whole tile_n blocks nor 16-row boxes (page size 1,
+        # 8, ...; cache_leftpad): the producer warpgroup gathers rows with cp.async, one page
         # lookup per row (``paged_kv``), and signals each stage with cp.async mbarrier arrives.
         self.gather_kv = gather_kv
+        # Pages of a multiple of 16 keys that hold no whole block: each block comes in
+        # tile_n / kv_box TMA boxes, one page lookup each (0: one box per block).
+        self.kv_box = kv_box
+        assert not (kv_box and gather_kv) and tile_n % max(kv_box, 1) == 0, (kv_box, gather_kv, tile_n)
         # One CTA per SM looping over tiles (``PersistentScheduler``), else one per tile.
         self.persistent = persistent
         # Two CTAs per SM (fp8 tiles that fit twice): each gets half the register file.
@@ -114,7 +119,8 @@ class FlashAttnFwdSm90:
         # accumulator every ``two_level`` KV blocks (``fp8_operands.TwoLevelPV``); 0: off.
         self.two_level = two_level
         assert not two_level or self.fp8_qkv, "two-level accumulation: FP8 Q, K, V only"
-        self.roles = WarpRoles.for_consumers(tile_m // 64, gather_kv, ctas_per_sm, transpose_v=self.fp8_qkv)
+        self.roles = WarpRoles.for_consumers(tile_m // 64, gather_kv, ctas_per_sm, transpose_v=self.fp8_qkv,
+                                             kv_boxes=kv_box > 0)
         # Ping-pong pays when the softmax of one warpgroup can hide the other's MMAs;
         # at d=256 the MMAs dominate and the turn-taking only adds waits.
         self.use_scheduler_barrier = self.roles.num_consumer_wgs >= 2 and max(head_dim, head_dim_v) <= 128
@@ -227,11 +233,15 @@ class FlashAttnFwdSm90:
             kv_modes = [1, 3, 2, 0]  # (s_k, d, h_kv, b)
         tma_atom_K, tma_K, tma_atom_V, tma_V = None, mK, None, mV
         if cutlass.const_expr(not self.gather_kv):
+            # One box per block, or (kv_box) a box of kv_box rows: the stage's first rows.
+            rows = self.kv_box or self.tile_n
+            box_layout = lambda layout, cols: (row_major_smem_layout(kv_dtype, rows, cols) if self.kv_box
+                                               else cute.select(layout, mode=[0, 1]))
             tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
-                tma_op, select(mK, kv_modes), cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.head_dim)
+                tma_op, select(mK, kv_modes), box_layout(sK_layout, self.head_dim), (rows, self.head_dim)
             )
             tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
-                tma_op, select(mV, kv_modes), cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.head_dim_v)
+                tma_op, select(mV, kv_modes), box_layout(sV_layout, self.head_dim_v), (rows, self.head_dim_v)
             )
         tma_atom_Q, tma_Q = None, mQ
         if cutlass.const_expr(self.use_tma_q):
@@ -508,16 +518,24 @@ class FlashAttnFwdSm90:
         return q_state, state
 
     def kv_tma_loaders(self, args: FwdArgs, io: "_Io", tile: FwdTile):
-        """(load_k, load_v): ``(n_block, state) ->`` one TMA of the block into the stage."""
+        """(load_k, load_v): ``(n_block, state) ->`` the block into the stage, by one TMA
+        (``load_kv``) or, over pages smaller than a block, one per box (``load_kv_boxes``)."""
         if cutlass.const_expr(args.mLeftpadK is not None):
             # A key start inside a page moves every block off the page's TMA boxes.
             raise ValueError("a paged cache with mLeftpadK (cache_leftpad) is read by row gathers (gather_kv)")
         head_kv, batch = tile.head_kv, tile.ctx.batch
+        sK, sV = io.sK, io.sV
         if cutlass.const_expr(args.paged):
+            rows = self.kv_box or self.tile_n
             mK_cur = io.tma_K[None, None, head_kv, None]  # (page_size, d, num_pages)
             mV_cur = io.tma_V[None, None, head_kv, None]
-            gK = cute.local_tile(mK_cur, (self.tile_n, self.head_dim), (None, 0, None))
-            gV = cute.local_tile(mV_cur, (self.tile_n, self.head_dim_v), (None, 0, None))
+            gK = cute.local_tile(mK_cur, (rows, self.head_dim), (None, 0, None))
+            gV = cute.local_tile(mV_cur, (rows, self.head_dim_v), (None, 0, None))
+            if cutlass.const_expr(self.kv_box):
+                # (kv_box, d, boxes, 1, stages): box j of a stage holds the block's rows
+                # [j kv_box, (j + 1) kv_box).
+                sK = cute.flat_divide(sK, (rows, self.head_dim))
+                sV = cute.flat_divide(sV, (rows, self.head_dim_v))
         else:
             if cutlass.const_expr(args.varlen_k):
                 mK_cur = cute.domain_offset((tile.seqlen.offset_k, 0), io.tma_K[None, None, head_kv])
@@ -528,16 +546,19 @@ class FlashAttnFwdSm90:
             gK = cute.local_tile(mK_cur, (self.tile_n, self.head_dim), (None, 0))
             gV = cute.local_tile(mV_cur, (self.tile_n, self.head_dim_v), (None, 0))
         tKsK, tKgK = cpasync.tma_partition(
-            io.tma_atom_K, 0, cute.make_layout(1), cute.group_modes(io.sK, 0, 2), cute.group_modes(gK, 0, 2)
+            io.tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
         )
         tVsV, tVgV = cpasync.tma_partition(
-            io.tma_atom_V, 0, cute.make_layout(1), cute.group_modes(io.sV, 0, 2), cute.group_modes(gV, 0, 2)
+            io.tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
         )
         mPageTable = args.mPageTable
-        load_k = lambda n_block, st: self.load_kv(io.tma_atom_K, tKgK, tKsK, io.pipeline_k, n_block, st, mPageTable,
-                                                  batch)
-        load_v = lambda n_block, st: self.load_kv(io.tma_atom_V, tVgV, tVsV, io.pipeline_v, n_block, st, mPageTable,
-                                                  batch)
+        if cutlass.const_expr(self.kv_box):
+            last = tile.ctx.seqlen_k - 1
+            load = lambda *a: self.load_kv_boxes(*a, mPageTable, batch, last)
+        else:
+            load = lambda *a: self.load_kv(*a, mPageTable, batch)
+        load_k = lambda n_block, st: load(io.tma_atom_K, tKgK, tKsK, io.pipeline_k, n_block, st)
+        load_v = lambda n_block, st: load(io.tma_atom_V, tVgV, tVsV, io.pipeline_v, n_block, st)
         return load_k, load_v
 
     @cute.jit
@@ -556,6 +577,25 @@ class FlashAttnFwdSm90:
             src = tXgX[None, n_block]
         pipe.producer_acquire(state)
         cute.copy(tma_atom, src, tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
+
+    @cute.jit
+    def load_kv_boxes(self, tma_atom, tXgX, tXsX, pipe, n_block, state, mPageTable, batch, last):
+        """``load_kv`` in boxes of ``kv_box`` rows (pages that hold no whole block), each
+        through its own page-table entry, all read before the wait for the stage; only the
+        entries are carried across it (clamped, and the boxes in page recomputed, after).
+        A box that starts past the sequence's ``last`` key reads the last key's box again
+        (its entry may lie past the table's row): rows the masks and the V-tail zeroing
+        take out."""
+        boxes_per_page, num_pages = tXgX.shape[1], tXgX.shape[2]
+        boxes = self.tile_n // self.kv_box
+        box_of = lambda j: cutlass.min(n_block * self.tile_n + j * self.kv_box, last) // self.kv_box
+        entries = [page_entry(mPageTable, batch, box_of(j), boxes_per_page)[0] for j in range(boxes)]
+        pipe.producer_acquire(state)
+        for j in cutlass.range_constexpr(boxes):
+            box = box_of(j)
+            sub = box - (box // boxes_per_page) * boxes_per_page
+            cute.copy(tma_atom, tXgX[None, sub, clamp_page(entries[j], num_pages)], tXsX[None, j, 0, state.index],
+                      tma_bar_ptr=pipe.producer_get_barrier(state))
 
     def gathers_ahead(self) -> bool:
         """Whether ``split_gather`` warps may look a block's pages up a block ahead (compiled
