@@ -505,3 +505,38 @@ def test_two_level_accumulation_long_context(path, seqlen_q, h, hkv):
     for interval, bound in TWO_LEVEL_BOUND.items():
         assert errs[interval] <= bound, (interval, errs)
         assert errs[interval] <= errs[0], (interval, errs)
+
+
+@pytest.mark.parametrize("page_size", [None, 64, 1])
+def test_quantized_q_nan_query_head(page_size, monkeypatch):
+    """A NaN in one query head (GQA decode, heads of one KV group packed in one Q tile, q
+    quantized per tile in the kernel): that head's output is NaN, as in PyTorch, and the
+    other heads of its tile keep their scale and match the reference (the tile's amax skips
+    NaN instead of spreading it)."""
+    if page_size == 1:
+        monkeypatch.setenv(WIDEN_KNOB, "quantize_q")
+    torch.manual_seed(26)
+    batch, capacity, h, hkv, d = 2, 512, 32, 8, 128
+    q = torch.randn(batch, 1, h, d, device=DEVICE).to(torch.bfloat16)
+    q[0, 0, 5, 17] = 0  # (not the tile's amax in the clean call either: the same scale)
+    q_nan = q.clone()
+    q_nan[0, 0, 5, 17] = float("nan")  # head 5: KV group 1, beside heads 4, 6, 7
+    k8, kd = _cache8(batch, capacity, hkv, d)
+    v8, vd = _cache8(batch, capacity, hkv, d, scale=3.0)
+    lens = _i32([500, 301])
+    k8p, v8p, table = k8, v8, None
+    if page_size is not None:
+        pages_per_seq = capacity // page_size
+        num_pages = batch * pages_per_seq + 3
+        table = torch.randperm(num_pages, device=DEVICE)[:batch * pages_per_seq].view(batch, pages_per_seq).int()
+        k8p, v8p = _pool(k8, table, page_size, num_pages), _pool(v8, table, page_size, num_pages)
+    out = torch.full(q.shape, float("nan"), device=DEVICE, dtype=q.dtype)
+    flash_attn_with_kvcache(q_nan, k8p, v8p, cache_seqlens=lens, page_table=table, k_descale=kd, v_descale=vd,
+                            out=out)
+    assert out[0, 0, 5].isnan().all(), "the NaN query head's output is not NaN"
+    out_clean = flash_attn_with_kvcache(q, k8p, v8p, cache_seqlens=lens, page_table=table, k_descale=kd,
+                                        v_descale=vd)
+    others = torch.ones(batch, 1, h, dtype=torch.bool, device=DEVICE)
+    others[0, 0, 5] = False
+    assert not out[others].isnan().any(), "NaN spread beyond the NaN query head"
+    assert torch.equal(out[others], out_clean[others]), "other heads' results moved with the NaN head"

@@ -516,3 +516,25 @@ def test_mla_tma_nan_past_the_end(backend, page_size, nheads_kv):
         out = flash_attn_cute.flash_mla_decode(q_nope, q_pe, ckv_bad, kpe_bad, seqlens, table, backend=backend,
                                                num_splits=splits)
         check_close(out, out_ref, out_pt)
+
+
+@pytest.mark.parametrize("page_size", [64, 16])
+def test_mla_fp8_nan_query_head(backend, page_size):
+    # A NaN in one query head over an FP8 cache (pages of 64 on SM90: q quantized in the
+    # kernel, one scale per 64-head tile): that head's output is NaN, the other heads of its
+    # tile are bit-identical to the call without the NaN (the tile's amax skips NaN).
+    import flash_attn_cute
+
+    inputs, descale = fp8_inputs((300, 77), 64, page_size, seed=15)
+    q_nope, q_pe = inputs[0], inputs[1]
+    q_pe[1, 0, 9, 3] = 0  # (not the tile's amax in the clean call either: the same scale)
+    q_pe_nan = q_pe.clone()
+    q_pe_nan[1, 0, 9, 3] = float("nan")
+    out = flash_attn_cute.flash_mla_decode(q_nope, q_pe_nan, *inputs[2:], backend=backend, kv_descale=descale)
+    clean = flash_attn_cute.flash_mla_decode(*inputs, backend=backend, kv_descale=descale)
+    assert out[1, 0, 9].isnan().all(), "the NaN query head's output is not NaN"
+    others = torch.ones(out.shape[:3], dtype=torch.bool, device="cuda")
+    others[1, 0, 9] = False
+    assert not out[others].isnan().any(), "NaN spread beyond the NaN query head"
+    assert torch.equal(out[others], clean[others]), "other heads' results moved with the NaN head"
+    check_fp8(backend, inputs, descale, clean, None)
