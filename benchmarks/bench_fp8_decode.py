@@ -18,7 +18,14 @@ reference on the queries quantized as the kernel quantizes them
 algorithm (P in e4m3) on them; the other rows within 2x PyTorch's error in q's dtype.
 
     python benchmarks/bench_fp8_decode.py [--csv out.csv] [--no-md] [--sm90-tiles "64,64,3@32;..."]
-                                          [--two-level N] [--rows "paged 1,paged 16"]
+                                          [--two-level N] [--rows "paged 1,paged 16"] [--boxes]
+
+``--boxes`` adds, on the paged rows of a multiple of 16 keys that hold no whole block (pages
+of 16), ``ours_sm90 bf16 boxes``, ``ours_sm90 fp8 boxes`` and ``ours_sm90 fp8 q boxes``: the
+same calls with the pages read by TMA boxes (FLASH_ATTN_CUTE_SM90_PAGED_KV=boxes) instead of
+row gathers, the A/B of the two in one run (the bf16 boxes row counts toward "our best
+bf16"). Pages of 64 in boxes on the (64, 128) decode tile: ``--sm90-tiles 64,128,2,0,2``
+with the knob set.
 
 ``--two-level N`` adds ``ours_sm90 fp8 2lN`` and ``ours_sm90 fp8 q 2lN``: the two SM90 fp8
 rows with ``fp8_two_level_interval=N`` (the P V product accumulated in two levels).
@@ -58,6 +65,8 @@ def parse_args(argv=None):
                    help="the queries' dtype, and the 16-bit cache's the fp8 rows are compared with")
     p.add_argument("--sm90-tiles", default="", help='";"-separated "m,n,stages[,ex2,ctas][@num_splits][:kv_mode]"')
     p.add_argument("--rows", default="", help='","-separated subset of the rows by cache name ("paged 16,contiguous")')
+    p.add_argument("--boxes", action="store_true", help="add SM90 rows at pages of a multiple of 16 with the cache "
+                   "read by TMA boxes (FLASH_ATTN_CUTE_SM90_PAGED_KV=boxes): bf16, fp8 (q quantized) and fp8 q")
     p.add_argument("--two-level", type=int, default=0, metavar="N", help="add SM90 fp8 rows with "
                    "fp8_two_level_interval=N")
     return p.parse_args(argv)
@@ -148,6 +157,16 @@ def main(argv=None):
                 record(f"ours_sm90 fp8 q 2l{n}", lambda: fa.flash_attn_with_kvcache(
                     q8, k8p, v8p, seqlens, page_table=table, q_descale=qd, k_descale=kd, v_descale=vd,
                     backend="sm90", fp8_two_level_interval=n), 1, refs=refs_q8)
+        if args.boxes and page and page % 16 == 0 and page % 64 and "sm90" in our_backends("all"):
+            # The same calls with the paged cache read by TMA boxes (FLASH_ATTN_CUTE_SM90_PAGED_KV).
+            os.environ["FLASH_ATTN_CUTE_SM90_PAGED_KV"] = "boxes"
+            record(f"ours_sm90 {args.q_dtype} boxes", lambda: fa.flash_attn_with_kvcache(
+                q, kqp, vqp, seqlens, page_table=table, backend="sm90"), 2)
+            record("ours_sm90 fp8 boxes", fp8_call("sm90"), 1, refs=refs_qq)
+            record("ours_sm90 fp8 q boxes", lambda: fa.flash_attn_with_kvcache(
+                q8, k8p, v8p, seqlens, page_table=table, q_descale=qd, k_descale=kd, v_descale=vd, backend="sm90"), 1,
+                   refs=refs_q8)
+            os.environ.pop("FLASH_ATTN_CUTE_SM90_PAGED_KV")
         for spec in filter(None, args.sm90_tiles.split(";")):
             spec_tile, _, mode = spec.partition(":")
             tile, _, splits = spec_tile.partition("@")
