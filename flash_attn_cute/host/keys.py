@@ -125,24 +125,6 @@ def parse_kv_box(field) -> int:
     return parse_count_field(KV_BOX, field)
 
 
-# The SM90 forward key's field of a paged cache read by TMA boxes of n < tile_n rows (pages of a
-# multiple of 16 keys that hold no whole KV block): ``"kv_box<n>"``, absent otherwise.
-KV_BOX = "kv_box"
-
-
-def kv_box_field(rows: int) -> str:
-    """The key field of TMA boxes of ``rows`` rows (``"kv_box16"``)."""
-    assert rows > 0, rows
-    return f"{KV_BOX}{int(rows)}"
-
-
-def parse_kv_box(field) -> int:
-    """The box rows a key field holds (``kv_box_field``'s inverse), 0 for any other field."""
-    if isinstance(field, str) and field.startswith(KV_BOX):
-        return int(field[len(KV_BOX):])
-    return 0
-
-
 def make_key(name: str, arch: str, dtype_name: str, d: int, d_v: int, tile: tuple, flags, qhead_per_kvhead_packed,
              is_split, has_lse, varlen_q, varlen_k, has_seqused_k, paged, has_seqused_q, has_sink, split_blocks,
              q_class: int = 0, extra: tuple = (), leftpad_k: bool = False) -> tuple:

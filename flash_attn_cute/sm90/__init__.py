@@ -141,7 +141,7 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
                                            tile_m=tile[0], tile_n=tile[1], ctas_per_sm=split_ctas or ctas_per_sm,
                                            tolerance=_SPLIT_TOLERANCE)
     gather_kv = config.gathers_kv(tile[1], problem.page_size, problem.leftpad_k, boxes)
-    kv_box = config.kv_box_rows(tile[1], problem.page_size or 0, problem.leftpad_k, boxes)
+    kv_box = config.kv_box_rows(tile[1], problem.page_size, problem.leftpad_k, boxes)
     if problem.qkv_fp8 or quantize_q:
         # (16-bit queries quantized in the kernel: one tile per CTA, ``flash_fwd``)
         fits = config.fp8_qkv_persistent_fits(d, d_v, tile, gather_kv) and ctas_per_sm == 1 and not quantize_q

@@ -134,7 +134,7 @@ def fp8_qkv_smem_bytes(d: int, dv: int, tile_m: int, tile_n: int, stages: int) -
 
 
 def fp8_qkv_tile(d: int, dv: int, tile: tuple, page_size: int = 0, causal: bool = False,
-                 measured: bool = True, leftpad_k: bool = False, boxes: bool = True, keep_n: bool = False) -> tuple:
+                 measured: bool = True, leftpad_k: bool = False, boxes: bool = False, keep_n: bool = False) -> tuple:
     """The tile of FP8 Q, K and V from the 16-bit one: tile_n a multiple of 32 (an 8-bit
     wgmma's k-block, the unit of the V transposes) that divides a page of a multiple of 64
     keys (one TMA per block; other pages are gathered) and fits two stages, and the stages
@@ -184,7 +184,7 @@ def fp8_qkv_tile(d: int, dv: int, tile: tuple, page_size: int = 0, causal: bool 
     return m, n, stages, tile[3]
 
 
-def fp8_qkv_decode_tile(d: int, dv: int, page_size: int = 0, leftpad_k: bool = False, boxes: bool = True):
+def fp8_qkv_decode_tile(d: int, dv: int, page_size: int = 0, leftpad_k: bool = False, boxes: bool = False):
     """(tile, CTAs per SM) of FP8 Q, K, V decode (at most 64 packed rows, not batch
     invariant, d and d_v <= 128; None otherwise): two CTAs per SM, so that one CTA's chain
     of Q K^T, softmax, V transposes and P V runs while the other's loads wait. Where blocks
@@ -223,7 +223,7 @@ def two_level_fits(dv: int, tile_m: int, tile_n: int) -> bool:
 
 
 def fp8_two_level_tile(d: int, dv: int, tile: tuple, page_size: int = 0, leftpad_k: bool = False,
-                       boxes: bool = True):
+                       boxes: bool = False):
     """The FP8 Q, K, V tile (``fp8_qkv_tile``'s) under two-level accumulation: the same
     where ``two_level_fits``; else, from its tile_m down, 64 rows (one consumer warpgroup)
     at a time, the widest tile_n (a multiple of 32, <= the tile's, or <= max(its, 128) once
@@ -248,20 +248,20 @@ def fp8_two_level_tile(d: int, dv: int, tile: tuple, page_size: int = 0, leftpad
 KV_BOX_ROWS = (64, 32, 16)
 
 
-def kv_box_rows(tile_n: int, page_size: int, leftpad_k: bool = False, boxes: bool = True) -> int:
+def kv_box_rows(tile_n: int, page_size: int, leftpad_k: bool = False, boxes: bool = False) -> int:
     """Rows of the TMA boxes a paged cache is read by where its pages hold no whole tile_n
     block (0: one box per block, or no boxes at all, ``gathers_kv``): the largest of
     ``KV_BOX_ROWS`` that divides both the page and the block, so that a box lies inside
     one page and a block is tile_n / rows boxes, each through its own page-table entry.
     None of them divides the page (pages of 1, 8, 24, ...), or a sequence starts inside a
-    page (``leftpad_k``), or ``boxes`` is off (``tuning.paged_kv_boxes``): 0, and rows are
-    gathered."""
+    page (``leftpad_k``), or ``boxes`` is off (the default, as ``tuning.paged_kv_boxes``'s):
+    0, and rows are gathered."""
     if not boxes or not page_size or page_size % tile_n == 0 or leftpad_k:
         return 0
     return next((r for r in KV_BOX_ROWS if page_size % r == 0 and tile_n % r == 0), 0)
 
 
-def gathers_kv(tile_n: int, page_size: int, leftpad_k: bool = False, boxes: bool = True) -> bool:
+def gathers_kv(tile_n: int, page_size: int, leftpad_k: bool = False, boxes: bool = False) -> bool:
     """Whether a paged cache (page_size > 0) is read by cp.async row gathers: its pages
     hold neither whole tile_n blocks (one TMA box each) nor boxes of ``kv_box_rows`` rows;
     or its sequences start at a per-sequence position (``leftpad_k``: cache_leftpad), so a
