@@ -24,8 +24,7 @@ algorithm (P in e4m3) on them; the other rows within 2x PyTorch's error in q's d
 of 16), ``ours_sm90 bf16 boxes``, ``ours_sm90 fp8 boxes`` and ``ours_sm90 fp8 q boxes``: the
 same calls with the pages read by TMA boxes (FLASH_ATTN_CUTE_SM90_PAGED_KV=boxes) instead of
 row gathers, the A/B of the two in one run (the bf16 boxes row counts toward "our best
-bf16"). Pages of 64 in boxes on the (64, 128) decode tile: ``--sm90-tiles 64,128,2,0,2``
-with the knob set.
+bf16"). Pages of 64 in boxes on the (64, 128) decode tile: ``--sm90-tiles 64,128,2,0,2:boxes``.
 
 ``--two-level N`` adds ``ours_sm90 fp8 2lN`` and ``ours_sm90 fp8 q 2lN``: the two SM90 fp8
 rows with ``fp8_two_level_interval=N`` (the P V product accumulated in two levels).
@@ -34,7 +33,8 @@ rows with ``fp8_two_level_interval=N`` (the P V product accumulated in two level
 (FLASH_ATTN_CUTE_SM90_TILE "m,n,stages[,ex2,ctas]", ``tuning.py``; the fp8 plan keeps n and
 fits the stages), each with its own ``num_splits`` after "@" on the one-sequence row
 (default, and on the batched rows: 0, the heuristic) and its kernel after ":"
-(FLASH_ATTN_CUTE_SM90_FP8_KV "quantize_q" / "widen"; default: the call's). ``--rows``
+(FLASH_ATTN_CUTE_SM90_FP8_KV "quantize_q" / "widen"; default: the call's), "+boxes" (or
+":boxes" alone) reading a paged cache by TMA boxes (FLASH_ATTN_CUTE_SM90_PAGED_KV). ``--rows``
 narrows the rows by cache name. FA3 (the fa3-fwd build of its Hopper
 kernels, where ``fa3_fwd_interface`` imports: ``../shared/gpu/pack_peers.sh``) on the
 contiguous rows, which it runs (no paged KV): its bf16 decode and its FP8 decode with e4m3
@@ -171,14 +171,18 @@ def main(argv=None):
             spec_tile, _, mode = spec.partition(":")
             tile, _, splits = spec_tile.partition("@")
             os.environ["FLASH_ATTN_CUTE_SM90_TILE"] = tile
-            if mode:
-                os.environ["FLASH_ATTN_CUTE_SM90_FP8_KV"] = mode
-            widened = mode == "widen"
+            modes = set(filter(None, mode.split("+")))
+            if "boxes" in modes:  # the paged cache read by TMA boxes (FLASH_ATTN_CUTE_SM90_PAGED_KV)
+                os.environ["FLASH_ATTN_CUTE_SM90_PAGED_KV"] = "boxes"
+            if modes - {"boxes"}:
+                os.environ["FLASH_ATTN_CUTE_SM90_FP8_KV"] = (modes - {"boxes"}).pop()
+            widened = "widen" in modes
             record(f"ours_sm90 fp8 [{spec}]", lambda s=int(splits or 0) if B == 1 else 0: fa.flash_attn_with_kvcache(
                 q, k8p, v8p, seqlens, page_table=table, k_descale=kd, v_descale=vd, backend="sm90", num_splits=s), 1,
                    refs=None if widened else refs_qq)
             os.environ.pop("FLASH_ATTN_CUTE_SM90_TILE")
             os.environ.pop("FLASH_ATTN_CUTE_SM90_FP8_KV", None)
+            os.environ.pop("FLASH_ATTN_CUTE_SM90_PAGED_KV", None)
         if fa3 is not None and table is None:
             # FA3's own FP8 decode: the same e4m3 q, k, v and (batch, nheads_kv) descales, split-KV.
             first = lambda r: r[0] if isinstance(r, tuple) else r

@@ -53,6 +53,8 @@ def fp8_kv_mode(value: Optional[str], default: str, variable: str) -> str:
     if mode not in FP8_KV_MODES:
         raise ValueError(f"{variable}={mode!r}: one of {FP8_KV_MODES}")
     return mode
+
+
 # The values of sm90_paged_kv.
 PAGED_KV_MODES = ("gather", "boxes")
 
