@@ -222,10 +222,10 @@ def test_fp8_attention_refusals(launches, monkeypatch):
         flash_attn_func(q8.float().to(torch.float8_e5m2), k8, v8)
     with pytest.raises(TypeError, match="k and v in"):
         flash_attn_func(q8, k8.to(torch.float8_e5m2), v8.to(torch.float8_e5m2))
-    # Pages of 16 (vLLM's): gathered rows on one consumer warpgroup (config.fp8_qkv_tile), or
-    # with FLASH_ATTN_CUTE_SM90_PAGED_KV=boxes TMA boxes of 16 rows, one page lookup each
-    # (config.kv_box_rows); pages of 8: gathered either way.
-    for page_size, knob, gathered, box in ((16, None, True, 0), (16, "boxes", False, 16), (8, "boxes", True, 0)):
+    # Pages of 16 (vLLM's): TMA boxes of 16 rows, one page lookup each (config.kv_box_rows),
+    # or with FLASH_ATTN_CUTE_SM90_PAGED_KV=gather gathered rows on one consumer warpgroup
+    # (config.fp8_qkv_tile); pages of 8: gathered either way.
+    for page_size, knob, gathered, box in ((16, None, False, 16), (16, "gather", True, 0), (8, "boxes", True, 0)):
         if knob:
             monkeypatch.setenv("FLASH_ATTN_CUTE_SM90_PAGED_KV", knob)
         pool = torch.randn(64 // page_size * 2, page_size, 2, 64).to(E4M3)
@@ -317,25 +317,27 @@ def test_fp8_cache_quantizes_q_on_sm90():
     assert sm90.plan(prefill, 1, None, 132).config[:3] == sm90.plan(prefill._replace(dtype=E4M3, kv_dtype=None), 1,
                                                                     None, 132).config[:3]
     # every page size: one TMA per block (64, 128, 256); row gathers on one consumer
-    # warpgroup (1, 16; cache_leftpad). Decode quantizes at every page size, two CTAs a SM
-    # ((64, 64, 3) where it gathers); a prefill chunk over gathered pages widens unless the
-    # knob names the quantizing kernel (its one-CTA gathers measured slower, sm90.plan)
+    # warpgroup (1; 16 with FLASH_ATTN_CUTE_SM90_PAGED_KV=gather; cache_leftpad). Decode
+    # quantizes at every page size, two CTAs a SM ((64, 64, 3) where it gathers); a prefill
+    # chunk over gathered pages widens unless the knob names the quantizing kernel (its
+    # one-CTA gathers measured slower, sm90.plan)
     QUANTIZE = Tuning(sm90_fp8_kv="quantize_q")
+    gathers = Tuning(sm90_paged_kv="gather")
     for page, gather, tile_n in ((1, True, 64), (16, True, 64), (64, False, 64), (128, False, 128),
                                  (256, False, 128)):
         for rows in (1, 2048):
             p = decode._replace(page_size=page, max_seqlen_q=rows)
-            c = sm90.plan(p, 1, None, 132, tuning=QUANTIZE).config
+            c = sm90.plan(p, 1, None, 132, tuning=QUANTIZE._replace(sm90_paged_kv="gather")).config
             assert c.quantize_q and c.gather_kv == gather and (c.tile_m == 64 or not gather), (page, rows, c)
             assert c.kv_box == 0, (page, rows, c)
             assert rows > 1 or (c.tile_n == tile_n and c.ctas_per_sm == 2 and c.num_stages == (3 if gather else 2)), \
                 (page, c)
-            assert sm90.plan(p, 1, None, 132).config.quantize_q == (rows == 1 or not gather), (page, rows)
-    # FLASH_ATTN_CUTE_SM90_PAGED_KV=boxes: pages of 16 by TMA boxes of 16 rows; decode on the
-    # TMA decode tile, a prefill chunk quantizing by default (no one-CTA gathers to avoid)
-    boxes = Tuning(sm90_paged_kv="boxes")
+            assert sm90.plan(p, 1, None, 132, tuning=gathers).config.quantize_q == (rows == 1 or not gather), \
+                (page, rows)
+    # By default pages of 16 by TMA boxes of 16 rows; decode on the TMA decode tile, a
+    # prefill chunk quantizing (no one-CTA gathers to avoid)
     for rows, tile in ((1, (64, 128, 2)), (2048, (192, 96, 2))):
-        c = sm90.plan(decode._replace(page_size=16, max_seqlen_q=rows), 1, None, 132, tuning=boxes).config
+        c = sm90.plan(decode._replace(page_size=16, max_seqlen_q=rows), 1, None, 132).config
         assert c.quantize_q and not c.gather_kv and c.kv_box == 16 and c[:3] == tile, (rows, c)
     with pytest.raises(ValueError, match="FLASH_ATTN_CUTE_SM90_PAGED_KV='box'"):
         sm90.plan(decode._replace(page_size=16), 1, None, 132, tuning=Tuning(sm90_paged_kv="box"))

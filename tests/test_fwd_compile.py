@@ -230,7 +230,7 @@ def fp8_attention_keys(arch, backend="sm90"):
                 (base._replace(d=192, has_sink=True, window_left=200, window_right=0, softcap=20.0), 1),
                 (base._replace(max_seqlen_q=1, page_size={"sm90": 64, "sm100": 128}[backend], has_seqused_k=True,
                                causal=True, window_right=0), 0)]
-    if backend == "sm90":  # pages of 16 (vLLM's) and 1: rows gathered by producer warp 0
+    if backend == "sm90":  # pages of 16 (vLLM's: TMA boxes of 16 rows) and 1 (rows gathered by producer warp 0)
         problems += [(base._replace(max_seqlen_q=1, page_size=16, has_seqused_k=True, causal=True, window_right=0),
                       0),
                      (base._replace(max_seqlen_q=512, page_size=1, has_seqused_k=True, causal=True,

@@ -93,13 +93,12 @@ def test_tuning_overrides_are_plan_arguments():
 
 def test_sm90_decode_tiles_and_ctas_per_sm():
     """16-bit decode rows of d <= 128: (64, 64, 2), two CTAs per SM, whatever the page size
-    (pages of 64 or 128 by one TMA a block, others by row gathers; with
-    FLASH_ATTN_CUTE_SM90_PAGED_KV=boxes, 16 and 48 by 16-row TMA boxes, 8 still gathered);
-    batch invariant, d256, FP8 caches, prefill: one CTA. A tile override names its CTAs in a
-    fifth field."""
-    boxes = tuning.Tuning(sm90_paged_kv="boxes")
+    (pages of 64 or 128 by one TMA a block, 16 and 48 by 16-row TMA boxes, others by row
+    gathers, as are 16 with FLASH_ATTN_CUTE_SM90_PAGED_KV=gather); batch invariant, d256, FP8
+    caches, prefill: one CTA. A tile override names its CTAs in a fifth field."""
+    gathers, boxes = tuning.Tuning(sm90_paged_kv="gather"), tuning.NO_TUNING
     for d, page, want, ctas, gather, box, knob in (
-            (128, 0, (64, 64, 2), 2, False, 0, tuning.NO_TUNING), (64, 16, (64, 64, 2), 2, True, 0, tuning.NO_TUNING),
+            (128, 0, (64, 64, 2), 2, False, 0, tuning.NO_TUNING), (64, 16, (64, 64, 2), 2, True, 0, gathers),
             (64, 16, (64, 64, 2), 2, False, 16, boxes), (64, 48, (64, 64, 2), 2, False, 16, boxes),
             (64, 8, (64, 64, 2), 2, True, 0, boxes), (128, 128, (64, 64, 2), 2, False, 0, boxes),
             (256, 0, (64, 80, 2), 1, False, 0, tuning.NO_TUNING)):

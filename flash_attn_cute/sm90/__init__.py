@@ -83,8 +83,8 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     d, d_v = tile_head_dims(problem, HEAD_DIM_PAIRS)  # the kernel's tile widths (padded head dims)
     sixteen_bit = not problem.kv_fp8 and not problem.qkv_fp8
     quantize_q = quantizes_q(problem, tuning)
-    # Pages of a multiple of 16 keys that hold no whole block: TMA boxes where the knob names
-    # them (``config.kv_box_rows``; compile-verified, not yet run on a GPU), else row gathers.
+    # Pages of a multiple of 16 keys that hold no whole block: TMA boxes (``config.kv_box_rows``)
+    # unless the knob names row gathers (``tuning.paged_kv_boxes``: the measurement).
     boxes = paged_kv_boxes(tuning.sm90_paged_kv)
     # Plain 16-bit attention: no mask, no softcap, no user variant (``select_tile``).
     plain = sixteen_bit and not (problem.causal or problem.local or problem.softcap or problem.variant is not None)

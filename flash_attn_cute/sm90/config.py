@@ -254,7 +254,7 @@ def kv_box_rows(tile_n: int, page_size: int, leftpad_k: bool = False, boxes: boo
     ``KV_BOX_ROWS`` that divides both the page and the block, so that a box lies inside
     one page and a block is tile_n / rows boxes, each through its own page-table entry.
     None of them divides the page (pages of 1, 8, 24, ...), or a sequence starts inside a
-    page (``leftpad_k``), or ``boxes`` is off (the default, as ``tuning.paged_kv_boxes``'s):
+    page (``leftpad_k``), or ``boxes`` is off (the planner passes ``tuning.paged_kv_boxes``):
     0, and rows are gathered."""
     if not boxes or not page_size or page_size % tile_n == 0 or leftpad_k:
         return 0
