@@ -18,13 +18,14 @@ reference on the queries quantized as the kernel quantizes them
 algorithm (P in e4m3) on them; the other rows within 2x PyTorch's error in q's dtype.
 
     python benchmarks/bench_fp8_decode.py [--csv out.csv] [--no-md] [--sm90-tiles "64,64,3@32;..."]
-                                          [--two-level N] [--rows "paged 1,paged 16"] [--boxes]
+                                          [--two-level N] [--rows "paged 1,paged 16"] [--gathers]
 
-``--boxes`` adds, on the paged rows of a multiple of 16 keys that hold no whole block (pages
-of 16), ``ours_sm90 bf16 boxes``, ``ours_sm90 fp8 boxes`` and ``ours_sm90 fp8 q boxes``: the
-same calls with the pages read by TMA boxes (FLASH_ATTN_CUTE_SM90_PAGED_KV=boxes) instead of
-row gathers, the A/B of the two in one run (the bf16 boxes row counts toward "our best
-bf16"). Pages of 64 in boxes on the (64, 128) decode tile: ``--sm90-tiles 64,128,2,0,2:boxes``.
+``--gathers`` adds, on the paged rows of a multiple of 16 keys that hold no whole block
+(pages of 16), ``ours_sm90 bf16 gather``, ``ours_sm90 fp8 gather`` and ``ours_sm90 fp8 q
+gather``: the same calls with the pages' rows gathered by cp.async
+(FLASH_ATTN_CUTE_SM90_PAGED_KV=gather) instead of the default TMA boxes, the A/B of the two in
+one run (the bf16 gather row counts toward "our best bf16"). Pages of 64 in boxes on the (64,
+128) decode tile: ``--sm90-tiles 64,128,2,0,2:boxes``.
 
 ``--two-level N`` adds ``ours_sm90 fp8 2lN`` and ``ours_sm90 fp8 q 2lN``: the two SM90 fp8
 rows with ``fp8_two_level_interval=N`` (the P V product accumulated in two levels).
@@ -65,8 +66,9 @@ def parse_args(argv=None):
                    help="the queries' dtype, and the 16-bit cache's the fp8 rows are compared with")
     p.add_argument("--sm90-tiles", default="", help='";"-separated "m,n,stages[,ex2,ctas][@num_splits][:kv_mode]"')
     p.add_argument("--rows", default="", help='","-separated subset of the rows by cache name ("paged 16,contiguous")')
-    p.add_argument("--boxes", action="store_true", help="add SM90 rows at pages of a multiple of 16 with the cache "
-                   "read by TMA boxes (FLASH_ATTN_CUTE_SM90_PAGED_KV=boxes): bf16, fp8 (q quantized) and fp8 q")
+    p.add_argument("--gathers", action="store_true", help="add SM90 rows at pages of a multiple of 16 with the "
+                   "cache's rows gathered (FLASH_ATTN_CUTE_SM90_PAGED_KV=gather) instead of the default TMA boxes: "
+                   "bf16, fp8 (q quantized) and fp8 q")
     p.add_argument("--two-level", type=int, default=0, metavar="N", help="add SM90 fp8 rows with "
                    "fp8_two_level_interval=N")
     return p.parse_args(argv)
@@ -157,13 +159,13 @@ def main(argv=None):
                 record(f"ours_sm90 fp8 q 2l{n}", lambda: fa.flash_attn_with_kvcache(
                     q8, k8p, v8p, seqlens, page_table=table, q_descale=qd, k_descale=kd, v_descale=vd,
                     backend="sm90", fp8_two_level_interval=n), 1, refs=refs_q8)
-        if args.boxes and page and page % 16 == 0 and page % 64 and "sm90" in our_backends("all"):
-            # The same calls with the paged cache read by TMA boxes (FLASH_ATTN_CUTE_SM90_PAGED_KV).
-            os.environ["FLASH_ATTN_CUTE_SM90_PAGED_KV"] = "boxes"
-            record(f"ours_sm90 {args.q_dtype} boxes", lambda: fa.flash_attn_with_kvcache(
+        if args.gathers and page and page % 16 == 0 and page % 64 and "sm90" in our_backends("all"):
+            # The same calls with the paged cache's rows gathered (FLASH_ATTN_CUTE_SM90_PAGED_KV).
+            os.environ["FLASH_ATTN_CUTE_SM90_PAGED_KV"] = "gather"
+            record(f"ours_sm90 {args.q_dtype} gather", lambda: fa.flash_attn_with_kvcache(
                 q, kqp, vqp, seqlens, page_table=table, backend="sm90"), 2)
-            record("ours_sm90 fp8 boxes", fp8_call("sm90"), 1, refs=refs_qq)
-            record("ours_sm90 fp8 q boxes", lambda: fa.flash_attn_with_kvcache(
+            record("ours_sm90 fp8 gather", fp8_call("sm90"), 1, refs=refs_qq)
+            record("ours_sm90 fp8 q gather", lambda: fa.flash_attn_with_kvcache(
                 q8, k8p, v8p, seqlens, page_table=table, q_descale=qd, k_descale=kd, v_descale=vd, backend="sm90"), 1,
                    refs=refs_q8)
             os.environ.pop("FLASH_ATTN_CUTE_SM90_PAGED_KV")
@@ -203,7 +205,8 @@ def main(argv=None):
             record(f"fa4 {args.q_dtype}", fa4_fn, 2)
         else:
             group.append(dict(impl=f"fa4 {args.q_dtype}", cache=name, note=f"{UNAVAILABLE}: {fa4_why}"))
-        best_bf16 = min((r["us"] for r in group if r["impl"].endswith(" " + args.q_dtype) and r["impl"].startswith("ours_")
+        best_bf16 = min((r["us"] for r in group if r["impl"].startswith("ours_")
+                         and r["impl"].endswith((" " + args.q_dtype, f" {args.q_dtype} gather"))
                          and r["us"] == r["us"]),
                         default=float("nan"))
         for r in group:

@@ -44,7 +44,7 @@ from types import SimpleNamespace  # noqa: E402
 from flash_attn_cute import (flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, seam, sm80,  # noqa: E402
                              sm90, sm100)
 from flash_attn_cute.host.problems import FwdProblem  # noqa: E402
-from flash_attn_cute.host.tuning import Tuning  # noqa: E402
+from flash_attn_cute.host.tuning import NO_TUNING, Tuning  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 WIDEN = Tuning(sm90_fp8_kv="widen")  # SM90: an FP8 cache widened to 16 bits (not the default)
@@ -334,11 +334,19 @@ def test_fp8_cache_quantizes_q_on_sm90():
                 (page, c)
             assert sm90.plan(p, 1, None, 132, tuning=gathers).config.quantize_q == (rows == 1 or not gather), \
                 (page, rows)
-    # By default pages of 16 by TMA boxes of 16 rows; decode on the TMA decode tile, a
-    # prefill chunk quantizing (no one-CTA gathers to avoid)
-    for rows, tile in ((1, (64, 128, 2)), (2048, (192, 96, 2))):
-        c = sm90.plan(decode._replace(page_size=16, max_seqlen_q=rows), 1, None, 132).config
+    # Pages of 16 by TMA boxes of 16 rows: by default on the two-CTA decode tile; a prefill
+    # chunk (quantizing: no one-CTA gathers to avoid), d 256 decode and the widening kernel
+    # where the knob names boxes (not yet GPU-tested: row gathers, widened, by default)
+    boxes = Tuning(sm90_paged_kv="boxes")
+    for rows, tile, knob in ((1, (64, 128, 2), NO_TUNING), (1, (64, 128, 2), boxes), (2048, (192, 96, 2), boxes)):
+        c = sm90.plan(decode._replace(page_size=16, max_seqlen_q=rows), 1, None, 132, tuning=knob).config
         assert c.quantize_q and not c.gather_kv and c.kv_box == 16 and c[:3] == tile, (rows, c)
+    chunk = sm90.plan(decode._replace(page_size=16, max_seqlen_q=2048), 1, None, 132).config
+    assert not chunk.quantize_q and chunk.gather_kv and chunk.kv_box == 0, chunk
+    for p in (decode._replace(page_size=16, d=256, d_v=256), decode._replace(page_size=16, dtype=E4M3, kv_dtype=None,
+                                                                            max_seqlen_q=2048)):
+        assert sm90.plan(p, 1, None, 132).config.gather_kv and sm90.plan(p, 1, None, 132, tuning=boxes).config.kv_box
+    assert sm90.plan(decode._replace(page_size=16), 1, None, 132, tuning=WIDEN).config.gather_kv
     with pytest.raises(ValueError, match="FLASH_ATTN_CUTE_SM90_PAGED_KV='box'"):
         sm90.plan(decode._replace(page_size=16), 1, None, 132, tuning=Tuning(sm90_paged_kv="box"))
     for rows, quantized in ((1, True), (2048, False)):

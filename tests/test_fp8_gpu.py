@@ -203,12 +203,16 @@ def test_fp8_paged_nan_tails(backend, page_size, mode, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_fp8_prefill_chunk_over_pages(backend):
-    # A chunked-prefill step over an FP8 paged cache (pages of 64: whole TMA blocks): 200
-    # queries a sequence, causal bottom-right, the prefill tile (16-bit stages widened from
-    # the fp8 ones), NaN bytes past each length, the LSE.
+@pytest.mark.parametrize("page_size,mode", [(64, "gather"), (16, "gather"), (16, "boxes")])
+def test_fp8_prefill_chunk_over_pages(backend, page_size, mode, monkeypatch):
+    # A chunked-prefill step over an FP8 paged cache (pages of 64: whole TMA blocks; of 16:
+    # row gathers and the widening kernel, or on SM90 with FLASH_ATTN_CUTE_SM90_PAGED_KV=boxes
+    # TMA boxes under the quantizing kernel's (192, 96) tile): 200 queries a sequence, causal
+    # bottom-right, NaN bytes past each length, the LSE.
+    monkeypatch.setenv("FLASH_ATTN_CUTE_SM90_PAGED_KV", mode)
     torch.manual_seed(5)
-    batch, pages_per_seq, page_size, h, hkv, d = 2, 16, 64, 8, 2, 128
+    batch, h, hkv, d = 2, 8, 2, 128
+    pages_per_seq = 1024 // page_size
     q = torch.randn(batch, 200, h, d, device=DEVICE, dtype=torch.bfloat16)
     k_dense8, kd = _cache(batch, pages_per_seq * page_size, hkv, d, E4M3)
     v_dense8, vd = _cache(batch, pages_per_seq * page_size, hkv, d, E4M3)
