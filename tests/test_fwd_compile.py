@@ -610,8 +610,9 @@ def test_leftpad_compiles_and_sass(leftpad_artifacts, backend, arch):
         cubins = list((out_dir / f"k{i}").glob(f"*.{arch}.cubin"))
         assert len(cubins) == 1 and cubins[0].read_bytes()[:4] == b"\x7fELF", key
     pairs = leftpad_key_pairs(backend, arch)
-    if backend == "sm90":  # pages of 64 and 128 hold whole blocks: TMA without key starts
-        assert [fields(backend, without).extra[0] for _, without in pairs] == [True, False, False]
+    if backend == "sm90":  # without key starts: pages of 16 in TMA boxes, of 64 and 128 whole blocks by TMA
+        assert [fields(backend, without).extra[0] for _, without in pairs] == [False, False, False]
+        assert parse_kv_box(fields(backend, pairs[0][1]).extra[-1]) == 16
     for with_lp, without in pairs:
         f, g = fields(backend, with_lp), fields(backend, without)
         # The ``paged`` field differs (keys.PAGED_LEFTPAD); on SM90 also the plan's gathers.
