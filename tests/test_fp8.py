@@ -320,7 +320,7 @@ def test_fp8_cache_quantizes_q_on_sm90():
     # warpgroup (1; 16 with FLASH_ATTN_CUTE_SM90_PAGED_KV=gather; cache_leftpad). Decode
     # quantizes at every page size, two CTAs a SM ((64, 64, 3) where it gathers); a prefill
     # chunk over gathered pages widens unless the knob names the quantizing kernel (its
-    # one-CTA gathers measured slower, sm90.plan)
+    # one-CTA gathers measured slower, sm90.plan; pages of 16 in boxes quantize: below)
     QUANTIZE = Tuning(sm90_fp8_kv="quantize_q")
     gathers = Tuning(sm90_paged_kv="gather")
     for page, gather, tile_n in ((1, True, 64), (16, True, 64), (64, False, 64), (128, False, 128),
@@ -334,19 +334,24 @@ def test_fp8_cache_quantizes_q_on_sm90():
                 (page, c)
             assert sm90.plan(p, 1, None, 132, tuning=gathers).config.quantize_q == (rows == 1 or not gather), \
                 (page, rows)
-    # Pages of 16 by TMA boxes of 16 rows: by default on the two-CTA decode tile; a prefill
-    # chunk (quantizing: no one-CTA gathers to avoid), d 256 decode and the widening kernel
-    # where the knob names boxes (not yet GPU-tested: row gathers, widened, by default)
+    # Pages of 16 by TMA boxes of 16 rows by default wherever the FP8 kernels read them: the
+    # two-CTA decode tile, a prefill chunk (quantizing: no one-CTA gathers to avoid), d 256
+    # decode, FP8 q, k, v and the widening kernel; the knob's "boxes" plans the same
     boxes = Tuning(sm90_paged_kv="boxes")
-    for rows, tile, knob in ((1, (64, 128, 2), NO_TUNING), (1, (64, 128, 2), boxes), (2048, (192, 96, 2), boxes)):
-        c = sm90.plan(decode._replace(page_size=16, max_seqlen_q=rows), 1, None, 132, tuning=knob).config
-        assert c.quantize_q and not c.gather_kv and c.kv_box == 16 and c[:3] == tile, (rows, c)
-    chunk = sm90.plan(decode._replace(page_size=16, max_seqlen_q=2048), 1, None, 132).config
-    assert not chunk.quantize_q and chunk.gather_kv and chunk.kv_box == 0, chunk
+    for rows, tile in ((1, (64, 128, 2)), (2048, (192, 96, 2))):
+        for knob in (NO_TUNING, boxes):
+            c = sm90.plan(decode._replace(page_size=16, max_seqlen_q=rows), 1, None, 132, tuning=knob).config
+            assert c.quantize_q and not c.gather_kv and c.kv_box == 16 and c[:3] == tile, (rows, c)
     for p in (decode._replace(page_size=16, d=256, d_v=256), decode._replace(page_size=16, dtype=E4M3, kv_dtype=None,
                                                                             max_seqlen_q=2048)):
-        assert sm90.plan(p, 1, None, 132).config.gather_kv and sm90.plan(p, 1, None, 132, tuning=boxes).config.kv_box
-    assert sm90.plan(decode._replace(page_size=16), 1, None, 132, tuning=WIDEN).config.gather_kv
+        for knob in (NO_TUNING, boxes):
+            c = sm90.plan(p, 1, None, 132, tuning=knob).config
+            assert not c.gather_kv and c.kv_box == 16, (p, c)
+        assert sm90.plan(p, 1, None, 132, tuning=gathers).config.gather_kv
+    widened = sm90.plan(decode._replace(page_size=16), 1, None, 132, tuning=WIDEN).config
+    assert not widened.quantize_q and not widened.gather_kv and widened.kv_box == 16, widened
+    assert sm90.plan(decode._replace(page_size=16), 1, None, 132, tuning=WIDEN._replace(sm90_paged_kv="gather")
+                     ).config.gather_kv
     with pytest.raises(ValueError, match="FLASH_ATTN_CUTE_SM90_PAGED_KV='box'"):
         sm90.plan(decode._replace(page_size=16), 1, None, 132, tuning=Tuning(sm90_paged_kv="box"))
     for rows, quantized in ((1, True), (2048, False)):

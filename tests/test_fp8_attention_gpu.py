@@ -290,13 +290,13 @@ QQ_PAGED = [
 @pytest.mark.parametrize("page_size,seqlen_q,h,hkv,causal,num_splits,qdtype", QQ_PAGED,
                          ids=[f"page{c[0]}-sq{c[1]}-h{c[2]}/{c[3]}-causal{int(c[4])}-splits{c[5]}" for c in QQ_PAGED])
 def test_quantized_q_over_fp8_cache(page_size, seqlen_q, h, hkv, causal, num_splits, qdtype, monkeypatch):
-    """flash_attn_with_kvcache(bf16 / fp16 q, e4m3 cache): the default call (at pages of 1
-    and 16, where the default leaves a prefill chunk's row gathers to the widening kernel,
-    the knob names the quantizing one; decode quantizes there by default). Lengths not a
+    """flash_attn_with_kvcache(bf16 / fp16 q, e4m3 cache): the default call (at pages of 1,
+    where the default leaves a prefill chunk's row gathers to the widening kernel, the knob
+    names the quantizing one; decode quantizes there by default). Lengths not a
     multiple of any tile, NaN bytes past each length, output poisoned with NaN; sequence 1's
     queries all zero (zero amax: its tiles' scale takes the clamp, no division) and one head
     of sequence 0 zero (a zero row in a tile with others)."""
-    if page_size in (1, 16):
+    if page_size == 1:
         monkeypatch.setenv(WIDEN_KNOB, "quantize_q")
     torch.manual_seed(20)
     batch, capacity, d = 3, 1024, 128
@@ -318,6 +318,42 @@ def test_quantized_q_over_fp8_cache(page_size, seqlen_q, h, hkv, causal, num_spl
     assert res[0] is out and out.dtype == qdtype
     _check_quantized_q(out, res[1], q, lambda *a, **kw: attention_kvcache_ref(*a, lens, **kw),
                        dequantize_kv(k8, kd), dequantize_kv(v8, vd), causal=causal)
+
+
+# (case, page_size, seqlen_q, d, call keywords): TMA boxes (pages of a multiple of 16 that
+# hold no whole block) outside FP8 decode's two-CTA tile: decode at d 256 (one CTA a SM),
+# two-level accumulation, the widening kernel's prefill chunk (boxes of 32 rows).
+BOXES_BEYOND_DECODE = [("d256-decode", 16, 1, 256, {}), ("two-level", 48, 3, 128, dict(fp8_two_level_interval=2)),
+                       ("widen-chunk", 32, 200, 128, {})]
+
+
+@pytest.mark.parametrize("case,page_size,seqlen_q,d,kw", BOXES_BEYOND_DECODE, ids=[c[0] for c in BOXES_BEYOND_DECODE])
+def test_fp8_cache_boxes_beyond_decode_tile(case, page_size, seqlen_q, d, kw, monkeypatch):
+    """bf16 q over an e4m3 cache in pages read by TMA boxes, on the tiles other than FP8
+    decode's: causal, lengths no multiple of a page, NaN bytes past each length and in the
+    unused pages, output poisoned with NaN."""
+    if case == "widen-chunk":
+        monkeypatch.setenv(WIDEN_KNOB, "widen")
+    torch.manual_seed(23)
+    batch, capacity, h, hkv = 2, 1024 - 1024 % page_size, 8, 2
+    q = torch.randn(batch, seqlen_q, h, d, device=DEVICE).to(torch.bfloat16)
+    k8, kd = _cache8(batch, capacity, hkv, d)
+    v8, vd = _cache8(batch, capacity, hkv, d, scale=2.0)
+    lens = _i32([capacity - 7, seqlen_q + 300])
+    pages_per_seq = capacity // page_size
+    num_pages = batch * pages_per_seq + 3
+    table = torch.randperm(num_pages, device=DEVICE)[:batch * pages_per_seq].view(batch, pages_per_seq).int()
+    k8p = _pool(_poisoned(k8, lens), table, page_size, num_pages)
+    v8p = _pool(_poisoned(v8, lens), table, page_size, num_pages)
+    out = torch.full(q.shape, float("nan"), device=DEVICE, dtype=q.dtype)
+    res = flash_attn_with_kvcache(q, k8p, v8p, cache_seqlens=lens, page_table=table, k_descale=kd, v_descale=vd,
+                                  causal=True, return_lse=True, out=out, backend="sm90", **kw)
+    assert res[0] is out
+    if case == "widen-chunk":
+        _check_widened(out, res[1], q, k8, v8, kd, vd, lens)
+    else:
+        _check_quantized_q(out, res[1], q, lambda *a, **kw: attention_kvcache_ref(*a, lens, **kw),
+                           dequantize_kv(k8, kd), dequantize_kv(v8, vd), causal=True)
 
 
 @pytest.mark.parametrize("d,causal,kw", [(64, True, {}), (256, False, {}),

@@ -443,3 +443,43 @@ def test_sm90_tma_kernel_selection():
     # The split heuristic counts 64-key tiles: one sequence of 32768 keys fills the SMs.
     long = _problem(h=64)._replace(page_size=64, batch=1, max_seqlen_k=32768)
     assert sm90.plan(long, 0, None, 132).num_splits > 64
+
+
+def test_sm90_tma_split_model():
+    # The TMA kernel's split count comes from its cost model (``sm90.mla.split_time_us``),
+    # fitted to H100 times of 2026-12-07; its choices on the rows measured that day (H100's
+    # bandwidth) and on an H200's: 64 x 1024 at 64 heads unsplit on the H100 (50.8 us
+    # against 59.7 at two splits), 32 x 8192 at 128 heads in two (165.2 against 245.3 at
+    # one, 206.9 at three), one sequence of 32768 keys in fewer than the 128 splits of the
+    # wave rule on the H100 (40.9 us at 64 against 43.3 at 128); full grids unsplit; 512
+    # keys or fewer never split.
+    from flash_attn_cute.host import heuristics
+    from flash_attn_cute.sm90 import mla as sm90_mla
+
+    sm90 = seam.backend_module("sm90", "mla")
+    h100, h200 = 3.35e6 * 0.92, 4.9e6 * 0.92
+    e4m3 = torch.float8_e4m3fn
+
+    def splits(batch, capacity, h, bw, kv=None):
+        p = _problem(h=h)._replace(page_size=64, batch=batch, max_seqlen_k=capacity, kv_dtype=kv)
+        return sm90_mla.tma_num_splits(p, 132, bw)
+
+    for kv in (None, e4m3):
+        assert splits(64, 1024, 64, h100, kv) == 1
+        for bw in (h100, h200):
+            assert splits(32, 8192, 128, bw, kv) == 2
+            for batch, capacity, h in ((128, 2048, 64), (768, 2048, 64), (128, 4096, 128), (256, 4096, 16)):
+                assert splits(batch, capacity, h, bw, kv) == 1, (batch, capacity, h)
+            assert 64 <= splits(1, 32768, 64, bw, kv) <= 128
+            assert splits(1, 512, 64, bw, kv) == 1 and splits(1, 1024, 64, bw, kv) > 1
+    assert splits(1, 32768, 64, h100) < 128
+    # the plan takes it (batch invariance and an explicit count do not)
+    p = _problem(h=64)._replace(page_size=64, batch=1, max_seqlen_k=32768)
+    assert sm90.plan(p, 0, None, 132).num_splits == sm90_mla.tma_num_splits(p, 132, heuristics.hbm_bytes_per_us())
+    assert sm90.plan(p, 5, None, 132).num_splits == 5
+    # splitting costs the partials' bytes: the model's time of two splits of a full grid
+    # exceeds one split's by at least their write and read
+    c = sm90_mla.SPLIT_COSTS[False]
+    one = sm90_mla.split_time_us(132, 1, 32, 1, 132, 73728, 10**6, h100, c)
+    two = sm90_mla.split_time_us(132, 1, 32, 2, 132, 73728, 10**6, h100, c)
+    assert two > one

@@ -15,14 +15,14 @@ import torch
 
 from flash_attn_cute.host.constants import MAX_SPLITS
 
-__all__ = ["num_splits_heuristic", "resolve_num_splits", "num_sms", "should_pack_gqa", "ceildiv", "MAX_SPLITS",
-           "combine_split_groups"]
+__all__ = ["num_splits_heuristic", "resolve_num_splits", "num_sms", "hbm_bytes_per_us", "should_pack_gqa", "ceildiv",
+           "MAX_SPLITS", "NO_SPLIT_KEYS", "combine_split_groups"]
 
 _MIN_SPLIT_KEYS = 64  # a split holds at least this many keys (no split without keys)
 # FA3's "4 KV blocks or fewer: the combine costs more than it saves", counted in keys so
 # that a backend with narrower KV tiles (SM90 paged-64 or d > 128) does not split a tiny
 # decode into two launches (H200, 2026-11-29: 33 us of host time against 17 unsplit).
-_NO_SPLIT_KEYS = 4 * 128
+NO_SPLIT_KEYS = 4 * 128
 
 
 def ceildiv(a: int, b: int) -> int:
@@ -81,7 +81,7 @@ def resolve_num_splits(num_splits: int, num_sms: Optional[int], *, ctas: int, ro
     Then clamped to ``ceil(max_seqlen_k / 64)`` and ``MAX_SPLITS``. The tile and
     occupancy are the calling backend's. Auto never splits 512 keys or fewer."""
     if num_splits == 0:
-        if max_seqlen_k <= _NO_SPLIT_KEYS:
+        if max_seqlen_k <= NO_SPLIT_KEYS:
             return 1
         total_mblocks = ctas * ceildiv(rows, tile_m)
         n_blocks = ceildiv(max_seqlen_k, tile_n)
@@ -92,6 +92,35 @@ def resolve_num_splits(num_splits: int, num_sms: Optional[int], *, ctas: int, ro
 @lru_cache(maxsize=None)
 def _num_sms_of(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# The HBM bandwidth a streaming kernel reaches, as a fraction of the peak the device reports:
+# H100 SXM, 2026-12-07, 3.08 TB/s fitted to MLA decode times (``sm90/mla.py``'s split model)
+# against 3.35 nominal.
+_HBM_EFFICIENCY = 0.92
+# Without a GPU (planning for a compile, AOT, tests): an H200's 4.9 TB/s, at that fraction.
+_DEFAULT_HBM_BYTES_PER_US = 4.9e6 * _HBM_EFFICIENCY
+
+
+@lru_cache(maxsize=None)
+def _hbm_of(index: int) -> float:
+    props = torch.cuda.get_device_properties(index)
+    rate_khz, bus_bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
+    if not rate_khz or not bus_bits:
+        return _DEFAULT_HBM_BYTES_PER_US
+    return rate_khz * 1e3 * 2 * bus_bits / 8 * _HBM_EFFICIENCY / 1e6  # double data rate
+
+
+def hbm_bytes_per_us(device=None) -> float:
+    """Bytes per microsecond a streaming kernel reads from HBM on ``device`` (default: the
+    current CUDA device; without one, an H200's): the peak from the memory clock and bus
+    width, times ``_HBM_EFFICIENCY``. For cost models that weigh bytes against SM time."""
+    if device is None:
+        if not torch.cuda.is_available():
+            return _DEFAULT_HBM_BYTES_PER_US
+        return _hbm_of(torch.cuda.current_device())
+    device = torch.device(device)
+    return _hbm_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def num_sms(device) -> int:

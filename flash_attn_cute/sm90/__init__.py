@@ -90,11 +90,6 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     # two-level: O twice does not fit the registers of two CTAs a SM)
     fp8_decode_rows = (problem.qkv_fp8 or quantize_q) and rows <= 64 and max(d, d_v) <= 128 and not (
         problem.batch_invariant or tuning.sm90_tile or problem.fp8_two_level_interval)
-    if boxes and not sixteen_bit and not fp8_decode_rows and tuning.sm90_paged_kv is None:
-        # FP8 outside the two-CTA decode tile (a prefill chunk's (192, 96), the widening
-        # kernel, two-level accumulation) in boxes: compile-verified (``test_box_sass``), not
-        # yet run on a GPU; row gathers by default until then, boxes where the knob names them.
-        boxes = False
     # Plain 16-bit attention: no mask, no softcap, no user variant (``select_tile``).
     plain = sixteen_bit and not (problem.causal or problem.local or problem.softcap or problem.variant is not None)
     tile = config.select_tile(d, d_v, rows, causal=problem.causal, local=problem.local,

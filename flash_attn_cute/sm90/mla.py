@@ -13,7 +13,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from flash_attn_cute.seam.backend_kit import mla_entry_points, mla_refusal, plan_splits
-from flash_attn_cute.host.constants import MLA_NHEADS
+from flash_attn_cute.host import heuristics
+from flash_attn_cute.host.constants import MAX_SPLITS, MLA_NHEADS
 from flash_attn_cute.host.problems import FwdPlan, MlaProblem
 from flash_attn_cute.host.tuning import NO_TUNING, Tuning, fp8_stages_override
 from flash_attn_cute.sm90.config import MlaRoles, QK_MODES, SMEM_LIMIT, mla_roles
@@ -41,6 +42,71 @@ DEFAULT_QK_MODE = "seesaw"
 # The TMA kernel's config: 64-key tiles in two buffers.
 TMA_CONFIG = (64, 2, "tma")
 TMA_PAGE = 64  # page sizes it reads: multiples of this (a tile is one box row range of one page)
+D_LATENT = 512 + 64  # ckv and kpe values a key
+
+
+class SplitCosts(NamedTuple):
+    """The TMA kernel's times in the split model (``split_time_us``), us."""
+    tile_us: float  # one CTA's 64-key tile where few CTAs run: its own pipeline's pace
+    full_us: float  # the same with every SM busy: the tensor pipe at the clocks a full machine holds
+    cta_us: float  # a CTA's fixed cost (Q in, the first tiles' two round trips, O out), once a wave
+
+
+# Least-squares fit to 24 rows graph-timed on one H100, 2026-12-07 (bf16 rms error 3.3 %, e4m3
+# 4.0 %; ``benchmarks/results/mla_splits_h100_2026-12-07_s27.txt``): 1 x 32768 at 16-128
+# splits, 32 x 8192 (128 heads) at 1-4, 64 x 1024 at 1, 2, 4, 64 x 2048 at 2-4, and the
+# unsplit rows of ``bench_mla.py`` (128-768 sequences, 16-128 heads). The fitted bandwidth
+# was 3.08 TB/s (``heuristics.hbm_bytes_per_us``), the partials' bytes cost twice (written,
+# read back by the combine). An e4m3 tile is no faster in a CTA's own pipeline than half a
+# 16-bit one's bytes would say: its V transposes and quantized P sit on that path.
+SPLIT_COSTS = {False: SplitCosts(1.685, 2.105, 8.0), True: SplitCosts(1.463, 1.796, 10.4)}
+
+
+def split_time_us(ctas: int, m_blocks: int, n_blocks: int, splits: int, num_sms: int, tile_bytes: int,
+                  partial_bytes: int, bytes_per_us: float, costs: SplitCosts) -> float:
+    """Modelled time of the TMA kernel (and combine) over ``ctas`` unsplit CTAs (batch x KV
+    heads x ``m_blocks`` 64-row blocks) of ``n_blocks`` 64-key tiles cut into ``splits``:
+    wave by wave, each CTA's fixed cost and then its tiles at the slowest of its own
+    pipeline, the tensor pipe's share of a machine ``k / num_sms`` busy, and HBM's share
+    (``m_blocks`` CTAs read each tile, through L2 once); a split run adds its fp32
+    partials (``partial_bytes`` a split), written and read back. The fixed launch costs
+    are left out: they do not depend on ``splits``."""
+    tiles = heuristics.ceildiv(n_blocks, splits)
+    left, total = ctas * splits, 0.0
+    while left > 0:
+        k = min(left, num_sms)
+        left -= k
+        per_tile = max(costs.tile_us, costs.full_us * k / num_sms, k * tile_bytes / m_blocks / bytes_per_us)
+        total += costs.cta_us + tiles * per_tile
+    return total + (2 * partial_bytes * splits / bytes_per_us if splits > 1 else 0.0)
+
+
+def tma_num_splits(problem: MlaProblem, num_sms: int, bytes_per_us: float) -> int:
+    """The split count ``split_time_us`` puts lowest (ties: fewer), among the counts that
+    change the tiles a split holds; no split at ``heuristics.NO_SPLIT_KEYS`` keys or fewer
+    (the combine's launch costs more host time than it saves). The wave-efficiency rule
+    the other kernels use counts CTAs only, but a split MLA row writes 2 KB of fp32 partial
+    per query row and split against 1.2 KB a key it reads: H100, 2026-12-07, 64 x 1024
+    at 64 heads: 50.8 us unsplit against 59.7 at the two splits that rule takes (the 64
+    CTAs of one split already pull most of HBM's bandwidth), 1 x 32768: 40.9 at 64 splits
+    against 43.3 at its 128."""
+    if problem.max_seqlen_k <= heuristics.NO_SPLIT_KEYS:
+        return 1
+    rows = problem.max_seqlen_q * problem.qhead_per_kvhead
+    m_blocks = heuristics.ceildiv(rows, 64)
+    ctas = problem.batch * problem.nheads_kv * m_blocks
+    n_blocks = heuristics.ceildiv(problem.max_seqlen_k, 64)
+    tile_bytes = 64 * D_LATENT * (1 if problem.kv_fp8 else 2)
+    partial_bytes = problem.batch * problem.nheads_kv * rows * (512 + 1) * 4
+    costs = SPLIT_COSTS[problem.kv_fp8]
+    best, best_time = 1, None
+    for s in range(1, min(n_blocks, MAX_SPLITS) + 1):
+        if s > 1 and heuristics.ceildiv(n_blocks, s) == heuristics.ceildiv(n_blocks, s - 1):
+            continue
+        t = split_time_us(ctas, m_blocks, n_blocks, s, num_sms, tile_bytes, partial_bytes, bytes_per_us, costs)
+        if best_time is None or t < best_time:
+            best, best_time = s, t
+    return best
 
 
 class MlaSm90Config(NamedTuple):
@@ -102,9 +168,10 @@ def plan(problem: MlaProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
          tuning: Tuning = NO_TUNING, arch: Optional[str] = None) -> FwdPlan:
     """One CTA per (64 packed rows of a KV head's query heads, KV head, split, batch)
     (``mla_kernel.MlaTile``: a partial last tile is predicated); 65 to 128 heads take two
-    CTAs per query position (two 64-row tiles, the cache read through L2 twice). ``num_splits`` 0 = the
-    package's wave-efficiency heuristic on this grid (shapes only; batch invariant: fixed
-    keys per split). Pages of a multiple of 64 keys over a 16-bit cache: the TMA kernel
+    CTAs per query position (two 64-row tiles, the cache read through L2 twice). ``num_splits`` 0:
+    the TMA kernel's split model (``tma_num_splits``: shapes, SMs and the current device's
+    HBM bandwidth), the gathering kernel's the package's wave-efficiency heuristic on its
+    grid (shapes only); batch invariant: fixed keys per split. Pages of a multiple of 64 keys over a 16-bit cache: the TMA kernel
     (``uses_tma``; 64-key tiles), which runs a device-computed schedule where the call
     gives one (``scheduler_metadata``; not with an explicit ``num_splits``, batch
     invariance or context parallelism, which plan on the host as the other kernel does).
@@ -124,6 +191,8 @@ def plan(problem: MlaProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
 
         return FwdPlan(NAME, MlaSm90Config(tile_n, stages, qk, 0, fp8_stages, True), True,
                        max_slots(problem.schedule_parts))
+    if tma and num_splits == 0 and not problem.batch_invariant:
+        num_splits = tma_num_splits(problem, num_sms, heuristics.hbm_bytes_per_us())
     num_splits, split_blocks = plan_splits(problem, num_splits, num_sms, problem.nheads_kv, rows, tile_m=r.tile_m,
                                            tile_n=tile_n, ctas_per_sm=_CTAS_PER_SM, tolerance=_SPLIT_TOLERANCE)
     return FwdPlan(NAME, MlaSm90Config(tile_n, stages, qk, split_blocks, fp8_stages), True, num_splits)
