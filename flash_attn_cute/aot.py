@@ -47,7 +47,9 @@ optional, and a field given as a list expands to one description per combination
     page_size         kvcache, serving and mla: 0 (default) = contiguous cache, > 0 = paged
     has_lse           return_lse (default false)
     num_splits        1 (default), > 1 for split-KV (adds the combine kernel it
-                      needs), 0 = the runtime heuristic, which then needs num_sms
+                      needs), 0 = the runtime heuristic, which then needs num_sms (mla:
+                      the split and the unsplit kernel, whose choice weighs the device's
+                      HBM bandwidth)
     num_sms, pack_gqa as the runtime gets them (default null: the auto rules)
     learnable_sink, seqused_q, batch_invariant
                       bools (default false): a sink tensor, a seqused_q tensor,
@@ -286,15 +288,21 @@ def entries_for(descriptions: list, arch: str, backend: Optional[str] = None) ->
                 if name is None:
                     skipped.append(f"{one}: {reason}")
                     continue
-                plan = module.plan(problem, num_splits, one["pack_gqa"], one["num_sms"], arch=arch)
-                key = module.compile_key(problem, plan, arch)
+                plans = [module.plan(problem, num_splits, one["pack_gqa"], one["num_sms"], arch=arch)]
+                weighs = getattr(module, "splits_weigh_bandwidth", None)  # an optional backend hook
+                if num_splits == 0 and weighs is not None and weighs(problem):
+                    # The split count weighs the device's HBM bandwidth, which the description
+                    # does not state: the split and the unsplit kernel both.
+                    plans += [module.plan(problem, n, one["pack_gqa"], one["num_sms"], arch=arch) for n in (1, 2)]
                 target = f"{seam.REGISTRIES[problem.kind][name]}:compile"
-                entries.setdefault((key[0], key), AotEntry(key[0], key, target))
-                if plan.is_split:
-                    ckey = combine_key(DTYPE_NAMES[problem.out_dtype], problem.d_v, problem.has_lse, arch,
-                                       problem.has_sink, plan.scheduled)
-                    entries.setdefault(("combine", ckey),
-                                       AotEntry("combine", ckey, "flash_attn_cute.kernels.combine:compile_combine"))
+                for plan in plans:
+                    key = module.compile_key(problem, plan, arch)
+                    entries.setdefault((key[0], key), AotEntry(key[0], key, target))
+                    if plan.is_split:
+                        ckey = combine_key(DTYPE_NAMES[problem.out_dtype], problem.d_v, problem.has_lse, arch,
+                                           problem.has_sink, plan.scheduled)
+                        entries.setdefault(("combine", ckey),
+                                           AotEntry("combine", ckey, "flash_attn_cute.kernels.combine:compile_combine"))
                 if one["schedule"]:  # get_mla_metadata's kernel, whichever kernel runs the call
                     skey = schedule_key(arch)
                     entries.setdefault((skey[0], skey), AotEntry(skey[0], skey, "flash_attn_cute.kernels.mla_schedule:"

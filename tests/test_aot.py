@@ -363,3 +363,18 @@ def test_mla_schedule_is_described():
     assert all(e.key[5] != "schedule" for e in ampere if e.name == "mla_sm80")
     with pytest.raises(ValueError, match="schedule"):
         aot.entries_for([{"api": "func", "schedule": True}], "sm_80")
+
+
+def test_mla_auto_splits_build_both_kernels_on_hopper():
+    # num_splits 0 on the SM90 MLA TMA kernel (pages of 64): its split model weighs the
+    # device's HBM bandwidth (64 x 1024: unsplit on an H100, two splits on an H200), which a
+    # description does not state: both kernels and the combine. The gathering kernel (pages
+    # of 1) and an explicit count build what they plan.
+    one = {"api": "mla", "qhead_per_kvhead": 64, "nheads_kv": 1, "batch": 64, "seqlen_k": 1024, "num_splits": 0,
+           "num_sms": 132}
+    tma, _ = aot.entries_for([dict(one, page_size=64)], "sm_90a")
+    assert {e.key[5] for e in tma if e.name == "mla_sm90"} == {False, True}
+    assert any(e.name == "combine" for e in tma)
+    for other in (dict(one, page_size=1), dict(one, page_size=64, num_splits=1)):
+        entries, _ = aot.entries_for([other], "sm_90a")
+        assert len({e.key for e in entries if e.name == "mla_sm90"}) == 1, other

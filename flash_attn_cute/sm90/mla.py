@@ -72,13 +72,21 @@ def split_time_us(ctas: int, m_blocks: int, n_blocks: int, splits: int, num_sms:
     partials (``partial_bytes`` a split), written and read back. The fixed launch costs
     are left out: they do not depend on ``splits``."""
     tiles = heuristics.ceildiv(n_blocks, splits)
-    left, total = ctas * splits, 0.0
-    while left > 0:
-        k = min(left, num_sms)
-        left -= k
+
+    def wave(k: int) -> float:  # a wave of k CTAs
         per_tile = max(costs.tile_us, costs.full_us * k / num_sms, k * tile_bytes / m_blocks / bytes_per_us)
-        total += costs.cta_us + tiles * per_tile
+        return costs.cta_us + tiles * per_tile
+
+    full, rest = divmod(ctas * splits, num_sms)
+    total = full * wave(num_sms) + (wave(rest) if rest else 0.0)
     return total + (2 * partial_bytes * splits / bytes_per_us if splits > 1 else 0.0)
+
+
+def splits_weigh_bandwidth(problem: MlaProblem) -> bool:
+    """Whether ``num_splits=0`` plans from the device's HBM bandwidth (``tma_num_splits``):
+    the AOT builder then builds the split and the unsplit kernel. Not over a device
+    schedule (``plan``: its items replace the splits), nor batch invariant."""
+    return uses_tma(problem) and not problem.batch_invariant and (not problem.schedule_parts or problem.cp)
 
 
 def tma_num_splits(problem: MlaProblem, num_sms: int, bytes_per_us: float) -> int:
@@ -100,7 +108,8 @@ def tma_num_splits(problem: MlaProblem, num_sms: int, bytes_per_us: float) -> in
     partial_bytes = problem.batch * problem.nheads_kv * rows * (512 + 1) * 4
     costs = SPLIT_COSTS[problem.kv_fp8]
     best, best_time = 1, None
-    for s in range(1, min(n_blocks, MAX_SPLITS) + 1):
+    # (more splits than two waves of CTAs only add CTA costs and partials in the model)
+    for s in range(1, min(n_blocks, MAX_SPLITS, heuristics.ceildiv(2 * num_sms, ctas)) + 1):
         if s > 1 and heuristics.ceildiv(n_blocks, s) == heuristics.ceildiv(n_blocks, s - 1):
             continue
         t = split_time_us(ctas, m_blocks, n_blocks, s, num_sms, tile_bytes, partial_bytes, bytes_per_us, costs)
