@@ -177,10 +177,11 @@ def plan(problem: MlaProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
          tuning: Tuning = NO_TUNING, arch: Optional[str] = None) -> FwdPlan:
     """One CTA per (64 packed rows of a KV head's query heads, KV head, split, batch)
     (``mla_kernel.MlaTile``: a partial last tile is predicated); 65 to 128 heads take two
-    CTAs per query position (two 64-row tiles, the cache read through L2 twice). ``num_splits`` 0:
-    the TMA kernel's split model (``tma_num_splits``: shapes, SMs and the current device's
-    HBM bandwidth), the gathering kernel's the package's wave-efficiency heuristic on its
-    grid (shapes only); batch invariant: fixed keys per split. Pages of a multiple of 64 keys over a 16-bit cache: the TMA kernel
+    CTAs per query position (two 64-row tiles, the cache read through L2 twice).
+    ``num_splits`` 0: the TMA kernel's split model (``tma_num_splits``: shapes, SMs and the
+    current device's HBM bandwidth), the gathering kernel's the package's wave-efficiency
+    heuristic on its grid (shapes only); batch invariant: fixed keys per split. Pages of a
+    multiple of 64 keys over a 16-bit cache: the TMA kernel
     (``uses_tma``; 64-key tiles), which runs a device-computed schedule where the call
     gives one (``scheduler_metadata``; not with an explicit ``num_splits``, batch
     invariance or context parallelism, which plan on the host as the other kernel does).

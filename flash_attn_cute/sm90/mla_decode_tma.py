@@ -139,8 +139,8 @@ the tensor pipe is active 49 % of the time against its 58 %, with more barrier s
 against 1.48 per issue) and 256 CTAs (1.94 waves) against 132 persistent ones that share the
 work evenly; at 64 x 1024 the kernels are 48.2 and 46.0 us (0.955x; graph-timed 0.916x: the
 rest lies outside the kernel, in the combine of two splits by elimination, not profiled; the
-split model, ``sm90/mla.py``, runs that row unsplit on the H100: 1.07x FlashMLA graph-timed, 2026-12-07). The
-fp8 profile showed the loading warps waiting on page-table reads (``_TileLoader.page``).
+split model, ``sm90/mla.py``, runs that row unsplit on the H100: 1.07x FlashMLA graph-timed,
+2026-12-07). The fp8 profile showed the loading warps waiting on page-table reads (``_TileLoader.page``).
 """
 
 from dataclasses import dataclass
