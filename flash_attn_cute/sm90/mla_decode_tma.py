@@ -86,6 +86,17 @@ halves by warpgroup 1 after SCALE0), about a step earlier than for 16 bits, wher
 reads the chunks. Q 36 KB, buffers 2 x 36 KB, V^T 2 x 32 KB, sP0 and sP1 4 KB each: 184
 KB.
 
+What bounds an e4m3 tile (the split model's fit, ``sm90/mla.py``, H100 2026-12-07): 1.46 us a
+64-key tile in a CTA where few run (16-bit: 1.69), 1.80 us with every SM busy (16-bit: 2.11),
+while its bytes at HBM's share take 1.58 us (132 CTAs): an e4m3 cache is not yet memory-bound,
+so it gains 1.15-1.3x, not 2x, over 16 bits. Neither issue nor the tensor pipe sets that pace:
+the steady step (a pair of tiles) is 1,098 instructions a thread in warpgroup 0 and 992 in
+warpgroup 1 (sm_90a SASS, 64 heads: FMUL 292 / 132, PRMT 64, 16 LDSM and 16 STSM of the
+transposes), about 0.6 us of issue a tile on a SM sub-partition's two warps, and the
+QGMMAs 0.6 us at the tensor pipe's peak; the rest is the step's dependency chain (the
+barriers of the seesaw, each wgmma wait). Warpgroup 0's 256 O rescales a step (O *= corr_a,
+then corr_b) against warpgroup 1's 128 are the difference between the two loops.
+
 Beside FlashMLA (its SM90 dense decode as sglang-kernel 0.4.4 builds it; both SASS
 listings summarised in ``benchmarks/results/sass_mla_flashmla_vs_tma_2026-12-05_s13.txt``,
 ``benchmarks/sass_summary.py``). Per kernel the same mix: 196 HGMMA (64 x 64 x 16 for S,
