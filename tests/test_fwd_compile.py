@@ -114,7 +114,7 @@ def sm100_extra_keys(arch):
                              softcap=0.0, varlen_q=False, varlen_k=False, has_seqused_k=True, page_size=0,
                              has_lse=True)
     return ([module.compile_key(problem, module.plan(problem, 3, True, 148), arch)] + fp8_keys(arch, "sm100")
-            + fp8_attention_keys(arch, "sm100") + sm100_quantized_q_keys(arch))
+            + fp8_attention_keys(arch, "sm100") + sm100_quantized_q_keys(arch) + sm100_box_keys(arch))
 
 
 def sm100_quantized_q_keys(arch):
@@ -296,6 +296,38 @@ def box_keys(arch):
             for _, p, _ in box_problems()]
 
 
+def sm100_box_problems():
+    """(name, problem, num_splits, tuning, TMA boxes a block) of the SM100 kernel over pages
+    of a multiple of 16 keys that hold no whole 128-key block, each box through its own
+    page-table entry: 16-bit split decode over pages of 16 (eight boxes, q_stage 1), 16-bit
+    prefill over pages of 64 (two, q_stage 2), d 64 over pages of 16, (192, 128) over pages
+    of 32 (four), an e4m3 cache widened (its fp8 staging rings, pages of 32), an e4m3 cache
+    with the queries quantized (pages of 48: boxes of 16) and FP8 q, k, v (pages of 16):
+    the e4m3 operand stages."""
+    dec = seam.FwdProblem(dtype=BF16, batch=2, max_seqlen_q=1, max_seqlen_k=4096, nheads=8, nheads_kv=2, d=128,
+                         d_v=128, softmax_scale=128 ** -0.5, causal=True, window_left=-1, window_right=0,
+                         softcap=0.0, varlen_q=False, varlen_k=False, has_seqused_k=True, page_size=16, has_lse=True)
+    e4m3 = torch.float8_e4m3fn
+    quantize = Tuning(sm100_fp8_kv="quantize_q")
+    return [("bf16_split_decode_page16", dec, 0, NO_TUNING, 8),
+            ("bf16_prefill_page64", dec._replace(max_seqlen_q=1024, page_size=64), 1, NO_TUNING, 2),
+            ("d64_prefill_page16", dec._replace(max_seqlen_q=300, d=64, d_v=64), 1, NO_TUNING, 8),
+            ("d192_decode_page32", dec._replace(d=192, causal=False, window_right=-1, page_size=32), 2, NO_TUNING, 4),
+            ("e4m3_cache_widened_page32", dec._replace(kv_dtype=e4m3, page_size=32), 0, NO_TUNING, 4),
+            ("e4m3_cache_quantized_q_page48", dec._replace(kv_dtype=e4m3, max_seqlen_q=256, page_size=48), 1,
+             quantize, 8),
+            ("fp8_prefill_page16", dec._replace(dtype=e4m3, max_seqlen_q=512), 1, NO_TUNING, 8)]
+
+
+def sm100_box_keys(arch):
+    """The SM100 keys of ``sm100_box_problems`` (sm_100a only)."""
+    if arch != "sm_100a":
+        return []
+    module = seam.backend_module("sm100")
+    return [module.compile_key(p, module.plan(p, ns, True, 148, tuning=t), arch)
+            for _, p, ns, t, _ in sm100_box_problems()]
+
+
 EXTRA_KEYS = {"sm100": sm100_extra_keys, "sm80": sm80_extra_keys,
               "sm90": lambda arch: (fp8_keys(arch, "sm90") + fp8_attention_keys(arch) + quantized_q_keys(arch)
                                     + [k for pair in two_level_pairs(arch) for k in pair] + box_keys(arch))}
@@ -364,7 +396,7 @@ def test_forward_sass(artifacts, backend, arch):
             # polynomial runs packed too (fma.rn.f32x2 appears in no other code).
             assert "FADD2" in sass, key
             ptx = next((out_dir / f"k{i}").glob("*.ptx")).read_text()
-            ex2 = [x for x in fields(backend, key).extra if x != QUANTIZE_Q]
+            ex2 = [x for x in fields(backend, key).extra if x != QUANTIZE_Q and not parse_kv_box(x)]
             assert ("fma.rn.f32x2" in ptx) == bool(ex2 and ex2[0]), ("ex2 emulation", key)
         bound = spill_bound(backend, key)
         spills = len(re.findall(r"\b(LDL|STL)\b", sass))
@@ -374,15 +406,21 @@ def test_forward_sass(artifacts, backend, arch):
                 assert op in sass, (op, key)
 
 
-def loop_local_memory(sass: str) -> int:
-    """Local-memory instructions inside the kernel's loops (the lines a backward branch
-    spans): the KV loops, where a spill costs once per block rather than once per tile."""
+def loop_ops(sass: str, pattern: str) -> int:
+    """Instructions matching ``pattern`` inside the kernel's loops (the lines a backward
+    branch spans)."""
     lines = sass.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\.L_x_\d+):", line))}
     loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)
              if (m := re.search(r"BRA `\((\.L_x_\d+)\)", line)) and labels.get(m.group(1), i) < i]
-    spills = [i for i, line in enumerate(lines) if re.search(r"\b(LDL|STL)\b", line)]
-    return sum(any(lo <= i <= hi for lo, hi in loops) for i in spills)
+    hits = [i for i, line in enumerate(lines) if re.search(pattern, line)]
+    return sum(any(lo <= i <= hi for lo, hi in loops) for i in hits)
+
+
+def loop_local_memory(sass: str) -> int:
+    """Local-memory instructions inside the kernel's loops: the KV loops, where a spill costs
+    once per block rather than once per tile."""
+    return loop_ops(sass, r"\b(LDL|STL)\b")
 
 
 @pytest.mark.slow
@@ -542,6 +580,29 @@ def test_box_sass(artifacts):
         assert "ARRIVES.LDGSTSBAR" not in sass, name
         assert f.qhead_per_kvhead_packed > 1 or QUANTIZE_Q in f.extra or "LDGSTS" not in sass, name
         assert len(re.findall(r"\b(LDL|STL)\b", sass)) <= spill_bound("sm90", key), ("local memory", name)
+
+
+@pytest.mark.slow
+def test_sm100_box_sass(artifacts):
+    # The SM100 kernel over pages that hold no whole block: a block's boxes come from one
+    # TMA site in a loop of boxes (K's first block, the KV loop's K and V, V's last block:
+    # four sites of the 128-byte-wide TMAs of a row, 16-bit d 128: two, d 192: three, e4m3
+    # operands or staging at d 128: one), after the page-table reads of all the block's
+    # boxes; no local memory (the boxes unrolled, ptxas kept the shared-memory base on the
+    # stack of every role: ``_load_boxes``).
+    keys, out_dir, _ = artifacts("sm100", "sm_100a")
+    for (name, problem, _, _, boxes), key in zip(sm100_box_problems(), sm100_box_keys("sm_100a")):
+        f = fields("sm100", key)
+        assert any(parse_kv_box(x) == 128 // boxes for x in f.extra), (name, key)
+        sass_files = list((out_dir / f"k{keys.index(key)}").glob("*.sass"))
+        if not sass_files:
+            pytest.skip("no usable nvdisasm (pip install nvidia-cuda-nvdisasm): no SASS to check")
+        sass = sass_files[0].read_text()
+        elem = 1 if problem.kv_fp8 or problem.qkv_fp8 else 2
+        per_row = lambda d: max(1, d * elem // 128)
+        assert loop_ops(sass, r"\bUTMALDG\b") >= 2 * (per_row(problem.d) + per_row(problem.d_v)), name
+        assert len(re.findall(r"\bLDG\b", sass)) >= 4 * boxes, name  # each site's entries
+        assert not re.findall(r"\b(LDL|STL)\b", sass), ("local memory", name)
 
 
 def test_plan_is_what_the_launcher_compiles():

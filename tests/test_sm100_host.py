@@ -48,11 +48,29 @@ def test_check_refuses_other_head_dims(d, dv):
     assert reason is not None and "(192, 128)" in reason
 
 
-@pytest.mark.parametrize("page_size", [16, 64, 256])
-def test_check_refuses_other_page_sizes(page_size):
+@pytest.mark.parametrize("page_size", [1, 8, 24, 40])
+def test_check_refuses_pages_no_tma_box_reads(page_size):
+    # Pages TMA boxes of 16 rows at least cannot read (row gathers): the SM80 kernel runs them.
     reason = sm100.check(_problem(page_size=page_size, has_seqused_k=True))
-    assert reason is not None and "page_size" in reason and "128" in reason
-    assert sm100.check(_problem(page_size=128, has_seqused_k=True)) is None
+    assert reason is not None and "page_size" in reason and "multiple of 16" in reason
+
+
+@pytest.mark.parametrize("page_size,kv_box", [(16, 16), (32, 32), (48, 16), (64, 64), (96, 32), (128, 0), (256, 0),
+                                              (384, 0)])
+def test_pages_read_in_boxes_or_whole_blocks(page_size, kv_box):
+    # A page of a multiple of 128 keys holds whole KV blocks (one TMA each, the block's page
+    # and sub-block from the table); other multiples of 16 are read in boxes of the largest
+    # of 64, 32, 16 rows dividing the page, a key field of their own ("kv_box16").
+    p = _problem(page_size=page_size, has_seqused_k=True)
+    assert sm100.check(p) is None
+    plan = sm100.plan(p, 1, None, 148)
+    assert plan.config.kv_box == kv_box
+    key = sm100.compile_key(p, plan, "sm_100a")
+    assert (f"kv_box{kv_box}" in key) == (kv_box > 0)
+    if kv_box == 0:  # whole blocks: the key of pages of 128
+        assert key == sm100.compile_key(p._replace(page_size=128), sm100.plan(p._replace(page_size=128), 1, None,
+                                                                                 148), "sm_100a")
+    assert sm100.plan(_problem(), 1, None, 148).config.kv_box == 0  # not paged
 
 
 def test_check_refuses_fp32():
@@ -238,7 +256,7 @@ def test_shared_memory_fits(d, dv, q_stage):
     # The plan carries that ring depth.
     p = _problem(d=d, d_v=dv, max_seqlen_q=4096 if q_stage == 2 else 64)
     plan = sm100.plan(p, 1, False, None)
-    assert plan.config == (q_stage, sm100.TILE_N, stages, 0, sm100.EX2_EVERY if max(d, dv) <= 128 else 0, False)
+    assert plan.config == (q_stage, sm100.TILE_N, stages, 0, sm100.EX2_EVERY if max(d, dv) <= 128 else 0, False, 0)
 
 
 def test_ex2_share():

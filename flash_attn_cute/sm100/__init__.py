@@ -18,14 +18,14 @@ import torch
 
 from flash_attn_cute.seam.backend_kit import (feature_refusal, fwd_entry_points, head_dim_refusal, head_groups,
                                               plan_rows, plan_splits, tile_head_dims)
-from flash_attn_cute.host.keys import DTYPE_NAMES, QUANTIZE_Q, arch_capability
+from flash_attn_cute.host.keys import DTYPE_NAMES, QUANTIZE_Q, arch_capability, kv_box_field
+from flash_attn_cute.host.paging import box_rows, tma_readable
 from flash_attn_cute.host.problems import FwdPlan, FwdProblem
 from flash_attn_cute.host.tuning import NO_TUNING, Tuning, fp8_kv_mode
 from flash_attn_cute.sm100.config import HEAD_DIM_PAIRS, SMEM_LIMIT, TILE_M, kv_stages_for, smem_bytes
 
 NAME = "sm100"
 TILE_N = 128
-PAGE_SIZES = (TILE_N,)  # a paged cache is read one page (= one KV block) per TMA
 # One CTA per SM (~190 KB of smem, all 512 TMEM columns at q_stage 2); the split heuristic
 # counts the grid in 128-row m-blocks, as the other backends do with their own tiles.
 _CTAS_PER_SM = 1
@@ -36,8 +36,9 @@ _SPLIT_TOLERANCE = 0.95
 # for sm_100a on CPU, not yet run on Blackwell hardware.
 AUTO = True
 # backend_kit.FEATURES this kernel implements. Not "paged_leftpad" (cache_leftpad with a page
-# table): a page is one KV block read by one TMA box, and a sequence starting inside a page
-# would need row gathers; the SM80 kernel runs such a call.
+# table): a paged cache is read by TMA boxes of whole blocks or of 16-64 rows from a page's
+# start (``host.paging``), and a sequence starting inside a page would need row gathers; the
+# SM80 kernel runs such a call.
 FEATURES = frozenset({"learnable_sink", "seqused_q", "batch_invariant", "fp8_kv", "fp8_qkv"})
 
 log = logging.getLogger("flash_attn_cute")
@@ -52,6 +53,7 @@ class Sm100Config(NamedTuple):
     split_blocks: int = 0  # batch invariant: KV blocks per split (backend_kit.invariant_splits)
     ex2_emulate_every: int = 0  # every k-th exponential of an unmasked block on the FMA pipe (``ex2_share``)
     quantize_q: bool = False  # an e4m3 cache under 16-bit queries: Q quantized in the kernel (``quantizes_q``)
+    kv_box: int = 0  # pages of a multiple of 16 keys holding no whole block: TMA boxes of this many rows
 
 
 def runs_on(capability: tuple) -> bool:
@@ -62,14 +64,14 @@ def check(problem: FwdProblem) -> Optional[str]:
     reason = head_dim_refusal(problem, HEAD_DIM_PAIRS)
     if reason is not None:
         return reason
-    if problem.paged and problem.page_size not in PAGE_SIZES:
-        return (f"paged KV needs page_size in {PAGE_SIZES} (one TMA box per KV block), "
-                f"got {problem.page_size}")
+    if problem.paged and not tma_readable(TILE_N, problem.page_size):
+        return (f"paged KV needs a page_size that is a multiple of 16 keys (TMA boxes of 16-64 rows, or whole "
+                f"{TILE_N}-key blocks), got {problem.page_size}")
     if DTYPE_NAMES.get(problem.dtype) not in ("fp16", "bf16", "e4m3"):
         return f"dtype {problem.dtype} is not fp16, bf16 or float8_e4m3fn"
     if problem.leftpad_k:
-        return ("cache_leftpad with a paged cache is not implemented by this kernel (it reads each page as one KV "
-                "block by TMA; a sequence starting inside a page needs row gathers)")
+        return ("cache_leftpad with a paged cache is not implemented by this kernel (it reads pages by TMA boxes "
+                "from a page's start; a sequence starting inside a page needs row gathers)")
     return feature_refusal(problem, FEATURES)
 
 
@@ -163,14 +165,18 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     fp8_ops = problem.qkv_fp8 or quantize_q
     config = select_tile(d, d_v, q_stage, split_blocks, widen, 1 if fp8_ops else 2)
     ex2 = 0 if fp8_ops else ex2_share(problem, arch)
-    return FwdPlan(NAME, config._replace(ex2_emulate_every=ex2, quantize_q=quantize_q), pack_gqa, num_splits)
+    kv_box = box_rows(TILE_N, problem.page_size) if problem.paged else 0
+    return FwdPlan(NAME, config._replace(ex2_emulate_every=ex2, quantize_q=quantize_q, kv_box=kv_box), pack_gqa,
+                   num_splits)
 
 
 # compile_key(problem, plan, arch=None), compile(key), launcher(problem, plan, device=None):
 # the seam's shared entry points over ``flash_fwd.compile_fwd_sm100``; the key holds the
 # config's tile (split_blocks is a common field), then ex2_emulate_every where it is not 0,
-# then ``keys.QUANTIZE_Q`` where the kernel quantizes the queries.
+# ``keys.QUANTIZE_Q`` where the kernel quantizes the queries and ``keys.kv_box_field`` where
+# pages are read in boxes (each absent otherwise: the keys from before keep their form).
 compile_key, compile, launcher = fwd_entry_points(
     NAME, "flash_attn_cute.sm100.flash_fwd", "compile_fwd_sm100", key_tile=lambda c: tuple(c[:3]),
     key_extra=lambda c: ((c.ex2_emulate_every,) if c.ex2_emulate_every else ()) + ((QUANTIZE_Q,) if c.quantize_q
-                                                                                   else ()))
+                                                                                   else ())
+    + ((kv_box_field(c.kv_box),) if c.kv_box else ()))

@@ -11,7 +11,11 @@ Warp roles (``WarpRoles``), all of one CTA:
 * load warp: TMA of the Q stages (once) and of K and V one ``tile_n`` block at a time
   into ``kv_stages``-deep smem rings (``PipelineTmaUmma``: full = TMA bytes landed,
   empty = the MMA warp's tcgen05.commit once its MMAs have read the stage). A paged
-  cache is read one page (= one block) per TMA through the page table.
+  cache is read through the page table: one TMA a block where a page holds whole blocks
+  (pages of a multiple of 128 keys), else ``kv_box`` = 16, 32 or 64 rows a TMA, each box
+  through its own page-table entry (pages of another multiple of 16; ``host.paging``),
+  into a row-major view of the stage (the same bytes as the MMA's operand layout,
+  ``_check_row_major_view``).
 * MMA warp: one thread issues ``tcgen05.mma``: S_s = Q_s K^T into tensor memory (TMEM),
   then O_s += P_s V with P_s read from TMEM (the "TS" form: P never touches smem).
   Issue order per block: PV_s(n-1), then QK_s(n) into the same columns (tcgen05 MMAs of
@@ -57,9 +61,9 @@ from flash_attn_cute.device.fwd_kernel import (FwdArgs, FwdTile, compile_from_ke
                                                tile_work, zero_rows_from)
 from flash_attn_cute.device.layout_utils import row_major_smem_layout, select  # fp8 staging: one TMA box each
 from flash_attn_cute.device.named_barrier import Sm100FwdBarrier
-from flash_attn_cute.device.paged_kv import page_and_row
+from flash_attn_cute.device.paged_kv import clamp_page, page_and_row, page_entry
 from flash_attn_cute.device.q_quant import quantize_q_tile
-from flash_attn_cute.host.keys import QUANTIZE_Q
+from flash_attn_cute.host.keys import QUANTIZE_Q, parse_kv_box
 from flash_attn_cute.sm100.config import (FP8_STAGES, HEAD_DIM_PAIRS, SMEM_LIMIT, TILE_M, TMEM_COLUMNS, WarpRoles,
                                           tmem_alloc_columns, tmem_columns)
 from flash_attn_cute.device.softmax import FP8_P_OFFSET, LOG2_E, OnlineSoftmax
@@ -137,10 +141,11 @@ class FlashAttnFwdSm100:
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, tile: tuple, variant: AttentionVariant,
                  qhead_per_kvhead_packed: int = 1, is_split: bool = False, split_blocks: int = 0,
-                 ex2_emulate_every: int = 0, q_class: int = 0, quantize_q: bool = False):
+                 ex2_emulate_every: int = 0, q_class: int = 0, quantize_q: bool = False, kv_box: int = 0):
         """``tile`` = (q_stage, tile_n, kv_stages), as ``sm100.select_tile`` plans it;
         ``ex2_emulate_every``: ``sm100.ex2_share``; ``quantize_q``: 16-bit queries over an
-        e4m3 cache quantized to e4m3 in the kernel (``sm100.quantizes_q``)."""
+        e4m3 cache quantized to e4m3 in the kernel (``sm100.quantizes_q``); ``kv_box``: a paged
+        cache read in TMA boxes of this many rows (0: one box a block)."""
         set_fwd_config(self, dtype, head_dim, head_dim_v, variant, qhead_per_kvhead_packed, is_split, split_blocks,
                        q_class, HEAD_DIM_PAIRS)
         head_dim, head_dim_v = self.head_dim, self.head_dim_v  # the tile's widths (padded head dims)
@@ -155,6 +160,8 @@ class FlashAttnFwdSm100:
         self.tile_m = TILE_M * q_stage
         self.tile_n = tile_n
         self.kv_stages = kv_stages
+        assert kv_box == 0 or tile_n % kv_box == 0, (kv_box, tile_n)
+        self.kv_box = kv_box
         self.roles = WarpRoles(q_stage)
         self.tmem_s_offset = [s * tile_n for s in range(q_stage)]
         self.tmem_o_offset = [q_stage * tile_n + s * head_dim_v for s in range(q_stage)]
@@ -195,7 +202,7 @@ class FlashAttnFwdSm100:
         # K-major operand layout the MMA reads (``_check_row_major_view``).
         sQq_layout = row_major_smem_layout(op, TILE_M, self.head_dim, self.q_stage)
         if cutlass.const_expr(self.quantize_q):
-            _check_row_major_view(sQ_layout, sQq_layout, self.head_dim, self.q_stage)
+            _check_row_major_view(sQ_layout, sQq_layout, TILE_M, self.head_dim, self.q_stage)
 
         # TMA views, the head (and batch / page) modes last:
         #   Q: (rows, d, h[, b]); packed GQA rows are ((g, s), d, h_kv[, b]): the g =
@@ -226,16 +233,31 @@ class FlashAttnFwdSm100:
         # FP8: (tile_n, d) row-major staging tiles, one TMA box of the (keys, d, ...) view each.
         sK8_layout = row_major_smem_layout(kv_dtype, self.tile_n, self.head_dim, FP8_STAGES)
         sV8_layout = row_major_smem_layout(kv_dtype, self.tile_n, self.head_dim_v, FP8_STAGES)
-        if cutlass.const_expr(self.fp8):
-            rows_modes = [0, 2, 1] if args.varlen_k else [1, 3, 2, 0]  # (keys, d, h_kv[, b | pages])
+        # Boxes of kv_box rows into the operand stages: their row-major (tile_n, d) views, the
+        # same bytes as the MMA's K-major K and MN-major V layouts (checked while tracing).
+        sKr_layout = row_major_smem_layout(op, self.tile_n, self.head_dim, self.kv_stages)
+        sVr_layout = row_major_smem_layout(op, self.tile_n, self.head_dim_v, self.kv_stages)
+        if cutlass.const_expr(self.kv_box and not self.fp8):
+            _check_row_major_view(sK_layout, sKr_layout, self.tile_n, self.head_dim, self.kv_stages)
+            _check_row_major_view(sV_layout, sVr_layout, self.tile_n, self.head_dim_v, self.kv_stages, mn_major=True)
+        if cutlass.const_expr(self.fp8 or self.kv_box):
+            # Row boxes of the (keys, d, h_kv[, b | pages]) views: a staging tile's (tile_n
+            # rows), or kv_box rows of a stage (fp8 staging or the operand stage).
+            rows_modes = [0, 2, 1] if args.varlen_k else [1, 3, 2, 0]
+            rows = self.kv_box or self.tile_n
+            box_dtype = kv_dtype if self.fp8 else op
             tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(), select(args.mK, rows_modes), cute.select(sK8_layout, mode=[0, 1]),
-                (self.tile_n, self.head_dim))
+                cpasync.CopyBulkTensorTileG2SOp(), select(args.mK, rows_modes),
+                row_major_smem_layout(box_dtype, rows, self.head_dim), (rows, self.head_dim))
             tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(), select(args.mV, rows_modes), cute.select(sV8_layout, mode=[0, 1]),
-                (self.tile_n, self.head_dim_v))
-            kv_tx = (cute.size_in_bytes(kv_dtype, cute.select(sK8_layout, mode=[0, 1])),
-                     cute.size_in_bytes(kv_dtype, cute.select(sV8_layout, mode=[0, 1])))
+                cpasync.CopyBulkTensorTileG2SOp(), select(args.mV, rows_modes),
+                row_major_smem_layout(box_dtype, rows, self.head_dim_v), (rows, self.head_dim_v))
+            if cutlass.const_expr(self.fp8):
+                kv_tx = (cute.size_in_bytes(kv_dtype, cute.select(sK8_layout, mode=[0, 1])),
+                         cute.size_in_bytes(kv_dtype, cute.select(sV8_layout, mode=[0, 1])))
+            else:  # a block's boxes fill one stage
+                kv_tx = (cute.size_in_bytes(op, cute.select(sK_layout, mode=[0, 1, 2])),
+                         cute.size_in_bytes(op, cute.select(sV_layout, mode=[0, 1, 2])))
         else:
             tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_B(
                 tma_load, select(args.mK, k_modes), cute.select(sK_layout, mode=[0, 1, 2]), self.mma_tiler_qk,
@@ -278,7 +300,8 @@ class FlashAttnFwdSm100:
         grid, grid_divisors, num_m_blocks, _ = tile_grid(args, self.tile_m, self.qhead_per_kvhead_packed)
         kernel = self.kernel(
             args, (tma_Q, tma_K, tma_V), (tma_atom_Q, tma_atom_K, tma_atom_V),
-            (sQ_layout, sK_layout, sV_layout, tP_layout, sK8_layout, sV8_layout, sQq_layout), tiled_mma_qk, tiled_mma_pv,
+            (sQ_layout, sK_layout, sV_layout, tP_layout, sK8_layout, sV8_layout, sQq_layout, sKr_layout, sVr_layout),
+            tiled_mma_qk, tiled_mma_pv,
             tx_bytes,
             SharedStorage,
             grid_divisors,
@@ -301,11 +324,12 @@ class FlashAttnFwdSm100:
                SharedStorage: cutlass.Constexpr, grid_divisors: TileDivisors):
         """``args``: the caller's tensors (Q and K for shapes only: loads go through the TMA
         views) and scalars; ``smem_layouts``: Q, K, V and P's (TMEM) operand layouts, then
-        the fp8 K and V staging, Q's row-major view (quantize_q); ``grid_divisors``: what
+        the fp8 K and V staging, Q's row-major view (quantize_q), K's and V's (boxes); ``grid_divisors``: what
         ``tile_work`` divides the block index by (``tile_grid``)."""
         tma_Q, tma_K, tma_V = tma_views
         tma_atom_Q, tma_atom_K, tma_atom_V = tma_atoms
-        sQ_layout, sK_layout, sV_layout, tP_layout, sK8_layout, sV8_layout, sQq_layout = smem_layouts
+        sQ_layout, sK_layout, sV_layout, tP_layout, sK8_layout, sV8_layout, sQq_layout, sKr_layout, sVr_layout = \
+            smem_layouts
         roles = self.roles
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -395,9 +419,13 @@ class FlashAttnFwdSm100:
                                       tma_atom_V, tiled_mma_qk, tiled_mma_pv, pipeline_q, pipeline_k8, pipeline_v8,
                                       tile, args.varlen_q, args.varlen_k, args.paged)
                         else:
-                            self.load(tma_Q, tma_K, tma_V, args.mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K,
-                                      tma_atom_V, tiled_mma_qk, tiled_mma_pv, pipeline_q, pipeline_k, pipeline_v,
-                                      tile, args.varlen_q, args.varlen_k, args.paged)
+                            sK_load, sV_load = sK, sV  # where the TMA writes the operand stages
+                            if cutlass.const_expr(self.kv_box):  # their row-major views
+                                sK_load = storage.sK.get_tensor(sKr_layout.outer, swizzle=sKr_layout.inner)
+                                sV_load = storage.sV.get_tensor(sVr_layout.outer, swizzle=sVr_layout.inner)
+                            self.load(tma_Q, tma_K, tma_V, args.mPageTable, sQ, sK_load, sV_load, tma_atom_Q,
+                                      tma_atom_K, tma_atom_V, tiled_mma_qk, tiled_mma_pv, pipeline_q, pipeline_k,
+                                      pipeline_v, tile, args.varlen_q, args.varlen_k, args.paged)
                 if cutlass.const_expr(self.fp8):
                     if warp_idx >= roles.widen_warps[0]:
                         if tile.n_block_max > tile.n_block_min:
@@ -483,7 +511,7 @@ class FlashAttnFwdSm100:
                 cute.copy(tma_atom_Q, tQgQ[None, tile.m_block * self.q_stage + s, 0], tQsQ[None, s],
                           tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
 
-        if cutlass.const_expr(self.fp8):
+        if cutlass.const_expr(self.fp8 or self.kv_box):
             k_src = self._kv_rows_source(tma_K, tma_atom_K, sK, self.head_dim, tile, mPageTable, varlen_k, paged)
             v_src = self._kv_rows_source(tma_V, tma_atom_V, sV, self.head_dim_v, tile, mPageTable, varlen_k, paged)
         else:
@@ -505,7 +533,7 @@ class FlashAttnFwdSm100:
 
     def _kv_source(self, tma_X, tma_atom, sX, thr_mma, tile, mPageTable, varlen_k, paged, is_v: bool):
         """(smem stages, gmem blocks) of the TMA partition. Unpaged: the blocks of this
-        (batch, head); paged: the (tile_n, d) box of every page (page_size == tile_n)."""
+        (batch, head); paged: the (tile_n, d) boxes of every page (a page holds whole blocks)."""
         tiler = cute.select(self.mma_tiler_pv, mode=[1, 2]) if is_v else cute.select(self.mma_tiler_qk, mode=[1, 2])
         if cutlass.const_expr(paged):
             mX_cur = tma_X[None, None, tile.head_kv, None]  # (tile_n | d_v, d | tile_n, num_pages)
@@ -520,9 +548,14 @@ class FlashAttnFwdSm100:
             tma_atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 3), cute.group_modes(part, 0, 3)
         )
         if cutlass.const_expr(paged):
-            # One block is one page: the page table maps block n like key n with page size 1.
+            # Block n is sub-block ``sub`` of its page: the page table maps blocks like keys,
+            # in units of page_size / tile_n blocks (K: (TMA, sub, 1, pages); V: (TMA, 1, sub, pages)).
             batch, num_pages = tile.ctx.batch, tXgX.shape[3]
-            block = lambda n: tXgX[None, 0, 0, page_and_row(mPageTable, batch, n, 1, num_pages)[0]]
+            per_page = tXgX.shape[2] if cutlass.const_expr(is_v) else tXgX.shape[1]
+
+            def block(n):
+                page, sub = page_and_row(mPageTable, batch, n, per_page, num_pages)
+                return tXgX[None, 0, sub, page] if cutlass.const_expr(is_v) else tXgX[None, sub, 0, page]
         elif cutlass.const_expr(is_v):
             block = lambda n: tXgX[None, 0, n]  # (TMA, 1, n_blocks)
         else:
@@ -530,10 +563,16 @@ class FlashAttnFwdSm100:
         return tXsX, block
 
     def _kv_rows_source(self, tma_X, tma_atom, sX, cols: int, tile, mPageTable, varlen_k, paged):
-        """``_kv_source`` for the fp8 staging rings: (tile_n, cols) boxes of the (keys, cols,
-        h_kv[, b | pages]) view, one per block (a page is one block)."""
+        """``_kv_source`` for row-major stages (the fp8 staging rings, or a stage's row-major
+        view under ``kv_box``): (tile_n, cols) boxes of the (keys, cols, h_kv[, b | pages])
+        view, one a block, or (``kv_box``, cols) boxes, ``tile_n / kv_box`` a block, box j of
+        a stage holding the block's rows [j kv_box, (j + 1) kv_box). Boxes: (smem boxes,
+        gmem boxes of every page, the sequence's last key) for ``_load_boxes``."""
+        rows = self.kv_box or self.tile_n
+        if cutlass.const_expr(self.kv_box):
+            sX = cute.flat_divide(sX, (rows, cols))  # (rows, cols, boxes, 1, stages)
         if cutlass.const_expr(paged):
-            gX = cute.local_tile(tma_X[None, None, tile.head_kv, None], (self.tile_n, cols), (None, 0, None))
+            gX = cute.local_tile(tma_X[None, None, tile.head_kv, None], (rows, cols), (None, 0, None))
         elif cutlass.const_expr(varlen_k):
             gX = cute.local_tile(cute.domain_offset((tile.seqlen.offset_k, 0), tma_X[None, None, tile.head_kv]),
                                  (self.tile_n, cols), (None, 0))
@@ -542,9 +581,14 @@ class FlashAttnFwdSm100:
         tXsX, tXgX = cpasync.tma_partition(
             tma_atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2)
         )
+        if cutlass.const_expr(self.kv_box):
+            return tXsX, tXgX, tile.ctx.seqlen_k - 1
         if cutlass.const_expr(paged):
             batch, num_pages = tile.ctx.batch, tXgX.shape[2]
-            block = lambda n: tXgX[None, 0, page_and_row(mPageTable, batch, n, 1, num_pages)[0]]
+
+            def block(n):  # (TMA, blocks a page, pages)
+                page, sub = page_and_row(mPageTable, batch, n, tXgX.shape[1], num_pages)
+                return tXgX[None, sub, page]
         else:
             block = lambda n: tXgX[None, n]
         return tXsX, block
@@ -553,11 +597,40 @@ class FlashAttnFwdSm100:
     def _load_block(self, tma_atom, src, pipe, state, n_block, mPageTable, batch):
         """TMA of block ``n_block`` into the stage of ``state`` once it is free. A paged
         block's page entry is read before the wait (as the SM90 kernel's ``load_kv``): a global
-        load is not moved above an mbarrier wait, so its round trip would follow every release."""
-        tXsX, block = src
-        gX = block(n_block)
+        load is not moved above an mbarrier wait, so its round trip would follow every release.
+        ``kv_box``: ``_load_boxes``."""
+        if cutlass.const_expr(self.kv_box):
+            self._load_boxes(tma_atom, src, pipe, state, n_block, mPageTable, batch)
+        else:
+            tXsX, block = src
+            gX = block(n_block)
+            pipe.producer_acquire(state)
+            cute.copy(tma_atom, gX, tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
+
+    @cute.jit
+    def _load_boxes(self, tma_atom, src, pipe, state, n_block, mPageTable, batch):
+        """``_load_block`` in boxes of ``kv_box`` rows (pages that hold no whole block), each
+        through its own page-table entry, all read before the wait for the stage (as the SM90
+        kernel's ``load_kv_boxes``), the boxes issued in a loop. A box that starts past the sequence's last key reads the
+        last key's box again (its entry may lie past the table's row): rows the masks and
+        the V-tail zeroing (``_zero_v_tail``, ``_widen_block``) take out."""
+        tXsX, tXgX, last = src  # (TMA, boxes, 1, stages), (TMA, boxes a page, pages), the last key
+        boxes_per_page, num_pages = tXgX.shape[1], tXgX.shape[2]
+        box_of = lambda j: cutlass.min(n_block * self.tile_n + j * self.kv_box, last) // self.kv_box
+        boxes = self.tile_n // self.kv_box
+        entries = [page_entry(mPageTable, batch, box_of(j), boxes_per_page)[0] for j in range(boxes)]
         pipe.producer_acquire(state)
-        cute.copy(tma_atom, gX, tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
+        # One TMA site in a loop of boxes (an unrolled one, even of two boxes, made ptxas keep
+        # the shared-memory base on the stack of every role: 47 reloads, 46 in KV loops, on a
+        # q_stage 2 softcap key), its entry picked from the registers by selects.
+        for j in cutlass.range(boxes, unroll=1):
+            entry = entries[0]
+            for i in cutlass.range_constexpr(1, boxes):
+                entry = cutlass.select_(j == i, entries[i], entry)
+            box = box_of(j)
+            sub = box - (box // boxes_per_page) * boxes_per_page
+            cute.copy(tma_atom, tXgX[None, sub, clamp_page(entry, num_pages)], tXsX[None, j, 0, state.index],
+                      tma_bar_ptr=pipe.producer_get_barrier(state))
 
     # -----------------------------------------------------------------------------------
     # Widening warps (FP8 K/V)
@@ -954,30 +1027,34 @@ def _stored_cols(cols_valid, cols: int) -> int:
 # ---------------------------------------------------------------------------------------
 
 
-def _check_row_major_view(sQ_layout, sQq_layout, d: int, q_stage: int):
-    """quantize_q: the row-major (128, d, q_stage) view maps every (row, column, stage) where
-    the K-major operand layout of the MMA does (their swizzles and the offsets of a grid of
-    rows and columns compared while tracing; both tile 8-row swizzle atoms along the rows,
-    then along the columns)."""
-    assert str(sQ_layout.inner) == str(sQq_layout.inner), (sQ_layout, sQq_layout)
-    for stage in range(q_stage):
-        a = cute.composition(cute.slice_(sQ_layout.outer, (None, None, None, stage)),
-                             cute.make_layout((TILE_M, d), stride=(1, TILE_M)))
-        base = stage * cute.cosize(cute.slice_(sQ_layout.outer, (None, None, None, 0)))
-        for m in (0, 1, 7, 8, 63, 64, TILE_M - 1):
-            for k in sorted({k for k in (0, 1, 15, 16, 31, 32, 63, 64, d // 2, d - 1) if k < d}):
-                got, want = base + int(cute.crd2idx((m, k), a)), int(cute.crd2idx((m, k, stage), sQq_layout.outer))
-                assert got == want, (m, k, stage, got, want, sQ_layout, sQq_layout)
+def _check_row_major_view(op_layout, row_layout, rows: int, cols: int, stages: int, mn_major: bool = False):
+    """A row-major (rows, cols, stages) view maps every (row, column, stage) where the MMA's
+    operand layout does (their swizzles and the offsets of a grid of rows and columns
+    compared while tracing; both tile 8-row swizzle atoms along the rows, then along the
+    columns): Q's stages (quantize_q stores them row by row), K's (K-major, keys the rows)
+    and V's (``mn_major``: the (d_v, keys) B operand with d_v fastest, keys the rows of the
+    view) under ``kv_box``, whose TMA boxes write the views."""
+    assert str(op_layout.inner) == str(row_layout.inner), (op_layout, row_layout)
+    domain = cute.make_layout((rows, cols), stride=(cols, 1) if mn_major else (1, rows))
+    for stage in range(stages):
+        a = cute.composition(cute.slice_(op_layout.outer, (None, None, None, stage)), domain)
+        base = stage * cute.cosize(cute.slice_(op_layout.outer, (None, None, None, 0)))
+        for m in sorted({m for m in (0, 1, 7, 8, 15, 16, 63, 64, rows - 1) if m < rows}):
+            for k in sorted({k for k in (0, 1, 15, 16, 31, 32, 63, 64, cols // 2, cols - 1) if k < cols}):
+                got, want = base + int(cute.crd2idx((m, k), a)), int(cute.crd2idx((m, k, stage), row_layout.outer))
+                assert got == want, (m, k, stage, got, want, op_layout, row_layout)
 
 
 def compile_fwd_sm100(key: tuple):
     """Compiles the kernel for ``key`` (``sm100.compile_key``) on fake tensors: no GPU needed.
     The key's fields after the common ones: ex2_emulate_every (where not 0), then
-    ``keys.QUANTIZE_Q`` (where the kernel quantizes the queries)."""
+    ``keys.QUANTIZE_Q`` (where the kernel quantizes the queries), then ``keys.kv_box_field``
+    (where a paged cache is read in boxes)."""
 
     def make(dtype, d, d_v, tile, variant, packed, is_split, split_blocks, *extra, q_class):
-        ex2 = [x for x in extra if x != QUANTIZE_Q]
+        ex2 = [x for x in extra if x != QUANTIZE_Q and not parse_kv_box(x)]
+        kv_box = max([parse_kv_box(x) for x in extra] + [0])
         return FlashAttnFwdSm100(dtype, d, d_v, tile, variant, packed, is_split, split_blocks, ex2[0] if ex2 else 0,
-                                 q_class=q_class, quantize_q=QUANTIZE_Q in extra)
+                                 q_class=q_class, quantize_q=QUANTIZE_Q in extra, kv_box=kv_box)
 
     return compile_from_key(key, 3, make)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from flash_attn_cute.host.constants import D_CKV, D_KPE
+from flash_attn_cute.host.paging import KV_BOX_ROWS, box_rows
 from flash_attn_cute.host.keys import QUANTIZE_Q, kv_box_field, parse_kv_box, parse_two_level, two_level_field
 
 SMEM_LIMIT = 227 * 1024  # sm_90 opt-in shared memory per block
@@ -243,22 +244,16 @@ def fp8_two_level_tile(d: int, dv: int, tile: tuple, page_size: int = 0, leftpad
     return None
 
 
-# The rows of a TMA box over pages that hold no whole KV block: from the largest (fewest
-# boxes a block) down; a page of a multiple of 16 keys takes boxes of 16 at least.
-KV_BOX_ROWS = (64, 32, 16)
-
-
 def kv_box_rows(tile_n: int, page_size: int, leftpad_k: bool = False, boxes: bool = False) -> int:
     """Rows of the TMA boxes a paged cache is read by where its pages hold no whole tile_n
-    block (0: one box per block, or no boxes at all, ``gathers_kv``): the largest of
-    ``KV_BOX_ROWS`` that divides both the page and the block, so that a box lies inside
-    one page and a block is tile_n / rows boxes, each through its own page-table entry.
-    None of them divides the page (pages of 1, 8, 24, ...), or a sequence starts inside a
-    page (``leftpad_k``), or ``boxes`` is off (the planner passes ``tuning.paged_kv_boxes``):
-    0, and rows are gathered."""
-    if not boxes or not page_size or page_size % tile_n == 0 or leftpad_k:
+    block (0: one box per block, or no boxes at all, ``gathers_kv``): ``paging.box_rows``,
+    the largest of ``KV_BOX_ROWS`` that divides both the page and the block. None of them
+    divides the page (pages of 1, 8, 24, ...), or a sequence starts inside a page
+    (``leftpad_k``), or ``boxes`` is off (the planner passes ``tuning.paged_kv_boxes``): 0,
+    and rows are gathered."""
+    if not boxes or leftpad_k:
         return 0
-    return next((r for r in KV_BOX_ROWS if page_size % r == 0 and tile_n % r == 0), 0)
+    return box_rows(tile_n, page_size)
 
 
 def gathers_kv(tile_n: int, page_size: int, leftpad_k: bool = False, boxes: bool = False) -> bool:
