@@ -36,6 +36,22 @@ def page_entry(mPageTable: cute.Tensor, batch: Int32, t: Int32, page_size: Int32
     return mPageTable[batch, page_idx], t - page_idx * page_size
 
 
+def kv_box_index(n_block: Int32, j, tile_n: int, kv_box: int, last: Int32):
+    """The box (in units of ``kv_box`` keys from the sequence's first key) that box ``j`` of
+    KV block ``n_block`` reads, for the TMA kernels that read pages holding no whole block
+    in boxes (``host.paging.box_rows``): its first key's, at most the sequence's ``last``
+    key's (a box past the end reads the last key's box again: its page-table entry may lie
+    past the table's row; the masks and the V-tail zeroing take its rows out). The page
+    table maps boxes like keys in units of ``boxes_per_page`` (``page_entry``)."""
+    return cutlass.min(n_block * tile_n + j * kv_box, last) // kv_box
+
+
+def box_in_page(box: Int32, boxes_per_page: Int32):
+    """The row of ``box`` among its page's boxes (``page_entry``'s second value, recomputed
+    where the entry was read before a wait: only the entries are carried across it)."""
+    return box - (box // boxes_per_page) * boxes_per_page
+
+
 @cute.jit
 def page_and_row(mPageTable: cute.Tensor, batch: Int32, t: Int32, page_size: Int32, num_pages: Int32):
     """(page id clamped into [0, num_pages), row inside the page) of key position ``t``."""

@@ -61,7 +61,7 @@ from flash_attn_cute.device.fwd_kernel import (FwdArgs, FwdTile, compile_from_ke
                                                tile_work, zero_rows_from)
 from flash_attn_cute.device.layout_utils import row_major_smem_layout, select  # fp8 staging: one TMA box each
 from flash_attn_cute.device.named_barrier import Sm100FwdBarrier
-from flash_attn_cute.device.paged_kv import clamp_page, page_and_row, page_entry
+from flash_attn_cute.device.paged_kv import box_in_page, clamp_page, kv_box_index, page_and_row, page_entry
 from flash_attn_cute.device.q_quant import quantize_q_tile
 from flash_attn_cute.host.keys import QUANTIZE_Q, parse_kv_box
 from flash_attn_cute.sm100.config import (FP8_STAGES, HEAD_DIM_PAIRS, SMEM_LIMIT, TILE_M, TMEM_COLUMNS, WarpRoles,
@@ -616,7 +616,7 @@ class FlashAttnFwdSm100:
         the V-tail zeroing (``_zero_v_tail``, ``_widen_block``) take out."""
         tXsX, tXgX, last = src  # (TMA, boxes, 1, stages), (TMA, boxes a page, pages), the last key
         boxes_per_page, num_pages = tXgX.shape[1], tXgX.shape[2]
-        box_of = lambda j: cutlass.min(n_block * self.tile_n + j * self.kv_box, last) // self.kv_box
+        box_of = lambda j: kv_box_index(n_block, j, self.tile_n, self.kv_box, last)
         boxes = self.tile_n // self.kv_box
         entries = [page_entry(mPageTable, batch, box_of(j), boxes_per_page)[0] for j in range(boxes)]
         pipe.producer_acquire(state)
@@ -627,8 +627,7 @@ class FlashAttnFwdSm100:
             entry = entries[0]
             for i in cutlass.range_constexpr(1, boxes):
                 entry = cutlass.select_(j == i, entries[i], entry)
-            box = box_of(j)
-            sub = box - (box // boxes_per_page) * boxes_per_page
+            sub = box_in_page(box_of(j), boxes_per_page)
             cute.copy(tma_atom, tXgX[None, sub, clamp_page(entry, num_pages)], tXsX[None, j, 0, state.index],
                       tma_bar_ptr=pipe.producer_get_barrier(state))
 

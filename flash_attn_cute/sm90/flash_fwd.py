@@ -62,7 +62,8 @@ from flash_attn_cute.device.fwd_kernel import (FwdArgs, FwdTile, compile_from_ke
 from flash_attn_cute.device.layout_utils import (acc_mn_view, acc_to_operand_a, row_major_smem_layout, select,
                                                  transpose_view)
 from flash_attn_cute.device.named_barrier import Sm90FwdBarrier
-from flash_attn_cute.device.paged_kv import clamp_page, page_and_row, page_entry, page_lookups, rows_in_page
+from flash_attn_cute.device.paged_kv import (box_in_page, clamp_page, kv_box_index, page_and_row, page_entry,
+                                             page_lookups, rows_in_page)
 from flash_attn_cute.sm90.config import TWO_CTAS_SMEM, WarpRoles, parse_key_extra
 from flash_attn_cute.sm90.fp8_operands import FP8TileGeometry, TwoLevelPV, p_to_fp8, transpose_v_block
 from flash_attn_cute.device.q_quant import quantize_q_tile
@@ -588,12 +589,11 @@ class FlashAttnFwdSm90:
         take out."""
         boxes_per_page, num_pages = tXgX.shape[1], tXgX.shape[2]
         boxes = self.tile_n // self.kv_box
-        box_of = lambda j: cutlass.min(n_block * self.tile_n + j * self.kv_box, last) // self.kv_box
+        box_of = lambda j: kv_box_index(n_block, j, self.tile_n, self.kv_box, last)
         entries = [page_entry(mPageTable, batch, box_of(j), boxes_per_page)[0] for j in range(boxes)]
         pipe.producer_acquire(state)
         for j in cutlass.range_constexpr(boxes):
-            box = box_of(j)
-            sub = box - (box // boxes_per_page) * boxes_per_page
+            sub = box_in_page(box_of(j), boxes_per_page)
             cute.copy(tma_atom, tXgX[None, sub, clamp_page(entries[j], num_pages)], tXsX[None, j, 0, state.index],
                       tma_bar_ptr=pipe.producer_get_barrier(state))
 
