@@ -16,7 +16,7 @@ import torch
 from flash_attn_cute.host.constants import MAX_SPLITS
 
 __all__ = ["num_splits_heuristic", "resolve_num_splits", "num_sms", "hbm_bytes_per_us", "should_pack_gqa", "ceildiv",
-           "MAX_SPLITS", "NO_SPLIT_KEYS", "combine_split_groups"]
+           "MAX_SPLITS", "NO_SPLIT_KEYS", "combine_split_groups", "split_counts"]
 
 _MIN_SPLIT_KEYS = 64  # a split holds at least this many keys (no split without keys)
 # FA3's "4 KV blocks or fewer: the combine costs more than it saves", counted in keys so
@@ -57,19 +57,24 @@ def num_splits_heuristic(total_mblocks: int, num_sms: int, num_n_blocks: int, ma
         return 1
     max_splits = max(1, min(max_splits, num_sms, num_n_blocks))
 
-    def eligible(s: int) -> bool:
-        return s == 1 or ceildiv(num_n_blocks, s) != ceildiv(num_n_blocks, s - 1)
-
     def efficiency(s: int) -> float:
         waves = total_mblocks * s / num_sms
         return waves / math.ceil(waves)
 
-    candidates = [s for s in range(1, max_splits + 1) if eligible(s)]
+    candidates = split_counts(num_n_blocks, max_splits)
     best = max(efficiency(s) for s in candidates)
     for s in candidates:
         if efficiency(s) >= tolerance * best:
             return s
     return 1
+
+
+def split_counts(num_n_blocks: int, max_splits: int) -> list:
+    """The split counts 1..``max_splits`` that change the KV blocks a split holds,
+    ``ceil(n / s) != ceil(n / (s - 1))`` (1 always): with 64 blocks, 12 splits are 11
+    splits of 6 blocks and one empty, no better than 11."""
+    return [s for s in range(1, max_splits + 1)
+            if s == 1 or ceildiv(num_n_blocks, s) != ceildiv(num_n_blocks, s - 1)]
 
 
 def resolve_num_splits(num_splits: int, num_sms: Optional[int], *, ctas: int, rows: int, max_seqlen_k: int,
@@ -111,16 +116,13 @@ def _hbm_of(index: int) -> float:
     return rate_khz * 1e3 * 2 * bus_bits / 8 * _HBM_EFFICIENCY / 1e6  # double data rate
 
 
-def hbm_bytes_per_us(device=None) -> float:
-    """Bytes per microsecond a streaming kernel reads from HBM on ``device`` (default: the
-    current CUDA device; without one, an H200's): the peak from the memory clock and bus
-    width, times ``_HBM_EFFICIENCY``. For cost models that weigh bytes against SM time."""
-    if device is None:
-        if not torch.cuda.is_available():
-            return _DEFAULT_HBM_BYTES_PER_US
-        return _hbm_of(torch.cuda.current_device())
-    device = torch.device(device)
-    return _hbm_of(device.index if device.index is not None else torch.cuda.current_device())
+def hbm_bytes_per_us() -> float:
+    """Bytes per microsecond a streaming kernel reads from HBM on the current CUDA device
+    (without one, an H200's): the peak from the memory clock and bus width, times
+    ``_HBM_EFFICIENCY``. For cost models that weigh bytes against SM time."""
+    if not torch.cuda.is_available():
+        return _DEFAULT_HBM_BYTES_PER_US
+    return _hbm_of(torch.cuda.current_device())
 
 
 def num_sms(device) -> int:

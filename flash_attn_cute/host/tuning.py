@@ -29,11 +29,10 @@ class Tuning(NamedTuple):
     sm90_fp8_kv: Optional[str] = None
     # SM100, the same choice: "widen" (the default until measured on Blackwell) / "quantize_q"
     sm100_fp8_kv: Optional[str] = None
-    # SM90, pages of a multiple of 16 keys that hold no whole KV block: "boxes" (TMA boxes
-    # of 16-64 rows, one page-table entry each, ``sm90.config.kv_box_rows``; unset: the
-    # default for 16-bit caches and FP8 decode's two-CTA tile, ``sm90.plan``) / "gather"
-    # (rows by cp.async, one page lookup a row). H100, 2026-12-07, b64 x 4096
-    # h32/8 d128 decode at pages of 16, one run (``bench_fp8_decode.py``, then ``--boxes``), us, boxes
+    # SM90, pages of a multiple of 16 keys that hold no whole KV block: "boxes" (the
+    # default: TMA boxes of 16-64 rows, one page-table entry each, ``sm90.config.kv_box_rows``)
+    # / "gather" (rows by cp.async, one page lookup a row). H100, 2026-12-07, b64 x 4096
+    # h32/8 d128 decode at pages of 16, one run (``bench_fp8_decode.py --gathers``), us, boxes
     # against gathers: bf16 355.9 / 358.2, e4m3 cache under bf16 q 193.1 / 202.9, e4m3 q
     # 194.8 / 203.6.
     sm90_paged_kv: Optional[str] = None
@@ -65,8 +64,8 @@ PAGED_KV_MODES = ("gather", "boxes")
 
 def paged_kv_boxes(value: Optional[str]) -> bool:
     """Whether ``sm90_paged_kv`` (FLASH_ATTN_CUTE_SM90_PAGED_KV) names TMA boxes for pages of a
-    multiple of 16 keys that hold no whole KV block ("boxes", the default, which ``sm90.plan``
-    narrows where unset; "gather": row gathers); anything but ``PAGED_KV_MODES`` is refused."""
+    multiple of 16 keys that hold no whole KV block ("boxes", the default; "gather": row
+    gathers); anything but ``PAGED_KV_MODES`` is refused."""
     mode = value or "boxes"
     if mode not in PAGED_KV_MODES:
         raise ValueError(f"FLASH_ATTN_CUTE_SM90_PAGED_KV={mode!r}: one of {PAGED_KV_MODES}")

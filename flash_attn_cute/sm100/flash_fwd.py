@@ -611,9 +611,9 @@ class FlashAttnFwdSm100:
     def _load_boxes(self, tma_atom, src, pipe, state, n_block, mPageTable, batch):
         """``_load_block`` in boxes of ``kv_box`` rows (pages that hold no whole block), each
         through its own page-table entry, all read before the wait for the stage (as the SM90
-        kernel's ``load_kv_boxes``), the boxes issued in a loop. A box that starts past the sequence's last key reads the
-        last key's box again (its entry may lie past the table's row): rows the masks and
-        the V-tail zeroing (``_zero_v_tail``, ``_widen_block``) take out."""
+        kernel's ``load_kv_boxes``), the boxes issued in a loop (``paged_kv.kv_box_index``:
+        a box past the sequence's last key reads that key's box again, rows the masks and
+        the V-tail zeroing, ``_zero_v_tail`` / ``_widen_block``, take out)."""
         tXsX, tXgX, last = src  # (TMA, boxes, 1, stages), (TMA, boxes a page, pages), the last key
         boxes_per_page, num_pages = tXgX.shape[1], tXgX.shape[2]
         box_of = lambda j: kv_box_index(n_block, j, self.tile_n, self.kv_box, last)

@@ -86,10 +86,6 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     # Pages of a multiple of 16 keys that hold no whole block: TMA boxes (``config.kv_box_rows``)
     # unless the knob names row gathers (``tuning.paged_kv_boxes``: the measurement).
     boxes = paged_kv_boxes(tuning.sm90_paged_kv)
-    # FP8 decode rows (the two-CTA tile below, ``config.fp8_qkv_decode_tile``: d, d_v <= 128;
-    # two-level: O twice does not fit the registers of two CTAs a SM)
-    fp8_decode_rows = (problem.qkv_fp8 or quantize_q) and rows <= 64 and max(d, d_v) <= 128 and not (
-        problem.batch_invariant or tuning.sm90_tile or problem.fp8_two_level_interval)
     # Plain 16-bit attention: no mask, no softcap, no user variant (``select_tile``).
     plain = sixteen_bit and not (problem.causal or problem.local or problem.softcap or problem.variant is not None)
     tile = config.select_tile(d, d_v, rows, causal=problem.causal, local=problem.local,
@@ -115,7 +111,8 @@ def plan(problem: FwdProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     # one (H200 b1 x 131072 h32/8 d128, 16-bit: 16 splits 139.1 us, 32 splits, two a SM, 142.4).
     split_ctas = None
     fp8_decode = None
-    if fp8_decode_rows:
+    if (problem.qkv_fp8 or quantize_q) and rows <= 64 and not (problem.batch_invariant or tuning.sm90_tile or two_level):
+        # (two-level: O twice does not fit the registers of two CTAs a SM)
         fp8_decode = config.fp8_qkv_decode_tile(d, d_v, problem.page_size, problem.leftpad_k, boxes)
         if fp8_decode is not None:
             (fp8_tile, ctas_per_sm), split_ctas = fp8_decode, 1

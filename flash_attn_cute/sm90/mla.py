@@ -14,7 +14,7 @@ import torch
 
 from flash_attn_cute.seam.backend_kit import mla_entry_points, mla_refusal, plan_splits
 from flash_attn_cute.host import heuristics
-from flash_attn_cute.host.constants import MAX_SPLITS, MLA_NHEADS
+from flash_attn_cute.host.constants import D_CKV, D_KPE, MAX_SPLITS, MLA_NHEADS
 from flash_attn_cute.host.problems import FwdPlan, MlaProblem
 from flash_attn_cute.host.tuning import NO_TUNING, Tuning, fp8_stages_override
 from flash_attn_cute.sm90.config import MlaRoles, QK_MODES, SMEM_LIMIT, mla_roles
@@ -42,7 +42,6 @@ DEFAULT_QK_MODE = "seesaw"
 # The TMA kernel's config: 64-key tiles in two buffers.
 TMA_CONFIG = (64, 2, "tma")
 TMA_PAGE = 64  # page sizes it reads: multiples of this (a tile is one box row range of one page)
-D_LATENT = 512 + 64  # ckv and kpe values a key
 
 
 class SplitCosts(NamedTuple):
@@ -104,14 +103,12 @@ def tma_num_splits(problem: MlaProblem, num_sms: int, bytes_per_us: float) -> in
     m_blocks = heuristics.ceildiv(rows, 64)
     ctas = problem.batch * problem.nheads_kv * m_blocks
     n_blocks = heuristics.ceildiv(problem.max_seqlen_k, 64)
-    tile_bytes = 64 * D_LATENT * (1 if problem.kv_fp8 else 2)
-    partial_bytes = problem.batch * problem.nheads_kv * rows * (512 + 1) * 4
+    tile_bytes = 64 * (D_CKV + D_KPE) * (1 if problem.kv_fp8 else 2)
+    partial_bytes = problem.batch * problem.nheads_kv * rows * (D_CKV + 1) * 4  # O and the LSE, fp32
     costs = SPLIT_COSTS[problem.kv_fp8]
     best, best_time = 1, None
     # (more splits than two waves of CTAs only add CTA costs and partials in the model)
-    for s in range(1, min(n_blocks, MAX_SPLITS, heuristics.ceildiv(2 * num_sms, ctas)) + 1):
-        if s > 1 and heuristics.ceildiv(n_blocks, s) == heuristics.ceildiv(n_blocks, s - 1):
-            continue
+    for s in heuristics.split_counts(n_blocks, min(n_blocks, MAX_SPLITS, heuristics.ceildiv(2 * num_sms, ctas))):
         t = split_time_us(ctas, m_blocks, n_blocks, s, num_sms, tile_bytes, partial_bytes, bytes_per_us, costs)
         if best_time is None or t < best_time:
             best, best_time = s, t
