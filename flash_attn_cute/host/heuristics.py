@@ -119,7 +119,8 @@ def _hbm_of(index: int) -> float:
 def hbm_bytes_per_us() -> float:
     """Bytes per microsecond a streaming kernel reads from HBM on the current CUDA device
     (without one, an H200's): the peak from the memory clock and bus width, times
-    ``_HBM_EFFICIENCY``. For cost models that weigh bytes against SM time."""
+    ``_HBM_EFFICIENCY``. For cost models that weigh bytes against SM time; the seam makes
+    the call's device current while it plans (``seam._resolve``)."""
     if not torch.cuda.is_available():
         return _DEFAULT_HBM_BYTES_PER_US
     return _hbm_of(torch.cuda.current_device())

@@ -31,6 +31,7 @@ plan is split when ``plan.is_split``: more than one split, or batch invariant (a
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import math
@@ -182,7 +183,11 @@ def _resolve(problem, requested: Optional[str], num_splits: int, pack_gqa: Optio
     # The arch the launcher compiles for, from the call's device: a planner whose config
     # depends on it (SM100's sm_103 rule, SM80's shared memory) plans what it compiles.
     arch = arch_of_capability(torch.cuda.get_device_capability(device))
-    plan = module.plan(problem, num_splits, pack_gqa, num_sms, tuning=tuning, arch=arch)._replace(sm_margin=sm_margin)
+    # The call's device made current while planning: a planner that weighs bytes against SM
+    # time reads its bandwidth (``heuristics.hbm_bytes_per_us``), not whichever device is current.
+    with torch.cuda.device(device) if torch.cuda.is_available() else contextlib.nullcontext():
+        plan = module.plan(problem, num_splits, pack_gqa, num_sms, tuning=tuning, arch=arch)
+    plan = plan._replace(sm_margin=sm_margin)
     combine = None
     if plan.scheduled:  # lane groups for the splits a sequence has on average
         combine = combine_launcher(problem.out_dtype, problem.d_v, problem.has_lse, problem.has_sink,
