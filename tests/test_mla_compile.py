@@ -215,3 +215,20 @@ def test_mla_sm90_tma_fp8_compiles_and_sass(tmp_path):
                                                 20)):
         assert "HGMMA" not in sass and "USETMAXREG" not in sass, key
         assert re.search(r"QGMMA\.64x64x32\.F32\.E4M3\.E4M3 R\d+, R\d+", sass), key  # the rotary chunk's RS S
+
+
+# The TMA kernel's opt-in lagging row max ("tma_lag", sm90.config.TMA_MODES): a warp vote
+# (VOTE.ALL) before each skippable rescale, 13 of them over the step's instantiations, still
+# the schedule's wgmma waits and no local memory; the default mode has no vote.
+TMA_LAG_CONFIGS = [("bf16", 64, False, False, False, 0), ("bf16/e4m3", 100, "cp", True, True, 0),
+                   ("e4m3/e4m3", 128, True, True, True, 0)]
+
+
+@pytest.mark.slow
+def test_mla_sm90_tma_lag_compiles_and_sass(tmp_path):
+    keys_lag = [mla_key("sm90", "sm_90a", *c, ((64, 2, "tma_lag"),)) for c in TMA_LAG_CONFIGS]
+    keys_default = [mla_key("sm90", "sm_90a", *TMA_LAG_CONFIGS[0], ((64, 2, "tma"),))]
+    sass = compile_sm90(keys_lag + keys_default, tmp_path, "mla sm90 tma_lag sm_90a", ["UTMALDG", "MUFU.EX2"], 20)
+    for key, text in zip(keys_lag, sass):
+        assert text.count("VOTE.ALL") >= 13, key
+    assert "VOTE.ALL" not in sass[-1]

@@ -32,10 +32,13 @@ def backend(request):
     return request.param
 
 
-def make_inputs(seqlens, nheads, page_size, seqlen_q=1, dtype=torch.bfloat16, seed=0, spare_pages=3, nheads_kv=None):
+def make_inputs(seqlens, nheads, page_size, seqlen_q=1, dtype=torch.bfloat16, seed=0, spare_pages=3, nheads_kv=None,
+                jumps=False):
     """Gaussian inputs; a shuffled pool with spare pages (the table is a strided view of
     a wider one), capacity one page above the longest sequence. ``nheads_kv``: caches with
-    a KV-head mode, (num_pages, page_size, nheads_kv, d) (None: the 3-D latent caches)."""
+    a KV-head mode, (num_pages, page_size, nheads_kv, d) (None: the 3-D latent caches).
+    ``jumps``: each sequence's first page 6x and middle page 3x larger, so that a row max
+    rises far (by ~2^16 and ~2^8) where the kernels reach them: tiles go from the end down."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     batch = len(seqlens)
     max_pages = max(1, math.ceil(max(seqlens) / page_size)) + 1
@@ -49,6 +52,12 @@ def make_inputs(seqlens, nheads, page_size, seqlen_q=1, dtype=torch.bfloat16, se
     wide[:, :max_pages] = perm.view(batch, max_pages)
     page_table = wide[:, :max_pages]  # row stride max_pages + 5
     cache_seqlens = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
+    if jumps:
+        for b, n in enumerate(seqlens):
+            for idx, factor in ((0, 6.0), (max(1, math.ceil(n / page_size)) // 2, 3.0)):
+                page = page_table[b, idx].long()
+                ckv[page] *= factor
+                kpe[page] *= factor
     return q_nope, q_pe, ckv, kpe, cache_seqlens, page_table
 
 
@@ -157,7 +166,7 @@ def test_mla_nan_past_the_end(backend):
 
 
 def fp8_inputs(seqlens, nheads, page_size, *, seqlen_q=1, dtype=torch.bfloat16, fp8=torch.float8_e4m3fn, seed=10,
-               per_batch=False, nheads_kv=None):
+               per_batch=False, nheads_kv=None, jumps=False):
     """``make_inputs`` with the caches quantized: one scale for ckv and kpe together (the
     576 values of a token, as vLLM stores them), or (``per_batch``) a descale per sequence
     (the pool quantized once, each sequence's descale a power of two apart from it), per
@@ -165,7 +174,7 @@ def fp8_inputs(seqlens, nheads, page_size, *, seqlen_q=1, dtype=torch.bfloat16, 
     from flash_attn_cute import quantize_fp8
 
     q_nope, q_pe, ckv, kpe, seqlens_t, table = make_inputs(seqlens, nheads, page_size, seqlen_q=seqlen_q, dtype=dtype,
-                                                           seed=seed, nheads_kv=nheads_kv)
+                                                           seed=seed, nheads_kv=nheads_kv, jumps=jumps)
     if nheads_kv is None:
         both, descale = quantize_fp8(torch.cat([ckv, kpe], -1).unsqueeze(2), granularity="tensor", dtype=fp8)
         ckv8, kpe8 = both[..., 0, :512].contiguous(), both[..., 0, 512:].contiguous()
@@ -183,11 +192,11 @@ def fp8_inputs(seqlens, nheads, page_size, *, seqlen_q=1, dtype=torch.bfloat16, 
 def fp8_wgmma(backend, ckv):
     """Whether the kernel planned for this FP8 cache runs fp8 wgmma with the queries
     quantized in the kernel (``sm90.mla.uses_tma``: the SM90 TMA kernel, an e4m3 cache in
-    pages of a multiple of 64, FLASH_ATTN_CUTE_MLA_SM90_QK unset or "tma"); else the cache
-    is widened to 16 bits."""
+    pages of a multiple of 64, FLASH_ATTN_CUTE_MLA_SM90_QK unset or a TMA mode); else the
+    cache is widened to 16 bits."""
     sm90 = backend == "sm90" or (backend is None and torch.cuda.get_device_capability()[0] == 9)
     return (sm90 and ckv.dtype == torch.float8_e4m3fn and ckv.shape[1] % 64 == 0
-            and os.environ.get("FLASH_ATTN_CUTE_MLA_SM90_QK", "tma") == "tma")
+            and os.environ.get("FLASH_ATTN_CUTE_MLA_SM90_QK", "tma") in ("tma", "tma_lag"))
 
 
 # The fp8 wgmma kernel rounds P against its running row max, PyTorch's FP8 algorithm
@@ -433,7 +442,7 @@ TILE_SEQLENS = (1, 64, 65, 128, 190, 256, 257, 385, 449, 576)  # 1 to 9 tiles of
 
 @pytest.mark.parametrize("page_size", [64, 128, 256])
 @pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("knob", [None, "seesaw"])
+@pytest.mark.parametrize("knob", [None, "seesaw", "tma_lag"])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_mla_tma_tile_counts(backend, page_size, num_splits, knob, fp8, monkeypatch):
     # fp8: the e4m3 cache in fp8 wgmma (or widened by the gathering kernel: the knob),
@@ -452,6 +461,26 @@ def test_mla_tma_tile_counts(backend, page_size, num_splits, knob, fp8, monkeypa
 def test_mla_tma_causal_heads(backend, nheads, seqlen_q, page_size):
     run_and_check(backend, make_inputs(TILE_SEQLENS, nheads, page_size, seqlen_q=seqlen_q, seed=95 + nheads),
                   causal=True, num_splits=0, return_lse=True)
+
+
+@pytest.mark.parametrize("knob", [None, "tma_lag"])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("causal,seqlen_q,num_splits", [(False, 1, 1), (True, 2, 3)])
+def test_mla_tma_max_jumps(backend, knob, fp8, causal, seqlen_q, num_splits, monkeypatch):
+    # Row maxima that rise far mid-sequence and at its end (``make_inputs(jumps=True)``):
+    # the running max moves and O is rescaled; under the SM90 TMA kernel's opt-in lagging
+    # max ("tma_lag", ``sm90.config.TMA_MODES``) the other tiles keep theirs (corrections
+    # exactly 1, their rescale skipped) and e4m3 P reaches 2^8.5.
+    if knob:
+        if backend != "sm90":
+            pytest.skip("a mode of the SM90 TMA kernel")
+        monkeypatch.setenv("FLASH_ATTN_CUTE_MLA_SM90_QK", knob)
+    if fp8:
+        inputs, descale = fp8_inputs(TILE_SEQLENS, 64, 64, seqlen_q=seqlen_q, seed=130, jumps=True)
+        run_and_check_fp8(backend, inputs, descale, causal=causal, num_splits=num_splits, return_lse=True)
+    else:
+        run_and_check(backend, make_inputs(TILE_SEQLENS, 64, 64, seqlen_q=seqlen_q, seed=131, jumps=True),
+                      causal=causal, num_splits=num_splits, return_lse=True)
 
 
 @pytest.mark.parametrize("nheads,nheads_kv,seqlen_q,page_size", [(16, None, 2, 64), (128, None, 2, 128),

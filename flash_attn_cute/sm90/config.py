@@ -402,6 +402,10 @@ class WarpRoles(WarpgroupRoles):
 
 
 QK_MODES = ("one", "split", "seesaw")
+# The TMA kernel's modes (``sm90.mla``, FLASH_ATTN_CUTE_MLA_SM90_QK): "tma", and "tma_lag",
+# whose running row max lags (``mla_decode_tma.RESCALE_LOG2``: O's rescale skipped by a warp
+# whose rows kept their max).
+TMA_MODES = ("tma", "tma_lag")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from flash_attn_cute.host import heuristics
 from flash_attn_cute.host.constants import D_CKV, D_KPE, MAX_SPLITS, MLA_NHEADS
 from flash_attn_cute.host.problems import FwdPlan, MlaProblem
 from flash_attn_cute.host.tuning import NO_TUNING, Tuning, fp8_stages_override
-from flash_attn_cute.sm90.config import MlaRoles, QK_MODES, SMEM_LIMIT, mla_roles
+from flash_attn_cute.sm90.config import MlaRoles, QK_MODES, SMEM_LIMIT, TMA_MODES, mla_roles
 
 NAME = "sm90"
 NHEADS = MLA_NHEADS
@@ -41,6 +41,11 @@ DEFAULT_QK_MODE = "seesaw"
 
 # The TMA kernel's config: 64-key tiles in two buffers.
 TMA_CONFIG = (64, 2, "tma")
+# "tma_lag" (``config.TMA_MODES``, FLASH_ATTN_CUTE_MLA_SM90_QK=tma_lag), its lagging row max,
+# is opt-in until measured on a GPU: compile-verified (sm_90a SASS, 2026-12-07: warpgroup 0's
+# steady step 1,106 instructions a thread, 818 of them run where the rescales are skipped,
+# against 1,094 now; warpgroup 1 1,044 / 916 against 1,037; e4m3 under 16-bit q 1,126 / 838
+# against 1,098 and 1,064 / 936 against 992), no GPU test or timing yet.
 TMA_PAGE = 64  # page sizes it reads: multiples of this (a tile is one box row range of one page)
 
 
@@ -118,7 +123,7 @@ def tma_num_splits(problem: MlaProblem, num_sms: int, bytes_per_us: float) -> in
 class MlaSm90Config(NamedTuple):
     tile_n: int  # keys per stage
     stages: int
-    qk: str  # how the consumer warpgroups share Q K^T (``config.MlaRoles.qk``), or "tma" (mla_decode_tma)
+    qk: str  # how the consumer warpgroups share Q K^T (``config.MlaRoles.qk``), or a TMA_MODES (mla_decode_tma)
     split_blocks: int = 0  # batch invariant: KV blocks per split (backend_kit.invariant_splits)
     fp8_stages: int = 0  # an FP8 cache's staging depth (``config.MlaRoles.fp8_stages``); 0: 16 bits
     scheduled: bool = False  # the TMA kernel over a device-computed schedule (``plan``)
@@ -141,7 +146,7 @@ def uses_tma(problem: MlaProblem, qk: Optional[str] = None) -> bool:
     the gathering "seesaw" elsewhere; for an FP8 cache that is the kernel that widens it
     to 16 bits). FP8 queries always take it (``check`` refuses them other pages)."""
     return (problem.page_size % TMA_PAGE == 0 and problem.kv_dtype in (None, torch.float8_e4m3fn)
-            and (qk in (None, "tma") or problem.q_fp8))
+            and (qk in (None,) + TMA_MODES or problem.q_fp8))
 
 
 def roles(qk: Optional[str] = None, fp8: bool = False, fp8_stages: Optional[str] = None) -> MlaRoles:
@@ -151,7 +156,7 @@ def roles(qk: Optional[str] = None, fp8: bool = False, fp8_stages: Optional[str]
     summed through smem; 3 stages). None: ``DEFAULT_QK_MODE``. An FP8 cache
     (``fp8``) takes two fp8 staging tiles (36 KB) from the 16-bit stages: 3, resp. 2
     (``fp8_stages`` "s,s8", ``tuning.mla_fp8_stages``, overrides both depths)."""
-    mode = DEFAULT_QK_MODE if qk in (None, "tma") else qk
+    mode = DEFAULT_QK_MODE if qk in (None,) + TMA_MODES else qk
     if mode not in QK_MODES:
         raise ValueError(f"FLASH_ATTN_CUTE_MLA_SM90_QK={mode}: one of {QK_MODES + ('tma',)}")
     if not fp8:
@@ -191,6 +196,8 @@ def plan(problem: MlaProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     tma = uses_tma(problem, tuning.mla_sm90_qk)
     if tma:
         (tile_n, stages, qk), fp8_stages = TMA_CONFIG, 0
+        if tuning.mla_sm90_qk in TMA_MODES:
+            qk = tuning.mla_sm90_qk
     if tma and problem.schedule_parts and num_splits == 0 and not problem.batch_invariant and not problem.cp:
         # A device-computed schedule (``scheduler_metadata``): its work items and partial
         # slots replace the host's splits (``kernels/mla_schedule.py``).

@@ -150,7 +150,7 @@ from flash_attn_cute.device.layout_utils import acc_mn_view, acc_to_operand_a, r
 from flash_attn_cute.device.mla_kernel import (MlaArgs, MlaFp8Staging, MlaGather, MlaTile, compile_mla_from_key,
                                                load_q_rows, mla_call, set_mla_config)
 from flash_attn_cute.device.named_barrier import Sm90MlaBarrier
-from flash_attn_cute.sm90.config import MlaRoles, mla_roles
+from flash_attn_cute.sm90.config import MlaRoles, TMA_MODES, mla_roles
 from flash_attn_cute.sm90.mla_decode_tma import MlaDecodeSm90Tma
 from flash_attn_cute.sm90.wgmma_utils import convert_pairs, kv_release, kv_wait, wgmma_gemm
 from flash_attn_cute.device.softmax import LOG2_E, OnlineSoftmax
@@ -781,12 +781,12 @@ class _Sm90Ops:
 
 def compile_mla_sm90(key: tuple):
     """Compiles the kernel for ``key`` (``keys.mla_key``; config ``((tile_n, stages, qk[,
-    fp8_stages]),)``, qk "tma": ``mla_decode_tma.MlaDecodeSm90Tma``) on fake tensors: no GPU
+    fp8_stages]),)``, qk "tma" / "tma_lag": ``mla_decode_tma.MlaDecodeSm90Tma``) on fake tensors: no GPU
     needed."""
 
     def make(dtype, heads, causal, is_split, split_blocks, config):
-        if config[2] == "tma":
-            return MlaDecodeSm90Tma(dtype, heads, causal, is_split, split_blocks)
+        if config[2] in TMA_MODES:
+            return MlaDecodeSm90Tma(dtype, heads, causal, is_split, split_blocks, lag_max=config[2] == "tma_lag")
         return MlaDecodeSm90(dtype, heads, causal, is_split, split_blocks, mla_roles(*config))
 
     return compile_mla_from_key(key, make)

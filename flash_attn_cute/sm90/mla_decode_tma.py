@@ -44,9 +44,13 @@ max shared through ``sM``:
 
 (named barriers ``Sm90MlaTmaBarrier``; "X ->" waits, "-> X" arrives). A warpgroup
 publishes its row max before its exponentials (FlashMLA after them), so the other's
-softmax starts while they run. Every chunk is reloaded by the warpgroup that last read
-it, after its own wgmma wait; the only chunks the other warpgroup reads (the other half
-of V, P) are released by the barrier order above.
+softmax starts while they run. With ``lag_max`` (mode "tma_lag", opt-in until measured on a
+GPU) the shared max lags (``RESCALE_LOG2``, as FA4's SM100 softmax): it moves only when a
+tile's scores pass it by more than a factor 2^8 (e4m3 P: 2^2.5), so after a sequence's first
+tiles the corrections are exactly 1 and a warp skips the rescales above (O *= corr: 128 FMUL
+a thread, twice a step in warpgroup 0; P_a *= corr_b) on a warp vote. Every chunk is
+reloaded by the warpgroup that last read it, after its own wgmma wait; the only chunks the
+other warpgroup reads (the other half of V, P) are released by the barrier order above.
 sP0 lives over buffer 0's rotary chunk (free once S_a landed, reloaded only after WG1's
 P V of it), sP1 in its own 8 KB. Each step ends with no wgmma in flight: the tails (the
 last one to three tiles) are separate instantiations of the same step (static flags), so
@@ -69,9 +73,10 @@ An e4m3 cache (FlashMLA's FP8 recipe, the same seesaw): both products in fp8 wgm
 the tensor rate. A tile is five chunks (four of 64 x 128 ckv bytes, one of 64 x 64 kpe).
 The queries are quantized to e4m3 in the kernel (``q_quant.quantize_q_tile``: one
 power-of-two scale for the tile's q_nope and q_pe, folded with ``kv_descale`` into the
-softmax scale), P is rounded to e4m3 with its row max at 2^8 (``FP8_P_OFFSET``; the LSE
-takes it back out) and O is multiplied by ``kv_descale`` at the end. An 8-bit wgmma reads
-B K-major only, so each warpgroup transposes its own half of V (ckv columns [256 w, 256 w
+softmax scale), P is rounded to e4m3 with its row max at 2^8 (``FP8_P_OFFSET``; "tma_lag":
+a fresh max at 2^6, a lagging one up to 2^8.5, ``RESCALE_LOG2``; the LSE takes it back
+out) and O is multiplied by ``kv_descale`` at the end. An 8-bit wgmma reads B K-major
+only, so each warpgroup transposes its own half of V (ckv columns [256 w, 256 w
 + 256), the O columns it owns) of every tile into V^T (``transpose_half``:
 ``fp8_operands.transpose_v_block``, ldmatrix / prmt / stmatrix.trans, 128 bytes a thread
 per half-tile), in the key order that lets its own P stay in registers (``p_to_fp8``);
@@ -184,6 +189,15 @@ TILE_N = 64  # keys per tile: one TMA box row count, a page's sub-block
 THREADS = 256
 WG_THREADS = 128
 HALF_BYTES = TILE_N * D_CKV // 2  # an fp8 half of V (64 x 256), or of V^T (256 x 64): 16 KB
+# With ``lag_max`` ("tma_lag") the running row max lags (``row_stats``): a tile whose row max
+# passes it by at most this (log2 units of the scaled scores) keeps it, its correction is
+# exactly 1, and a warp whose rows all kept theirs skips O's rescale (``rescale_moved``: 128
+# FMUL a thread, twice a step in warpgroup 0). P then reaches 2^threshold against the max it
+# subtracts: 16-bit P keeps its relative precision (FA4's SM100 rule, 8); e4m3 P is offset to
+# 2^LAG_P_OFFSET_E4M3 at a fresh max (not ``FP8_P_OFFSET``'s 2^8), so a stale one reaches
+# 2^(6 + 2.5) = 362, under e4m3's largest, 448.
+RESCALE_LOG2 = {False: 8.0, True: 2.5}
+LAG_P_OFFSET_E4M3 = 6
 
 
 @dataclass(frozen=True)
@@ -217,8 +231,9 @@ class _Chunks:
 class MlaDecodeSm90Tma:
     __call__ = mla_call  # the MLA kernels' shared entry point: MlaArgs -> launch
 
-    def __init__(self, dtype, qhead_per_kvhead: int, causal, is_split: bool, split_blocks: int):
+    def __init__(self, dtype, qhead_per_kvhead: int, causal, is_split: bool, split_blocks: int, lag_max: bool = False):
         set_mla_config(self, dtype, qhead_per_kvhead, causal, is_split, split_blocks)
+        self.lag_max = lag_max  # the lagging row max (``RESCALE_LOG2``)
 
     @cute.jit
     def launch(self, args: MlaArgs, stream):
@@ -545,7 +560,7 @@ class MlaDecodeSm90Tma:
         corr_a, m_use = self.row_stats(tile, ops, smem, acc_S, tile.n_block_max - 1 - i, 0)
         cute.arch.barrier_arrive(barrier_id=int(Sm90MlaTmaBarrier.SCALE0), number_of_threads=THREADS)
         self.exponentiate(ops, acc_S, row_sum, m_use, corr_a)
-        self.rescale(acc_O, ops, corr_a)
+        self.rescale_moved(acc_O, ops, corr_a)
         tOrP = self.p_operand(ops, acc_S)
         wgmma_gemm(ops.mma_pv, acc_O, tOrP, ops.tOrVt[None, None, None, 0], False, 0)
         cute.arch.barrier(barrier_id=int(Sm90MlaTmaBarrier.SCALE1), number_of_threads=THREADS)
@@ -554,7 +569,7 @@ class MlaDecodeSm90Tma:
                 loader.load(next_a, 0, 0, half)
         # P_a at the pair's max, for warpgroup 1's half of V.
         corr_b = self.read_rows(ops, smem.sCorr, 1)
-        self.rescale(acc_S, ops, corr_b)
+        self.rescale_moved(acc_S, ops, corr_b)
         self.store_p(ops, acc_S, ops.tPsP0)
         cute.arch.barrier_arrive(barrier_id=int(Sm90MlaTmaBarrier.P0), number_of_threads=THREADS)
         if cutlass.const_expr(has_b):
@@ -567,7 +582,7 @@ class MlaDecodeSm90Tma:
                         if t < 32:
                             loader.load(next_b, 1, 0, half)
             cute.arch.barrier(barrier_id=int(Sm90MlaTmaBarrier.O1_ISSUED), number_of_threads=THREADS)
-            self.rescale(acc_O, ops, corr_b)
+            self.rescale_moved(acc_O, ops, corr_b)
             for r in cutlass.range_constexpr(cute.size(row_sum)):
                 row_sum[r] = row_sum[r] * corr_b[r]
             wgmma_gemm(ops.mma_pv_ss, acc_O, ops.tOsP1, ops.tOrVt[None, None, None, 1], False, -1)
@@ -624,7 +639,7 @@ class MlaDecodeSm90Tma:
             cute.arch.barrier_arrive(barrier_id=int(Sm90MlaTmaBarrier.SCALE1), number_of_threads=THREADS)
             for r in cutlass.range_constexpr(cute.size(row_sum)):
                 row_sum[r] = row_sum[r] * corr[r]
-        self.rescale(acc_O, ops, corr)
+        self.rescale_moved(acc_O, ops, corr)
         if cutlass.const_expr(has_b):
             self.store_p(ops, acc_S, ops.tPsP1, tOrP)
             wgmma_gemm(ops.mma_pv, acc_O, tOrP, ops.tOrVt[None, None, None, 1], False, -1)
@@ -692,12 +707,19 @@ class MlaDecodeSm90Tma:
         m_use = cute.make_rmem_tensor((rows,), Float32)
         for r in cutlass.range_constexpr(rows):
             m_old = smem.sM[ops.tScS_mn[r, 0][0]]
-            m_new[r] = cute.arch.fmax(m_old, _row_max(s_mn[r, None]) * ops.scale_log2)
+            m_tile = _row_max(s_mn[r, None]) * ops.scale_log2
+            if cutlass.const_expr(self.lag_max):
+                # The max moves only past the threshold (from -inf: at any score seen).
+                m_new[r] = m_old
+                if m_tile > m_old + Float32(RESCALE_LOG2[self.fp8]):
+                    m_new[r] = m_tile
+            else:
+                m_new[r] = cute.arch.fmax(m_old, m_tile)
             # A row with nothing visible yet keeps max -inf: subtract 0 instead (never inf - inf).
             m_use[r] = m_new[r]
             if m_new[r] == -Float32.inf:
                 m_use[r] = Float32(0.0)
-            corr[r] = cute.math.exp2(m_old - m_use[r], fastmath=True)
+            corr[r] = cute.math.exp2(m_old - m_use[r], fastmath=True)  # exactly 1 where a lagging max kept
         cute.arch.sync_warp()  # every lane of a row read sM before one writes it
         if ops.tScS_mn[0, 0][1] == 0:
             for r in cutlass.range_constexpr(rows):
@@ -708,13 +730,13 @@ class MlaDecodeSm90Tma:
 
     @cute.jit
     def exponentiate(self, ops, acc_S, row_sum, m_use, corr):
-        """acc_S becomes P = exp2(S * scale_log2 - max) (fp32; fp8: times 2^8, the row max at
-        2^8 where e4m3 keeps its 4 significant bits down to 2^-6, ``FP8_P_OFFSET``), and the
+        """acc_S becomes P = exp2(S * scale_log2 - max) (fp32; fp8: times 2^``p_offset``, the
+        row max at 2^8 where e4m3 keeps its 4 significant bits down to 2^-6), and the
         row sums take it after their correction ``corr`` (all this step's, for this
         warpgroup's sums)."""
         s_mn = acc_mn_view(acc_S)
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-            m_p = m_use[r] - FP8_P_OFFSET if cutlass.const_expr(self.fp8) else m_use[r]
+            m_p = m_use[r] - self.p_offset() if cutlass.const_expr(self.fp8) else m_use[r]
             s_mn[r, None].store(cute.math.exp2(s_mn[r, None].load() * ops.scale_log2 - m_p, fastmath=True))
             row_sum[r] = row_sum[r] * corr[r] + _row_sum(s_mn[r, None])
 
@@ -740,6 +762,22 @@ class MlaDecodeSm90Tma:
         a_mn = acc_mn_view(acc)
         for r in cutlass.range_constexpr(cute.size(a_mn, mode=[0])):
             a_mn[r, None].store(a_mn[r, None].load() * corr[r])
+
+    @cute.jit
+    def rescale_moved(self, acc, ops, corr):
+        """``rescale``; with a lagging max skipped by a warp whose rows all kept theirs."""
+        if cutlass.const_expr(self.lag_max):
+            kept = corr[0] == Float32(1.0)
+            for r in cutlass.range_constexpr(1, cute.size(corr)):
+                kept = kept & (corr[r] == Float32(1.0))
+            if not cute.arch.vote_all_sync(kept):
+                self.rescale(acc, ops, corr)
+        else:
+            self.rescale(acc, ops, corr)
+
+    def p_offset(self) -> int:
+        """e4m3 P's offset (log2): P = 2^offset exp2(S * scale_log2 - max)."""
+        return LAG_P_OFFSET_E4M3 if self.lag_max else FP8_P_OFFSET
 
     def p_operand(self, ops, acc_S):
         """P as the A operand of P V: in 16 bits laid out like S (pairwise conversion), or in
@@ -798,7 +836,7 @@ class MlaDecodeSm90Tma:
             row = ops.tScS_mn[r, 0][0]
             total = smem.sSums[row, 0] + smem.sSums[row, 1]
             inv[r] = cute.arch.rcp_approx(total)
-            m_p = smem.sM[row] - FP8_P_OFFSET if cutlass.const_expr(self.fp8) else smem.sM[row]
+            m_p = smem.sM[row] - self.p_offset() if cutlass.const_expr(self.fp8) else smem.sM[row]
             lse[r] = (m_p + cute.math.log2(total, fastmath=True)) * LN_2
             if total == 0.0 or total != total:  # no key seen: O 0, LSE -inf
                 inv[r] = Float32(0.0)
