@@ -217,18 +217,22 @@ def test_mla_sm90_tma_fp8_compiles_and_sass(tmp_path):
         assert re.search(r"QGMMA\.64x64x32\.F32\.E4M3\.E4M3 R\d+, R\d+", sass), key  # the rotary chunk's RS S
 
 
-# The TMA kernel's opt-in lagging row max ("tma_lag", sm90.config.TMA_MODES): a warp vote
-# (VOTE.ALL) before each skippable rescale, 13 of them over the step's instantiations, still
-# the schedule's wgmma waits and no local memory; the default mode has no vote.
-TMA_LAG_CONFIGS = [("bf16", 64, False, False, False, 0), ("bf16/e4m3", 100, "cp", True, True, 0),
-                   ("e4m3/e4m3", 128, True, True, True, 0)]
+# The TMA kernel's opt-in modes (sm90.config.TMA_MODES): "tma_runs" splits each warpgroup's
+# steady loop by mask runs (the unmasked run's steps test no mask: three loops with a mask,
+# causal or context-parallel, so up to 29 wgmma waits, still far from one per wgmma);
+# "tma_lag" adds a lagging row max, a warp vote (VOTE.ALL) before each skippable rescale.
+# No local memory; the default mode has no vote.
+TMA_MODE_CONFIGS = [("bf16", 64, False, False, False, 0), ("bf16/e4m3", 100, "cp", True, True, 0),
+                    ("e4m3/e4m3", 128, True, True, True, 0)]
 
 
 @pytest.mark.slow
-def test_mla_sm90_tma_lag_compiles_and_sass(tmp_path):
-    keys_lag = [mla_key("sm90", "sm_90a", *c, ((64, 2, "tma_lag"),)) for c in TMA_LAG_CONFIGS]
-    keys_default = [mla_key("sm90", "sm_90a", *TMA_LAG_CONFIGS[0], ((64, 2, "tma"),))]
-    sass = compile_sm90(keys_lag + keys_default, tmp_path, "mla sm90 tma_lag sm_90a", ["UTMALDG", "MUFU.EX2"], 20)
-    for key, text in zip(keys_lag, sass):
-        assert text.count("VOTE.ALL") >= 13, key
+def test_mla_sm90_tma_modes_compile_and_sass(tmp_path):
+    keys_ = [mla_key("sm90", "sm_90a", *c, ((64, 2, mode),)) for mode in ("tma_runs", "tma_lag")
+             for c in TMA_MODE_CONFIGS]
+    keys_default = [mla_key("sm90", "sm_90a", *TMA_MODE_CONFIGS[0], ((64, 2, "tma"),))]
+    sass = compile_sm90(keys_ + keys_default, tmp_path, "mla sm90 tma modes sm_90a", ["UTMALDG", "MUFU.EX2"], 40)
+    for key, text in zip(keys_, sass):
+        lag = key[8][2] == "tma_lag"
+        assert (text.count("VOTE.ALL") >= 13) if lag else ("VOTE.ALL" not in text), key
     assert "VOTE.ALL" not in sass[-1]

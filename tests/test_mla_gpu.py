@@ -196,7 +196,7 @@ def fp8_wgmma(backend, ckv):
     cache is widened to 16 bits."""
     sm90 = backend == "sm90" or (backend is None and torch.cuda.get_device_capability()[0] == 9)
     return (sm90 and ckv.dtype == torch.float8_e4m3fn and ckv.shape[1] % 64 == 0
-            and os.environ.get("FLASH_ATTN_CUTE_MLA_SM90_QK", "tma") in ("tma", "tma_lag"))
+            and os.environ.get("FLASH_ATTN_CUTE_MLA_SM90_QK", "tma") in ("tma", "tma_runs", "tma_lag"))
 
 
 # The fp8 wgmma kernel rounds P against its running row max, PyTorch's FP8 algorithm
@@ -463,14 +463,15 @@ def test_mla_tma_causal_heads(backend, nheads, seqlen_q, page_size):
                   causal=True, num_splits=0, return_lse=True)
 
 
-@pytest.mark.parametrize("knob", [None, "tma_lag"])
+@pytest.mark.parametrize("knob", [None, "tma_runs", "tma_lag"])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("causal,seqlen_q,num_splits", [(False, 1, 1), (True, 2, 3)])
 def test_mla_tma_max_jumps(backend, knob, fp8, causal, seqlen_q, num_splits, monkeypatch):
     # Row maxima that rise far mid-sequence and at its end (``make_inputs(jumps=True)``):
-    # the running max moves and O is rescaled; under the SM90 TMA kernel's opt-in lagging
-    # max ("tma_lag", ``sm90.config.TMA_MODES``) the other tiles keep theirs (corrections
-    # exactly 1, their rescale skipped) and e4m3 P reaches 2^8.5.
+    # the running max moves and O is rescaled; under the SM90 TMA kernel's opt-in modes
+    # (``sm90.config.TMA_MODES``: steps split by mask runs, and a lagging max) the other
+    # tiles keep theirs (corrections exactly 1, their rescale skipped) and e4m3 P reaches
+    # 2^8.5.
     if knob:
         if backend != "sm90":
             pytest.skip("a mode of the SM90 TMA kernel")

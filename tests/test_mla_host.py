@@ -412,8 +412,8 @@ def test_sm90_tma_kernel_selection():
     # config (64, 2, "tma"); e4m3: fp8 wgmma, the key's dtype field "bf16/e4m3"); other page
     # sizes and e5m2 caches: the gathering kernel; a mode of the gathering kernel named by
     # FLASH_ATTN_CUTE_MLA_SM90_QK replaces it (A/B runs; an FP8 cache then widened), "tma"
-    # names the default, "tma_lag" the TMA kernel's lagging row max (its own key, the same
-    # splits; the gathering kernel where the TMA kernel does not apply).
+    # names the default, "tma_runs" / "tma_lag" the TMA kernel's opt-in modes (their own
+    # keys, the same splits; the gathering kernel where the TMA kernel does not apply).
     sm90 = seam.backend_module("sm90", "mla")
     for page in (64, 128, 256):
         p = _problem(h=64)._replace(page_size=page, max_seqlen_k=4096)
@@ -421,9 +421,10 @@ def test_sm90_tma_kernel_selection():
         assert plan.config[:3] == (64, 2, "tma") and sm90.compile_key(p, plan, "sm_90a")[8] == (64, 2, "tma")
         assert sm90.plan(p, 0, None, 132, tuning=Tuning(mla_sm90_qk="tma")) == plan
         assert sm90.plan(p, 0, None, 132, tuning=Tuning(mla_sm90_qk="seesaw")).config[:3] == (32, 4, "seesaw")
-        lag = sm90.plan(p, 0, None, 132, tuning=Tuning(mla_sm90_qk="tma_lag"))
-        assert lag == plan._replace(config=plan.config._replace(qk="tma_lag"))
-        assert sm90.compile_key(p, lag, "sm_90a")[8] == (64, 2, "tma_lag")
+        for mode in ("tma_runs", "tma_lag"):
+            other = sm90.plan(p, 0, None, 132, tuning=Tuning(mla_sm90_qk=mode))
+            assert other == plan._replace(config=plan.config._replace(qk=mode))
+            assert sm90.compile_key(p, other, "sm_90a")[8] == (64, 2, mode)
         p8 = p._replace(kv_dtype=torch.float8_e4m3fn)
         assert sm90.plan(p8, 0, None, 132, tuning=Tuning(mla_sm90_qk="tma_lag")).config[:3] == (64, 2, "tma_lag")
         plan8 = sm90.plan(p8, 0, None, 132)
@@ -434,7 +435,7 @@ def test_sm90_tma_kernel_selection():
     for page in (1, 16, 32, 96):
         p = _problem(h=64)._replace(page_size=page, max_seqlen_k=4096)
         assert sm90.plan(p, 0, None, 132).config[:3] == (32, 4, "seesaw")
-        for knob in ("tma", "tma_lag"):
+        for knob in ("tma", "tma_runs", "tma_lag"):
             assert sm90.plan(p, 0, None, 132, tuning=Tuning(mla_sm90_qk=knob)).config[:3] == (32, 4, "seesaw")
         # FP8 queries: the TMA kernel alone runs them (other pages refused, on every MLA backend)
         q8 = p._replace(dtype=torch.float8_e4m3fn, kv_dtype=torch.float8_e4m3fn)

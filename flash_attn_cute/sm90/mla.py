@@ -41,11 +41,12 @@ DEFAULT_QK_MODE = "seesaw"
 
 # The TMA kernel's config: 64-key tiles in two buffers.
 TMA_CONFIG = (64, 2, "tma")
-# "tma_lag" (``config.TMA_MODES``, FLASH_ATTN_CUTE_MLA_SM90_QK=tma_lag), its lagging row max,
-# is opt-in until measured on a GPU: compile-verified (sm_90a SASS, 2026-12-07: warpgroup 0's
-# steady step 1,106 instructions a thread, 818 of them run where the rescales are skipped,
-# against 1,094 now; warpgroup 1 1,044 / 916 against 1,037; e4m3 under 16-bit q 1,126 / 838
-# against 1,098 and 1,064 / 936 against 992), no GPU test or timing yet.
+# Its modes "tma_runs" and "tma_lag" (``config.TMA_MODES``, FLASH_ATTN_CUTE_MLA_SM90_QK) are
+# opt-in until measured on a GPU: compile-verified only. sm_90a SASS, 2026-12-07, 64 heads,
+# the steady step's instructions a thread, warpgroup 0 / 1: "tma" 1,094 / 1,037, "tma_runs"
+# 1,038 / 918, "tma_lag" 1,089 / 967 (801 / 839 where its rescales are skipped); an e4m3
+# cache under 16-bit q 1,098 / 992, 1,033 / 881, 1,079 / 990 (791 / 862). No GPU test or
+# timing yet (``benchmarks/RESULTS.md``).
 TMA_PAGE = 64  # page sizes it reads: multiples of this (a tile is one box row range of one page)
 
 

@@ -781,12 +781,13 @@ class _Sm90Ops:
 
 def compile_mla_sm90(key: tuple):
     """Compiles the kernel for ``key`` (``keys.mla_key``; config ``((tile_n, stages, qk[,
-    fp8_stages]),)``, qk "tma" / "tma_lag": ``mla_decode_tma.MlaDecodeSm90Tma``) on fake tensors: no GPU
+    fp8_stages]),)``, qk one of ``config.TMA_MODES``: ``mla_decode_tma.MlaDecodeSm90Tma``) on fake tensors: no GPU
     needed."""
 
     def make(dtype, heads, causal, is_split, split_blocks, config):
         if config[2] in TMA_MODES:
-            return MlaDecodeSm90Tma(dtype, heads, causal, is_split, split_blocks, lag_max=config[2] == "tma_lag")
+            return MlaDecodeSm90Tma(dtype, heads, causal, is_split, split_blocks, lag_max=config[2] == "tma_lag",
+                                    mask_runs=config[2] != "tma")
         return MlaDecodeSm90(dtype, heads, causal, is_split, split_blocks, mla_roles(*config))
 
     return compile_mla_from_key(key, make)

@@ -231,9 +231,11 @@ class _Chunks:
 class MlaDecodeSm90Tma:
     __call__ = mla_call  # the MLA kernels' shared entry point: MlaArgs -> launch
 
-    def __init__(self, dtype, qhead_per_kvhead: int, causal, is_split: bool, split_blocks: int, lag_max: bool = False):
+    def __init__(self, dtype, qhead_per_kvhead: int, causal, is_split: bool, split_blocks: int, lag_max: bool = False,
+                 mask_runs: bool = False):
         set_mla_config(self, dtype, qhead_per_kvhead, causal, is_split, split_blocks)
         self.lag_max = lag_max  # the lagging row max (``RESCALE_LOG2``)
+        self.mask_runs = mask_runs  # steady steps split by mask runs (``step_runs``)
 
     @cute.jit
     def launch(self, args: MlaArgs, stream):
@@ -501,10 +503,15 @@ class MlaDecodeSm90Tma:
         # The pages of the step's loads, read a step ahead (loop-carried, ``_TileLoader.page``).
         a_page, a_sub = loader.page(2)
         b_page, b_sub = loader.page(3)
-        for p in cutlass.range((n_tiles - 1) // 2, unroll=1):
-            a_page, a_sub, b_page, b_sub = self.wg0_step(tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum,
-                                                         2 * p, True, True, (a_page, a_sub, b_page, b_sub), t)
-        last = ((n_tiles - 1) // 2) * 2
+        full = (n_tiles - 1) // 2
+        runs = self.step_runs(tile, full, 1)
+        for r in cutlass.range_constexpr(len(runs)):
+            masked, lo, hi = runs[r]
+            for p in cutlass.range(lo, hi, unroll=1):
+                a_page, a_sub, b_page, b_sub = self.wg0_step(tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum,
+                                                             2 * p, True, True, (a_page, a_sub, b_page, b_sub), t,
+                                                             masked)
+        last = full * 2
         ahead = (a_page, a_sub, b_page, b_sub)
         if n_tiles - last == 2:
             self.wg0_step(tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum, last, True, False, ahead, t)
@@ -527,9 +534,13 @@ class MlaDecodeSm90Tma:
         full = cutlass.max(n_tiles - 2, 0) // 2
         a_page, a_sub = loader.page(2)  # as in ``wg0``
         b_page, b_sub = loader.page(3)
-        for p in cutlass.range(full, unroll=1):
-            a_page, a_sub, b_page, b_sub = self.wg1_step(tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum,
-                                                         2 * p, True, True, True, (a_page, a_sub, b_page, b_sub), t)
+        runs = self.step_runs(tile, full, 2)
+        for r in cutlass.range_constexpr(len(runs)):
+            masked, lo, hi = runs[r]
+            for p in cutlass.range(lo, hi, unroll=1):
+                a_page, a_sub, b_page, b_sub = self.wg1_step(tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum,
+                                                             2 * p, True, True, True, (a_page, a_sub, b_page, b_sub),
+                                                             t, masked)
         i = 2 * full
         left = n_tiles - i
         ahead = (a_page, a_sub, b_page, b_sub)
@@ -544,11 +555,12 @@ class MlaDecodeSm90Tma:
 
     @cute.jit
     def wg0_step(self, tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum, i, has_b: cutlass.Constexpr[bool],
-                 has_next: cutlass.Constexpr[bool], ahead, t):
+                 has_next: cutlass.Constexpr[bool], ahead, t, masked: cutlass.Constexpr[bool] = True):
         """Warpgroup 0, the pair (i, i + 1): ``has_b`` tile i + 1 exists, ``has_next`` tile
         i + 2 (whose S this step computes). On entry S_i is in ``acc_S``; on exit S_{i+2}.
         ``ahead``: the pages of tiles i + 2 and i + 3 (page, sub-block, page, sub-block);
-        returns those of tiles i + 4 and i + 5, read at the step's start."""
+        returns those of tiles i + 4 and i + 5, read at the step's start. ``masked`` False:
+        tile i is inside the unmasked run (``step_runs``)."""
         half = self.chunks.half
         next_a, next_b = (ahead[0], ahead[1]), (ahead[2], ahead[3])
         upcoming = ahead
@@ -557,7 +569,7 @@ class MlaDecodeSm90Tma:
             if cutlass.const_expr(self.fp8):
                 if t < 32:  # V_a's left half is in V^T and S_a landed: its chunks are free now
                     loader.load(next_a, 0, 0, half)
-        corr_a, m_use = self.row_stats(tile, ops, smem, acc_S, tile.n_block_max - 1 - i, 0)
+        corr_a, m_use = self.row_stats(tile, ops, smem, acc_S, tile.n_block_max - 1 - i, 0, masked)
         cute.arch.barrier_arrive(barrier_id=int(Sm90MlaTmaBarrier.SCALE0), number_of_threads=THREADS)
         self.exponentiate(ops, acc_S, row_sum, m_use, corr_a)
         self.rescale_moved(acc_O, ops, corr_a)
@@ -603,10 +615,11 @@ class MlaDecodeSm90Tma:
 
     @cute.jit
     def wg1_step(self, tile, n_tiles, smem, ops, loader, acc_S, acc_O, row_sum, i, has_b: cutlass.Constexpr[bool],
-                 has_next: cutlass.Constexpr[bool], has_next_b: cutlass.Constexpr[bool], ahead, t):
+                 has_next: cutlass.Constexpr[bool], has_next_b: cutlass.Constexpr[bool], ahead, t,
+                 masked: cutlass.Constexpr[bool] = True):
         """Warpgroup 1, the pair (i, i + 1): ``has_b`` tile i + 1 exists (its S is in
         ``acc_S``), ``has_next`` tile i + 2, ``has_next_b`` tile i + 3 (whose S this step
-        computes). ``ahead`` and the return value: as for ``wg0_step``."""
+        computes). ``ahead``, the return value and ``masked`` (tile i + 1): as for ``wg0_step``."""
         half, chunks = self.chunks.half, self.chunks.chunks
         next_a, next_b = (ahead[0], ahead[1]), (ahead[2], ahead[3])
         upcoming = ahead
@@ -628,7 +641,7 @@ class MlaDecodeSm90Tma:
         corr = self.read_rows(ops, smem.sCorr, 0)  # corr_a, times corr_b where there is a tile b
         tOrP = None
         if cutlass.const_expr(has_b):
-            corr_b, m_use = self.row_stats(tile, ops, smem, acc_S, tile.n_block_max - 2 - i, 1)
+            corr_b, m_use = self.row_stats(tile, ops, smem, acc_S, tile.n_block_max - 2 - i, 1, masked)
             cute.arch.barrier_arrive(barrier_id=int(Sm90MlaTmaBarrier.SCALE1), number_of_threads=THREADS)
             for r in cutlass.range_constexpr(cute.size(corr)):
                 corr[r] = corr[r] * corr_b[r]
@@ -690,16 +703,34 @@ class MlaDecodeSm90Tma:
                 atom.set(warpgroup.Field.ACCUMULATE, True)
             warpgroup.commit_group()
 
+    def step_runs(self, tile, full, own: int):
+        """The steady loop's steps [0, ``full``) of a warpgroup whose tile at step p is
+        ``n_block_max - own - 2 p``, as (masked, lo, hi) runs: with ``mask_runs``, the
+        steps whose tile lies in the unmasked run [n_mid_lo, n_mid_hi) (``BlockInfo``) skip
+        the mask test, which ptxas otherwise if-converts into every step (sm_90a: 71-111
+        instructions a step, between S's wait and its row max); the steps above it (the
+        sequence end, a causal diagonal) and, with a mask, below it (a window's or shard's
+        left edge) test as before. Without it, one run that tests every step."""
+        if cutlass.const_expr(not self.mask_runs):
+            return ((True, 0, full),)
+        top = cutlass.min((tile.n_block_max - tile.n_mid_hi + 2 - own) // 2, full)
+        if cutlass.const_expr(not self.variant.has_mask):
+            return ((True, 0, top), (False, top, full))
+        bottom = cutlass.max(cutlass.min((tile.n_block_max - tile.n_mid_lo + 2 - own) // 2, full), top)
+        return ((True, 0, top), (False, top, bottom), (True, bottom, full))
+
     @cute.jit
-    def row_stats(self, tile, ops, smem, acc_S, n_block, col: cutlass.Constexpr[int]):
+    def row_stats(self, tile, ops, smem, acc_S, n_block, col: cutlass.Constexpr[int],
+                  masked: cutlass.Constexpr[bool] = True):
         """Block ``n_block``'s scores in ``acc_S`` (masked where it needs it) against the
         shared running max ``sM``: the new max goes to ``sM``, the correction of what came
         before to ``sCorr[:, col]``. Returns (correction, the max P subtracts). Split from
         ``exponentiate`` so that the other warpgroup, which needs only these, is released
-        before the exponentials run."""
-        if n_block >= tile.n_mid_hi or n_block < tile.n_mid_lo:
-            apply_to_scores(self.variant, acc_mn_view(acc_S), ops.tScS_mn, tile.ctx, tile.m_block * TILE_M,
-                            n_block * TILE_N, self.qhead_per_kvhead_packed, tile.softmax_scale, True)
+        before the exponentials run. ``masked`` False: a block of the unmasked run."""
+        if cutlass.const_expr(masked):
+            if n_block >= tile.n_mid_hi or n_block < tile.n_mid_lo:
+                apply_to_scores(self.variant, acc_mn_view(acc_S), ops.tScS_mn, tile.ctx, tile.m_block * TILE_M,
+                                n_block * TILE_N, self.qhead_per_kvhead_packed, tile.softmax_scale, True)
         s_mn = acc_mn_view(acc_S)
         rows = cute.size(s_mn, mode=[0])
         corr = cute.make_rmem_tensor((rows,), Float32)
