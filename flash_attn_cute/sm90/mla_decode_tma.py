@@ -100,7 +100,13 @@ warpgroup 1 (sm_90a SASS, 64 heads: FMUL 292 / 132, PRMT 64, 16 LDSM and 16 STSM
 transposes), about 0.6 us of issue a tile on a SM sub-partition's two warps, and the
 QGMMAs 0.6 us at the tensor pipe's peak; the rest is the step's dependency chain (the
 barriers of the seesaw, each wgmma wait). Warpgroup 0's 256 O rescales a step (O *= corr_a,
-then corr_b) against warpgroup 1's 128 are the difference between the two loops.
+then corr_b) against warpgroup 1's 128 are the difference between the two loops. On that
+chain, between S's wait and its row max, every step also runs the mask test of the sequence
+end (``row_stats``): ptxas if-converts it, 91 and 111 instructions a step (16-bit: 71, 72),
+which the opt-in modes (``step_runs``; ``sm90/mla.py``) take out of the unmasked blocks'
+steps; each step also divides by the page's sub-block count twice (``_TileLoader.page``,
+about 50 instructions in every warp; a FastDivmod divisor would take most of them: not
+yet done).
 
 Beside FlashMLA (its SM90 dense decode as sglang-kernel 0.4.4 builds it; both SASS
 listings summarised in ``benchmarks/results/sass_mla_flashmla_vs_tma_2026-12-05_s13.txt``,
