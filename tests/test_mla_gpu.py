@@ -442,7 +442,7 @@ TILE_SEQLENS = (1, 64, 65, 128, 190, 256, 257, 385, 449, 576)  # 1 to 9 tiles of
 
 @pytest.mark.parametrize("page_size", [64, 128, 256])
 @pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("knob", [None, "seesaw", "tma_lag"])
+@pytest.mark.parametrize("knob", [None, "seesaw", "tma"])  # None: "tma_lag" over bf16, "tma" over e4m3
 @pytest.mark.parametrize("fp8", [False, True])
 def test_mla_tma_tile_counts(backend, page_size, num_splits, knob, fp8, monkeypatch):
     # fp8: the e4m3 cache in fp8 wgmma (or widened by the gathering kernel: the knob),
@@ -463,15 +463,15 @@ def test_mla_tma_causal_heads(backend, nheads, seqlen_q, page_size):
                   causal=True, num_splits=0, return_lse=True)
 
 
-@pytest.mark.parametrize("knob", [None, "tma_runs", "tma_lag"])
+@pytest.mark.parametrize("knob", [None, "tma", "tma_runs", "tma_lag"])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("causal,seqlen_q,num_splits", [(False, 1, 1), (True, 2, 3)])
 def test_mla_tma_max_jumps(backend, knob, fp8, causal, seqlen_q, num_splits, monkeypatch):
     # Row maxima that rise far mid-sequence and at its end (``make_inputs(jumps=True)``):
-    # the running max moves and O is rescaled; under the SM90 TMA kernel's opt-in modes
-    # (``sm90.config.TMA_MODES``: steps split by mask runs, and a lagging max) the other
-    # tiles keep theirs (corrections exactly 1, their rescale skipped) and e4m3 P reaches
-    # 2^8.5.
+    # the running max moves and O is rescaled; under the SM90 TMA kernel's modes
+    # (``sm90.config.TMA_MODES``: steps split by mask runs, and a lagging max, the default
+    # over 16-bit caches) the other tiles keep theirs (corrections exactly 1, their rescale
+    # skipped) and e4m3 P reaches 2^8.5.
     if knob:
         if backend != "sm90":
             pytest.skip("a mode of the SM90 TMA kernel")

@@ -409,19 +409,21 @@ def test_flashmla_layout_views_reach_the_kernel_uncopied(fake_device, monkeypatc
 
 def test_sm90_tma_kernel_selection():
     # Pages of a multiple of 64 over a 16-bit or e4m3 cache: the TMA kernel (64-key tiles,
-    # config (64, 2, "tma"); e4m3: fp8 wgmma, the key's dtype field "bf16/e4m3"); other page
-    # sizes and e5m2 caches: the gathering kernel; a mode of the gathering kernel named by
-    # FLASH_ATTN_CUTE_MLA_SM90_QK replaces it (A/B runs; an FP8 cache then widened), "tma"
-    # names the default, "tma_runs" / "tma_lag" the TMA kernel's opt-in modes (their own
-    # keys, the same splits; the gathering kernel where the TMA kernel does not apply).
+    # config (64, 2, "tma_lag") over 16 bits, (64, 2, "tma") over e4m3: fp8 wgmma, the key's
+    # dtype field "bf16/e4m3"); other page sizes and e5m2 caches: the gathering kernel; a
+    # mode of the gathering kernel named by FLASH_ATTN_CUTE_MLA_SM90_QK replaces it (A/B
+    # runs; an FP8 cache then widened), "tma", "tma_runs" and "tma_lag" name the TMA
+    # kernel's modes (their own keys, the same splits; the gathering kernel where the TMA
+    # kernel does not apply).
     sm90 = seam.backend_module("sm90", "mla")
     for page in (64, 128, 256):
         p = _problem(h=64)._replace(page_size=page, max_seqlen_k=4096)
-        plan = sm90.plan(p, 0, None, 132)
-        assert plan.config[:3] == (64, 2, "tma") and sm90.compile_key(p, plan, "sm_90a")[8] == (64, 2, "tma")
-        assert sm90.plan(p, 0, None, 132, tuning=Tuning(mla_sm90_qk="tma")) == plan
+        plan = sm90.plan(p, 0, None, 132)  # a 16-bit cache: the lagging row max (``DEFAULT_TMA_MODE``)
+        assert plan.config[:3] == (64, 2, "tma_lag")
+        assert sm90.compile_key(p, plan, "sm_90a")[8] == (64, 2, "tma_lag")
+        assert sm90.plan(p, 0, None, 132, tuning=Tuning(mla_sm90_qk="tma_lag")) == plan
         assert sm90.plan(p, 0, None, 132, tuning=Tuning(mla_sm90_qk="seesaw")).config[:3] == (32, 4, "seesaw")
-        for mode in ("tma_runs", "tma_lag"):
+        for mode in ("tma", "tma_runs", "tma_lag"):
             other = sm90.plan(p, 0, None, 132, tuning=Tuning(mla_sm90_qk=mode))
             assert other == plan._replace(config=plan.config._replace(qk=mode))
             assert sm90.compile_key(p, other, "sm_90a")[8] == (64, 2, mode)

@@ -402,7 +402,8 @@ class WarpRoles(WarpgroupRoles):
 
 
 QK_MODES = ("one", "split", "seesaw")
-# The TMA kernel's modes (``sm90.mla``, FLASH_ATTN_CUTE_MLA_SM90_QK): "tma"; "tma_runs", its
+# The TMA kernel's modes (``sm90.mla``: its default per cache dtype, DEFAULT_TMA_MODE;
+# FLASH_ATTN_CUTE_MLA_SM90_QK names one): "tma"; "tma_runs", its
 # steady steps split by mask runs (``mla_decode_tma.step_runs``: no mask test inside the
 # unmasked run); "tma_lag", those runs and a lagging running row max
 # (``mla_decode_tma.RESCALE_LOG2``: O's rescale skipped by a warp whose rows kept their max).

@@ -39,14 +39,19 @@ _SPLIT_TOLERANCE = 0.9
 DEFAULT_QK_MODE = "seesaw"
 
 
-# The TMA kernel's config: 64-key tiles in two buffers.
-TMA_CONFIG = (64, 2, "tma")
-# Its modes "tma_runs" and "tma_lag" (``config.TMA_MODES``, FLASH_ATTN_CUTE_MLA_SM90_QK) are
-# opt-in until measured on a GPU: compile-verified only. sm_90a SASS, 2026-12-07, 64 heads,
-# the steady step's instructions a thread, warpgroup 0 / 1: "tma" 1,094 / 1,037, "tma_runs"
-# 1,038 / 918, "tma_lag" 1,089 / 967 (801 / 839 where its rescales are skipped); an e4m3
-# cache under 16-bit q 1,098 / 992, 1,033 / 881, 1,079 / 990 (791 / 862). No GPU test or
-# timing yet (``benchmarks/RESULTS.md``).
+# The TMA kernel's tiles: 64 keys, two buffers (its mode: ``DEFAULT_TMA_MODE``).
+TMA_TILE = (64, 2)
+# Its modes (``config.TMA_MODES``, FLASH_ATTN_CUTE_MLA_SM90_QK names one): "tma", "tma_runs"
+# (no mask test in the unmasked blocks' steps) and "tma_lag" (those and a lagging row max).
+# The default over a 16-bit cache is "tma_lag", over an e4m3 cache "tma". H100, 2026-12-07,
+# one run, two alternating passes a mode (``results/mla_tma_modes_ab_h100_2026-12-07_s29.txt``),
+# "tma" / "tma_lag" time: bf16 128 heads 1.026x (128 x 2048) and 1.024x (32 x 8192), 64 heads
+# 1.002x (128 x 2048, 64 x 1024); an e4m3 cache under bf16 q 0.959-0.997x, e4m3 q 0.980-1.005x
+# ("tma_runs": 0.969-1.010x). sm_90a SASS, 64 heads, the steady step's instructions a thread,
+# warpgroup 0 / 1: "tma" 1,094 / 1,037, "tma_runs" 1,038 / 918, "tma_lag" 801 / 839 where
+# its rescales are skipped; e4m3 under 16-bit q 1,098 / 992, 1,033 / 881, 791 / 862: fewer
+# instructions, yet the e4m3 steps are no faster (not profiled).
+DEFAULT_TMA_MODE = {False: "tma_lag", True: "tma"}  # by kv_fp8
 TMA_PAGE = 64  # page sizes it reads: multiples of this (a tile is one box row range of one page)
 
 
@@ -184,21 +189,20 @@ def plan(problem: MlaProblem, num_splits: int, pack_gqa: Optional[bool], num_sms
     ``num_splits`` 0: the TMA kernel's split model (``tma_num_splits``: shapes, SMs and the
     current device's HBM bandwidth), the gathering kernel's the package's wave-efficiency
     heuristic on its grid (shapes only); batch invariant: fixed keys per split. Pages of a
-    multiple of 64 keys over a 16-bit cache: the TMA kernel
-    (``uses_tma``; 64-key tiles), which runs a device-computed schedule where the call
-    gives one (``scheduler_metadata``; not with an explicit ``num_splits``, batch
+    multiple of 64 keys over a 16-bit or e4m3 cache: the TMA kernel (``uses_tma``; 64-key
+    tiles; its mode ``DEFAULT_TMA_MODE``), which runs a device-computed schedule where the
+    call gives one (``scheduler_metadata``; not with an explicit ``num_splits``, batch
     invariance or context parallelism, which plan on the host as the other kernel does).
-    ``tuning.mla_sm90_qk`` overrides the Q K^T mode of the
-    gathering kernel, and a mode of it also replaces the TMA kernel (A/B runs, and the
-    GPU tests of each)."""
+    ``tuning.mla_sm90_qk`` names the TMA kernel's mode (``config.TMA_MODES``) or the Q K^T
+    mode of the gathering kernel, which then also replaces the TMA kernel (A/B runs, and
+    the GPU tests of each)."""
     rows = problem.max_seqlen_q * problem.qhead_per_kvhead  # packed rows of one KV head
     r = roles(tuning.mla_sm90_qk, problem.kv_fp8, tuning.mla_fp8_stages)
     tile_n, stages, qk, fp8_stages = r.tile_n, r.stages, r.qk, r.fp8_stages
     tma = uses_tma(problem, tuning.mla_sm90_qk)
     if tma:
-        (tile_n, stages, qk), fp8_stages = TMA_CONFIG, 0
-        if tuning.mla_sm90_qk in TMA_MODES:
-            qk = tuning.mla_sm90_qk
+        (tile_n, stages), fp8_stages = TMA_TILE, 0
+        qk = tuning.mla_sm90_qk if tuning.mla_sm90_qk in TMA_MODES else DEFAULT_TMA_MODE[problem.kv_fp8]
     if tma and problem.schedule_parts and num_splits == 0 and not problem.batch_invariant and not problem.cp:
         # A device-computed schedule (``scheduler_metadata``): its work items and partial
         # slots replace the host's splits (``kernels/mla_schedule.py``).

@@ -44,8 +44,8 @@ max shared through ``sM``:
 
 (named barriers ``Sm90MlaTmaBarrier``; "X ->" waits, "-> X" arrives). A warpgroup
 publishes its row max before its exponentials (FlashMLA after them), so the other's
-softmax starts while they run. With ``lag_max`` (mode "tma_lag", opt-in until measured on a
-GPU) the shared max lags (``RESCALE_LOG2``, as FA4's SM100 softmax): it moves only when a
+softmax starts while they run. With ``lag_max`` (mode "tma_lag", the default over 16-bit
+caches: ``sm90/mla.py`` has the measurement) the shared max lags (``RESCALE_LOG2``, as FA4's SM100 softmax): it moves only when a
 tile's scores pass it by more than a factor 2^8 (e4m3 P: 2^2.5), so after a sequence's first
 tiles the corrections are exactly 1 and a warp skips the rescales above (O *= corr: 128 FMUL
 a thread, twice a step in warpgroup 0; P_a *= corr_b) on a warp vote. Every chunk is
@@ -103,8 +103,8 @@ barriers of the seesaw, each wgmma wait). Warpgroup 0's 256 O rescales a step (O
 then corr_b) against warpgroup 1's 128 are the difference between the two loops. On that
 chain, between S's wait and its row max, every step also runs the mask test of the sequence
 end (``row_stats``): ptxas if-converts it, 91 and 111 instructions a step (16-bit: 71, 72),
-which the opt-in modes (``step_runs``; ``sm90/mla.py``) take out of the unmasked blocks'
-steps; each step also divides by the page's sub-block count twice (``_TileLoader.page``,
+which the modes "tma_runs" and "tma_lag" (``step_runs``; ``sm90/mla.py``) take out of
+the unmasked blocks' steps; each step also divides by the page's sub-block count twice (``_TileLoader.page``,
 about 50 instructions in every warp; a FastDivmod divisor would take most of them: not
 yet done).
 
