@@ -19,6 +19,7 @@ import os
 import pytest
 import torch
 
+from flash_attn_cute.sm90.config import TMA_MODES
 from flash_attn_cute.testing import backends_on_this_gpu, check_close, check_lse, mla_decode_ref
 
 pytestmark = [
@@ -196,7 +197,7 @@ def fp8_wgmma(backend, ckv):
     cache is widened to 16 bits."""
     sm90 = backend == "sm90" or (backend is None and torch.cuda.get_device_capability()[0] == 9)
     return (sm90 and ckv.dtype == torch.float8_e4m3fn and ckv.shape[1] % 64 == 0
-            and os.environ.get("FLASH_ATTN_CUTE_MLA_SM90_QK", "tma") in ("tma", "tma_runs", "tma_lag"))
+            and os.environ.get("FLASH_ATTN_CUTE_MLA_SM90_QK", "tma") in TMA_MODES)
 
 
 # The fp8 wgmma kernel rounds P against its running row max, PyTorch's FP8 algorithm

@@ -148,9 +148,9 @@ def check(problem: MlaProblem) -> Optional[str]:
 def uses_tma(problem: MlaProblem, qk: Optional[str] = None) -> bool:
     """The TMA kernel: a 16-bit or e4m3 cache (e4m3: fp8 wgmma, queries quantized in the
     kernel) in pages of a multiple of 64 keys, unless FLASH_ATTN_CUTE_MLA_SM90_QK (``qk``)
-    names a mode of the gathering kernel ("tma" or unset: the TMA kernel where it applies,
-    the gathering "seesaw" elsewhere; for an FP8 cache that is the kernel that widens it
-    to 16 bits). FP8 queries always take it (``check`` refuses them other pages)."""
+    names a mode of the gathering kernel (unset or one of ``TMA_MODES``: the TMA kernel
+    where it applies, the gathering "seesaw" elsewhere; for an FP8 cache that is the
+    kernel that widens it to 16 bits). FP8 queries always take it (``check`` refuses them other pages)."""
     return (problem.page_size % TMA_PAGE == 0 and problem.kv_dtype in (None, torch.float8_e4m3fn)
             and (qk in (None,) + TMA_MODES or problem.q_fp8))
 
@@ -164,7 +164,7 @@ def roles(qk: Optional[str] = None, fp8: bool = False, fp8_stages: Optional[str]
     (``fp8_stages`` "s,s8", ``tuning.mla_fp8_stages``, overrides both depths)."""
     mode = DEFAULT_QK_MODE if qk in (None,) + TMA_MODES else qk
     if mode not in QK_MODES:
-        raise ValueError(f"FLASH_ATTN_CUTE_MLA_SM90_QK={mode}: one of {QK_MODES + ('tma',)}")
+        raise ValueError(f"FLASH_ATTN_CUTE_MLA_SM90_QK={mode}: one of {QK_MODES + TMA_MODES}")
     if not fp8:
         return MlaRoles(qk=mode) if mode != "split" else MlaRoles(stages=3, qk="split")
     stages, staging = fp8_stages_override(fp8_stages) or ((3, 2) if mode != "split" else (2, 2))

@@ -45,10 +45,11 @@ max shared through ``sM``:
 (named barriers ``Sm90MlaTmaBarrier``; "X ->" waits, "-> X" arrives). A warpgroup
 publishes its row max before its exponentials (FlashMLA after them), so the other's
 softmax starts while they run. With ``lag_max`` (mode "tma_lag", the default over 16-bit
-caches: ``sm90/mla.py`` has the measurement) the shared max lags (``RESCALE_LOG2``, as FA4's SM100 softmax): it moves only when a
-tile's scores pass it by more than a factor 2^8 (e4m3 P: 2^2.5), so after a sequence's first
-tiles the corrections are exactly 1 and a warp skips the rescales above (O *= corr: 128 FMUL
-a thread, twice a step in warpgroup 0; P_a *= corr_b) on a warp vote. Every chunk is
+caches: ``sm90/mla.py`` has the measurement) the shared max lags (``RESCALE_LOG2``, as
+FA4's SM100 softmax): it moves only when a tile's scores pass it by more than a factor 2^8
+(e4m3 P: 2^2.5), so after a sequence's first tiles the corrections are exactly 1 and a
+warp skips the rescales above (O *= corr: 128 FMUL a thread, twice a step in warpgroup 0;
+P_a *= corr_b) on a warp vote. Every chunk is
 reloaded by the warpgroup that last read it, after its own wgmma wait; the only chunks the
 other warpgroup reads (the other half of V, P) are released by the barrier order above.
 sP0 lives over buffer 0's rotary chunk (free once S_a landed, reloaded only after WG1's
@@ -104,9 +105,9 @@ then corr_b) against warpgroup 1's 128 are the difference between the two loops.
 chain, between S's wait and its row max, every step also runs the mask test of the sequence
 end (``row_stats``): ptxas if-converts it, 91 and 111 instructions a step (16-bit: 71, 72),
 which the modes "tma_runs" and "tma_lag" (``step_runs``; ``sm90/mla.py``) take out of
-the unmasked blocks' steps; each step also divides by the page's sub-block count twice (``_TileLoader.page``,
-about 50 instructions in every warp; a FastDivmod divisor would take most of them: not
-yet done).
+the unmasked blocks' steps; each step also divides by the page's sub-block count twice
+(``_TileLoader.page``, about 50 instructions in every warp; a FastDivmod divisor would
+take most of them: not yet done).
 
 Beside FlashMLA (its SM90 dense decode as sglang-kernel 0.4.4 builds it; both SASS
 listings summarised in ``benchmarks/results/sass_mla_flashmla_vs_tma_2026-12-05_s13.txt``,
@@ -768,7 +769,8 @@ class MlaDecodeSm90Tma:
     @cute.jit
     def exponentiate(self, ops, acc_S, row_sum, m_use, corr):
         """acc_S becomes P = exp2(S * scale_log2 - max) (fp32; fp8: times 2^``p_offset``, the
-        row max at 2^8 where e4m3 keeps its 4 significant bits down to 2^-6), and the
+        row max at 2^8, or 2^6 under a lagging max, where e4m3 keeps its 4 significant bits
+        down to 2^-6), and the
         row sums take it after their correction ``corr`` (all this step's, for this
         warpgroup's sums)."""
         s_mn = acc_mn_view(acc_S)
