@@ -96,7 +96,7 @@ What bounds an e4m3 tile (the split model's fit, ``sm90/mla.py``, H100 2026-12-0
 64-key tile in a CTA where few run (16-bit: 1.69), 1.80 us with every SM busy (16-bit: 2.11),
 while its bytes at HBM's share take 1.58 us (132 CTAs): an e4m3 cache is not yet memory-bound,
 so it gains 1.15-1.3x, not 2x, over 16 bits. Neither issue nor the tensor pipe sets that pace:
-the steady step (a pair of tiles) is 1,098 instructions a thread in warpgroup 0 and 992 in
+the steady step (a pair of tiles) is 1,050 instructions a thread in warpgroup 0 and 935 in
 warpgroup 1 (sm_90a SASS, 64 heads: FMUL 292 / 132, PRMT 64, 16 LDSM and 16 STSM of the
 transposes), about 0.6 us of issue a tile on a SM sub-partition's two warps, and the
 QGMMAs 0.6 us at the tensor pipe's peak; the rest is the step's dependency chain (the
@@ -105,9 +105,9 @@ then corr_b) against warpgroup 1's 128 are the difference between the two loops.
 chain, between S's wait and its row max, every step also runs the mask test of the sequence
 end (``row_stats``): ptxas if-converts it, 91 and 111 instructions a step (16-bit: 71, 72),
 which the modes "tma_runs" and "tma_lag" (``step_runs``; ``sm90/mla.py``) take out of
-the unmasked blocks' steps; each step also divides by the page's sub-block count twice
-(``_TileLoader.page``, about 50 instructions in every warp; a FastDivmod divisor would
-take most of them: not yet done).
+the unmasked blocks' steps. Each step also divides by the page's sub-block count twice
+(``_TileLoader.page``), a FastDivmod multiply: with a runtime division the steps above
+were 1,098 / 992 instructions (16-bit, lagging max: 1,089 / 967, now 1,054 / 939).
 
 Beside FlashMLA (its SM90 dense decode as sglang-kernel 0.4.4 builds it; both SASS
 listings summarised in ``benchmarks/results/sass_mla_flashmla_vs_tma_2026-12-05_s13.txt``,
@@ -182,7 +182,7 @@ from flash_attn_cute.device.layout_utils import acc_mn_view, acc_to_operand_a, r
     transpose_view
 from flash_attn_cute.device.mla_kernel import MlaArgs, MlaTile, load_q_rows, mla_call, set_mla_config
 from flash_attn_cute.device.named_barrier import Sm90MlaTmaBarrier
-from flash_attn_cute.device.paged_kv import clamp_page, page_entry
+from flash_attn_cute.device.paged_kv import clamp_page
 from flash_attn_cute.device.softmax import FP8_P_OFFSET, LN_2, LOG2_E
 from flash_attn_cute.device.tile_scheduler import SingleTileScheduler, TileDivisors, tile_divisors
 from flash_attn_cute.device.variants import apply_to_scores
@@ -325,7 +325,9 @@ class MlaDecodeSm90Tma:
         # A schedule's work items take the place of the (sequence, split) pairs.
         grid_splits, grid_outer = (Int32(1), args.num_items()) if self.scheduled else (args.num_splits,
                                                                                       args.batch_size)
-        launch_ctas(self.kernel(args, tile_divisors(num_m_blocks, grid_splits), (tma_atom_C, tma_atom_Kp),
+        # A page's 64-key sub-blocks: the loader's every-step page lookups divide by it.
+        sub_blocks = cute.fast_divmod_create_divisor_v2(cutlass.max(args.mCkv.shape[1] // TILE_N, 1))
+        launch_ctas(self.kernel(args, tile_divisors(num_m_blocks, grid_splits), sub_blocks, (tma_atom_C, tma_atom_Kp),
                                 (tma_C, tma_Kp), layouts, (tiled_mma_qk, tiled_mma_qk_rs), tiled_mma_pv,
                                 tiled_mma_pv_ss, SharedStorage),
                     SingleTileScheduler.grid(num_m_blocks, args.num_kv_heads(), grid_splits, grid_outer),
@@ -336,6 +338,7 @@ class MlaDecodeSm90Tma:
         self,
         args: MlaArgs,
         divisors: TileDivisors,  # the grid's M blocks and splits (tile_scheduler.tile_divisors)
+        sub_blocks: cute.FastDivmodDivisorV2,  # 64-key sub-blocks a page (``_TileLoader.page``)
         tma_atoms: tuple,  # ckv, kpe
         tma_views: tuple,  # ckv, kpe: (page_size, d, [h_kv,] num_pages) coordinate tensors
         smem_layouts: tuple,  # Qn, Qp, ckv, kpe, P, V^T
@@ -387,7 +390,7 @@ class MlaDecodeSm90Tma:
         n_tiles = cute.arch.make_warp_uniform(tile.n_tiles)
         cute.arch.sync_threads()  # the mbarriers are initialised
         if tile.rows_valid > 0:
-            loader = _TileLoader.create(args, tile, tma_atoms, tma_views, smem, self.chunks)
+            loader = _TileLoader.create(args, tile, tma_atoms, tma_views, smem, self.chunks, sub_blocks)
             pages = (loader.page(0), loader.page(1))  # (ptxas issues these reads after Q's loads, in warp 0)
             first_loads = lambda: self.first_loads(loader, pages, n_tiles, warp_idx)
             self.mma(tile, n_tiles, smem, loader, first_loads, tiled_mmas_qk, tiled_mma_pv, tiled_mma_pv_ss, args,
@@ -998,9 +1001,11 @@ class _TileLoader:
     n_block_max: Int32
     mbar: cute.Pointer
     chunks: _Chunks
+    sub_blocks: cute.FastDivmodDivisorV2
 
     @staticmethod
-    def create(args: MlaArgs, tile, tma_atoms, tma_views, smem: _Smem, chunks: _Chunks) -> "_TileLoader":
+    def create(args: MlaArgs, tile, tma_atoms, tma_views, smem: _Smem, chunks: _Chunks,
+               sub_blocks: cute.FastDivmodDivisorV2) -> "_TileLoader":
         tma_C, tma_Kp = tma_views
         if cutlass.const_expr(args.kv_heads):
             tma_C, tma_Kp = tma_C[None, None, tile.head_kv, None], tma_Kp[None, None, tile.head_kv, None]
@@ -1011,7 +1016,8 @@ class _TileLoader:
             ts, tg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_chunks, 0, 2),
                                            cute.group_modes(g, 0, 2))
             parts += [tg, ts]
-        return _TileLoader(*tma_atoms, *parts, args.mPageTable, tile.ctx.batch, tile.n_block_max, smem.mbar, chunks)
+        return _TileLoader(*tma_atoms, *parts, args.mPageTable, tile.ctx.batch, tile.n_block_max, smem.mbar, chunks,
+                           sub_blocks)
 
     @cute.jit
     def page(self, i):
@@ -1024,8 +1030,11 @@ class _TileLoader:
         earlier fp8 reloads together took the FP8 128-head rows from 1.03-1.09x to
         1.13-1.20x our 16-bit kernel, same runs' FlashMLA FP8 ratio 0.77-0.79x to
         0.87-0.91x)."""
-        # Unclamped here (``paged_kv.page_entry``): the clamp is ``load``'s.
-        return page_entry(self.mPageTable, self.batch, cutlass.max(self.n_block_max - 1 - i, 0), self.tCgC.shape[1])
+        # Unclamped here (as ``paged_kv.page_entry``): the clamp is ``load``'s. The division by
+        # the sub-block count is a FastDivmod multiply: a runtime ``//`` was about 25
+        # instructions in every warp, twice a step (sm_90a SASS).
+        page_idx, sub = divmod(cutlass.max(self.n_block_max - 1 - i, 0), self.sub_blocks)
+        return self.mPageTable[self.batch, page_idx], sub
 
     @cute.jit
     def load(self, where, buf: cutlass.Constexpr[int], lo: cutlass.Constexpr[int], hi: cutlass.Constexpr[int]):
