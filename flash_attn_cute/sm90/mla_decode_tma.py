@@ -182,7 +182,7 @@ from flash_attn_cute.device.layout_utils import acc_mn_view, acc_to_operand_a, r
     transpose_view
 from flash_attn_cute.device.mla_kernel import MlaArgs, MlaTile, load_q_rows, mla_call, set_mla_config
 from flash_attn_cute.device.named_barrier import Sm90MlaTmaBarrier
-from flash_attn_cute.device.paged_kv import clamp_page
+from flash_attn_cute.device.paged_kv import clamp_page, page_entry
 from flash_attn_cute.device.softmax import FP8_P_OFFSET, LN_2, LOG2_E
 from flash_attn_cute.device.tile_scheduler import SingleTileScheduler, TileDivisors, tile_divisors
 from flash_attn_cute.device.variants import apply_to_scores
@@ -1030,11 +1030,8 @@ class _TileLoader:
         earlier fp8 reloads together took the FP8 128-head rows from 1.03-1.09x to
         1.13-1.20x our 16-bit kernel, same runs' FlashMLA FP8 ratio 0.77-0.79x to
         0.87-0.91x)."""
-        # Unclamped here (as ``paged_kv.page_entry``): the clamp is ``load``'s. The division by
-        # the sub-block count is a FastDivmod multiply: a runtime ``//`` was about 25
-        # instructions in every warp, twice a step (sm_90a SASS).
-        page_idx, sub = divmod(cutlass.max(self.n_block_max - 1 - i, 0), self.sub_blocks)
-        return self.mPageTable[self.batch, page_idx], sub
+        # Unclamped here (``paged_kv.page_entry``): the clamp is ``load``'s.
+        return page_entry(self.mPageTable, self.batch, cutlass.max(self.n_block_max - 1 - i, 0), self.sub_blocks)
 
     @cute.jit
     def load(self, where, buf: cutlass.Constexpr[int], lo: cutlass.Constexpr[int], hi: cutlass.Constexpr[int]):
