@@ -101,11 +101,12 @@ def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1,
     # Scores in fp32, or in fp64 for fp64 inputs (the feature-pair sweep's reference).
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     group = nheads // nheads_kv
-    k = k.repeat_interleave(group, dim=2)
-    v = v.repeat_interleave(group, dim=2)
     with _exact_fp32_matmul():
-        # (b, h, sq, sk); in low precision this matmul rounds its output to q's dtype
-        scores = torch.einsum("bqhd,bkhd->bhqk", q * softmax_scale, k).to(acc)
+        # (b, h, sq, sk), query head h on KV head h // group: K broadcast over its group, not
+        # repeated (an MLA latent head under 128 query heads would be 128 copies of the cache).
+        # In low precision this matmul rounds its output to q's dtype.
+        qg = (q * softmax_scale).view(batch, seqlen_q, nheads_kv, group, d)
+        scores = torch.einsum("bqhgd,bkhd->bhgqk", qg, k).reshape(batch, nheads, seqlen_q, seqlen_k).to(acc)
         if softcap > 0:
             scores = softcap * torch.tanh(scores / softcap)
         b_idx, h_idx, q_idx, kv_idx = _index_tensors(batch, nheads, seqlen_q, seqlen_k, q.device, batch_idx)
@@ -129,7 +130,8 @@ def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1,
             # exp(max - lse) = 1 / the row's exact sum (its sink included).
             inv_sum = torch.exp(row_max - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
             probs = p8 * (inv_sum / 256.0)
-        out = torch.einsum("bhqk,bkhd->bqhd", probs.to(v.dtype), v)
+        probs = probs.to(v.dtype).view(batch, nheads_kv, group, seqlen_q, seqlen_k)
+        out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v).reshape(batch, seqlen_q, nheads, v.shape[-1])
     return out, lse
 
 
