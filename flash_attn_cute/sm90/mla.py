@@ -60,6 +60,7 @@ class SplitCosts(NamedTuple):
     tile_us: float  # one CTA's 64-key tile where few CTAs run: its own pipeline's pace
     full_us: float  # the same with every SM busy: the tensor pipe at the clocks a full machine holds
     cta_us: float  # a CTA's fixed cost (Q in, the first tiles' two round trips, O out), once a wave
+    split_us: float = 0.12  # a split's serial step in the combine (each of its CTAs streams every split)
 
 
 # Least-squares fit to 24 rows graph-timed on one H100, 2026-12-07 (bf16 rms error 3.3 %, e4m3
@@ -69,6 +70,13 @@ class SplitCosts(NamedTuple):
 # was 3.08 TB/s (``heuristics.hbm_bytes_per_us``), the partials' bytes cost twice (written,
 # read back by the combine). An e4m3 tile is no faster in a CTA's own pipeline than half a
 # 16-bit one's bytes would say: its V transposes and quantized P sit on that path.
+# ``split_us``: the rows of one long sequence (1 x 32768, 64 heads) pay for every split
+# beyond what the tiles and partial bytes above say: 64 -> 128 splits halves a CTA's tiles
+# (8 -> 4, -5.8 us in the model) yet measured +1.2 to +3.1 us (bf16 40.9-41.2 -> 43.2-43.3,
+# e4m3 35.6-36.0 -> 36.8-39.1; ``results/mla_splits_h100_2026-12-07_s27.txt``, ``_s28``):
+# 0.11-0.14 us a split. With it the model takes 64 splits there (was 74 / 103: 42.2 / 39.9
+# us against 41.2 / 36.0 at 64, s28) and 16 at 4 x 8192 (e4m3: 22, was 26); the rows of
+# fewer than ten splits keep their counts.
 SPLIT_COSTS = {False: SplitCosts(1.685, 2.105, 8.0), True: SplitCosts(1.463, 1.796, 10.4)}
 
 
@@ -79,7 +87,8 @@ def split_time_us(ctas: int, m_blocks: int, n_blocks: int, splits: int, num_sms:
     wave by wave, each CTA's fixed cost and then its tiles at the slowest of its own
     pipeline, the tensor pipe's share of a machine ``k / num_sms`` busy, and HBM's share
     (``m_blocks`` CTAs read each tile, through L2 once); a split run adds its fp32
-    partials (``partial_bytes`` a split), written and read back. The fixed launch costs
+    partials (``partial_bytes`` a split), written and read back, and the combine's step
+    over each split (``costs.split_us``). The fixed launch costs
     are left out: they do not depend on ``splits``."""
     tiles = heuristics.ceildiv(n_blocks, splits)
 
@@ -89,7 +98,7 @@ def split_time_us(ctas: int, m_blocks: int, n_blocks: int, splits: int, num_sms:
 
     full, rest = divmod(ctas * splits, num_sms)
     total = full * wave(num_sms) + (wave(rest) if rest else 0.0)
-    return total + (2 * partial_bytes * splits / bytes_per_us if splits > 1 else 0.0)
+    return total + ((2 * partial_bytes / bytes_per_us + costs.split_us) * splits if splits > 1 else 0.0)
 
 
 def splits_weigh_bandwidth(problem: MlaProblem) -> bool:
