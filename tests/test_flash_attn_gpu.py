@@ -202,6 +202,31 @@ def test_flash_attn_func_large(name):
     _run_func(_BY_NAME[name], 4224, 4224, batch=1)
 
 
+@pytest.mark.parametrize("mask", ["causal", "local"])
+@pytest.mark.parametrize("sm_margin", [0, 100])
+def test_persistent_dynamic_tiles(mask, sm_margin, monkeypatch):
+    # Persistent CTAs over masked (LPT) tiles take them from an atomic counter (SM90
+    # ``flash_fwd`` ``dynamic``; FLASH_ATTN_CUTE_SM90_PERSISTENT=1 for causal, the default for
+    # windows): 2 x 1800 queries x 8 heads over 1500 keys, GQA 4, sm_margin 100 leaves 32
+    # CTAs that loop over ~15 tiles each; twice (the counter starts at zero every launch),
+    # out= poisoned each time.
+    if BACKEND != "sm90":
+        pytest.skip("the SM90 kernel's persistent tiles")
+    monkeypatch.setenv("FLASH_ATTN_CUTE_SM90_PERSISTENT", "1")
+    fa = _api()
+    q = _randn(2, 1800, 8, 128, dtype=torch.bfloat16)
+    k, v = (_randn(2, 1500, 2, 128, dtype=torch.bfloat16) for _ in range(2))
+    kw = dict(causal=True) if mask == "causal" else dict(window_size=(300, 0))
+    out_ref, lse_ref = attention_ref(q, k, v, window_size=kw.get("window_size", (-1, -1)), causal=mask == "causal")
+    out_pt, lse_pt = attention_ref(q, k, v, window_size=kw.get("window_size", (-1, -1)), causal=mask == "causal",
+                                   upcast=False)
+    out = torch.empty_like(q)
+    for _ in range(2):
+        out.fill_(float("nan"))
+        _, lse = fa.flash_attn_func(q, k, v, return_lse=True, out=out, backend=BACKEND, sm_margin=sm_margin, **kw)
+        _check_against_ref(out, lse, out_ref, lse_ref, out_pt, lse_pt, torch.bfloat16)
+
+
 def test_flash_attn_func_explicit_scale():
     # softmax_scale is a runtime value: the base kernel, no compile
     fa = _api()

@@ -89,20 +89,23 @@ def test_fp8_attention(backend, d, causal):
 
 @pytest.mark.parametrize("persistent,sm_margin", [("0", 0), ("1", 0), ("1", 100)])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_fp8_attention_persistent(persistent, sm_margin, num_splits, monkeypatch):
-    """d 256 non-causal with more tiles than SMs (2 sequences x 2048 queries x 8 heads: 256
-    tiles of 128 rows, x 3 splits), one CTA per tile and persistent CTAs that loop over
-    several (FLASH_ATTN_CUTE_SM90_PERSISTENT; ``sm90.fp8_persistent``): the pipeline states,
-    the V transposes and the Q loads carried from tile to tile; with ``sm_margin`` the grid
-    leaves 100 SMs free, so each CTA loops over 8 to 24 tiles."""
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_attention_persistent(persistent, sm_margin, num_splits, causal, monkeypatch):
+    """d 256 with more tiles than SMs (2 sequences x 2048 queries x 8 heads: 256 tiles of
+    128 rows, x 3 splits), one CTA per tile and persistent CTAs that loop over several
+    (FLASH_ATTN_CUTE_SM90_PERSISTENT; ``sm90.fp8_persistent``): the pipeline states, the V
+    transposes and the Q loads carried from tile to tile; with ``sm_margin`` the grid leaves
+    100 SMs free, so each CTA loops over 8 to 24 tiles. Causal: the LPT tiles handed out by
+    the atomic counter (``flash_fwd`` ``dynamic``), the empty ones (queries past the keys'
+    diagonal see none: 548 of 2048 rows) among them."""
     monkeypatch.setenv("FLASH_ATTN_CUTE_SM90_PERSISTENT", persistent)
     q8, k8, v8, qd, kd, vd = _inputs(2, 2048, 1500, 8, 2, 256, seed=7)
     out = torch.full(q8.shape, float("nan"), device=DEVICE, dtype=torch.bfloat16)
     res = flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, num_splits=num_splits,
-                          return_lse=True, out=out, backend="sm90", sm_margin=sm_margin)
+                          return_lse=True, out=out, backend="sm90", sm_margin=sm_margin, causal=causal)
     q, k, v = _dequantized(q8, k8, v8, qd, kd, vd)
-    out_ref, lse_ref = attention_ref(q, k, v)
-    out_torch, lse_torch = _torch(attention_ref, q, k, v)
+    out_ref, lse_ref = attention_ref(q, k, v, causal=causal)
+    out_torch, lse_torch = _torch(attention_ref, q, k, v, causal=causal)
     check_close(out, out_ref, out_torch, mult=MULT)
     check_lse(res[1], lse_ref, lse_torch)
 

@@ -116,13 +116,16 @@ def fwd_key(name: str, problem: FwdProblem, plan: FwdPlan, arch: str, tile: tupl
                     problem.has_sink, plan.config.split_blocks, problem.q_class, extra, leftpad_k=problem.leftpad_k)
 
 
-def entry_points(key: Callable, kernel_module: str, compile_fn: str, scalars: Callable):
+def entry_points(key: Callable, kernel_module: str, compile_fn: str, scalars: Callable,
+                 call_tensors: Optional[Callable] = None):
     """A backend's ``compile_key``, ``compile`` and ``launcher``: ``key(problem, plan, arch)``
     builds the key (its first field names the JIT cache entry), ``compile_fn`` of
     ``kernel_module`` compiles it, ``scalars(problem, plan, device)`` are the runtime
     scalars the kernel takes after its tensors; the launcher is ``launch(tensors)`` =
     ``fn(*tensors, *scalars)``, ``tensors`` the kind's kernel tensor list in the kernel's
-    argument order (``api.call_args.FwdTensors`` / ``MlaTensors``)."""
+    argument order (``api.call_args.FwdTensors`` / ``MlaTensors``). ``call_tensors(problem,
+    plan)``, where given, returns ``make(tensors)``: arguments made anew for every launch
+    (a workspace no two launches may share), passed after the scalars."""
 
     def compile_key(problem, plan: FwdPlan, arch: Optional[str] = None) -> tuple:
         return key(problem, plan, arch or target_arch())
@@ -134,20 +137,24 @@ def entry_points(key: Callable, kernel_module: str, compile_fn: str, scalars: Ca
         k = compile_key(problem, plan, target_arch(device))
         fn = jit_cache.get_or_compile(k[0], k, lambda: compile(k))
         bound = tuple(scalars(problem, plan, device))
+        make = call_tensors(problem, plan) if call_tensors is not None else None
+        if make is not None:
+            return lambda tensors: fn(*tensors, *bound, *make(tensors))
         return lambda tensors: fn(*tensors, *bound)
 
     return compile_key, compile, launcher
 
 
 def fwd_entry_points(name: str, kernel_module: str, compile_fn: str, key_tile: Callable,
-                     key_extra: Callable = lambda config: (), extra_scalars: Callable = lambda problem, plan, device: ()):
+                     key_extra: Callable = lambda config: (), extra_scalars: Callable = lambda problem, plan, device: (),
+                     call_tensors: Optional[Callable] = None):
     """A forward backend's entry points: the key holds ``key_tile(plan.config)`` then the
     common fields (the config's ``split_blocks`` among them) then ``key_extra(plan.config)``;
     the launcher binds softmax_scale,
     window_left, window_right, softcap, num_splits, max_seqlen_q, batch, then
-    ``extra_scalars(problem, plan, device)``, and takes ``launch(tensors)``, an
-    ``api.call_args.FwdTensors`` (split kernels get fp32 partials as out/lse and leave the
-    sink to the combine)."""
+    ``extra_scalars(problem, plan, device)``, then ``call_tensors``'s per-launch arguments
+    (``entry_points``), and takes ``launch(tensors)``, an ``api.call_args.FwdTensors``
+    (split kernels get fp32 partials as out/lse and leave the sink to the combine)."""
 
     def key(problem: FwdProblem, plan: FwdPlan, arch: str) -> tuple:
         return fwd_key(name, problem, plan, arch, key_tile(plan.config), key_extra(plan.config))
@@ -157,7 +164,7 @@ def fwd_entry_points(name: str, kernel_module: str, compile_fn: str, key_tile: C
                 float(problem.softcap), int(plan.num_splits), int(problem.max_seqlen_q), int(problem.batch),
                 *extra_scalars(problem, plan, device))
 
-    return entry_points(key, kernel_module, compile_fn, scalars)
+    return entry_points(key, kernel_module, compile_fn, scalars, call_tensors)
 
 
 def mla_entry_points(name: str, kernel_module: str, compile_fn: str, key_config: Callable):

@@ -236,6 +236,15 @@ def _extra_scalars(problem: FwdProblem, plan: FwdPlan, device) -> tuple:
     return int(heuristics.l2_heads_for(problem.max_seqlen_k, problem.d, problem.d_v)), max_ctas
 
 
+def _call_tensors(problem: FwdProblem, plan: FwdPlan):
+    """A persistent kernel's tile counter, (1,) int32 zeros made for each launch (the
+    dynamic hand-out of ``flash_fwd``'s LPT tiles draws from it; two launches, e.g. the
+    two streams of a mixed plan, never share one); nothing for the others (None)."""
+    if not plan.config.persistent:
+        return lambda tensors: (None,)
+    return lambda tensors: (torch.zeros(1, dtype=torch.int32, device=tensors.q.device),)
+
+
 # compile_key, compile, launcher: the seam's shared entry points. The key holds the tile
 # (m, n, stages, ex2) first and gather_kv, persistent (, ctas_per_sm where it is 2)
 # (, keys.QUANTIZE_Q where set) (, keys.two_level_field where set) last (``config.key_extra``).
@@ -243,4 +252,4 @@ compile_key, compile, launcher = fwd_entry_points(
     NAME, "flash_attn_cute.sm90.flash_fwd", "compile_fwd_sm90", key_tile=lambda c: tuple(c[:4]),
     key_extra=lambda c: config.key_extra(c.gather_kv, c.persistent, c.ctas_per_sm, c.quantize_q, c.two_level,
                                          c.kv_box),
-    extra_scalars=_extra_scalars)
+    extra_scalars=_extra_scalars, call_tensors=_call_tensors)
