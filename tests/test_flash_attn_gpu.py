@@ -206,13 +206,13 @@ def test_flash_attn_func_large(name):
 @pytest.mark.parametrize("sm_margin", [0, 100])
 def test_persistent_dynamic_tiles(mask, sm_margin, monkeypatch):
     # Persistent CTAs over masked (LPT) tiles take them from an atomic counter (SM90
-    # ``flash_fwd`` ``dynamic``; FLASH_ATTN_CUTE_SM90_PERSISTENT=1 for causal, the default for
-    # windows): 2 x 1800 queries x 8 heads over 1500 keys, GQA 4, sm_margin 100 leaves 32
+    # ``flash_fwd`` ``dynamic``; FLASH_ATTN_CUTE_SM90_PERSISTENT=dynamic): 2 x 1800 queries x
+    # 8 heads over 1500 keys, GQA 4, sm_margin 100 leaves 32
     # CTAs that loop over ~15 tiles each; twice (the counter starts at zero every launch),
     # out= poisoned each time.
     if BACKEND != "sm90":
         pytest.skip("the SM90 kernel's persistent tiles")
-    monkeypatch.setenv("FLASH_ATTN_CUTE_SM90_PERSISTENT", "1")
+    monkeypatch.setenv("FLASH_ATTN_CUTE_SM90_PERSISTENT", "dynamic")
     fa = _api()
     q = _randn(2, 1800, 8, 128, dtype=torch.bfloat16)
     k, v = (_randn(2, 1500, 2, 128, dtype=torch.bfloat16) for _ in range(2))

@@ -87,7 +87,7 @@ def test_fp8_attention(backend, d, causal):
     check_lse(res[1], lse_ref, lse_torch)
 
 
-@pytest.mark.parametrize("persistent,sm_margin", [("0", 0), ("1", 0), ("1", 100)])
+@pytest.mark.parametrize("persistent,sm_margin", [("0", 0), ("1", 0), ("1", 100), ("dynamic", 0), ("dynamic", 100)])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("causal", [False, True])
 def test_fp8_attention_persistent(persistent, sm_margin, num_splits, causal, monkeypatch):
@@ -95,9 +95,9 @@ def test_fp8_attention_persistent(persistent, sm_margin, num_splits, causal, mon
     128 rows, x 3 splits), one CTA per tile and persistent CTAs that loop over several
     (FLASH_ATTN_CUTE_SM90_PERSISTENT; ``sm90.fp8_persistent``): the pipeline states, the V
     transposes and the Q loads carried from tile to tile; with ``sm_margin`` the grid leaves
-    100 SMs free, so each CTA loops over 8 to 24 tiles. Causal: the LPT tiles handed out by
-    the atomic counter (``flash_fwd`` ``dynamic``), the empty ones (queries past the keys'
-    diagonal see none: 548 of 2048 rows) among them."""
+    100 SMs free, so each CTA loops over 8 to 24 tiles. Causal: the LPT tiles in a static
+    stride ("1") or handed out by the atomic counter ("dynamic": ``flash_fwd`` ``dynamic``),
+    the empty ones (queries before the keys' diagonal see none: 548 of 2048 rows) among them."""
     monkeypatch.setenv("FLASH_ATTN_CUTE_SM90_PERSISTENT", persistent)
     q8, k8, v8, qd, kd, vd = _inputs(2, 2048, 1500, 8, 2, 256, seed=7)
     out = torch.full(q8.shape, float("nan"), device=DEVICE, dtype=torch.bfloat16)

@@ -25,7 +25,7 @@ its launch and prologue on an SM its shared memory keeps to one CTA.
 ``PersistentScheduler``: min(tiles, SMs) CTAs, CTA c computing tiles c, c + grid, c + 2 grid,
 ... of either order above (``work_of``: the tile the non-persistent grid would give its
 idx-th CTA, x fastest, as the hardware launches them), or, over the LPT order, c and then the
-indices an atomic counter hands out (the SM90 kernel's ``dynamic``): a static stride over
+indices an atomic counter hands out (the SM90 kernel's ``dynamic``, opt-in): a static stride over
 tiles of different lengths gives the CTA that takes the heavy end of each round the most
 work (b4 s8192 h8 d256 causal, 128 x 96 tiles: 27 % over the mean in a model of the KV
 blocks per tile, 777 against 933 TFLOP/s one CTA per tile on an H100), the counter 0.5 %.

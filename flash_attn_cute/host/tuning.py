@@ -20,7 +20,7 @@ class Tuning(NamedTuple):
 
     sm80_tile: Optional[str] = None  # "m,n,warps,q_in_regs"
     sm90_tile: Optional[str] = None  # "m,n,stages[,ex2_emulate_every]"
-    sm90_persistent: Optional[str] = None  # "0" / "1" (where it fits)
+    sm90_persistent: Optional[str] = None  # "0" / "1" / "dynamic" (where it fits; sm90.persistent)
     mla_stages: Optional[str] = None  # SM80 MLA pipeline depth: "2" / "3"
     mla_sm90_qk: Optional[str] = None  # SM90 MLA: "tma" (default) / the gathering kernel "seesaw" / "one" / "split"
     mla_fp8_stages: Optional[str] = None  # MLA over an FP8 cache: "stages,staging stages"

@@ -43,7 +43,7 @@ class Sm90Config(NamedTuple):
     num_stages: int  # K/V pipeline depth
     ex2_emulate_every: int  # every k-th exponential on the FMA pipe (0: none)
     gather_kv: bool  # paged rows gathered by cp.async (pages not holding whole tile_n blocks)
-    persistent: bool  # one CTA per SM looping over the tiles
+    persistent: object  # one CTA per SM looping over the tiles: False, True, or "dynamic" (``persistent``)
     split_blocks: int = 0  # batch invariant: KV blocks per split (backend_kit.invariant_splits)
     ctas_per_sm: int = 1  # 2: a tile that fits twice (config.fp8_ctas_per_sm, config.decode_two_ctas)
     quantize_q: bool = False  # an e4m3 cache under 16-bit queries: Q quantized in the kernel (quantizes_q)
@@ -219,7 +219,15 @@ def persistent(problem: FwdProblem, fits: bool, override: Optional[str] = None, 
     583 vs 594 and non-causal 637 vs 682 are slower (long tiles, little fill to hide; not
     analysed further), decode (B64, 4096 keys, GQA 4) 4.25 vs 4.20 TB/s: left off.
     ``override`` "0" / "1" (``tuning.sm90_persistent``) replaces the rule where it fits;
-    ``rule``: another kernel's own rule in place of this one (``fp8_persistent``)."""
+    ``rule``: another kernel's own rule in place of this one (``fp8_persistent``).
+    ``override`` "dynamic": persistent where it fits, and over the LPT order of masked tiles
+    the CTAs draw their tiles from an atomic counter (``flash_fwd`` ``dynamic``, its own
+    key: the config's ``persistent`` is then "dynamic"). Opt-in until a GPU has run it: it
+    is compile-verified (sm_90a SASS) and its GPU tests are written
+    (``test_persistent_dynamic_tiles``, ``test_fp8_attention_persistent``), but the device
+    was not lent in the session that built it (2026-12-08)."""
+    if override == "dynamic":
+        return "dynamic" if fits else False
     if override is not None:
         return fits and override != "0"
     if rule is not None:
@@ -237,10 +245,10 @@ def _extra_scalars(problem: FwdProblem, plan: FwdPlan, device) -> tuple:
 
 
 def _call_tensors(problem: FwdProblem, plan: FwdPlan):
-    """A persistent kernel's tile counter, (1,) int32 zeros made for each launch (the
-    dynamic hand-out of ``flash_fwd``'s LPT tiles draws from it; two launches, e.g. the
-    two streams of a mixed plan, never share one); nothing for the others (None)."""
-    if not plan.config.persistent:
+    """A "dynamic" persistent kernel's tile counter, (1,) int32 zeros made for each launch
+    (``flash_fwd``'s hand-out of LPT tiles draws from it; two launches, e.g. the two streams
+    of a mixed plan, never share one); nothing for the others (None)."""
+    if plan.config.persistent != "dynamic":
         return lambda tensors: (None,)
     return lambda tensors: (torch.zeros(1, dtype=torch.int32, device=tensors.q.device),)
 

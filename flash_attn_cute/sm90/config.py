@@ -293,9 +293,10 @@ def fp8_qkv_persistent_fits(d: int, dv: int, tile: tuple, gather_kv: bool) -> bo
     return persistent_registers_fit(m, gather_kv) and fp8_qkv_smem_bytes(d, dv, m, n, stages) <= SMEM_LIMIT
 
 
-def key_extra(gather_kv: bool, persistent: bool, ctas_per_sm: int, quantize_q: bool, two_level: int = 0,
+def key_extra(gather_kv: bool, persistent, ctas_per_sm: int, quantize_q: bool, two_level: int = 0,
               kv_box: int = 0) -> tuple:
-    """The forward key's SM90 fields after the common ones: gather_kv, persistent, then
+    """The forward key's SM90 fields after the common ones: gather_kv, persistent (a bool,
+    or "dynamic": ``sm90.persistent``), then
     ctas_per_sm where it is 2, ``keys.QUANTIZE_Q`` where the kernel quantizes 16-bit
     queries, ``keys.two_level_field`` where the FP8 P V product is accumulated in two
     levels and ``keys.kv_box_field`` where pages are read in boxes of fewer than tile_n

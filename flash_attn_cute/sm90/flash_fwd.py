@@ -29,7 +29,8 @@ pipeline fill and its epilogue back to back with nothing overlapping them. Under
 (``dynamic``, FA3's dynamic persistent scheduler): the tiles' lengths differ, and a static
 stride over the LPT order left the CTAs that took the heavy end of each round 27 % over
 the mean (b4 s8192 h8 d256 causal, 128 x 96 tiles; H100: 777 against 933 TFLOP/s one CTA
-per tile). Warp 0 of the producer fetches the next index while it loads the current tile
+per tile). Opt-in (FLASH_ATTN_CUTE_SM90_PERSISTENT=dynamic, ``sm90.persistent``) until a GPU
+has run it. Warp 0 of the producer fetches the next index while it loads the current tile
 and hands it to the other warps that walk the tiles through one shared-memory slot
 (``Sm90FwdBarrier.TILE_FULL`` / ``TILE_EMPTY``).
 
@@ -115,8 +116,10 @@ class FlashAttnFwdSm90:
         # tile_n / kv_box TMA boxes, one page lookup each (0: one box per block).
         self.kv_box = kv_box
         assert not (kv_box and gather_kv) and tile_n % max(kv_box, 1) == 0, (kv_box, gather_kv, tile_n)
-        # One CTA per SM looping over tiles (``PersistentScheduler``), else one per tile.
-        self.persistent = persistent
+        # One CTA per SM looping over tiles (``PersistentScheduler``), else one per tile;
+        # "dynamic": masked (LPT) tiles drawn from a counter (module docstring).
+        self.persistent = bool(persistent)
+        self.dynamic_tiles = persistent == "dynamic"
         # Two CTAs per SM (fp8 tiles that fit twice): each gets half the register file.
         self.ctas_per_sm = ctas_per_sm
         # FP8 Q, K and V: both GEMMs in fp8 wgmma. Its B operand is K-major, so producer
@@ -153,8 +156,9 @@ class FlashAttnFwdSm90:
     def launch(self, args: FwdArgs, l2_heads: Int32, max_ctas: Int32, mTileCounter: Optional[cute.Tensor], stream):
         """``l2_heads``: l2_heads_for(...), (head, batch) pairs per L2 section of the LPT order;
         ``max_ctas``: the persistent grid's bound (the SM count; unused otherwise);
-        ``mTileCounter``: (1,) int32, zero at launch: the dynamic hand-out's counter (every
-        persistent kernel takes one, ``dynamic`` ones draw from it; None otherwise)."""
+        ``mTileCounter``: (1,) int32, zero at launch: the dynamic hand-out's counter (the
+        "dynamic" persistent kernels take one, those over LPT tiles draw from it; None
+        otherwise)."""
         mQ, mK, mV, mO = args.mQ, args.mK, args.mV, args.mO
         varlen_q, varlen_k = cutlass.const_expr(args.varlen_q), cutlass.const_expr(args.varlen_k)
         sQ_layout = row_major_smem_layout(self.dtype, self.tile_m, self.head_dim)
@@ -167,8 +171,8 @@ class FlashAttnFwdSm90:
                           and not self.fp8_qkv)  # fp8: O (bf16) would not fit Q's buffer
         self.use_lpt = self.variant.has_mask and not varlen_q
         # Persistent CTAs over the LPT order take their tiles from a counter (module docstring).
-        self.dynamic = self.persistent and self.use_lpt
-        assert self.persistent == (mTileCounter is not None), "persistent kernels take a tile counter"
+        self.dynamic = self.dynamic_tiles and self.use_lpt
+        assert self.dynamic_tiles == (mTileCounter is not None), "dynamic persistent kernels take a tile counter"
         # A persistent CTA loads the next Q while this tile's O is still in smem: O gets its
         # own buffer (``persistent_fits`` keeps the keys where it does not fit non-persistent).
         self.separate_o = self.persistent and self.use_tma_o
@@ -1287,10 +1291,9 @@ class _Widen:
 
 
 def fake_tile_counter(key: tuple):
-    """A persistent kernel's tile counter (``launch``'s ``mTileCounter``) as a fake tensor;
-    None for one CTA per tile (``sm90._call_tensors`` passes the same)."""
-    persistent = parse_key(key, 4).extra[1]
-    return fake_tensor(Int32, 1, align=4) if persistent else None
+    """A "dynamic" persistent kernel's tile counter (``launch``'s ``mTileCounter``) as a fake
+    tensor; None for the others (``sm90._call_tensors`` passes the same)."""
+    return fake_tensor(Int32, 1, align=4) if parse_key(key, 4).extra[1] == "dynamic" else None
 
 
 def compile_fwd_sm90(key: tuple):
