@@ -215,7 +215,8 @@ class FlashAttnFwdSm90:
             mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_Vt: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages if self.fp8_qkv else 1]
-            sTile: cute.struct.MemRange[Int32, 1]  # dynamic: the next tile's index, warp 0 to the others
+            # dynamic: the next tile's index, warp 0 to the others (empty in the other kernels)
+            sTile: cute.struct.MemRange[Int32, 1 if self.dynamic else 0]
             # quantize_q: each consumer warp's amax of the Q tile (in the 1 KB below sQ's alignment).
             sQAmax: cute.struct.MemRange[Float32, self.roles.consumer_threads // 32 if self.quantize_q else 1]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], 1024]
@@ -389,7 +390,7 @@ class FlashAttnFwdSm90:
         block_info = BlockInfo(self.tile_m, self.tile_n, self.qhead_per_kvhead_packed, self.variant, self.split_blocks,
                          self.q_class)
         sched = _Sched(num_m_blocks, grid_divisors, heads_eff, l2_heads, mTileCounter,
-                       storage.sTile.get_tensor(cute.make_layout(1)))
+                       storage.sTile.get_tensor(cute.make_layout(1)) if cutlass.const_expr(self.dynamic) else None)
         pipeline.pipeline_init_wait()
 
         if warp_idx < len(self.roles.producer_warps):
@@ -1249,7 +1250,7 @@ class _Sched:
     heads: Int32
     l2_heads: Int32
     tile_counter: Optional[cute.Tensor]  # dynamic: the launch's (1,) int32 counter
-    sTile: cute.Tensor  # dynamic: the shared slot of the next tile's index
+    sTile: Optional[cute.Tensor]  # dynamic: the shared slot of the next tile's index
 
 
 @dataclass(frozen=True)
