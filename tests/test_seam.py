@@ -89,6 +89,21 @@ def test_tuning_overrides_are_plan_arguments():
     assert sm90.plan(causal, 1, None, None, tuning=Tuning(sm90_persistent="1")).config.persistent
     # Non-causal d128 (128 x 176): two stages and a separate O buffer do not fit; "1" keeps it.
     assert not sm90.plan(p, 1, None, None, tuning=Tuning(sm90_persistent="1")).config.persistent
+    # "dynamic": persistent, its own key value, and a fresh zeroed tile counter per launch
+    # (never shared by two launches); the static persistent kernels take none.
+    dyn = sm90.plan(causal, 1, None, None, tuning=Tuning(sm90_persistent="dynamic"))
+    static = sm90.plan(causal, 1, None, None, tuning=Tuning(sm90_persistent="1"))
+    assert dyn.config.persistent == "dynamic" and static.config.persistent is True
+    assert sm90.compile_key(causal, dyn, "sm_90a")[-1] == "dynamic"
+    assert sm90.compile_key(causal, static, "sm_90a")[-1] is True
+    assert sm90.plan(p, 1, None, None, tuning=Tuning(sm90_persistent="dynamic")).config.persistent is False
+    from types import SimpleNamespace
+
+    tensors = SimpleNamespace(q=torch.empty(1))
+    make = sm90._call_tensors(causal, dyn)
+    first, second = make(tensors)[0], make(tensors)[0]
+    assert first is not second and first.dtype == torch.int32 and first.shape == (1,) and int(first) == 0
+    assert sm90._call_tensors(causal, static)(tensors) == (None,)
 
 
 def test_sm90_decode_tiles_and_ctas_per_sm():
