@@ -113,7 +113,12 @@ Beside FlashMLA (its SM90 dense decode as sglang-kernel 0.4.4 builds it; both SA
 listings summarised in ``benchmarks/results/sass_mla_flashmla_vs_tma_2026-12-05_s13.txt``,
 ``benchmarks/sass_summary.py``). Per kernel the same mix: 196 HGMMA (64 x 64 x 16 for S,
 64 x 256 x 16 for P V), 59 bulk-tensor loads, 17 wgmma waits, about 205 MUFU.EX2; 7,784
-instructions here against its 7,488. Q's rotary chunk lives in registers in both (an RS
+instructions here against its 7,488 (this kernel at 2026-12-08, with the lagging max's
+unmasked steps: 9,224, 240 HGMMA). Where its steady step spends issue slots that FlashMLA's
+does not: warpgroup 1's 939 instructions a step hold ~240 between its P V's wait and its
+next S that issue ten chunk loads, ~24 a chunk (coordinates computed in vector registers and
+moved to uniform ones, 61 R2UR, an ELECT loop and a vote around each UTMALDG; 111 R2UR in
+the whole step, 64 in warpgroup 0's), where FlashMLA keeps them in uniform registers. Q's rotary chunk lives in registers in both (an RS
 wgmma for S's ninth chunk: a ninth less of S's shared-memory A traffic, which sits at the
 128 bytes a cycle shared memory serves; FlashMLA puts sP1 over that chunk's shared memory,
 this kernel keeps it: nothing else needs the 8 KB). What it does that this kernel does not:
