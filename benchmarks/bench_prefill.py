@@ -8,6 +8,8 @@ Implementations:
                         checked on the dequantized values against PyTorch's own FP8 algorithm
                         (testing.attention_ref(p_fp8=True)) with a 3x bound
   ours_fp8_2l<n>        with --fp8 --fp8-two-level n: ours_fp8 with fp8_two_level_interval=n
+  ours_fp8_dyn          with --fp8 --fp8-dynamic: ours_fp8 with FLASH_ATTN_CUTE_SM90_PERSISTENT=dynamic
+                        (persistent CTAs; masked tiles drawn from an atomic counter)
   sdpa_flash            torch SDPA, flash backend only
   sdpa_cudnn            torch SDPA, cuDNN backend only
   fa4                   flash_attn.cute.flash_attn_func (skipped if not importable)
@@ -60,6 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--fp8", action="store_true", help="add ours_fp8 (e4m3 q, k, v) beside the 16-bit rows")
     p.add_argument("--fp8-two-level", type=int, default=0, metavar="N",
                    help="with --fp8: also ours_fp8_2l<N>, fp8_two_level_interval=N")
+    p.add_argument("--fp8-dynamic", action="store_true",
+                   help="with --fp8: also ours_fp8_dyn, FLASH_ATTN_CUTE_SM90_PERSISTENT=dynamic")
     p.add_argument("--warmup", type=float, default=25, help="do_bench warmup, ms")
     p.add_argument("--rep", type=float, default=150, help="do_bench rep, ms")
     p.add_argument("--no-md", action="store_true", help="do not update benchmarks/RESULTS.md")
@@ -159,6 +163,8 @@ def main(argv=None):
                 ours.append("ours_fp8")
                 if args.fp8_two_level:
                     ours.append(f"ours_fp8_2l{args.fp8_two_level}")
+                if args.fp8_dynamic:
+                    ours.append("ours_fp8_dyn")
                 fp8_inputs = [flash_attn_cute.quantize_fp8(x) for x in (q, k, v)]
                 (q8, qd), (k8, kd), (v8, vd) = fp8_inputs
                 deq = [dequantize_kv(x8[sl], d[:1, :REF_HEADS]) for x8, d in fp8_inputs]
@@ -170,7 +176,20 @@ def main(argv=None):
                            tflops=float("nan"), ratio_vs_best_peer=float("nan"), correct=False)
                 group.append(row)
                 try:
-                    if impl.startswith("ours_fp8"):
+                    if impl == "ours_fp8_dyn":
+                        def fn(knob="FLASH_ATTN_CUTE_SM90_PERSISTENT"):
+                            # the knob is read at each call (``tuning.from_env``), its plan cached apart
+                            prev = os.environ.get(knob)
+                            os.environ[knob] = "dynamic"
+                            try:
+                                return flash_attn_cute.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd,
+                                                                       k_descale=kd, v_descale=vd)
+                            finally:
+                                if prev is None:
+                                    os.environ.pop(knob)
+                                else:
+                                    os.environ[knob] = prev
+                    elif impl.startswith("ours_fp8"):
                         fn = lambda n=args.fp8_two_level if impl != "ours_fp8" else 0: flash_attn_cute.flash_attn_func(
                             q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
                             fp8_two_level_interval=n)
