@@ -14,7 +14,9 @@ class Sm90FwdBarrier(enum.IntEnum):
     CONSUMERS = 1  # all consumer threads: Q gathered by cp.async, V tail zeroed, epilogue
     SCHEDULER = 2  # + consumer warpgroup (up to 3): its turn to issue MMAs (ping-pong)
     TILE_FULL = 5  # dynamic persistent tiles: producer warp 0 wrote the next tile's index
-    TILE_EMPTY = 6  # every other warp that walks the tiles read it
+    TILE_EMPTY = 6  # the consumers read it
+    TILE_FULL_PRODUCER = 7  # the same for the other producer warps that walk the tiles
+    TILE_EMPTY_PRODUCER = 8
 
 
 class Sm90MlaBarrier(enum.IntEnum):

@@ -31,8 +31,10 @@ stride over the LPT order left the CTAs that took the heavy end of each round 27
 the mean (b4 s8192 h8 d256 causal, 128 x 96 tiles; H100: 777 against 933 TFLOP/s one CTA
 per tile). Opt-in (FLASH_ATTN_CUTE_SM90_PERSISTENT=dynamic, ``sm90.persistent``) until a GPU
 has run it. Warp 0 of the producer fetches the next index while it loads the current tile
-and hands it to the other warps that walk the tiles through one shared-memory slot
-(``Sm90FwdBarrier.TILE_FULL`` / ``TILE_EMPTY``).
+and hands it to the other warps that walk the tiles through one shared-memory slot and a
+pair of named barriers per reader group (the consumers, and the producer warps that
+transpose V or gather rows: ``Sm90FwdBarrier.TILE_FULL`` ...), so that the producer side
+starts the next tile's blocks without waiting for the consumers' epilogue.
 
 KV blocks are visited from the last to the first (only the first visited can be cut by
 the sequence end), in the same three runs as the SM80 kernel: masked blocks above the
@@ -401,13 +403,13 @@ class FlashAttnFwdSm90:
                 if warp_idx == 0:
                     self.load(args, io, sched, block_info, warp_idx, tidx & 31, parts="k")
                 if warp_idx == 1:
-                    self.load(args, io, sched, block_info, warp_idx, tidx & 31, parts="v", publisher=False)
+                    self.load(args, io, sched, block_info, warp_idx, tidx & 31, parts="v", walker="producer")
             elif cutlass.const_expr(self.dynamic and self.gather_kv and not self.fp8_qkv):
                 # every producer warp gathers; warp 0 alone draws the tiles
                 if warp_idx == 0:
                     self.load(args, io, sched, block_info, warp_idx, tidx)
                 else:
-                    self.load(args, io, sched, block_info, warp_idx, tidx, publisher=False)
+                    self.load(args, io, sched, block_info, warp_idx, tidx, walker="producer")
             elif warp_idx == 0 or cutlass.const_expr(self.gather_kv and not self.fp8_qkv):
                 self.load(args, io, sched, block_info, warp_idx, tidx)
             if cutlass.const_expr(self.fp8_qkv):
@@ -438,27 +440,27 @@ class FlashAttnFwdSm90:
 
     @cute.jit
     def for_each_tile(self, args: FwdArgs, sched: "_Sched", tile_fn, q_state, state,
-                      publisher: cutlass.Constexpr[bool] = False):
+                      walker: cutlass.Constexpr[str] = "consumer"):
         """The CTA's tiles, ``(q_state, state) = tile_fn(work, q_state, state)`` each: one,
         or (persistent) every gridDim.x-th from blockIdx.x, or (``dynamic``) blockIdx.x and
         then those the counter hands out, the pipeline states carried from one to the next.
-        Producer and consumers walk the same tiles in the same order: under ``dynamic``
-        the ``publisher`` (producer warp 0) draws each next index and the others read it
-        (``next_tile``)."""
+        Producer and consumers walk the same tiles in the same order: under ``dynamic`` the
+        ``walker`` "publisher" (producer warp 0) draws each next index, the other producer
+        warps ("producer") and the consumers ("consumer") read it (``next_tile``)."""
         if cutlass.const_expr(self.persistent):
             idx = cute.arch.block_idx()[0]
             num_tiles = PersistentScheduler.num_tiles(sched.num_m_blocks, sched.heads, args.num_splits,
                                                       args.batch_size)
-            if cutlass.const_expr(self.dynamic and not publisher):
-                self.tile_barrier(Sm90FwdBarrier.TILE_EMPTY, arrive=True)  # the slot starts free
+            if cutlass.const_expr(self.dynamic and walker != "publisher"):
+                self.hand_out_barrier(walker, "empty", arrive=True)  # the slot starts free
             while idx < num_tiles:
                 nxt = idx
-                if cutlass.const_expr(self.dynamic and publisher):
+                if cutlass.const_expr(self.dynamic and walker == "publisher"):
                     # Drawn before the tile's loads, so the atomic's round trip runs under them.
                     nxt = self.draw_tile(sched)
                 q_state, state = tile_fn(self.work_at(idx, args, sched), q_state, state)
                 if cutlass.const_expr(self.dynamic):
-                    idx = self.next_tile(sched, nxt, publisher)
+                    idx = self.next_tile(sched, nxt, walker)
                 else:
                     idx += cute.arch.grid_dim()[0]
         else:
@@ -476,34 +478,47 @@ class FlashAttnFwdSm90:
         return cute.arch.shuffle_sync(drawn, 0) + cute.arch.grid_dim()[0]
 
     @cute.jit
-    def next_tile(self, sched: "_Sched", drawn: Int32, publisher: cutlass.Constexpr[bool]) -> Int32:
+    def next_tile(self, sched: "_Sched", drawn: Int32, walker: cutlass.Constexpr[str]) -> Int32:
         """``dynamic``: the publisher writes the index it drew into the slot once every reader
-        took the last one; a reader waits for it, takes it and frees the slot."""
+        took the last one; a reader waits for it, takes it and frees the slot. The producer
+        warps that read it (V transposes, row gathers) meet the publisher on their own pair
+        of barriers, so that they start the next tile's blocks while the consumers still
+        finish this one."""
         idx = drawn
-        if cutlass.const_expr(publisher):
-            self.tile_barrier(Sm90FwdBarrier.TILE_EMPTY, arrive=False)
+        if cutlass.const_expr(walker == "publisher"):
+            for group in cutlass.range_constexpr(len(self.reader_groups())):
+                self.hand_out_barrier(self.reader_groups()[group], "empty", arrive=False)
             if cute.arch.lane_idx() == 0:
                 sched.sTile[0] = drawn
-            self.tile_barrier(Sm90FwdBarrier.TILE_FULL, arrive=True)
+            for group in cutlass.range_constexpr(len(self.reader_groups())):
+                self.hand_out_barrier(self.reader_groups()[group], "full", arrive=True)
         else:
-            self.tile_barrier(Sm90FwdBarrier.TILE_FULL, arrive=False)
+            self.hand_out_barrier(walker, "full", arrive=False)
             idx = sched.sTile[0]
-            self.tile_barrier(Sm90FwdBarrier.TILE_EMPTY, arrive=True)
+            self.hand_out_barrier(walker, "empty", arrive=True)
         return idx
 
-    def tile_barrier(self, barrier: Sm90FwdBarrier, arrive: bool):
-        """``dynamic``: a hand-out barrier over every thread that walks the tiles
-        (``tile_walkers``)."""
-        if arrive:
-            cute.arch.barrier_arrive(barrier_id=int(barrier), number_of_threads=self.tile_walkers())
-        else:
-            cute.arch.barrier(barrier_id=int(barrier), number_of_threads=self.tile_walkers())
+    def reader_groups(self) -> tuple:
+        """``dynamic``: who reads the drawn tile: the consumers, and the other producer warps
+        where they walk the tiles too (``producer_walkers``)."""
+        return ("consumer",) + (("producer",) if self.producer_walkers() > 32 else ())
 
-    def tile_walkers(self) -> int:
-        """Threads that walk the tiles: the consumers, and producer warp 0, or every producer
-        warp where they all load (gather_kv) or transpose V (FP8 Q, K, V)."""
-        producer_warps = len(self.roles.producer_warps) if self.fp8_qkv or self.gather_kv else 1
-        return self.roles.consumer_threads + 32 * producer_warps
+    def producer_walkers(self) -> int:
+        """Producer threads that walk the tiles: warp 0, or every producer warp where they
+        all load (gather_kv) or transpose V (FP8 Q, K, V)."""
+        return 32 * (len(self.roles.producer_warps) if self.fp8_qkv or self.gather_kv else 1)
+
+    def hand_out_barrier(self, group: str, which: str, arrive: bool):
+        """``dynamic``: the "full" or "empty" barrier between the publisher and a reader
+        ``group``: the publisher's warp and the group's threads."""
+        barrier = {("consumer", "full"): Sm90FwdBarrier.TILE_FULL, ("consumer", "empty"): Sm90FwdBarrier.TILE_EMPTY,
+                   ("producer", "full"): Sm90FwdBarrier.TILE_FULL_PRODUCER,
+                   ("producer", "empty"): Sm90FwdBarrier.TILE_EMPTY_PRODUCER}[group, which]
+        threads = self.producer_walkers() if group == "producer" else 32 + self.roles.consumer_threads
+        if arrive:
+            cute.arch.barrier_arrive(barrier_id=int(barrier), number_of_threads=threads)
+        else:
+            cute.arch.barrier(barrier_id=int(barrier), number_of_threads=threads)
 
     # -----------------------------------------------------------------------------------
     # Producer
@@ -511,7 +526,7 @@ class FlashAttnFwdSm90:
 
     @cute.jit
     def load(self, args: FwdArgs, io: "_Io", sched: "_Sched", block_info: BlockInfo, warp_idx, tidx,
-             parts: cutlass.Constexpr[str] = "kv", publisher: cutlass.Constexpr[bool] = True):
+             parts: cutlass.Constexpr[str] = "kv", walker: cutlass.Constexpr[str] = "publisher"):
         """The producer's tiles (``for_each_tile``): a stage of the next tile is loaded as
         soon as the consumers free it. ``parts``: the blocks this warp loads, K and V, or
         (``split_gather``) K or V alone."""
@@ -520,7 +535,7 @@ class FlashAttnFwdSm90:
         q_state, state = self.for_each_tile(
             args, sched,
             lambda work, q_st, st: self.load_tile(args, io, work, block_info, q_st, st, warp_idx, tidx, parts),
-            q_state, state, publisher=publisher)
+            q_state, state, walker=walker)
         # Keep the CTA alive until the consumers released every stage it filled.
         (io.pipeline_k if cutlass.const_expr(parts == "k") else io.pipeline_v).producer_tail(state)
 
@@ -799,7 +814,7 @@ class FlashAttnFwdSm90:
         state_t = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         state, state_t = self.for_each_tile(
             args, sched, lambda work, st, st_t: self.transpose_tile(args, io, work, block_info, st, st_t, ttid),
-            state, state_t)
+            state, state_t, walker="producer")
         io.pipeline_vt.producer_tail(state_t)
 
     @cute.jit
