@@ -103,7 +103,9 @@ def test_tuning_overrides_are_plan_arguments():
     make = sm90._call_tensors(causal, dyn)
     first, second = make(tensors)[0], make(tensors)[0]
     assert first is not second and first.dtype == torch.int32 and first.shape == (1,) and int(first) == 0
-    assert sm90._call_tensors(causal, static)(tensors) == (None,)
+    # the others get None for it, bound once with the scalars (no per-launch call)
+    assert sm90._call_tensors(causal, static) is None and sm90._extra_scalars(causal, static, None)[-1] is None
+    assert len(sm90._extra_scalars(causal, dyn, None)) == 2
 
 
 def test_sm90_decode_tiles_and_ctas_per_sm():

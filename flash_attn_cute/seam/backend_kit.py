@@ -124,8 +124,9 @@ def entry_points(key: Callable, kernel_module: str, compile_fn: str, scalars: Ca
     scalars the kernel takes after its tensors; the launcher is ``launch(tensors)`` =
     ``fn(*tensors, *scalars)``, ``tensors`` the kind's kernel tensor list in the kernel's
     argument order (``api.call_args.FwdTensors`` / ``MlaTensors``). ``call_tensors(problem,
-    plan)``, where given, returns ``make(tensors)``: arguments made anew for every launch
-    (a workspace no two launches may share), passed after the scalars."""
+    plan)``, where given, returns ``make(tensors)`` (or None: nothing to make for that
+    plan): arguments made anew for every launch (a workspace no two launches may share),
+    passed after the scalars."""
 
     def compile_key(problem, plan: FwdPlan, arch: Optional[str] = None) -> tuple:
         return key(problem, plan, arch or target_arch())

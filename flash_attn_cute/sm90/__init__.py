@@ -238,18 +238,21 @@ def persistent(problem: FwdProblem, fits: bool, override: Optional[str] = None, 
 
 def _extra_scalars(problem: FwdProblem, plan: FwdPlan, device) -> tuple:
     """``l2_heads`` (the LPT order's L2 section) and ``max_ctas`` (the persistent grid's
-    bound: the SM count of the call's device; 1 where it is unused or there is no GPU)."""
+    bound: the SM count of the call's device; 1 where it is unused or there is no GPU), then
+    the tile counter's None where the kernel takes none (``_call_tensors`` makes the others'
+    at each launch; binding None here keeps the common launch free of that call)."""
     max_ctas = max(1, heuristics.num_sms(device) - plan.sm_margin) if plan.config.persistent and device is not None \
         else 1
-    return int(heuristics.l2_heads_for(problem.max_seqlen_k, problem.d, problem.d_v)), max_ctas
+    counter = () if plan.config.persistent == "dynamic" else (None,)
+    return (int(heuristics.l2_heads_for(problem.max_seqlen_k, problem.d, problem.d_v)), max_ctas) + counter
 
 
 def _call_tensors(problem: FwdProblem, plan: FwdPlan):
     """A "dynamic" persistent kernel's tile counter, (1,) int32 zeros made for each launch
     (``flash_fwd``'s hand-out of LPT tiles draws from it; two launches, e.g. the two streams
-    of a mixed plan, never share one); nothing for the others (None)."""
+    of a mixed plan, never share one); None for the others (``_extra_scalars`` binds theirs)."""
     if plan.config.persistent != "dynamic":
-        return lambda tensors: (None,)
+        return None
     return lambda tensors: (torch.zeros(1, dtype=torch.int32, device=tensors.q.device),)
 
 

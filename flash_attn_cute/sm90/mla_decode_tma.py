@@ -118,9 +118,9 @@ unmasked steps: 9,224, 240 HGMMA). Where its steady step spends issue slots that
 does not: warpgroup 1's 939 instructions a step hold ~240 between its P V's wait and its
 next S that issue ten chunk loads, ~24 a chunk (coordinates computed in vector registers and
 moved to uniform ones, 61 R2UR, an ELECT loop and a vote around each UTMALDG; 111 R2UR in
-the whole step, 64 in warpgroup 0's), where FlashMLA keeps them in uniform registers. Q's rotary chunk lives in registers in both (an RS
-wgmma for S's ninth chunk: a ninth less of S's shared-memory A traffic, which sits at the
-128 bytes a cycle shared memory serves; FlashMLA puts sP1 over that chunk's shared memory,
+the whole step, 64 in warpgroup 0's), where FlashMLA keeps them in uniform registers.
+Q's rotary chunk lives in registers in both (an RS wgmma for S's ninth chunk: a ninth less
+of S's shared-memory A traffic, which sits at the 128 bytes a cycle shared memory serves; FlashMLA puts sP1 over that chunk's shared memory,
 this kernel keeps it: nothing else needs the 8 KB). What it does that this kernel does not:
 a metadata kernel hands each SM a length-balanced run of (sequence, block) work (persistent
 CTAs: no partial last wave, no even-split rounding, and the next item's loads under the
