@@ -207,9 +207,8 @@ def test_flash_attn_func_large(name):
 def test_persistent_dynamic_tiles(mask, sm_margin, monkeypatch):
     # Persistent CTAs over masked (LPT) tiles take them from an atomic counter (SM90
     # ``flash_fwd`` ``dynamic``; FLASH_ATTN_CUTE_SM90_PERSISTENT=dynamic): 2 x 1800 queries x
-    # 8 heads over 1500 keys, GQA 4, sm_margin 100 leaves 32
-    # CTAs that loop over ~15 tiles each; twice (the counter starts at zero every launch),
-    # out= poisoned each time.
+    # 8 heads over 1500 keys, GQA 4, sm_margin 100 leaves 32 CTAs that loop over ~15 tiles
+    # each; twice (the counter starts at zero every launch), out= poisoned each time.
     if BACKEND != "sm90":
         pytest.skip("the SM90 kernel's persistent tiles")
     monkeypatch.setenv("FLASH_ATTN_CUTE_SM90_PERSISTENT", "dynamic")
@@ -217,9 +216,8 @@ def test_persistent_dynamic_tiles(mask, sm_margin, monkeypatch):
     q = _randn(2, 1800, 8, 128, dtype=torch.bfloat16)
     k, v = (_randn(2, 1500, 2, 128, dtype=torch.bfloat16) for _ in range(2))
     kw = dict(causal=True) if mask == "causal" else dict(window_size=(300, 0))
-    out_ref, lse_ref = attention_ref(q, k, v, window_size=kw.get("window_size", (-1, -1)), causal=mask == "causal")
-    out_pt, lse_pt = attention_ref(q, k, v, window_size=kw.get("window_size", (-1, -1)), causal=mask == "causal",
-                                   upcast=False)
+    out_ref, lse_ref = attention_ref(q, k, v, **kw)
+    out_pt, lse_pt = attention_ref(q, k, v, upcast=False, **kw)
     out = torch.empty_like(q)
     for _ in range(2):
         out.fill_(float("nan"))
